@@ -1,0 +1,3 @@
+from metrale.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""Frozen configuration, validated at construction.
+
+ModelConfig is what metrale needs of a Hugging Face `config.json`; PoolConfig
+sizes the adapter slot pool; EngineConfig gathers the engine's knobs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metrale.errors import MetraleError
+
+# The linear projections of a Llama-family decoder layer, in pool order.
+LINEAR_MODULES: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+)
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+class ConfigError(MetraleError):
+    """A configuration value is out of range or inconsistent."""
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPES.values():
+            raise ConfigError(f"dtype {value} is not supported; use float32, bfloat16 or float16")
+        return value
+    try:
+        return _DTYPES[value.lower()]
+    except KeyError:
+        raise ConfigError(
+            f"unknown dtype {value!r}; use one of float32, bfloat16, float16"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {self.model_type!r} is not served; metrale serves "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a decoder-layer projection."""
+        h, i = self.hidden_size, self.intermediate_size
+        shapes = {
+            "q_proj": (h, self.q_size), "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size), "o_proj": (self.q_size, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }
+        return shapes[module]
+
+    @staticmethod
+    def module_path(layer: int, module: str) -> str:
+        """The module's name in a transformers model (what PEFT matches against)."""
+        group = "self_attn" if module in ATTN_MODULES else "mlp"
+        return f"model.layers.{layer}.{group}.{module}"
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        # transformers >= 5 nests theta and scaling under rope_parameters.
+        rope_params = cfg.get("rope_parameters") or {}
+        if rope_theta is None:
+            rope_theta = rope_params.get("rope_theta", 10000.0)
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        try:
+            return cls.from_hf_dict(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"{path} not found: pass a Hugging Face model directory") from None
+        except (KeyError, ValueError, TypeError) as e:
+            raise ConfigError(f"{path} is not a usable Llama-family config: {e}") from None
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Size of the adapter slot pool. max_loras == 0 means no pool at all."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    target_modules: tuple[str, ...] = LINEAR_MODULES
+    allow_runtime_swaps: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ConfigError(f"max_loras must be >= 0, got {self.max_loras}")
+        if self.max_lora_rank <= 0:
+            raise ConfigError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
+        unknown = set(self.target_modules) - set(LINEAR_MODULES)
+        if unknown or not self.target_modules:
+            raise ConfigError(
+                f"pool target_modules {sorted(unknown) or '()'} invalid; choose from "
+                f"{', '.join(LINEAR_MODULES)}"
+            )
+        # Keep pool order canonical whatever order the caller gave.
+        ordered = tuple(m for m in LINEAR_MODULES if m in self.target_modules)
+        object.__setattr__(self, "target_modules", ordered)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from memory at start-up
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    promotion_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ConfigError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

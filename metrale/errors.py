@@ -1,0 +1,77 @@
+"""Typed refusals. Every error metrale raises on purpose derives from MetraleError.
+
+Each message says what went wrong and what to change; callers (the server, the
+CLI) map the classes to status codes, never the message text.
+"""
+
+from __future__ import annotations
+
+
+class MetraleError(Exception):
+    """Base of every deliberate metrale refusal."""
+
+
+# --- pool / slot refusals (nothing was touched) -------------------------------
+
+
+class NoAdapterPoolError(MetraleError):
+    """The engine was started without LoRA (max_loras == 0)."""
+
+
+class RuntimeSwapsDisabledError(MetraleError):
+    """Runtime swaps are switched off by configuration (the seed's 'rotation not armed')."""
+
+
+class SlotOutOfRangeError(MetraleError):
+    """slot >= max_loras or negative."""
+
+
+class SlotBusyError(MetraleError):
+    """The slot has in-flight sequences; an adapter is never replaced mid-decode."""
+
+
+class PoolFullError(MetraleError):
+    """Every cache slot is busy or pinned; retry once a sequence finishes."""
+
+
+class UnknownAdapterError(MetraleError):
+    """No adapter of that name is registered or resident."""
+
+
+class InvalidNameError(MetraleError):
+    """An adapter name that could break routing, URLs, metrics labels or paths."""
+
+
+class PeerUnavailableError(MetraleError):
+    """Peer staging is not available in this build or the peer could not be reached."""
+
+
+# --- adapter refusals (validated before any slot is touched) -------------------
+
+
+class AdapterError(MetraleError):
+    """The adapter cannot be served; the message names the part to change."""
+
+
+class AdapterFileError(AdapterError):
+    """Unreadable, truncated, non-safetensors or lying file, or pickled weights."""
+
+
+class AdapterConfigError(AdapterError):
+    """adapter_config.json is missing, malformed or inconsistent."""
+
+
+class UnsupportedAdapterError(AdapterError):
+    """A PEFT feature this engine does not serve yet (DoRA, bias, modules_to_save, MoE...)."""
+
+
+class AdapterMismatchError(AdapterError):
+    """The adapter does not fit the base model or the pool: rank, targets, shapes, dtype."""
+
+
+class NonFiniteWeightsError(AdapterFileError):
+    """The adapter holds NaN or Inf."""
+
+
+class LandingError(MetraleError):
+    """A landing failed after the slot was zeroed; the slot is now EMPTY with a new identity."""

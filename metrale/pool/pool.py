@@ -1,0 +1,101 @@
+"""AdapterPool: the one contiguous device tensor holding every slot, its
+per-slot rank and scale tables, and the strided per-(layer, module) views the
+kernels read. It owns tensors and copies; the SlotTable owns policy.
+
+Addresses never change after construction: a swap rewrites contents only, so
+CUDA graphs captured over these views stay valid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.adapters.plan import AdapterPlan
+from metrale.errors import NonFiniteWeightsError
+from metrale.pool.layout import SlotLayout
+
+
+class AdapterPool:
+    def __init__(self, layout: SlotLayout, device: torch.device | str) -> None:
+        self.layout = layout
+        self.device = torch.device(device)
+        S, L, M = layout.max_loras, layout.model.num_layers, len(layout.pool.target_modules)
+        # pool: [S * slot_elems]; slot s occupies [s * slot_elems, (s+1) * slot_elems)
+        self.buffer = torch.zeros(S * layout.slot_elems, dtype=layout.dtype, device=self.device)
+        self.ranks = torch.zeros(S, L, M, dtype=torch.int32, device=self.device)
+        self.scales = torch.zeros(S, L, M, dtype=torch.float32, device=self.device)
+        self._views = {key: self._view(r) for key, r in layout.regions.items()}
+
+    def _view(self, region) -> torch.Tensor:
+        S = self.layout.max_loras
+        # [S, max_rank, cols]: one row block per slot, slot stride = slot_elems
+        return self.buffer.as_strided(
+            (S, region.rows, region.cols), (self.layout.slot_elems, region.cols, 1), region.offset
+        )
+
+    def lora_a(self, layer: int, module: str) -> torch.Tensor:
+        """A: [S, max_rank, in]"""
+        return self._views[(layer, module, "A")]
+
+    def lora_bt(self, layer: int, module: str) -> torch.Tensor:
+        """Bt: [S, max_rank, out]"""
+        return self._views[(layer, module, "B")]
+
+    def slot_region(self, slot: int) -> torch.Tensor:
+        n = self.layout.slot_elems
+        return self.buffer[slot * n:(slot + 1) * n]
+
+    # --- landing ----------------------------------------------------------------
+
+    def stage_views(self, plan: AdapterPlan, data: torch.Tensor) -> list[torch.Tensor]:
+        """Typed views of each planned tensor inside the staged data bytes.
+
+        data: [data_bytes] uint8 on the pool's device. Raises NonFiniteWeightsError
+        before anything is written, so a NaN adapter never reaches a slot."""
+        views = []
+        for landing in plan.landings:
+            e = landing.entry
+            raw = data[e.begin:e.end]
+            if (data.storage_offset() + e.begin) % e.torch_dtype.itemsize:
+                raw = raw.clone()  # a hostile file may misalign a tensor; keep the view legal
+            views.append(raw.view(e.torch_dtype).view(e.shape))
+        finite = torch.stack([v.isfinite().all() for v in views]).all() if views else True
+        if not bool(finite):
+            bad = next(landing.entry.name for landing, v in zip(plan.landings, views)
+                       if not bool(v.isfinite().all()))
+            raise NonFiniteWeightsError(f"{plan.header.path}: tensor {bad!r} holds NaN or Inf")
+        return views
+
+    def zero_slot(self, slot: int) -> None:
+        self.slot_region(slot).zero_()
+        self.ranks[slot].zero_()
+        self.scales[slot].zero_()
+
+    def land(self, slot: int, plan: AdapterPlan, views: list[torch.Tensor]) -> None:
+        """Write staged tensors into a zeroed slot: dtype conversion and the B
+        transpose happen on the device, one copy per tensor, no host round trip."""
+        for landing, src in zip(plan.landings, views):
+            t = landing.target
+            if landing.kind == "A":
+                self.lora_a(t.layer, t.module)[slot, :t.rank].copy_(src)  # [r, in]
+            else:
+                self.lora_bt(t.layer, t.module)[slot, :t.rank].copy_(src.t())  # [r, out]
+        self.set_tables(slot, plan)
+
+    def set_tables(self, slot: int, plan: AdapterPlan) -> None:
+        ranks = torch.zeros_like(self.ranks[slot], device="cpu")
+        scales = torch.zeros_like(self.scales[slot], device="cpu")
+        for t in plan.targets:
+            m = self.layout.module_index(t.module)
+            ranks[t.layer, m], scales[t.layer, m] = t.rank, t.scale
+        self.ranks[slot].copy_(ranks)
+        self.scales[slot].copy_(scales)
+
+    # --- read-back (tests, peers) --------------------------------------------------
+
+    def delta(self, slot: int, layer: int, module: str) -> torch.Tensor:
+        """scale * B @ A as the kernels see it: [out, in] float32."""
+        m = self.layout.module_index(module)
+        a = self.lora_a(layer, module)[slot].float()  # [R, in]
+        bt = self.lora_bt(layer, module)[slot].float()  # [R, out]
+        return self.scales[slot, layer, m].float() * (bt.t() @ a)

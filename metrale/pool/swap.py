@@ -1,0 +1,166 @@
+"""The seed's slot operations: swap an adapter into a given slot, or promote it
+into a victim slot, from disk (peers come in metrale.peer).
+
+Validate everything first, mutate second: the adapter is read, checked and
+staged before the slot is touched, so every refusal leaves the slot's bytes and
+identity as they were. A failure after zeroing leaves the slot EMPTY with a new
+identity (never the old name over half-new bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from metrale.adapters.plan import AdapterPlan, plan_adapter
+from metrale.config import ModelConfig, PoolConfig
+from metrale.errors import (
+    AdapterFileError,
+    InvalidNameError,
+    LandingError,
+    NoAdapterPoolError,
+    RuntimeSwapsDisabledError,
+    UnknownAdapterError,
+)
+from metrale.pool.layout import SlotLayout
+from metrale.pool.pool import AdapterPool
+from metrale.pool.slots import SlotInfo, SlotTable
+from metrale.pool.staging import StagingBuffers
+
+log = logging.getLogger("metrale.pool")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def validate_adapter_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
+        raise InvalidNameError(
+            f"adapter name {name!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def read_adapter_bytes(plan: AdapterPlan, out: torch.Tensor) -> None:
+    """Read the file's data section straight into `out` ([data_bytes] uint8, host)."""
+    header = plan.header
+    try:
+        with open(header.path, "rb") as f:
+            f.seek(header.data_start)
+            got = f.readinto(memoryview(out.numpy()))
+    except OSError as e:
+        raise AdapterFileError(f"cannot read {header.path}: {e}") from None
+    if got != header.data_bytes:
+        raise AdapterFileError(
+            f"{header.path}: read {got} of {header.data_bytes} data bytes; the file changed "
+            "or was truncated while loading"
+        )
+
+
+class LoraSlots:
+    """The slot table, the device pool and staging memory, with the operations
+    that move adapters into slots. Not thread-safe: the engine calls it from
+    its own loop, between steps."""
+
+    def __init__(
+        self, model: ModelConfig, pool: PoolConfig, device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model_config, self.pool_config = model, pool
+        self.table = SlotTable(pool.max_loras)
+        self.pool: AdapterPool | None = None
+        if pool.max_loras:
+            self.pool = AdapterPool(SlotLayout(model, pool, dtype), device)
+        self.staging = StagingBuffers(torch.device(device))
+
+    # --- refusals that need no I/O ------------------------------------------------
+
+    def _require_swappable(self, op: str) -> AdapterPool:
+        if self.pool is None:
+            raise NoAdapterPoolError(
+                f"{op}: no adapter pool (the engine was started with max_loras=0); "
+                "restart with max_loras >= 1"
+            )
+        if not self.pool_config.allow_runtime_swaps:
+            raise RuntimeSwapsDisabledError(
+                f"{op}: runtime swaps are disabled by configuration; restart without "
+                "--no-runtime-swaps (allow_runtime_swaps=True) to change adapters at run time"
+            )
+        return self.pool
+
+    # --- the operations -------------------------------------------------------------
+
+    def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int) -> None:
+        pool = self._require_swappable("swap_lora_slot_from_disk")
+        validate_adapter_name(name)
+        self.table.require_idle(slot)  # refuse a busy slot before any disk I/O
+        plan, views = self._stage_from_disk(adapter_dir, name)
+        self._land(slot, name, "disk", lambda: pool.land(slot, plan, views))
+
+    def promote_lora_slot_from_disk(
+        self, adapter_dir: str | Path, name: str
+    ) -> tuple[int, str | None]:
+        pool = self._require_swappable("promote_lora_slot_from_disk")
+        validate_adapter_name(name)
+        self.table.select_victim()  # POOL_FULL before reading anything
+        plan, views = self._stage_from_disk(adapter_dir, name)
+        slot = self.table.select_victim()
+        evicted = self.table.info(slot).name
+        self._land(slot, name, "disk", lambda: pool.land(slot, plan, views))
+        log.info("promote: %r hot in slot %d (evicted=%r)", name, slot, evicted)
+        return slot, evicted
+
+    def unload(self, name: str) -> int:
+        """Free the slot serving `name` (it must be idle); returns the slot."""
+        slot = self.resident_slot(name)
+        self.table.unload(slot)
+        if self.pool is not None:
+            self.pool.zero_slot(slot)
+        return slot
+
+    def resident_slot(self, name: str) -> int:
+        slot = self.table.slot_of(name)
+        if slot is None:
+            raise UnknownAdapterError(f"adapter {name!r} is not resident in the pool")
+        return slot
+
+    def slot_info(self) -> list[SlotInfo]:
+        return self.table.infos()
+
+    # --- internals ------------------------------------------------------------------
+
+    def _stage_from_disk(
+        self, adapter_dir: str | Path, name: str
+    ) -> tuple[AdapterPlan, list[torch.Tensor]]:
+        plan = plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
+        host = self.staging.host(plan.data_bytes)
+        read_adapter_bytes(plan, host)
+        data = self.staging.to_device(host)
+        return plan, self.pool.stage_views(plan, data)
+
+    def _land(self, slot: int, name: str, source: str, write: Callable[[], None]) -> int:
+        """LOADING -> write -> READY, or EMPTY with a fresh identity on any failure."""
+        pool = self.pool
+        start = time.perf_counter()
+        self.table.begin_load(slot)  # re-checks idleness; from here the slot serves nothing
+        try:
+            pool.zero_slot(slot)
+            write()
+        except BaseException as e:
+            pool.zero_slot(slot)
+            self.table.fail_load(slot)
+            log.warning("landing %r into slot %d from %s failed: %s", name, slot, source, e)
+            raise LandingError(
+                f"landing {name!r} into slot {slot} failed ({e}); the slot is now EMPTY"
+            ) from e
+        uid = self.table.finish_load(slot, name)
+        log.info(
+            "swap: %r landed in slot %d from %s (uid=%d, generation=%d) in %.2f ms",
+            name, slot, source, uid, self.table.info(slot).generation,
+            (time.perf_counter() - start) * 1e3,
+        )
+        return uid

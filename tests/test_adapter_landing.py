@@ -1,0 +1,87 @@
+"""Landed, scaled deltas read back through the pool views equal PEFT's own
+scaling * B @ A for every module; untargeted modules read zero."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
+from metrale.pool.swap import LoraSlots
+from tests.tiny_models import hf_config, make_adapter, make_model, peft_deltas
+
+CASES = {
+    "llama-subset-short": ("llama", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
+    "llama-patterns": ("llama", dict(
+        r=4, lora_alpha=8, target_modules=list(LINEAR_MODULES),
+        rank_pattern={"q_proj": 2, "layers.1.mlp.down_proj": 6},
+        alpha_pattern={"v_proj": 3, "model.layers.2.self_attn.o_proj": 11},
+    )),
+    "qwen2-rslora-all-linear": ("qwen2", dict(r=8, lora_alpha=8, use_rslora=True,
+                                              target_modules="all-linear")),
+    "qwen3-layers-to-transform": ("qwen3", dict(
+        r=6, lora_alpha=12, target_modules=["k_proj", "o_proj", "gate_proj"],
+        layers_to_transform=[0, 2], layers_pattern="layers",
+    )),
+    "llama-full-paths": ("llama", dict(
+        r=5, lora_alpha=7, target_modules=["model.layers.1.self_attn.k_proj",
+                                           "model.layers.0.mlp.up_proj"],
+    )),
+    "mistral-regex": ("mistral", dict(r=3, lora_alpha=9, target_modules=r".*\.(q|o|down)_proj")),
+    "llama-exclude": ("llama", dict(r=4, lora_alpha=4, target_modules=["q_proj", "up_proj"],
+                                    exclude_modules=["model.layers.1.mlp.up_proj"])),
+}
+
+
+def _slots(arch: str, dtype=torch.float32, max_rank: int = 8, max_loras: int = 3) -> LoraSlots:
+    model_cfg = ModelConfig.from_hf_dict(hf_config(arch).to_dict())
+    return LoraSlots(model_cfg, PoolConfig(max_loras, max_rank), "cpu", dtype)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_landed_delta_equals_peft(case, tmp_path):
+    arch, lora_kwargs = CASES[case]
+    base = make_model(arch)
+    peft_model = make_adapter(base, tmp_path / "a", seed=1, **lora_kwargs)
+    expected = peft_deltas(peft_model)
+    assert expected, "PEFT wrapped nothing: the case is broken"
+
+    slots = _slots(arch)
+    slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 1)
+    slots.table.check_integrity()
+    cfg = slots.model_config
+    checked = 0
+    for layer in range(cfg.num_layers):
+        for module in LINEAR_MODULES:
+            path = cfg.module_path(layer, module)
+            got = slots.pool.delta(1, layer, module)
+            want = expected.get(path, torch.zeros_like(got))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=path)
+            checked += path in expected
+            # the other slots stay zero
+            assert not slots.pool.delta(0, layer, module).any()
+    assert checked == len(expected)
+
+
+def test_bf16_pool_matches_peft(tmp_path):
+    base = make_model("llama")
+    peft_model = make_adapter(base, tmp_path / "a", seed=2, r=8, lora_alpha=32,
+                              target_modules="all-linear")
+    slots = _slots("llama", dtype=torch.bfloat16)
+    slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 0)
+    for path, want in peft_deltas(peft_model).items():
+        layer, module = int(path.split(".")[2]), path.rsplit(".", 1)[1]
+        got = slots.pool.delta(0, layer, module)
+        assert (got - want).norm() / want.norm() < 1e-2, path
+
+
+def test_rank_and_scale_tables(tmp_path):
+    base = make_model("llama")
+    make_adapter(base, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj"],
+                 rank_pattern={"model.layers.1.self_attn.q_proj": 7})
+    slots = _slots("llama")
+    slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 2)
+    q = slots.pool.layout.module_index("q_proj")
+    assert slots.pool.ranks[2, :, q].tolist() == [4, 7, 4]
+    torch.testing.assert_close(slots.pool.scales[2, :, q], torch.tensor([2.0, 8 / 7, 2.0]))
+    assert slots.pool.ranks[2].sum() == 15  # every other module untargeted

@@ -1,0 +1,237 @@
+"""Every refusal leaves the pool bytes and every slot's identity bit-identical;
+a failure after zeroing leaves the slot EMPTY with a fresh identity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from metrale import errors
+from metrale.config import ModelConfig, PoolConfig
+from metrale.pool.pool import AdapterPool
+from metrale.pool.slots import SlotState
+from metrale.pool.swap import LoraSlots
+from tests.tiny_models import hf_config, make_adapter, make_model
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    base = make_model("llama")
+    for i, name in enumerate(("a", "b", "c")):
+        make_adapter(base, root / name, seed=i, r=4, lora_alpha=8, target_modules=TARGETS)
+    return root
+
+
+def _slots(**pool_kw) -> LoraSlots:
+    cfg = ModelConfig.from_hf_dict(hf_config("llama").to_dict())
+    return LoraSlots(cfg, PoolConfig(**{"max_loras": 3, "max_lora_rank": 8, **pool_kw}),
+                     "cpu", torch.float32)
+
+
+@pytest.fixture
+def filled(adapters):
+    """Slots 0 and 1 hold adapters a and b; slot 2 is a never-filled placeholder."""
+    slots = _slots()
+    slots.swap_lora_slot_from_disk(adapters / "a", "a", 0)
+    slots.swap_lora_slot_from_disk(adapters / "b", "b", 1)
+    return slots
+
+
+def snapshot(slots: LoraSlots) -> tuple:
+    pool = slots.pool
+    digest = hashlib.sha256()
+    for t in (pool.buffer, pool.ranks, pool.scales):
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest(), slots.table.infos(), dict(slots.table._by_name)
+
+
+def _copy(adapters, tmp_path, name="a"):
+    dst = tmp_path / "bad"
+    shutil.copytree(adapters / name, dst)
+    return dst
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(path, fn):
+    tensors = load_file(path / "adapter_model.safetensors")
+    fn(tensors)
+    save_file(tensors, path / "adapter_model.safetensors")
+
+
+def _first_key(tensors, kind="lora_A"):
+    return sorted(k for k in tensors if kind in k)[0]
+
+
+def _set_nan(t):
+    k = _first_key(t, "lora_B")
+    t[k] = t[k].clone()
+    t[k][0, 0] = float("nan")
+
+
+def _lie_about_size(path):
+    f = path / "adapter_model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    key = sorted(k for k in header if k != "__metadata__")[0]
+    header[key]["shape"][0] += 1  # claims more elements than its byte range holds
+    new = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(new) == n
+    f.write_bytes(raw[:8] + new + raw[8 + n:])
+
+
+# Each case turns a good adapter dir into a bad one; the error class is asserted.
+BAD_ADAPTERS = {
+    "rank-over-max": (lambda p: _edit_tensors(p, lambda t: None) or _edit_config(
+        p, rank_pattern={"q_proj": 9}), errors.AdapterMismatchError),
+    "unknown-target": (lambda p: _edit_config(p, target_modules=["q_proj", "c_attn"]),
+                       errors.AdapterMismatchError),
+    "embedding-lora": (lambda p: _edit_config(p, target_modules=["q_proj", "embed_tokens"]),
+                       errors.UnsupportedAdapterError),
+    "lm-head-lora": (lambda p: _edit_config(p, target_modules=["lm_head"]),
+                     errors.UnsupportedAdapterError),
+    "dora": (lambda p: _edit_config(p, use_dora=True), errors.UnsupportedAdapterError),
+    "bias": (lambda p: _edit_config(p, bias="all"), errors.UnsupportedAdapterError),
+    "modules-to-save": (lambda p: _edit_config(p, modules_to_save=["lm_head"]),
+                        errors.UnsupportedAdapterError),
+    "moe-target-parameters": (lambda p: _edit_config(p, target_parameters=["experts.gate_up"]),
+                              errors.UnsupportedAdapterError),
+    "not-lora": (lambda p: _edit_config(p, peft_type="IA3"), errors.UnsupportedAdapterError),
+    "config-missing": (lambda p: (p / "adapter_config.json").unlink(), errors.AdapterConfigError),
+    "config-garbage": (lambda p: (p / "adapter_config.json").write_text("{nope"),
+                       errors.AdapterConfigError),
+    "pickled-bin": (lambda p: (p / "adapter_model.safetensors").rename(p / "adapter_model.bin"),
+                    errors.AdapterFileError),
+    "truncated": (lambda p: (p / "adapter_model.safetensors").write_bytes(
+        (p / "adapter_model.safetensors").read_bytes()[:-100]), errors.AdapterFileError),
+    "not-safetensors": (lambda p: (p / "adapter_model.safetensors").write_bytes(b"PK\x03\x04" * 64),
+                        errors.AdapterFileError),
+    "header-lies": (_lie_about_size, errors.AdapterFileError),
+    "nan": (lambda p: _edit_tensors(p, _set_nan), errors.NonFiniteWeightsError),
+    "inf": (lambda p: _edit_tensors(p, lambda t: t.__setitem__(
+        _first_key(t), torch.full_like(t[_first_key(t)], float("inf")))),
+        errors.NonFiniteWeightsError),
+    "int-dtype": (lambda p: _edit_tensors(p, lambda t: t.__setitem__(
+        _first_key(t), t[_first_key(t)].to(torch.int32))), errors.AdapterMismatchError),
+    "wrong-shape": (lambda p: _edit_tensors(p, lambda t: t.__setitem__(
+        _first_key(t), torch.randn(4, 32))), errors.AdapterMismatchError),
+    "missing-tensor": (lambda p: _edit_tensors(p, lambda t: t.pop(_first_key(t, "lora_B"))),
+                       errors.AdapterFileError),
+    "extra-tensor": (lambda p: _edit_tensors(p, lambda t: t.__setitem__(
+        "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight", torch.randn(4, 64))),
+        errors.AdapterMismatchError),
+    "dora-magnitude-tensor": (lambda p: _edit_tensors(p, lambda t: t.__setitem__(
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", torch.ones(64))),
+        errors.UnsupportedAdapterError),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ADAPTERS))
+@pytest.mark.parametrize("op", ["swap", "promote"])
+def test_bad_adapter_refused_untouched(case, op, filled, adapters, tmp_path):
+    corrupt, error = BAD_ADAPTERS[case]
+    bad = _copy(adapters, tmp_path)
+    corrupt(bad)
+    before = snapshot(filled)
+    with pytest.raises(error) as info:
+        if op == "swap":
+            filled.swap_lora_slot_from_disk(bad, "a", 0)  # idle slot holding "a"
+        else:
+            filled.promote_lora_slot_from_disk(bad, "x")
+    assert isinstance(info.value, errors.MetraleError)
+    assert str(info.value)
+    assert snapshot(filled) == before
+    filled.table.check_integrity()
+
+
+def test_state_refusals_untouched(filled, adapters):
+    before = snapshot(filled)
+    filled.table.acquire("a")
+    busy = snapshot(filled)
+    cases = [
+        (lambda: filled.swap_lora_slot_from_disk(adapters / "c", "c", 3), errors.SlotOutOfRangeError),
+        (lambda: filled.swap_lora_slot_from_disk(adapters / "c", "c", -1),
+         errors.SlotOutOfRangeError),
+        (lambda: filled.swap_lora_slot_from_disk(adapters / "c", "c", 0), errors.SlotBusyError),
+        (lambda: filled.swap_lora_slot_from_disk(adapters / "c", "../c", 2), errors.InvalidNameError),
+        (lambda: filled.swap_lora_slot_from_disk(adapters / "nope", "c", 2),
+         errors.AdapterConfigError),
+    ]
+    for call, error in cases:
+        with pytest.raises(error):
+            call()
+        assert snapshot(filled) == busy
+    filled.table.release(0)
+    assert snapshot(filled)[0] == before[0]
+
+
+def test_swap_message_names_the_rule(filled, adapters):
+    filled.table.acquire("a")
+    with pytest.raises(errors.SlotBusyError, match="cannot replace an adapter mid-decode"):
+        filled.swap_lora_slot_from_disk(adapters / "c", "c", 0)
+
+
+def test_pool_full_refused_untouched(filled, adapters):
+    filled.table.acquire("a")
+    filled.table.acquire("b")
+    filled.table.set_pinned(2, True)
+    before = snapshot(filled)
+    with pytest.raises(errors.PoolFullError, match=r"^POOL_FULL: all 2 cache slot\(s\) are busy"):
+        filled.promote_lora_slot_from_disk(adapters / "c", "c")
+    assert snapshot(filled) == before
+
+
+def test_no_pool_and_disabled_swaps(adapters):
+    no_pool = _slots(max_loras=0)
+    with pytest.raises(errors.NoAdapterPoolError):
+        no_pool.swap_lora_slot_from_disk(adapters / "a", "a", 0)
+    with pytest.raises(errors.NoAdapterPoolError):
+        no_pool.promote_lora_slot_from_disk(adapters / "a", "a")
+    frozen = _slots(allow_runtime_swaps=False)
+    before = snapshot(frozen)
+    for call in (lambda: frozen.swap_lora_slot_from_disk(adapters / "a", "a", 0),
+                 lambda: frozen.promote_lora_slot_from_disk(adapters / "a", "a")):
+        with pytest.raises(errors.RuntimeSwapsDisabledError):
+            call()
+    assert snapshot(frozen) == before
+
+
+def test_failure_mid_landing_leaves_slot_empty(filled, adapters, monkeypatch):
+    old = filled.table.info(0)
+    other = filled.pool.slot_region(1).clone()
+    real_land = AdapterPool.land
+
+    def land_half_then_die(self, slot, plan, views):
+        half = len(plan.landings) // 2
+        real_land(self, slot, plan.__class__(**{**plan.__dict__,
+                                                "landings": plan.landings[:half]}), views[:half])
+        raise OSError("disk vanished mid-read")
+
+    monkeypatch.setattr(AdapterPool, "land", land_half_then_die)
+    with pytest.raises(errors.LandingError, match="now EMPTY"):
+        filled.swap_lora_slot_from_disk(adapters / "c", "c", 0)
+    info = filled.table.info(0)
+    assert info.state is SlotState.EMPTY and info.name is None
+    assert info.uid != old.uid and info.generation == old.generation + 1
+    assert filled.table.slot_of("a") is None and filled.table.slot_of("c") is None
+    assert not filled.pool.slot_region(0).any() and not filled.pool.ranks[0].any()
+    assert torch.equal(filled.pool.slot_region(1), other)
+    filled.table.check_integrity()
+    monkeypatch.undo()
+    # the slot is usable again afterwards
+    filled.swap_lora_slot_from_disk(adapters / "c", "c", 0)
+    assert filled.table.info(0).state is SlotState.READY

@@ -1,0 +1,69 @@
+"""Tiny random Hugging Face models and PEFT adapters made in the test run: the
+ground truth every metrale test compares against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+
+def hf_config(arch: str, **overrides):
+    import transformers
+
+    kw = {**TINY, **overrides}
+    if arch == "llama":
+        return transformers.LlamaConfig(**kw)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**kw)
+    if arch == "qwen3":
+        # head_dim deliberately != hidden / heads, as in real Qwen3 checkpoints
+        return transformers.Qwen3Config(head_dim=kw.pop("head_dim", 32), **kw)
+    if arch == "mistral":
+        return transformers.MistralConfig(**kw)
+    raise ValueError(arch)
+
+
+def make_model(arch: str, seed: int = 0, **overrides):
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, **overrides))
+    return model.float().eval()
+
+
+def save_model(model, path: Path) -> Path:
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_adapter(base_model, path: Path, seed: int = 0, **lora_kwargs):
+    """A PEFT adapter with random (non-zero) A and B, saved to path.
+
+    Returns the PeftModel, whose modules give the reference scaling * B @ A."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(init_lora_weights=False, **lora_kwargs)
+    peft_model = get_peft_model(copy.deepcopy(base_model), cfg)
+    peft_model.save_pretrained(path, safe_serialization=True)
+    return peft_model
+
+
+def peft_deltas(peft_model) -> dict[str, torch.Tensor]:
+    """{module path: scaling * B @ A} for every LoRA-wrapped module, float32."""
+    out = {}
+    for name, module in peft_model.base_model.model.named_modules():
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            a = module.lora_A["default"].weight.float()
+            b = module.lora_B["default"].weight.float()
+            out[name] = module.scaling["default"] * (b @ a)
+    return out
