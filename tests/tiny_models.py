@@ -35,6 +35,12 @@ def make_model(arch: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, **overrides))
+    with torch.no_grad():  # default init leaves norms at 1 and biases at 0: hides bugs
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.2)
     return model.float().eval()
 
 

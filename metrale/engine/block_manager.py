@@ -1,0 +1,114 @@
+"""Paged KV block bookkeeping with a prefix cache.
+
+A full block's key is a hash chain over (adapter uid, its tokens, the previous
+block's key): KV computed under one adapter landing is never reused under
+another, and a same-name reload (new uid) never hits the old contents.
+Freed blocks keep their key until reallocated, so a later request can still hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+
+from metrale.engine.sequence import Sequence
+
+
+def block_key(prev: bytes, uid: int, tokens: list[int]) -> bytes:
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(uid.to_bytes(8, "little", signed=True))
+    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.ref = [0] * num_blocks
+        self.key: list[bytes | None] = [None] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))  # front = next to reuse
+        self.by_key: dict[bytes, int] = {}
+        self.num_blocks = num_blocks
+        self.hits = self.lookups = 0  # prefix-cache statistics, in blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.num_free >= self.blocks_needed(len(seq))
+
+    def allocate(self, seq: Sequence) -> None:
+        """Blocks for every token of seq; reuse cached full blocks of its prefix.
+
+        The block holding the last token is always computed, so the step that
+        prefills seq has at least one token whose logits it samples."""
+        assert not seq.block_table
+        tokens, bs = seq.token_ids, self.block_size
+        full = len(tokens) // bs if self.prefix_caching else 0
+        cacheable = (len(tokens) - 1) // bs if self.prefix_caching else 0
+        prev, hitting = b"", True
+        for i in range(self.blocks_needed(len(tokens))):
+            key = block_key(prev, seq.adapter_uid, tokens[i * bs:(i + 1) * bs]) if i < full else None
+            prev = key
+            block = None
+            if hitting and i < cacheable:
+                self.lookups += 1
+                block = self.by_key.get(key)
+            if block is None:
+                hitting = False
+                block = self._take()
+                if key is not None:
+                    self._set_key(block, key)
+            else:
+                self.hits += 1
+                seq.num_cached_tokens += bs
+                if self.ref[block] == 0:
+                    self.free.remove(block)
+            self.ref[block] += 1
+            seq.block_table.append(block)
+            seq.block_keys.append(key)
+
+    def free_seq(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                self.free.append(block)
+        seq.block_table = []
+        seq.block_keys = []
+        seq.num_cached_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for the KV of seq's newest token (its last token)."""
+        return len(seq.block_table) * self.block_size >= len(seq) or self.num_free > 0
+
+    def append(self, seq: Sequence) -> None:
+        if len(seq.block_table) * self.block_size < len(seq):
+            block = self._take()
+            self.ref[block] = 1
+            seq.block_table.append(block)
+            seq.block_keys.append(None)
+        if self.prefix_caching and len(seq) % self.block_size == 0:
+            # the newest token completes its block: make it findable
+            i = len(seq) // self.block_size - 1
+            prev = seq.block_keys[i - 1] if i > 0 else b""
+            if prev is not None and seq.block_keys[i] is None:
+                key = block_key(prev, seq.adapter_uid, seq.token_ids[i * self.block_size:])
+                self._set_key(seq.block_table[i], key)
+                seq.block_keys[i] = key
+
+    def _take(self) -> int:
+        block = self.free.popleft()
+        old = self.key[block]
+        if old is not None and self.by_key.get(old) == block:
+            del self.by_key[old]
+        self.key[block] = None
+        return block
+
+    def _set_key(self, block: int, key: bytes) -> None:
+        self.key[block] = key
+        self.by_key.setdefault(key, block)

@@ -1,0 +1,72 @@
+"""The offline API: `LLM(...).generate(prompts, params, adapters=[...])`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from metrale.config import EngineConfig, PoolConfig
+from metrale.engine.llm_engine import LLMEngine
+from metrale.engine.outputs import RequestOutput
+from metrale.engine.sampling_params import SamplingParams
+from metrale.errors import MetraleError
+
+
+def load_tokenizer(model_dir: Path):
+    """The model dir's tokenizer, or None for a checkpoint that ships none."""
+    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                  "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, *, max_loras: int = 4,
+                 max_lora_rank: int = 16, device: str = "cpu", dtype: str | None = None,
+                 allow_runtime_swaps: bool = True, **engine_kwargs) -> None:
+        if model is None:
+            from metrale.model.default_model import default_model_dir
+
+            model = default_model_dir()
+        model_dir = Path(model)
+        dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        cfg = EngineConfig(
+            pool=PoolConfig(max_loras, max_lora_rank, allow_runtime_swaps=allow_runtime_swaps),
+            device=device, dtype=dtype, **engine_kwargs,
+        )
+        self.model_dir = model_dir
+        self.tokenizer = load_tokenizer(model_dir)
+        self.engine = LLMEngine(model_dir, cfg, self.tokenizer)
+
+    def register_adapter(self, name: str, adapter_dir: str | Path, pinned: bool = False) -> None:
+        self.engine.register_adapter(name, adapter_dir, pinned)
+
+    def chat_prompt(self, message: str) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise MetraleError("this model has no chat template")
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 adapters: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        params = sampling_params if isinstance(sampling_params, Sequence) else [
+            sampling_params or SamplingParams()] * n
+        names = adapters if isinstance(adapters, (list, tuple)) else [adapters] * n
+        if len(params) != n or len(names) != n:
+            raise MetraleError("prompts, sampling_params and adapters must have the same length")
+        ids = [self.engine.add_request(p, sp, a) for p, sp, a in zip(prompts, params, names)]
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        for out in final.values():
+            if out.error is not None:
+                raise out.error
+        return [final[i] for i in ids]

@@ -1,0 +1,231 @@
+"""LLMEngine: requests in, one batched step at a time, outputs out.
+
+Adapter operations run between steps on the thread that calls step(): call
+them directly from that thread, or hand them to `call_soon` from another (the
+server does). A swap needs only *its* slot to be idle, never an empty server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from metrale.config import EngineConfig, ModelConfig, parse_dtype
+from metrale.engine.adapters import AdapterManager, AdapterSource
+from metrale.engine.block_manager import BlockManager
+from metrale.engine.outputs import RequestOutput
+from metrale.engine.runner import ModelRunner
+from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
+from metrale.engine.scheduler import Scheduler
+from metrale.engine.sequence import Sequence
+from metrale.errors import MetraleError, PeerUnavailableError, UnknownAdapterError
+from metrale.model.loader import load_model
+from metrale.pool.slots import SlotInfo
+from metrale.pool.swap import LoraSlots
+
+log = logging.getLogger("metrale.engine")
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, cfg: EngineConfig, tokenizer=None) -> None:
+        self.cfg = cfg
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.device = torch.device(cfg.device)
+        self.dtype = parse_dtype(cfg.dtype)
+        self.tokenizer = tokenizer
+        model = load_model(model_dir, self.model_config, self.dtype, self.device,
+                           cfg.max_model_len)
+        self.lora = LoraSlots(self.model_config, cfg.pool, self.device, self.dtype)
+        self.adapters = AdapterManager(self.lora, cfg.promotion_timeout_s)
+        self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
+                                  self.lora.pool)
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size,
+                                   cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.blocks)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.max_seq_tokens = min(cfg.max_model_len, self.runner.num_blocks * cfg.block_size)
+
+    # --- requests ----------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    adapter: str | None = None, request_id: str | None = None) -> str:
+        params = sampling_params or SamplingParams()
+        ids = self._encode(prompt)
+        if len(ids) + params.max_tokens > self.max_seq_tokens:
+            raise InvalidSamplingParamsError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"engine's limit of {self.max_seq_tokens} tokens (max_model_len)"
+            )
+        if adapter is not None and self.lora.pool is None:
+            raise UnknownAdapterError("this engine was started without LoRA (max_loras=0)")
+        self.adapters.check_known(adapter)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise MetraleError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, adapter)
+        self.adapters.bind(seq)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise MetraleError("this model has no tokenizer: pass the prompt as token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidSamplingParamsError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidSamplingParamsError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def call_soon(self, fn: Callable[[], object]) -> Future:
+        """Run fn on the engine thread before the next step (thread-safe)."""
+        future: Future = Future()
+        self._commands.put((fn, future))
+        return future
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # the caller gets it; the loop goes on
+                    future.set_exception(e)
+
+    def step(self) -> list[RequestOutput]:
+        self._run_commands()
+        outputs = [self._fail(s) for s in self.adapters.run_promotions()]
+        outputs += [self._fail(s) for s in self.adapters.expire(time.monotonic())]
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return outputs
+        tokens, logprobs = self.runner.run(seqs, is_prefill)
+        now = time.monotonic()
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            outputs.append(self._append(seq, token, lp, now))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, lp: dict | None, now: float) -> RequestOutput:
+        seq.output_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        seq.first_token_time = seq.first_token_time or now
+        prev_text = seq.text
+        p = seq.params
+        reason = None
+        if token in self.eos_ids and not p.ignore_eos:
+            reason = "stop"
+        seq.text = self._decode(seq.output_ids)
+        for stop in p.stop:
+            at = seq.text.find(stop, max(0, len(prev_text) - len(stop)))
+            if at >= 0:
+                seq.text, reason = seq.text[:at], "stop"
+                break
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_seq_tokens):
+            reason = "length"
+        out = self._output(seq, delta_text=seq.text[len(prev_text):], delta_ids=[token])
+        if reason is not None:
+            self.requests.pop(seq.request_id, None)
+            self._finish(seq, reason)
+            out.finished, out.finish_reason = True, reason
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)
+        self.adapters.release(seq)
+        seq.finish_reason = reason
+
+    def _fail(self, seq: Sequence) -> RequestOutput:
+        self.requests.pop(seq.request_id, None)
+        self._finish(seq, "error")
+        out = self._output(seq, delta_text="", delta_ids=[])
+        out.finished, out.finish_reason, out.error = True, "error", seq.error
+        return out
+
+    def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), False,
+            delta_text=delta_text, delta_token_ids=delta_ids,
+            logprobs=list(seq.logprobs),
+            adapter=seq.adapter, num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # --- adapter operations (between steps; the seed's names) ---------------------------
+
+    def register_adapter(self, name: str, adapter_dir: str | Path, pinned: bool = False) -> None:
+        self.adapters.register(name, adapter_dir, pinned)
+        if pinned:
+            slot = self.lora.table.slot_of(name)
+            if slot is None:
+                slot, _ = self.promote_lora_slot_from_disk(adapter_dir, name)
+            self.lora.table.set_pinned(slot, True)
+
+    def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int) -> None:
+        self.lora.swap_lora_slot_from_disk(adapter_dir, name, slot)
+        self._after_landing(name, adapter_dir)
+
+    def promote_lora_slot_from_disk(self, adapter_dir: str | Path,
+                                    name: str) -> tuple[int, str | None]:
+        result = self.lora.promote_lora_slot_from_disk(adapter_dir, name)
+        self._after_landing(name, adapter_dir)
+        return result
+
+    def _after_landing(self, name: str, adapter_dir: str | Path) -> None:
+        """The name now routes to the new contents; remember where they came from
+        so an eviction can be undone by a later request."""
+        old = self.adapters.registry.get(name)
+        self.adapters.registry[name] = AdapterSource(name, Path(adapter_dir), bool(old and old.pinned))
+        self.adapters.bind_waiters(name)
+
+    def swap_lora_slot_from_peer(self, peer_addr: str, adapter_id: str, adapter_name: str,
+                                 slot: int, peft=None) -> None:
+        raise PeerUnavailableError(
+            "peer staging is not built yet in this version: load the adapter from disk "
+            "(swap_lora_slot_from_disk)"
+        )
+
+    def promote_lora_slot_from_peer(self, peer_addr: str, adapter_id: str, adapter_name: str,
+                                    peft=None) -> tuple[int, str | None]:
+        raise PeerUnavailableError(
+            "peer staging is not built yet in this version: load the adapter from disk "
+            "(promote_lora_slot_from_disk)"
+        )
+
+    def slot_info(self) -> list[SlotInfo]:
+        return self.lora.slot_info()
+

@@ -1,0 +1,81 @@
+"""ModelRunner: owns the model and its KV cache; turns a scheduled batch into
+flat tensors, runs one forward pass under a forward context, and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.config import EngineConfig, ModelConfig
+from metrale.engine.sampler import sample
+from metrale.engine.sequence import Sequence
+from metrale.model.context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
+from metrale.model.llama import LlamaForCausalLM
+from metrale.pool.pool import AdapterPool
+
+_CPU_KV_BUDGET = 2 << 30  # bytes of KV cache on a CPU engine when not told otherwise
+_GPU_KV_FRACTION = 0.8  # of the device memory still free after weights and pool
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig,
+                 device: torch.device, dtype: torch.dtype, pool: AdapterPool | None) -> None:
+        self.model, self.model_cfg, self.cfg = model, model_cfg, cfg
+        self.device, self.dtype, self.pool = device, dtype, pool
+        self.num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
+        shape = (self.num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        for attn in model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def _block_bytes(self) -> int:
+        m = self.model_cfg
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * m.num_layers * self.cfg.block_size * m.num_kv_heads * m.head_dim * itemsize
+
+    def _auto_num_blocks(self) -> int:
+        wanted = self.cfg.max_num_seqs * -(-self.cfg.max_model_len // self.cfg.block_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * _GPU_KV_FRACTION)
+        else:
+            budget = _CPU_KV_BUDGET
+        return max(min(wanted, budget // self._block_bytes()), 1)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[dict | None]]:
+        ids, positions, slot_mapping, cu, slot_ids = [], [], [], [0], []
+        bs = self.cfg.block_size
+        for seq in seqs:
+            tokens = seq.token_ids
+            start = seq.num_computed if is_prefill else len(seq) - 1
+            ids += tokens[start:]
+            for pos in range(start, len(seq)):
+                positions.append(pos)
+                slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
+            cu.append(cu[-1] + len(seq) - start)
+            slot_ids += [seq.slot] * (len(seq) - start)
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            is_prefill=is_prefill,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            cu_query=torch.tensor(cu, dtype=torch.int32, device=dev),
+            max_query_len=max(b - a for a, b in zip(cu, cu[1:])),
+            max_context_len=max(len(s) for s in seqs),
+        )
+        lora = None
+        if self.pool is not None and any(s.slot >= 0 for s in seqs):
+            lora = LoraBatch(self.pool, torch.tensor(slot_ids, dtype=torch.int64, device=dev))
+        with forward_context(ForwardContext(meta, lora)):
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev),
+            )  # [T, hidden]
+            last = torch.tensor(cu[1:], device=dev) - 1  # [B] last token of each sequence
+            logits = self.model.compute_logits(hidden[last])  # [B, V]
+        for seq in seqs:
+            seq.num_computed = len(seq)
+        return sample(logits, seqs)

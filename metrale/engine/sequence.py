@@ -1,0 +1,59 @@
+"""A request as the scheduler sees it: tokens, KV blocks, adapter binding."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from metrale.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = auto()  # needs (re)prefill
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+    arrival: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # adapter binding: held from the moment the adapter is resident until finish/abort
+    slot: int = -1  # -1 = base model
+    adapter_uid: int = 0  # 0 = base model; part of every prefix-cache key
+    bound: bool = False
+    # KV
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes | None] = field(default_factory=list)  # prefix-cache key per block
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last prefill
+    num_computed: int = 0  # tokens whose KV is in the cache
+    # output
+    text: str = ""
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: Exception | None = None
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def wants_adapter(self) -> bool:
+        return self.adapter is not None

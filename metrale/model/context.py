@@ -1,0 +1,65 @@
+"""The forward context: per-batch data the layers read without looking anything up.
+
+The runner sets it around one forward pass; layers read token slot indices, the
+pool views and attention metadata from here, never adapters by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from metrale.pool.pool import AdapterPool
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flat token batch maps onto sequences and KV blocks.
+
+    Sequence i owns new tokens [cu_query[i], cu_query[i+1]) whose keys sit at
+    positions context_lens[i] - num_new .. context_lens[i] - 1 of its sequence.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [T] int64: flat KV index (block * block_size + offset) per token
+    context_lens: torch.Tensor  # [B] int32: tokens in KV after this step, per sequence
+    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 padded
+    cu_query: torch.Tensor  # [B + 1] int32: query token offsets per sequence
+    max_query_len: int
+    max_context_len: int
+
+
+@dataclass
+class LoraBatch:
+    """Which slot each token reads; absent when no token uses an adapter."""
+
+    pool: AdapterPool
+    slot_ids: torch.Tensor  # [T] int64, -1 = base model only
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata
+    lora: LoraBatch | None = None
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    prev, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = prev
+
+
+def get_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("model forward called outside forward_context(...)")
+    return _current

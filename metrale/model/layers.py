@@ -1,0 +1,106 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embeddings and
+projections that add the per-token LoRA delta read from the forward context."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metrale.config import ConfigError, ModelConfig
+from metrale.model.context import get_context
+from metrale.ops.lora import lora_apply
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics as transformers does, so low-precision runs match it
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(cfg.rope_scaling or ())
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ConfigError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg, self.max_positions = cfg, max_positions
+        self.register_buffer("cos", torch.empty(max_positions, cfg.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
+        self.build()
+
+    def build(self) -> None:
+        """(Re)compute the tables in float32 on the buffers' device (after meta init too)."""
+        if self.cos.is_meta:
+            return
+        device = self.cos.device
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, _inv_freq(self.cfg).to(device))  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [T, H, D], k: [T, KV, D], positions: [T]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class LoraProjection(nn.Module):
+    """A (possibly fused) linear projection plus the per-token LoRA delta of
+    the modules it fuses: y = x W^T + b + sum_m scale_m (x A_m^T) Bt_m."""
+
+    def __init__(self, layer: int, modules: tuple[str, ...], in_features: int,
+                 out_features: tuple[int, ...], bias: bool = False) -> None:
+        super().__init__()
+        self.layer, self.modules_ = layer, modules
+        total = sum(out_features)
+        self.weight = nn.Parameter(torch.empty(total, in_features))
+        self.bias = nn.Parameter(torch.zeros(total)) if bias else None
+        bounds = [0, *itertools.accumulate(out_features)]
+        self.out_slices = tuple(slice(a, b) for a, b in zip(bounds, bounds[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # [T, out]
+        lora = get_context().lora
+        if lora is not None:
+            lora_apply(y, x, lora, self.layer, self.modules_, self.out_slices)
+        return y

@@ -1,0 +1,103 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias,
+Qwen3 with q/k RMSNorm) over a flat token batch with paged KV.
+
+Projections are fused (qkv, gate/up) and add each token's LoRA delta through
+the forward context; attention reads and writes the paged cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metrale.config import ModelConfig
+from metrale.model.context import get_context
+from metrale.model.layers import LoraProjection, RMSNorm, RotaryEmbedding
+from metrale.ops.attention import paged_attention_ref, store_kv
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.cfg, self.rotary = cfg, rotary
+        self.qkv_proj = LoraProjection(
+            layer, ("q_proj", "k_proj", "v_proj"), cfg.hidden_size,
+            (cfg.q_size, cfg.kv_size, cfg.kv_size), bias=cfg.attention_bias,
+        )
+        self.o_proj = LoraProjection(layer, ("o_proj",), cfg.q_size, (cfg.hidden_size,))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.head_dim ** -0.5
+        # [num_blocks, block_size, KV, D]; bound by the runner once the cache is sized
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(T, cfg.num_heads, cfg.head_dim)  # [T, H, D]
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, D]
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        meta = get_context().attn
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        o = paged_attention_ref(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(T, cfg.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = LoraProjection(
+            layer, ("gate_proj", "up_proj"), cfg.hidden_size, (self.inter, self.inter)
+        )
+        self.down_proj = LoraProjection(layer, ("down_proj",), self.inter, (cfg.hidden_size,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # each [T, I]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, layer)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rotary = RotaryEmbedding(cfg, max_positions)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = rotary
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden: [T, hidden]"""
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits: [N, vocab] float32"""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]

@@ -1,0 +1,97 @@
+"""Load Hugging Face safetensors weights (one file or sharded with an index)
+into LlamaForCausalLM, fusing q/k/v and gate/up as they stream in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from metrale.config import ConfigError, ModelConfig
+from metrale.model.llama import LlamaForCausalLM
+
+# HF name suffix -> (our parameter suffix, shard index within the fused weight)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise ConfigError(
+        f"{model_dir} has no model.safetensors or model.safetensors.index.json; "
+        "metrale loads safetensors checkpoints only (pickled .bin files can run code)"
+    )
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+               device: torch.device, max_positions: int) -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    model = model.to_empty(device=device)
+    model.rotary.build()  # computed buffers, not weights
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for path in weight_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target, shard = _our_name(name)
+                if target is None or (target == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue
+                if target not in params:
+                    raise ConfigError(f"{path}: unexpected weight {name} for a {cfg.model_type} model")
+                _copy_in(params[target], f.get_tensor(name), target, shard, cfg)
+                loaded.add(f"{target}#{shard}")
+    _check_complete(model, params, loaded, cfg)
+    model.to(dtype).eval()
+    model.rotary.build()  # rotary tables stay float32 whatever the weights are
+    return model
+
+
+def _our_name(hf: str) -> tuple[str | None, int | None]:
+    if hf.endswith("rotary_emb.inv_freq"):
+        return None, None
+    name = hf.removeprefix("model.")
+    for suffix, (fused, shard) in _FUSED.items():
+        if f".{suffix}." in f".{name}":
+            return name.replace(suffix, fused), shard
+    return name, None
+
+
+def _copy_in(param: torch.Tensor, tensor: torch.Tensor, target: str, shard: int | None,
+             cfg: ModelConfig) -> None:
+    if shard is not None:
+        sizes = ([cfg.q_size, cfg.kv_size, cfg.kv_size] if "qkv_proj" in target
+                 else [cfg.intermediate_size] * 2)
+        param = param.narrow(0, sum(sizes[:shard]), sizes[shard])
+    if param.shape != tensor.shape:
+        raise ConfigError(
+            f"weight {target} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}: "
+            "the checkpoint does not match its config.json"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+def _check_complete(model, params, loaded, cfg: ModelConfig) -> None:
+    missing = []
+    for name in params:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        shards = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else None
+        keys = [f"{name}#{i}" for i in range(shards)] if shards else [f"{name}#None"]
+        if not all(k in loaded for k in keys):
+            missing.append(name)
+    if missing:
+        raise ConfigError(f"checkpoint is missing weights: {', '.join(missing[:5])}")

@@ -1,0 +1,47 @@
+"""Paged attention: write new K/V into the block cache, then attend each
+sequence's queries over its cached context. Plain torch (CPU and the
+reference for GPU kernels)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from metrale.model.context import AttentionMetadata
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    # k, v: [T, KV, D]; caches: [num_blocks, block_size, KV, D]; slot_mapping: [T]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence."""
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    cu = meta.cu_query.tolist()
+    ctx_lens = meta.context_lens.tolist()
+    for i, ctx_len in enumerate(ctx_lens):
+        start, end = cu[i], cu[i + 1]
+        n_blocks = -(-ctx_len // block_size)
+        blocks = meta.block_tables[i, :n_blocks].long()  # [nb]
+        k = k_cache[blocks].flatten(0, 1)[:ctx_len]  # [ctx, KV, D]
+        v = v_cache[blocks].flatten(0, 1)[:ctx_len]
+        qi = q[start:end]  # [n, H, D]
+        n = end - start
+        # query j sits at position ctx_len - n + j and sees keys 0..that position
+        q_pos = torch.arange(ctx_len - n, ctx_len, device=q.device).unsqueeze(1)  # [n, 1]
+        mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
+        o = F.scaled_dot_product_attention(
+            qi.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [H|KV, n|ctx, D]
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )  # [H, n, D]
+        out[start:end] = o.transpose(0, 1)
+    return out
