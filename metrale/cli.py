@@ -17,7 +17,7 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         from metrale.model.default_model import default_model_dir
 
-        model = ModelConfig.from_dir(default_model_dir(progress=lambda m: print(m, file=sys.stderr)))
+        model = ModelConfig.from_dir(default_model_dir(progress=_progress))
     plan = plan_adapter(args.adapter, "inspect", model, PoolConfig(1, args.max_lora_rank))
     cfg = plan.config
     print(f"adapter   {args.adapter}")
@@ -38,6 +38,48 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _adapter_args(values: list[str]) -> dict[str, str]:
+    out = {}
+    for item in values:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"metrale: --adapter expects NAME=DIR, got {item!r}")
+        out[name] = path
+    return out
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from metrale import LLM, SamplingParams
+
+    adapters = _adapter_args(args.adapter)
+    use = args.use or [None]
+    if args.model is None:
+        from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+
+        for name in use:
+            if name in DEMO_ADAPTERS and name not in adapters:
+                adapters[name] = str(demo_adapter_dir(name, progress=_progress))
+    rank = max([args.max_lora_rank, 16])
+    llm = LLM(args.model, max_loras=max(len(adapters), 1), max_lora_rank=rank,
+              device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    for name, path in adapters.items():
+        llm.register_adapter(name, path)
+    prompt = llm.chat_prompt(args.prompt) if args.chat else args.prompt
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    names = [None if n in (None, "base") else n for n in use]
+    outputs = llm.generate([prompt] * len(names), [params] * len(names), names)
+    for name, out in zip(names, outputs):
+        if len(names) > 1:
+            print(f"--- {name or 'base'} ---")
+        print(out.text.strip())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="metrale", description="multi-LoRA inference engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -46,6 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--model", help="Hugging Face model dir (default: embedded SmolLM2)")
     ins.add_argument("--max-lora-rank", type=int, default=64)
     ins.set_defaults(func=_inspect)
+
+    gen = sub.add_parser("generate", help="generate text, with or without adapters")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--model", help="Hugging Face model dir (default: embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                     help="register a PEFT adapter (repeatable)")
+    gen.add_argument("--use", action="append", metavar="NAME",
+                     help="run the prompt through this adapter ('base' = none); repeatable. "
+                          "On the default model the demo adapters 'shout' and 'pirate' need no --adapter")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-lora-rank", type=int, default=16)
+    gen.add_argument("--max-model-len", type=int, default=2048)
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--dtype", default=None)
+    gen.set_defaults(func=_generate)
     return p
 
 

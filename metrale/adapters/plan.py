@@ -5,11 +5,12 @@ scale. Nothing here touches a device or a slot."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from metrale.adapters.peft_config import ALL_LINEAR, PeftAdapterConfig
-from metrale.adapters.safetensors_file import SafetensorsHeader, TensorEntry, read_header
+from metrale.adapters.safetensors_file import TensorEntry, read_header
 from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
 from metrale.errors import (
     AdapterConfigError,
@@ -44,15 +45,16 @@ class TensorLanding:
 
 @dataclass(frozen=True)
 class AdapterPlan:
+    """A validated adapter: its tensors are byte ranges of one data section of
+    data_bytes (a safetensors file's, starting at data_offset, or a peer's stream)."""
+
     name: str
     config: PeftAdapterConfig
-    header: SafetensorsHeader
+    source: str  # file path or peer address, for messages and logs
+    data_bytes: int
     targets: tuple[ModuleTarget, ...]
     landings: tuple[TensorLanding, ...]
-
-    @property
-    def data_bytes(self) -> int:
-        return self.header.data_bytes
+    data_offset: int = 0
 
 
 def module_universe(model: ModelConfig) -> list[tuple[str, int | None, str | None]]:
@@ -129,26 +131,37 @@ def plan_adapter(
             )
         raise AdapterFileError(f"{weights} not found")
     header = read_header(weights)
+    return plan_from_tensors(name, peft, str(weights), header.tensors.values(), header.data_bytes,
+                             model, pool, data_offset=header.data_start)
+
+
+def plan_from_tensors(
+    name: str, peft: PeftAdapterConfig, source: str, entries: Iterable[TensorEntry],
+    data_bytes: int, model: ModelConfig, pool: PoolConfig, data_offset: int = 0,
+) -> AdapterPlan:
+    """Match already size-checked tensors to PEFT's targets (disk and peers alike)."""
     targets = resolve_targets(peft, model, pool)
-    return AdapterPlan(name, peft, header, targets, _match_tensors(header, targets, model))
+    landings = _match_tensors(source, entries, targets, model)
+    return AdapterPlan(name, peft, source, data_bytes, targets, landings, data_offset)
 
 
 def _match_tensors(
-    header: SafetensorsHeader, targets: tuple[ModuleTarget, ...], model: ModelConfig
+    source: str, entries: Iterable[TensorEntry], targets: tuple[ModuleTarget, ...],
+    model: ModelConfig,
 ) -> tuple[TensorLanding, ...]:
     by_path = {model.module_path(t.layer, t.module): t for t in targets}
     landings: dict[tuple[str, str], TensorLanding] = {}
-    for entry in header.tensors.values():
+    for entry in entries:
         m = _KEY_RE.match(entry.name)
         if m is None:
             raise UnsupportedAdapterError(
-                f"{header.path}: tensor {entry.name!r} is not a LoRA A/B weight metrale "
+                f"{source}: tensor {entry.name!r} is not a LoRA A/B weight metrale "
                 "serves (DoRA magnitudes, embedding LoRA, biases and overlays are refused)"
             )
         target = by_path.get(m["module"])
         if target is None:
             raise AdapterMismatchError(
-                f"{header.path}: tensor {entry.name!r} is for a module the adapter config "
+                f"{source}: tensor {entry.name!r} is for a module the adapter config "
                 "does not target in this model (or a module this model does not have)"
             )
         kind = "A" if m["kind"] == "lora_A" else "B"
@@ -156,12 +169,12 @@ def _match_tensors(
         expected = (target.rank, d_in) if kind == "A" else (d_out, target.rank)
         if entry.shape != expected:
             raise AdapterMismatchError(
-                f"{header.path}: {entry.name} has shape {list(entry.shape)}, expected "
+                f"{source}: {entry.name} has shape {list(entry.shape)}, expected "
                 f"{list(expected)} for this base model at rank {target.rank}; the adapter "
                 "was trained for another model or its rank_pattern disagrees"
             )
         if (m["module"], kind) in landings:
-            raise AdapterFileError(f"{header.path}: two tensors for {m['module']} {m['kind']}")
+            raise AdapterFileError(f"{source}: two tensors for {m['module']} {m['kind']}")
         landings[(m["module"], kind)] = TensorLanding(target, kind, entry)
     missing = [
         f"{path}.{k}" for path in by_path for k in ("lora_A", "lora_B")
@@ -169,7 +182,7 @@ def _match_tensors(
     ]
     if missing:
         raise AdapterFileError(
-            f"{header.path}: targeted modules have no weights: {', '.join(missing[:4])}"
+            f"{source}: targeted modules have no weights: {', '.join(missing[:4])}"
             + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         )
     return tuple(landings.values())

@@ -78,12 +78,20 @@ def read_header(path: Path) -> SafetensorsHeader:
     header.pop("__metadata__", None)
     data_start = 8 + header_len
     data_bytes = size - data_start
-    tensors = {name: _entry(path, name, spec, data_bytes) for name, spec in header.items()}
-    _check_coverage(path, tensors, data_bytes)
-    return SafetensorsHeader(path, data_start, data_bytes, tensors)
+    return SafetensorsHeader(path, data_start, data_bytes, check_entries(path, header, data_bytes))
 
 
-def _entry(path: Path, name: str, spec: object, data_bytes: int) -> TensorEntry:
+def check_entries(source: object, specs: dict, data_bytes: int) -> dict[str, TensorEntry]:
+    """Validate {name: {dtype, shape, data_offsets}} against a data section of
+    data_bytes: a safetensors header, or a peer's manifest in the same form."""
+    if not isinstance(specs, dict):
+        raise AdapterFileError(f"{source}: tensor table is not a JSON object")
+    tensors = {name: _entry(source, name, spec, data_bytes) for name, spec in specs.items()}
+    _check_coverage(source, tensors, data_bytes)
+    return tensors
+
+
+def _entry(path: object, name: str, spec: object, data_bytes: int) -> TensorEntry:
     try:
         dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
         shape = tuple(int(d) for d in shape)
@@ -110,7 +118,7 @@ def _entry(path: Path, name: str, spec: object, data_bytes: int) -> TensorEntry:
     return TensorEntry(name, dtype, shape, begin, end)
 
 
-def _check_coverage(path: Path, tensors: dict[str, TensorEntry], data_bytes: int) -> None:
+def _check_coverage(path: object, tensors: dict[str, TensorEntry], data_bytes: int) -> None:
     """Tensors must tile the data section exactly: no overlap, no hidden bytes."""
     cursor = 0
     for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):

@@ -63,7 +63,7 @@ class AdapterPool:
         if not bool(finite):
             bad = next(landing.entry.name for landing, v in zip(plan.landings, views)
                        if not bool(v.isfinite().all()))
-            raise NonFiniteWeightsError(f"{plan.header.path}: tensor {bad!r} holds NaN or Inf")
+            raise NonFiniteWeightsError(f"{plan.source}: tensor {bad!r} holds NaN or Inf")
         return views
 
     def zero_slot(self, slot: int) -> None:

@@ -47,16 +47,15 @@ def validate_adapter_name(name: str) -> str:
 
 def read_adapter_bytes(plan: AdapterPlan, out: torch.Tensor) -> None:
     """Read the file's data section straight into `out` ([data_bytes] uint8, host)."""
-    header = plan.header
     try:
-        with open(header.path, "rb") as f:
-            f.seek(header.data_start)
+        with open(plan.source, "rb") as f:
+            f.seek(plan.data_offset)
             got = f.readinto(memoryview(out.numpy()))
     except OSError as e:
-        raise AdapterFileError(f"cannot read {header.path}: {e}") from None
-    if got != header.data_bytes:
+        raise AdapterFileError(f"cannot read {plan.source}: {e}") from None
+    if got != plan.data_bytes:
         raise AdapterFileError(
-            f"{header.path}: read {got} of {header.data_bytes} data bytes; the file changed "
+            f"{plan.source}: read {got} of {plan.data_bytes} data bytes; the file changed "
             "or was truncated while loading"
         )
 
@@ -93,26 +92,45 @@ class LoraSlots:
         return self.pool
 
     # --- the operations -------------------------------------------------------------
+    # `prepare` reads and validates an adapter from some source without touching
+    # any slot, and returns the write that lands it into a (zeroed) slot.
+
+    def swap_from(self, op: str, name: str, slot: int, source: str,
+                  prepare: Callable[[], Callable[[int], None]]) -> None:
+        self._require_swappable(op)
+        validate_adapter_name(name)
+        self.table.require_idle(slot)  # refuse a busy slot before any I/O
+        write = prepare()
+        self._land(slot, name, source, lambda: write(slot))
+
+    def promote_from(self, op: str, name: str, source: str,
+                     prepare: Callable[[], Callable[[int], None]]) -> tuple[int, str | None]:
+        self._require_swappable(op)
+        validate_adapter_name(name)
+        self.table.select_victim()  # POOL_FULL before reading anything
+        write = prepare()
+        slot = self.table.select_victim()
+        evicted = self.table.info(slot).name
+        self._land(slot, name, source, lambda: write(slot))
+        log.info("promote: %r hot in slot %d from %s (evicted=%r)", name, slot, source, evicted)
+        return slot, evicted
 
     def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int) -> None:
-        pool = self._require_swappable("swap_lora_slot_from_disk")
-        validate_adapter_name(name)
-        self.table.require_idle(slot)  # refuse a busy slot before any disk I/O
-        plan, views = self._stage_from_disk(adapter_dir, name)
-        self._land(slot, name, "disk", lambda: pool.land(slot, plan, views))
+        self.swap_from("swap_lora_slot_from_disk", name, slot, "disk",
+                       lambda: self._disk_writer(adapter_dir, name))
 
     def promote_lora_slot_from_disk(
         self, adapter_dir: str | Path, name: str
     ) -> tuple[int, str | None]:
-        pool = self._require_swappable("promote_lora_slot_from_disk")
-        validate_adapter_name(name)
-        self.table.select_victim()  # POOL_FULL before reading anything
-        plan, views = self._stage_from_disk(adapter_dir, name)
-        slot = self.table.select_victim()
-        evicted = self.table.info(slot).name
-        self._land(slot, name, "disk", lambda: pool.land(slot, plan, views))
-        log.info("promote: %r hot in slot %d (evicted=%r)", name, slot, evicted)
-        return slot, evicted
+        return self.promote_from("promote_lora_slot_from_disk", name, "disk",
+                                 lambda: self._disk_writer(adapter_dir, name))
+
+    def stage(self, plan: AdapterPlan, fill: Callable[[torch.Tensor], None]) -> list[torch.Tensor]:
+        """fill() writes the plan's data bytes into pinned host staging; they go to
+        the device in one copy and come back as checked, typed tensor views."""
+        host = self.staging.host(plan.data_bytes)
+        fill(host)
+        return self.pool.stage_views(plan, self.staging.to_device(host))
 
     def unload(self, name: str) -> int:
         """Free the slot serving `name` (it must be idle); returns the slot."""
@@ -133,14 +151,10 @@ class LoraSlots:
 
     # --- internals ------------------------------------------------------------------
 
-    def _stage_from_disk(
-        self, adapter_dir: str | Path, name: str
-    ) -> tuple[AdapterPlan, list[torch.Tensor]]:
+    def _disk_writer(self, adapter_dir: str | Path, name: str) -> Callable[[int], None]:
         plan = plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
-        host = self.staging.host(plan.data_bytes)
-        read_adapter_bytes(plan, host)
-        data = self.staging.to_device(host)
-        return plan, self.pool.stage_views(plan, data)
+        views = self.stage(plan, lambda host: read_adapter_bytes(plan, host))
+        return lambda slot: self.pool.land(slot, plan, views)
 
     def _land(self, slot: int, name: str, source: str, write: Callable[[], None]) -> int:
         """LOADING -> write -> READY, or EMPTY with a fresh identity on any failure."""
