@@ -1,0 +1,127 @@
+"""Time the Triton multi-LoRA kernels against the torch reference on CUDA, Llama-3-8B shapes.
+
+    python bench/lora_kernels.py [--slots 32] [--rank 16] [--out bench/results]
+
+One row per (module group, tokens, slot spread), median times from triton.testing.do_bench:
+the fused shrink+expand for the group (what one layer pays per group) replayed from a CUDA
+graph as the engine runs it, each of its two kernels alone, the same call eager (Python
+launch overhead included) and the torch reference; and the bandwidth reached over the bytes
+that must move (adapter weights of the slots used, x read, y read and written).
+Slot spreads: "spread" puts token t on slot t % S (decode's worst case: every token its own
+adapter), "single" puts every token on slot 0. The table is also written as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from metrale.ops import lora_ref as ref
+from metrale.ops import lora_triton as lt
+
+GROUPS = {  # name: (in, [out per module]) for one Llama-3-8B decoder layer
+    "qkv": (4096, [4096, 1024, 1024]),
+    "o": (4096, [4096]),
+    "gate_up": (4096, [14336, 14336]),
+    "down": (14336, [4096]),
+}
+TOKENS = [1, 8, 32, 64, 256, 2048]
+
+
+def make_group(S, R, in_dim, outs, dtype):
+    """Pool views for one fused group: one storage, per slot A_m [R, in] then Bt_m [R, out_m]."""
+    slot_elems = sum(R * (in_dim + o) for o in outs)
+    storage = torch.randn(S * slot_elems, device="cuda").to(dtype) * 0.02  # every rank filled
+    As, Bts, off = [], [], 0
+    for o in outs:
+        As.append(storage.as_strided((S, R, in_dim), (slot_elems, in_dim, 1), off))
+        Bts.append(storage.as_strided((S, R, o), (slot_elems, o, 1), off + R * in_dim))
+        off += R * (in_dim + o)
+    ranks = torch.full((S, len(outs)), R, dtype=torch.int32, device="cuda")  # [S, M]
+    scales = torch.full((S, len(outs)), 2.0, device="cuda")  # [S, M]
+    return As, Bts, list(ranks.T), list(scales.T)
+
+
+def _median_ms(fn) -> float:
+    return triton.testing.do_bench(fn, return_mode="median")
+
+
+def _graph_us(fn, reps: int = 20) -> float:
+    """GPU time of fn per call: `reps` calls captured in one CUDA graph (as the engine runs
+    them), so Python launch overhead is out of the figure."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and cache descriptors before capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return _median_ms(graph.replay) * 1e3 / reps
+
+
+def run(S: int, R: int, dtype: torch.dtype) -> list[dict]:
+    rows = []
+    elt = torch.tensor([], dtype=dtype).element_size()
+    for name, (in_dim, outs) in GROUPS.items():
+        As, Bts, ranks, scales = make_group(S, R, in_dim, outs, dtype)
+        cols = [sum(outs[:i]) for i in range(len(outs))]
+        slices = [slice(c, c + o) for c, o in zip(cols, outs, strict=True)]
+        for T in TOKENS:
+            for spread in ("spread", "single"):
+                ids = torch.arange(T, device="cuda") % S if spread == "spread" \
+                    else torch.zeros(T, dtype=torch.int64, device="cuda")
+                x = torch.randn(T, in_dim, device="cuda").to(dtype)  # [T, in]
+                y = torch.zeros(T, sum(outs), device="cuda", dtype=dtype)  # [T, sum(out)]
+                h = torch.empty(T, len(outs) * R, device="cuda")  # [T, M*R]
+                # the engine sorts once per batch and reuses the order in every layer
+                order = lt.sort_tokens_by_slot(ids) if T > lt.DECODE_MAX_T else None
+                args = (y, x, As, Bts, slices, ids, scales, ranks)
+                apply = functools.partial(lt.lora_apply_fused, *args, order=order)
+                shrink = functools.partial(lt._shrink, x, As, ids, ranks, order, h)
+                expand = functools.partial(lt._expand, y, h, Bts, cols, ids, ranks, scales, order)
+                used = min(T, S) if spread == "spread" else 1
+                moved = used * R * (in_dim + sum(outs)) * elt + T * (in_dim + 2 * sum(outs)) * elt
+                row = dict(group=name, T=T, spread=spread, graph_us=_graph_us(apply),
+                           shrink_us=_graph_us(shrink), expand_us=_graph_us(expand),
+                           eager_us=_median_ms(apply) * 1e3,
+                           ref_us=_median_ms(functools.partial(ref.lora_apply_fused_ref, *args))
+                           * 1e3)
+                row["gbps"] = moved / (row["graph_us"] * 1e-6) / 1e9
+                rows.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+                print("{group:8} T={T:<5} {spread:7} graph {graph_us:8.2f} us (shrink {shrink_us:7.2f}"
+                      " expand {expand_us:7.2f})  eager {eager_us:8.2f}  ref {ref_us:9.2f} us  "
+                      "{gbps:7.1f} GB/s".format(**rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    rows = run(args.slots, args.rank, getattr(torch, args.dtype))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = args.out / f"lora_kernels-{stamp}.json"
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, slots=args.slots, rank=args.rank, dtype=args.dtype,
+                timer="triton.testing.do_bench median")
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

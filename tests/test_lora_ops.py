@@ -1,0 +1,380 @@
+"""Multi-LoRA ops: the torch reference against a float64 per-token oracle, and the Triton
+kernels against the reference.
+
+Triton on CPU runs in its interpreter, which must be switched on before triton is first
+imported (triton jits its own library, tl.min & co, at import). This module sets
+TRITON_INTERPRET=1 before importing anything that imports triton. If some earlier test
+module already imported triton without it, the kernel tests here skip and
+`test_kernels_in_fresh_interpreter_process` reruns this file in a fresh process instead.
+With CUDA the same small-shape kernel tests run compiled, and the `gpu` tests add
+realistic sizes and CUDA-graph replay across an adapter swap.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from metrale.ops import lora_ref as ref  # noqa: E402
+from metrale.ops import lora_triton as lt  # noqa: E402
+
+
+def _kernels_runnable() -> bool:
+    if lt.triton is None:
+        return False
+    if torch.cuda.is_available():
+        return True
+    try:  # the interpreter is active only if triton's own library was jitted under it
+        import triton.language.standard as std
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(std.max, InterpretedFunction)
+
+
+KERNELS = _kernels_runnable()
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+
+
+class Pool:
+    """An adapter pool laid out like metrale.pool: one storage; per slot, for each module,
+    A [R, in] then Bt [R, out]. The ranks/scales tables are strided views (stride M) of one
+    [S, M] tensor each, as the engine slices its [S, layers, modules] tables."""
+
+    def __init__(self, S, R, dims, dtype, device=DEV, seed=0, padding=0.0, ranks=None):
+        g = torch.Generator().manual_seed(seed)
+        slot_elems = sum(R * (i + o) for i, o in dims)
+        self.storage = torch.empty(S * slot_elems, dtype=dtype, device=device)
+        self.As, self.Bts, off = [], [], 0
+        for i, o in dims:
+            self.As.append(self.storage.as_strided((S, R, i), (slot_elems, i, 1), off))
+            self.Bts.append(self.storage.as_strided((S, R, o), (slot_elems, o, 1), off + R * i))
+            off += R * (i + o)
+        if ranks is None:  # each module sees every rank 0..R somewhere (as far as S allows)
+            ranks = torch.randint(0, R + 1, (len(dims), S), generator=g, dtype=torch.int32)
+            n = min(S, R + 1)
+            for m in range(len(dims)):
+                ranks[m, :n] = torch.randperm(R + 1, generator=g)[:n].int()
+        ranks = torch.as_tensor(ranks, dtype=torch.int32)  # [M, S]
+        self.ranks = ranks.T.contiguous().to(device).T  # [M, S] view of an [S, M] table
+        scales = torch.rand(S, len(dims), generator=g) * 1.5 + 0.5  # [S, M]
+        self.scales = scales.to(device).T  # [M, S]
+        self.ranks_list, self.scales_list = list(self.ranks), list(self.scales)
+        for m, (i, o) in enumerate(dims):
+            pad = torch.arange(R)[None, :, None] >= ranks[m][:, None, None]  # [S, R, 1]
+            a = torch.randn(S, R, i, generator=g) / i**0.5  # [S, R, in]
+            b = torch.randn(S, R, o, generator=g) / R**0.5  # [S, R, out]
+            self.As[m].copy_(a.masked_fill(pad, padding))
+            self.Bts[m].copy_(b.masked_fill(pad, padding))
+
+
+def oracle(y, x, pool, cols, slot_ids):
+    """float64, one token and one module at a time, slicing each adapter to its rank."""
+    out = y.double().clone()  # [T, sum(out)]
+    for t, s in enumerate(slot_ids.tolist()):
+        if s < 0:
+            continue
+        for m, col in enumerate(cols):
+            r = int(pool.ranks[m, s])
+            a = pool.As[m][s, :r].double()  # [r, in]
+            b = pool.Bts[m][s, :r].double()  # [r, out_m]
+            h = x[t].double() @ a.T  # [r]
+            out[t, col:col + b.shape[1]] += pool.scales[m, s].double() * (h @ b)
+    return out
+
+
+def slot_batch(T, S, seed, dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, S, (T,), generator=g)
+    if T > 1:
+        ids[0] = -1  # some base-only tokens
+    else:
+        ids.clamp_(min=0)  # a lone token uses an adapter
+    return ids.to(dtype).to(DEV)
+
+
+def fused_io(T, dims, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, dims[0][0], generator=g).to(DEV, dtype)  # [T, in]
+    width = sum(o for _, o in dims)
+    y0 = torch.randn(T, width, generator=g).to(DEV, dtype)  # [T, sum(out)] poison
+    cols = [sum(o for _, o in dims[:m]) for m in range(len(dims))]
+    slices = [slice(c, c + o) for c, (_, o) in zip(cols, dims, strict=True)]
+    return x, y0, cols, slices
+
+
+def assert_close(got, want, dtype):
+    torch.testing.assert_close(got.double(), want.double(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+# --- the reference against the float64 oracle --------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_ref_matches_oracle(dtype, T):
+    dims = [(64, 64), (64, 32), (64, 32)]
+    pool = Pool(S=10, R=8, dims=dims, dtype=dtype, device="cpu", seed=T)
+    x, y0, cols, slices = fused_io(T, dims, dtype, seed=T + 1)
+    x, y0 = x.cpu(), y0.cpu()
+    ids = slot_batch(T, 10, seed=T + 2).cpu()
+    want = oracle(y0, x, pool, cols, ids)
+
+    y = y0.clone()
+    ref.lora_apply_fused_ref(y, x, pool.As, pool.Bts, slices, ids, pool.scales_list)
+    assert_close(y, want, dtype)
+    y = y0.clone()  # skipping padding through ranks gives the same answer
+    ref.lora_apply_fused_ref(y, x, pool.As, pool.Bts, slices, ids, pool.scales_list,
+                             pool.ranks_list)
+    assert_close(y, want, dtype)
+
+    for m, sl in enumerate(slices):  # one module at a time, and shrink then expand
+        y = y0[:, sl].clone()
+        ref.lora_apply_ref(y, x, pool.As[m], pool.Bts[m], ids, pool.scales[m])
+        assert_close(y, want[:, sl], dtype)
+        h = ref.lora_shrink_ref(x, pool.As[m], ids)  # [T, R]
+        assert h.dtype == torch.float32 and not h[ids < 0].any()
+        y = y0[:, sl].clone()
+        ref.lora_expand_ref(y, h, pool.Bts[m], ids, pool.scales[m])
+        assert_close(y, want[:, sl], dtype)
+
+
+def test_ref_leaves_base_only_batches_alone():
+    pool = Pool(S=4, R=8, dims=[(64, 32)], dtype=torch.float32, device="cpu")
+    x, y0, _, _ = fused_io(6, [(64, 32)], torch.float32, seed=3)
+    x, y0 = x.cpu(), y0.cpu()
+    ids = torch.full((6,), -1)
+    y = y0.clone()
+    ref.lora_apply_ref(y, x, pool.As[0], pool.Bts[0], ids, pool.scales[0])
+    ref.lora_apply_fused_ref(y, x, pool.As, pool.Bts, [slice(0, 32)], ids, pool.scales_list)
+    assert torch.equal(y, y0)
+    assert not ref.lora_shrink_ref(x, pool.As[0], ids).any()
+
+
+# --- the Triton kernels against the reference (interpreter on CPU, compiled on CUDA) ------
+
+# decode: per-token programs; prefill: more than DECODE_MAX_T tokens, sorted by slot inside;
+# unsorted: prefill kernels fed an identity order, so a block holds many slots.
+MODES = {"decode": (7, None), "prefill": (40, None), "unsorted": (40, "identity")}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def mode_inputs(mode, S, seed, slot_dtype=torch.int64):
+    T, order = MODES[mode]
+    ids = slot_batch(T, S, seed, slot_dtype)
+    return T, ids, (torch.arange(T, device=DEV) if order == "identity" else None)
+
+
+def pools(S, R, dims, dtype, seed, ranks=None):
+    """(clean pool for the reference, same pool with NaN rank padding for the kernels)."""
+    return (Pool(S, R, dims, dtype, seed=seed, ranks=ranks),
+            Pool(S, R, dims, dtype, seed=seed, padding=float("nan"), ranks=ranks))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_shrink_expand_match_ref(mode, dtype):
+    seed = list(MODES).index(mode) * 10 + DTYPES.index(dtype)
+    clean, nan = pools(S=10, R=8, dims=[(64, 48)], dtype=dtype, seed=seed)
+    T, ids, order = mode_inputs(mode, 10, seed, torch.int32 if seed % 2 else torch.int64)
+    x, _, _, _ = fused_io(T, [(64, 48)], dtype, seed)
+
+    h = torch.full((T, 8), float("nan"), device=DEV)  # poisoned: every entry must be written
+    lt.lora_shrink(x, nan.As[0], ids, nan.ranks[0], order=order, out=h)
+    want_h = ref.lora_shrink_ref(x, clean.As[0], ids)
+    torch.testing.assert_close(h, want_h, rtol=1e-4, atol=1e-4)
+    assert not h[ids < 0].any()
+
+    # y is a column window of a wider poisoned buffer: row stride != width, edges untouched
+    wide0 = torch.randn(T, 64, device=DEV).to(dtype)
+    wide = wide0.clone()
+    y = wide[:, 8:56]  # [T, 48]
+    lt.lora_expand(y, want_h, nan.Bts[0], ids, nan.scales[0], nan.ranks[0], order=order)
+    want = wide0[:, 8:56].clone()
+    ref.lora_expand_ref(want, want_h, clean.Bts[0], ids, clean.scales[0])
+    assert_close(y, want, dtype)
+    assert torch.equal(wide[:, :8], wide0[:, :8]) and torch.equal(wide[:, 56:], wide0[:, 56:])
+    assert torch.equal(y[ids < 0], wide0[:, 8:56][ids < 0])
+
+
+GROUPS = {"qkv_gqa": [(64, 64), (64, 32), (64, 32)], "gate_up": [(64, 96), (64, 96)]}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_fused_apply_matches_ref(group, mode, dtype):
+    dims = GROUPS[group]
+    seed = 100 + list(MODES).index(mode) * 10 + DTYPES.index(dtype) + 50 * (group == "gate_up")
+    clean, nan = pools(S=12, R=8, dims=dims, dtype=dtype, seed=seed)
+    T, ids, order = mode_inputs(mode, 12, seed)
+    x, y0, _, slices = fused_io(T, dims, dtype, seed)
+    y = y0.clone()
+    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list,
+                        order=order)
+    want = y0.clone()
+    ref.lora_apply_fused_ref(want, x, clean.As, clean.Bts, slices, ids, clean.scales_list)
+    assert_close(y, want, dtype)
+    assert torch.equal(y[ids < 0], y0[ids < 0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_rank_tiles_split_k_and_separate_tables(mode):
+    """R=80 needs two rank tiles; in=256 at T<=3 splits K (atomic adds into h); the ranks and
+    scales tables are separate tensors, so the wrapper stacks them."""
+    dims = [(256, 40), (256, 24)]
+    ranks = [[0, 1, 63, 64, 65, 80], [80, 17, 0, 72, 8, 1]]
+    clean, nan = pools(S=6, R=80, dims=dims, dtype=torch.float32, seed=7, ranks=ranks)
+    T = 3 if mode == "decode" else 40
+    ids = slot_batch(T, 6, seed=8)
+    x, y0, _, slices = fused_io(T, dims, torch.float32, seed=9)
+    y = y0.clone()
+    ranks = [r.clone() for r in nan.ranks_list]
+    scales = [s.clone().double() for s in nan.scales_list]  # wrong dtype: converted
+    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, scales, ranks)
+    want = oracle(y0, x, clean, [0, 40], ids)
+    assert_close(y, want, torch.float32)
+
+
+@needs_kernels
+def test_base_only_batch_is_untouched():
+    _, nan = pools(S=4, R=8, dims=[(64, 32), (64, 32)], dtype=torch.bfloat16, seed=11)
+    for T in (5, 40):
+        x, y0, _, slices = fused_io(T, [(64, 32), (64, 32)], torch.bfloat16, seed=T)
+        ids = torch.full((T,), -1, device=DEV)
+        y = y0.clone()
+        lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list)
+        assert torch.equal(y, y0)
+        h = torch.full((T, 8), float("nan"), device=DEV)
+        assert not lt.lora_shrink(x, nan.As[0], ids, nan.ranks[0], out=h).any()
+
+
+@pytest.mark.skipif(KERNELS or lt.triton is None or torch.cuda.is_available(),
+                    reason="kernel tests already run in this process")
+def test_kernels_in_fresh_interpreter_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+         str(Path(__file__).resolve())],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+# --- realistic sizes, compiled on a GPU (Llama-3-8B projections, R=16, 32 slots) ---------
+
+GPU_GROUPS = {
+    "qkv": [(4096, 4096), (4096, 1024), (4096, 1024)],
+    "o": [(4096, 4096)],
+    "gate_up": [(4096, 14336), (4096, 14336)],
+    "down": [(14336, 4096)],
+}
+
+
+@functools.cache
+def gpu_pools(group, dtype):
+    return pools(S=32, R=16, dims=GPU_GROUPS[group], dtype=dtype, seed=len(group))
+
+
+def rel_err(got, want, base):
+    """||got - want|| / ||want - base||: error relative to the LoRA delta, not to y
+    (a batch whose delta is zero must then match exactly)."""
+    delta = (want.double() - base.double()).norm().clamp_min(1e-30)
+    return ((got.double() - want.double()).norm() / delta).item()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 8, 64, 2048])
+@pytest.mark.parametrize("group", list(GPU_GROUPS))
+def test_gpu_fused_matches_ref(group, T):
+    dims = GPU_GROUPS[group]
+    clean, nan = gpu_pools(group, torch.bfloat16)
+    ids = slot_batch(T, 32, seed=T)
+    x, y0, _, slices = fused_io(T, dims, torch.bfloat16, seed=T)
+    y = y0.clone()
+    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list)
+    want = y0.clone()
+    ref.lora_apply_fused_ref(want, x, clean.As, clean.Bts, slices, ids, clean.scales_list)
+    assert rel_err(y, want, y0) < 1e-2
+    assert torch.equal(y[ids < 0], y0[ids < 0])
+
+    h = lt.lora_shrink(x, nan.As[0], ids, nan.ranks[0])
+    want_h = ref.lora_shrink_ref(x, clean.As[0], ids)
+    assert rel_err(h, want_h, torch.zeros_like(want_h)) < 1e-3
+    y = y0[:, slices[0]].clone()
+    lt.lora_expand(y, want_h, nan.Bts[0], ids, nan.scales[0], nan.ranks[0])
+    want = y0[:, slices[0]].clone()
+    ref.lora_expand_ref(want, want_h, clean.Bts[0], ids, clean.scales[0])
+    assert rel_err(y, want, y0[:, slices[0]]) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [8, 300])
+def test_gpu_fp32_pool_is_exact(T):
+    """fp32 pools take "ieee" dots, not tf32: tight agreement with the reference."""
+    dims = [(1024, 512), (1024, 256)]
+    clean, nan = pools(S=16, R=16, dims=dims, dtype=torch.float32, seed=T)
+    ids = slot_batch(T, 16, seed=T)
+    x, y0, _, slices = fused_io(T, dims, torch.float32, seed=T)
+    y = y0.clone()
+    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list)
+    want = y0.clone()
+    ref.lora_apply_fused_ref(want, x, clean.As, clean.Bts, slices, ids, clean.scales_list)
+    assert rel_err(y, want, y0) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [16, 512])
+def test_gpu_cuda_graph_replays_across_adapter_swap(T):
+    """A graph captured once keeps serving after new adapters (weights, ranks, scales) land in
+    the slots and the batch's slot ids change: the kernels read all of it from device memory."""
+    dims = GPU_GROUPS["qkv"]
+    pool = Pool(S=8, R=16, dims=dims, dtype=torch.bfloat16, seed=1)
+    other = Pool(S=8, R=16, dims=dims, dtype=torch.bfloat16, seed=2)
+    x, y0, _, slices = fused_io(T, dims, torch.bfloat16, seed=T)
+    ids = slot_batch(T, 8, seed=1)
+    y = torch.empty_like(y0)
+
+    def step():
+        y.copy_(y0)
+        lt.lora_apply_fused(y, x, pool.As, pool.Bts, slices, ids, pool.scales_list,
+                            pool.ranks_list)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile kernels and cache descriptors before capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for swap in (False, True):
+        if swap:
+            pool.storage.copy_(other.storage)
+            pool.ranks.copy_(other.ranks)
+            pool.scales.copy_(other.scales)
+            ids.copy_(slot_batch(T, 8, seed=2))
+        graph.replay()
+        want = y0.clone()
+        ref.lora_apply_fused_ref(want, x, pool.As, pool.Bts, slices, ids, pool.scales_list)
+        assert rel_err(y, want, y0) < 1e-2
