@@ -68,7 +68,11 @@ class ModelRunner:
         )
         lora = None
         if self.pool is not None and any(s.slot >= 0 for s in seqs):
-            lora = LoraBatch(self.pool, torch.tensor(slot_ids, dtype=torch.int64, device=dev))
+            slot_ids_t = torch.tensor(slot_ids, dtype=torch.int64, device=dev)  # [T]
+            # sort once per batch, not per layer: the prefill kernels want slot-sorted tokens
+            order = torch.sort(slot_ids_t, stable=True).indices if dev.type == "cuda" and (
+                is_prefill) else None
+            lora = LoraBatch(self.pool, slot_ids_t, order)
         with forward_context(ForwardContext(meta, lora)):
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.int64, device=dev),

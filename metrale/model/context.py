@@ -38,6 +38,7 @@ class LoraBatch:
 
     pool: AdapterPool
     slot_ids: torch.Tensor  # [T] int64, -1 = base model only
+    order: torch.Tensor | None = None  # [T] tokens sorted by slot, for CUDA prefill kernels
 
 
 @dataclass

@@ -16,14 +16,13 @@ def lora_apply(
     """y[:, out_slices[i]] += LoRA_{modules[i]}(x) per token slot, in place.
 
     y: [T, sum(out)], x: [T, in]; modules the pool does not serve are skipped."""
-    pool = lora.pool
-    served = pool.layout.pool.target_modules
-    picked = [(m, s) for m, s in zip(modules, out_slices) if m in served]
-    if not picked:
+    views = lora.pool.fused_views(layer, modules, out_slices)
+    if views is None:
         return
-    idx = [pool.layout.module_index(m) for m, _ in picked]
-    As = [pool.lora_a(layer, m) for m, _ in picked]  # each [S, R, in]
-    Bts = [pool.lora_bt(layer, m) for m, _ in picked]  # each [S, R, out_m]
-    scales = [pool.scales[:, layer, i] for i in idx]  # each [S]
-    ranks = [pool.ranks[:, layer, i] for i in idx]  # each [S]
-    lora_apply_fused_ref(y, x, As, Bts, [s for _, s in picked], lora.slot_ids, scales, ranks)
+    As, Bts, slices, scales, ranks = views
+    if y.is_cuda:
+        from metrale.ops.lora_triton import lora_apply_fused
+
+        lora_apply_fused(y, x, As, Bts, slices, lora.slot_ids, scales, ranks, order=lora.order)
+    else:
+        lora_apply_fused_ref(y, x, As, Bts, slices, lora.slot_ids, scales, ranks)

@@ -25,6 +25,7 @@ class AdapterPool:
         self.ranks = torch.zeros(S, L, M, dtype=torch.int32, device=self.device)
         self.scales = torch.zeros(S, L, M, dtype=torch.float32, device=self.device)
         self._views = {key: self._view(r) for key, r in layout.regions.items()}
+        self._fused: dict = {}
 
     def _view(self, region) -> torch.Tensor:
         S = self.layout.max_loras
@@ -40,6 +41,23 @@ class AdapterPool:
     def lora_bt(self, layer: int, module: str) -> torch.Tensor:
         """Bt: [S, max_rank, out]"""
         return self._views[(layer, module, "B")]
+
+    def fused_views(self, layer: int, modules: tuple[str, ...], out_slices: tuple[slice, ...]):
+        """(As, Bts, out_slices, scales, ranks) of the served modules among a fused
+        projection's, or None if the pool serves none; built once per projection."""
+        key = (layer, modules)
+        if key not in self._fused:
+            picked = [(m, s) for m, s in zip(modules, out_slices)
+                      if m in self.layout.pool.target_modules]
+            idx = [self.layout.module_index(m) for m, _ in picked]
+            self._fused[key] = (
+                [self.lora_a(layer, m) for m, _ in picked],  # each [S, R, in]
+                [self.lora_bt(layer, m) for m, _ in picked],  # each [S, R, out_m]
+                [s for _, s in picked],
+                [self.scales[:, layer, i] for i in idx],  # each [S]
+                [self.ranks[:, layer, i] for i in idx],  # each [S]
+            ) if picked else None
+        return self._fused[key]
 
     def slot_region(self, slot: int) -> torch.Tensor:
         n = self.layout.slot_elems
