@@ -63,3 +63,22 @@ def test_demo_adapter_matches_peft(llm):
     base, shout = llm.generate([prompt, prompt], params, [None, "shout"])
     _compare([shout], [_hf_greedy(peft, llm.tokenizer, prompt, 16)])
     assert shout.text != base.text
+
+
+def test_streamed_deltas_add_up_to_final_text_with_stop_strings(llm):
+    """Deltas never include text a stop string later cuts."""
+    engine = llm.engine
+    prompt = llm.chat_prompt("Count from one to ten in words, separated by commas.")
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    full = llm.generate(prompt, greedy)[0].text
+    stop = full[len(full) // 3: len(full) // 3 + 4]  # a stop string inside the answer
+    assert stop.strip()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop]))
+    streamed, final = "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                streamed += out.delta_text
+                final = out if out.finished else final
+    assert final.finish_reason == "stop" and stop not in final.text
+    assert streamed == final.text == full[:full.index(stop)]

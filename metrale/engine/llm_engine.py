@@ -26,6 +26,7 @@ from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingP
 from metrale.engine.scheduler import Scheduler
 from metrale.engine.sequence import Sequence
 from metrale.errors import MetraleError, PeerUnavailableError, UnknownAdapterError
+from metrale.model.llama import LlamaForCausalLM
 from metrale.model.loader import load_model
 from metrale.pool.slots import SlotInfo
 from metrale.pool.swap import LoraSlots
@@ -34,14 +35,18 @@ log = logging.getLogger("metrale.engine")
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, cfg: EngineConfig, tokenizer=None) -> None:
+    def __init__(self, model_dir: str | Path, cfg: EngineConfig, tokenizer=None,
+                 model: LlamaForCausalLM | None = None) -> None:
+        """model: an already built model for model_dir's config.json (benchmarks build
+        random-weight models on the device); None loads model_dir's weights."""
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = torch.device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype)
         self.tokenizer = tokenizer
-        model = load_model(model_dir, self.model_config, self.dtype, self.device,
-                           cfg.max_model_len)
+        if model is None:
+            model = load_model(model_dir, self.model_config, self.dtype, self.device,
+                               cfg.max_model_len)
         self.lora = LoraSlots(self.model_config, cfg.pool, self.device, self.dtype)
         self.adapters = AdapterManager(self.lora, cfg.promotion_timeout_s)
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
@@ -140,20 +145,19 @@ class LLMEngine:
         if lp is not None:
             seq.logprobs.append(lp)
         seq.first_token_time = seq.first_token_time or now
-        prev_text = seq.text
         p = seq.params
-        reason = None
-        if token in self.eos_ids and not p.ignore_eos:
-            reason = "stop"
-        seq.text = self._decode(seq.output_ids)
+        reason = "stop" if token in self.eos_ids and not p.ignore_eos else None
+        full = self._decode(seq.output_ids)
         for stop in p.stop:
-            at = seq.text.find(stop, max(0, len(prev_text) - len(stop)))
+            at = full.find(stop)
             if at >= 0:
-                seq.text, reason = seq.text[:at], "stop"
+                full, reason = full[:at], "stop"
                 break
         if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_seq_tokens):
             reason = "length"
-        out = self._output(seq, delta_text=seq.text[len(prev_text):], delta_ids=[token])
+        prev = seq.text
+        seq.text = full if reason else _stable_prefix(full, p.stop, prev)
+        out = self._output(seq, delta_text=seq.text[len(prev):], delta_ids=[token])
         if reason is not None:
             self.requests.pop(seq.request_id, None)
             self._finish(seq, reason)
@@ -229,3 +233,12 @@ class LLMEngine:
     def slot_info(self) -> list[SlotInfo]:
         return self.lora.slot_info()
 
+
+def _stable_prefix(full: str, stops: tuple[str, ...], emitted: str) -> str:
+    """The part of `full` that can be streamed now: never text a stop string may
+    still cut (hold back len(stop) - 1 chars), nor a half-decoded character, and
+    never shorter than or different from what was already sent."""
+    hold = max((len(s) for s in stops), default=1) - 1
+    stable = full[:len(full) - hold] if hold else full
+    stable = stable.rstrip("\ufffd")
+    return stable if stable.startswith(emitted) and len(stable) >= len(emitted) else emitted
