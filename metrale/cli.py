@@ -80,6 +80,33 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from metrale.server.serve import serve
+
+    return serve(args)
+
+
+def _peer_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from metrale.config import ModelConfig, parse_dtype
+    from metrale.peer.allow import LOOPBACK
+    from metrale.peer.store import serve_store
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.model:
+        model = ModelConfig.from_dir(args.model)
+    else:
+        from metrale.model.default_model import default_model_dir
+
+        model = ModelConfig.from_dir(default_model_dir(progress=_progress))
+    serve_store(args.adapters, model, device=args.device, dtype=parse_dtype(args.dtype),
+                max_lora_rank=args.max_lora_rank, host=args.host, port=args.port,
+                transport=args.transport, client_allow=args.allow_client or LOOPBACK,
+                announce=lambda line: print(line, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="metrale", description="multi-LoRA inference engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -107,6 +134,35 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default=None)
     gen.set_defaults(func=_generate)
+
+    peer = sub.add_parser("peer", help="adapter peers: serve a directory of adapters to engines")
+    peer_sub = peer.add_subparsers(dest="peer_command", required=True)
+    ps = peer_sub.add_parser("serve", help="export every PEFT adapter of a directory over NIXL/HTTP")
+    ps.add_argument("--adapters", required=True, metavar="DIR",
+                    help="directory whose subdirs are PEFT adapters (adapter id = subdir name)")
+    ps.add_argument("--model", help="Hugging Face model dir; only config.json is read "
+                                    "(default: embedded SmolLM2)")
+    ps.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="hold adapters in host memory (pinned when CUDA exists) or on the GPU")
+    ps.add_argument("--dtype", default="float32",
+                    help="storage dtype; must equal the engines' pool dtype for NIXL (HTTP converts)")
+    ps.add_argument("--max-lora-rank", type=int, default=None,
+                    help="refuse adapters above this rank (default: the largest rank found)")
+    ps.add_argument("--host", default="127.0.0.1")
+    ps.add_argument("--port", type=int, default=7460, help="0 picks a free port")
+    ps.add_argument("--transport", default="auto", choices=["auto", "nixl", "http"],
+                    help="data planes to offer; auto = NIXL when installed, plus HTTP")
+    ps.add_argument("--allow-client", action="append", metavar="NET",
+                    help="address, network or host allowed to lease (repeatable; default loopback)")
+    ps.set_defaults(func=_peer_serve)
+
+    from metrale.server.client import add_adapters_parser
+    from metrale.server.serve import add_serve_arguments
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible server with runtime adapter management")
+    add_serve_arguments(srv)
+    srv.set_defaults(func=_serve)
+    add_adapters_parser(sub)  # `metrale adapters ...`: a client of a running server
     return p
 
 

@@ -1,0 +1,140 @@
+"""Adapter management over HTTP, in three dialects that share one implementation:
+
+- vLLM:     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
+- original: POST /v1/lora/load (swap into a given slot), POST /v1/lora/active
+- native:   GET/POST /v1/adapters, POST /v1/adapters/{name}/promote|swap|pin|unpin,
+            DELETE /v1/adapters/{name}
+
+Every mutation needs the admin key (auth.require_admin); client-supplied paths
+must resolve inside --adapter-root (paths.resolve_adapter_path).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from metrale.errors import UnknownAdapterError
+from metrale.pool.swap import validate_adapter_name
+from metrale.server.async_engine import AsyncEngine
+from metrale.server.auth import require_admin, require_user
+from metrale.server.errors import AdapterExistsError, BadRequestError
+from metrale.server.paths import resolve_adapter_path
+from metrale.server.protocol import (
+    ActiveAdapterRequest,
+    LoadLoraRequest,
+    RegisterRequest,
+    SlotLoadRequest,
+    SwapRequest,
+    UnloadLoraRequest,
+)
+from metrale.server.settings import ServerSettings
+
+reads = APIRouter(dependencies=[Depends(require_user)])
+admin = APIRouter(dependencies=[Depends(require_admin)])
+
+
+def _ctx(request: Request) -> tuple[AsyncEngine, ServerSettings]:
+    return request.app.state.engine, request.app.state.settings
+
+
+# --- vLLM ------------------------------------------------------------------------------
+
+
+@admin.post("/v1/load_lora_adapter")
+async def vllm_load(body: LoadLoraRequest, request: Request) -> PlainTextResponse:
+    engine, settings = _ctx(request)
+    path = resolve_adapter_path(body.lora_path, settings.adapter_roots, "lora_path")
+    try:
+        await engine.register(body.lora_name, path, reload=body.load_inplace)
+    except AdapterExistsError:  # vLLM answers 400 here, and so do we
+        raise BadRequestError(f"The lora adapter '{body.lora_name}' has already been loaded. "
+                              "Set load_inplace=true to replace it.", "lora_name") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@admin.post("/v1/unload_lora_adapter")
+async def vllm_unload(body: UnloadLoraRequest, request: Request) -> PlainTextResponse:
+    engine, _ = _ctx(request)
+    await engine.unload(body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+# --- the original engine's endpoints ---------------------------------------------------------
+
+
+@admin.post("/v1/lora/load")
+async def slot_load(body: SlotLoadRequest, request: Request) -> dict:
+    engine, settings = _ctx(request)
+    path = resolve_adapter_path(body.path, settings.adapter_roots, "path")
+    view = await engine.swap(body.name, body.slot, path)
+    return {"adapter": view.as_dict()}
+
+
+@admin.post("/v1/lora/active")
+async def set_active(body: ActiveAdapterRequest, request: Request) -> dict:
+    engine, settings = _ctx(request)
+    name = body.adapter or None
+    if name is not None and name != settings.model_id:
+        validate_adapter_name(name)
+        if not await engine.is_known(name):
+            raise UnknownAdapterError(f"adapter {name!r} is not registered")
+    settings.default_adapter = None if name == settings.model_id else name
+    return {"adapter": settings.default_adapter}
+
+
+@reads.get("/v1/lora/active")
+async def get_active(request: Request) -> dict:
+    return {"adapter": request.app.state.settings.default_adapter}
+
+
+# --- native ---------------------------------------------------------------------------------
+
+
+@reads.get("/v1/adapters")
+async def list_adapters(request: Request) -> dict:
+    engine, settings = _ctx(request)
+    snapshot = await engine.snapshot()
+    return {"model": settings.model_id, "default_adapter": settings.default_adapter,
+            "adapters": [a.as_dict() for a in snapshot["adapters"]], "slots": snapshot["slots"]}
+
+
+@admin.post("/v1/adapters", status_code=201)
+async def register(body: RegisterRequest, request: Request) -> JSONResponse:
+    engine, settings = _ctx(request)
+    path = resolve_adapter_path(body.path, settings.adapter_roots, "path")
+    view = await engine.register(body.name, path, pinned=body.pinned)
+    return JSONResponse({"adapter": view.as_dict()}, status_code=201)
+
+
+@admin.post("/v1/adapters/{name}/promote")
+async def promote(name: str, request: Request) -> dict:
+    engine, _ = _ctx(request)
+    view, evicted = await engine.promote(name)
+    return {"adapter": view.as_dict(), "evicted": evicted}
+
+
+@admin.post("/v1/adapters/{name}/swap")
+async def swap(name: str, body: SwapRequest, request: Request) -> dict:
+    engine, _ = _ctx(request)
+    view = await engine.swap(name, body.slot)
+    return {"adapter": view.as_dict()}
+
+
+@admin.post("/v1/adapters/{name}/pin")
+async def pin(name: str, request: Request) -> dict:
+    engine, _ = _ctx(request)
+    return {"adapter": (await engine.pin(name, True)).as_dict()}
+
+
+@admin.post("/v1/adapters/{name}/unpin")
+async def unpin(name: str, request: Request) -> dict:
+    engine, _ = _ctx(request)
+    return {"adapter": (await engine.pin(name, False)).as_dict()}
+
+
+@admin.delete("/v1/adapters/{name}")
+async def unload(name: str, request: Request) -> dict:
+    engine, _ = _ctx(request)
+    status = await engine.unload(name)
+    return {"name": name, "status": status}

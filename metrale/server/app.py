@@ -1,0 +1,149 @@
+"""create_app: the FastAPI application over one AsyncEngine.
+
+Every refusal leaves as OpenAI error JSON with an honest status code and is
+counted in metrale_refusals_total by class name; nothing a client sends can
+stop the server from answering the next request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from metrale.errors import MetraleError
+from metrale.server import admin_api, openai_api
+from metrale.server.async_engine import AsyncEngine
+from metrale.server.errors import error_body, exception_body
+from metrale.server.metrics import ServerMetrics
+from metrale.server.settings import ServerSettings
+
+log = logging.getLogger("metrale.server")
+
+
+class BodyLimit:
+    """413 for request bodies over max_bytes, declared (Content-Length) or streamed
+    (chunked: buffered up to the limit, then replayed to the app)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics) -> None:
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit() or int(declared) > self.max_bytes:
+                return await self._refuse(send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # disconnect: let the app see it
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(send)
+            if not message.get("more_body", False):
+                break
+        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks),
+                                  "more_body": False}]
+
+        async def replayed() -> Message:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, send: Send) -> None:
+        self.metrics.refusals.labels("PayloadTooLargeError").inc()
+        response = JSONResponse(
+            error_body(f"request body exceeds {self.max_bytes} bytes", "invalid_request_error"),
+            status_code=413)
+        await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    """The app; its lifespan starts the engine thread and shuts it down gracefully."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        settings.started = settings.started or time.time()
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="metrale", lifespan=lifespan)
+    app.state.engine, app.state.settings = engine, settings
+    metrics = engine.metrics
+
+    def refuse(exc: BaseException) -> JSONResponse:
+        status, body = exception_body(exc)
+        metrics.refusals.labels(type(exc).__name__).inc()
+        if status >= 500 and not isinstance(exc, MetraleError):
+            log.error("internal error", exc_info=exc)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(MetraleError)
+    async def _metrale(request: Request, exc: MetraleError) -> JSONResponse:
+        return refuse(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.refusals.labels("RequestValidationError").inc()
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            reason = (errors[0].get("ctx") or {}).get("error", "")
+            return JSONResponse(error_body(f"the request body is not valid JSON: {reason}",
+                                           "invalid_request_error"), status_code=400)
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+            for e in errors) or "invalid request"
+        return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        metrics.refusals.labels("HTTPException").inc()
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        return refuse(exc)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.alive:
+            return JSONResponse({"status": "ok", "model": settings.model_id})
+        reason = f"engine failed: {engine.error!r}" if engine.error else "engine stopped"
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if engine.alive:
+            snapshot = await engine.snapshot()
+            metrics.set_residency(
+                (a.name, "none" if a.slot is None else str(a.slot), a.state)
+                for a in snapshot["adapters"])
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    app.include_router(openai_api.router)
+    app.include_router(admin_api.reads)
+    app.include_router(admin_api.admin)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics)
+    return app

@@ -1,0 +1,220 @@
+"""AsyncEngine: the LLMEngine on one background thread, for an asyncio server.
+
+The engine is single-threaded by design: every mutation (admission, abort,
+adapter operations) is handed to `engine.call_soon` and runs on the engine
+thread between two steps. The thread steps while there is work and sleeps on
+an Event when there is none; each RequestOutput goes to its request's asyncio
+queue through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from metrale.engine.llm_engine import LLMEngine
+from metrale.engine.outputs import RequestOutput
+from metrale.engine.sampling_params import SamplingParams
+from metrale.server.adapter_ops import AdapterOps, AdapterView
+from metrale.server.errors import EngineUnavailableError
+from metrale.server.metrics import ServerMetrics
+
+log = logging.getLogger("metrale.server")
+T = TypeVar("T")
+
+# While requests wait for a slot (POOL_FULL) no step makes progress; poll at this
+# period so promotion timeouts still fire, instead of spinning on empty steps.
+_WAIT_POLL_S = 0.02
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float
+    adapter: str | None
+    last_token: float | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self.metrics.instrument(engine.lora)
+        self.ops = AdapterOps(engine, self.metrics)
+        self._streams: dict[str, _Stream] = {}  # touched by both threads; dict ops are atomic
+        self._futures: set[concurrent.futures.Future] = set()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # why the engine thread died, if it did
+        self._accepting = True
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="metrale-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    async def shutdown(self, drain_timeout_s: float = 5.0) -> None:
+        """Let running requests finish for up to drain_timeout_s, then abort the rest
+        and stop the thread. New work is refused from the first moment."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self._streams and time.monotonic() < deadline and self.alive:
+            await asyncio.sleep(0.05)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+        self._fail_leftovers(EngineUnavailableError("the server is shutting down"))
+
+    # --- calls onto the engine thread ---------------------------------------------------
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future:
+        if not self.alive:
+            raise EngineUnavailableError(
+                f"the engine is not running{f' (it failed: {self.error})' if self.error else ''}")
+        future = self.engine.call_soon(fn)
+        self._futures.add(future)
+        future.add_done_callback(self._futures.discard)
+        self._wake.set()
+        return future
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine thread between two steps; its exception is raised here."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    # --- generation ---------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes. Admission errors (unknown
+        adapter, bad params) and request errors (POOL_FULL after the wait) are raised;
+        leaving the iterator early (client gone, task cancelled) aborts the request."""
+        if not self._accepting:
+            raise EngineUnavailableError("the server is shutting down")
+        request_id = f"req-{uuid.uuid4().hex}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), adapter)
+        self._streams[request_id] = stream  # before admission: no output can be missed
+        finished = False
+        try:
+            await self.call(lambda: self.ops.admit(prompt, params, adapter, request_id))
+            while True:
+                out = await stream.queue.get()
+                if isinstance(out, BaseException):  # engine died or shut down
+                    finished = True
+                    raise out
+                if out.error is not None:
+                    finished = True
+                    raise out.error
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.alive:
+                # the consumer left early (or admission was cancelled mid-flight);
+                # abort of an unknown id is a no-op, so this is safe either way
+                try:
+                    self.submit(lambda: self.engine.abort(request_id))
+                except EngineUnavailableError:
+                    pass  # stopped meanwhile: shutdown aborts every request
+
+    # --- adapter management (awaited, on the engine thread) -------------------------------
+
+    async def register(self, name: str, path: str | Path, pinned: bool = False,
+                       reload: bool = False) -> AdapterView:
+        return await self.call(lambda: self.ops.register(name, path, pinned, reload))
+
+    async def promote(self, name: str) -> tuple[AdapterView, str | None]:
+        return await self.call(lambda: self.ops.promote(name))
+
+    async def swap(self, name: str, slot: int, path: str | Path | None = None) -> AdapterView:
+        return await self.call(lambda: self.ops.swap(name, slot, path))
+
+    async def pin(self, name: str, pinned: bool = True) -> AdapterView:
+        return await self.call(lambda: self.ops.set_pinned(name, pinned))
+
+    async def unload(self, name: str) -> str:
+        return await self.call(lambda: self.ops.unload(name))
+
+    async def snapshot(self) -> dict:
+        return await self.call(self.ops.snapshot)
+
+    async def is_known(self, name: str) -> bool:
+        return await self.call(lambda: name in self.ops.registry and name not in self.ops.draining)
+
+    # --- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()  # before step: a call arriving during the step re-sets it
+                outputs = engine.step()
+                self.ops.after_step()
+                self._dispatch(outputs)
+                if not outputs:
+                    self._wake.wait(_WAIT_POLL_S if engine.has_unfinished_requests() else None)
+            for request_id in list(engine.requests):
+                engine.abort(request_id)
+        except BaseException as e:  # a bug or a device error: fail loudly, never hang clients
+            log.exception("engine thread failed; the server can no longer generate")
+            self.error = e
+            self._stop.set()
+            self._fail_leftovers(EngineUnavailableError(f"the engine failed: {e!r}"))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if out.delta_token_ids:
+                m.generated_tokens.labels(out.adapter or "").inc(len(out.delta_token_ids))
+                if stream is not None:
+                    if stream.last_token is None:
+                        m.ttft.observe(now - stream.arrival)
+                    else:
+                        m.itl.observe(now - stream.last_token)
+                    stream.last_token = now
+            if out.finished:
+                m.finished.labels(out.finish_reason or "unknown").inc()
+            if stream is not None:
+                self._put(stream, out)
+
+    @staticmethod
+    def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is listening any more
+            pass
+
+    def _fail_leftovers(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                self._put(stream, error)
+        if self._thread is not None and self._thread.is_alive() and \
+                self._thread is not threading.current_thread():
+            return  # still running commands (join timed out): never race it for a future
+        for future in list(self._futures):
+            try:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(error)
+            except RuntimeError:  # already running or done
+                pass

@@ -1,0 +1,108 @@
+"""Refusals as OpenAI error JSON with honest status codes.
+
+Status codes come from the exception's class, never from its message: the
+engine's typed errors (metrale.errors) plus the few the HTTP layer adds here.
+"""
+
+from __future__ import annotations
+
+from metrale.engine.sampling_params import InvalidSamplingParamsError
+from metrale.errors import (
+    AdapterError,
+    InvalidNameError,
+    LandingError,
+    MetraleError,
+    NoAdapterPoolError,
+    PeerUnavailableError,
+    PoolFullError,
+    RuntimeSwapsDisabledError,
+    SlotBusyError,
+    SlotOutOfRangeError,
+    UnknownAdapterError,
+)
+
+
+class ServerError(MetraleError):
+    """A refusal decided by the HTTP layer; `param` names the offending field."""
+
+    status = 400
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class BadRequestError(ServerError):
+    status = 400
+
+
+class AuthenticationError(ServerError):
+    status = 401
+
+
+class PermissionDeniedError(ServerError):
+    status = 403
+
+
+class AdapterPathError(ServerError):
+    """An adapter path outside the configured roots, or not an adapter directory."""
+
+    status = 403
+
+
+class AdapterExistsError(ServerError):
+    status = 409
+
+
+class PayloadTooLargeError(ServerError):
+    status = 413
+
+
+class EngineUnavailableError(ServerError):
+    """The engine thread stopped (shutdown) or died; nothing can be served."""
+
+    status = 503
+
+
+# (class, status, OpenAI error type, code). First match wins, so subclasses go first.
+_TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
+    (InvalidSamplingParamsError, 400, "invalid_request_error", "invalid_parameter"),
+    (InvalidNameError, 400, "invalid_request_error", "invalid_adapter_name"),
+    (SlotOutOfRangeError, 400, "invalid_request_error", "slot_out_of_range"),
+    (NoAdapterPoolError, 400, "invalid_request_error", "no_adapter_pool"),
+    (RuntimeSwapsDisabledError, 403, "permission_error", "runtime_swaps_disabled"),
+    (UnknownAdapterError, 404, "not_found_error", "model_not_found"),
+    (SlotBusyError, 409, "conflict_error", "slot_busy"),
+    (AdapterError, 422, "invalid_request_error", "invalid_adapter"),
+    (PoolFullError, 503, "service_unavailable_error", "pool_full"),
+    (LandingError, 500, "internal_error", "landing_failed"),
+    (PeerUnavailableError, 501, "not_implemented_error", "peer_unavailable"),
+]
+
+_SERVER_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    409: "conflict_error", 413: "invalid_request_error", 503: "service_unavailable_error",
+}
+
+
+def classify(exc: BaseException) -> tuple[int, str, str | None]:
+    """(status, OpenAI error type, code) for an exception."""
+    if isinstance(exc, ServerError):
+        return exc.status, _SERVER_TYPES.get(exc.status, "invalid_request_error"), None
+    for cls, status, kind, code in _TABLE:
+        if isinstance(exc, cls):
+            return status, kind, code
+    if isinstance(exc, MetraleError):  # e.g. "this model has no tokenizer": the request's fault
+        return 400, "invalid_request_error", None
+    return 500, "internal_error", None
+
+
+def error_body(message: str, kind: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def exception_body(exc: BaseException) -> tuple[int, dict]:
+    status, kind, code = classify(exc)
+    message = str(exc) if status < 500 or isinstance(exc, MetraleError) else "internal server error"
+    return status, error_body(message, kind, getattr(exc, "param", None), code)

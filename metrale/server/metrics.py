@@ -1,0 +1,114 @@
+"""Prometheus metrics of one server (its own CollectorRegistry: two servers in
+one process, e.g. in tests, never share counters) and the structured log line
+of every adapter landing."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from metrale.errors import PoolFullError
+
+log = logging.getLogger("metrale.server")
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    30.0, 60.0)
+_SAFE = re.compile(r"[A-Za-z0-9._:/-]+")
+
+
+def kv(**fields: object) -> str:
+    """key=value pairs for a log line; values with spaces or quotes are JSON-quoted
+    so a hostile adapter name cannot forge extra fields or lines."""
+    parts = []
+    for key, value in fields.items():
+        text = "null" if value is None else str(value)
+        parts.append(f"{key}={text if _SAFE.fullmatch(text) else json.dumps(text)}")
+    return " ".join(parts)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.adapter_resident = Gauge(
+            "metrale_adapter_resident", "1 per registered adapter, labelled by where it lives "
+            "(slot 'none' and state 'DISK' when not resident)", ["adapter", "slot", "state"],
+            registry=r)
+        self.swap_seconds = Histogram(
+            "metrale_adapter_swap_seconds", "Latency of landing an adapter into a given slot",
+            ["source"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.promote_seconds = Histogram(
+            "metrale_adapter_promote_seconds", "Latency of promoting an adapter into a victim slot",
+            ["source"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.landings = Counter(
+            "metrale_adapter_landings", "Adapter swaps and promotions by outcome",
+            ["op", "source", "result"], registry=r)
+        self.refusals = Counter(
+            "metrale_refusals", "Refused requests by reason (the error class)", ["reason"],
+            registry=r)
+        self.pool_full_waits = Counter(
+            "metrale_pool_full_waits", "Requests that had to wait for a free adapter slot",
+            registry=r)
+        self.pool_full_waiting = Gauge(
+            "metrale_pool_full_waiting", "Requests waiting for a free adapter slot now", registry=r)
+        self.waiting = Gauge("metrale_requests_waiting", "Requests queued (not running)", registry=r)
+        self.running = Gauge("metrale_requests_running", "Sequences running", registry=r)
+        self.generated_tokens = Counter(
+            "metrale_generation_tokens", "Generated tokens ('' = base model)", ["adapter"],
+            registry=r)
+        self.finished = Counter(
+            "metrale_requests_finished", "Finished requests by finish reason", ["finish_reason"],
+            registry=r)
+        self.ttft = Histogram(
+            "metrale_time_to_first_token_seconds", "Arrival to first generated token",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(
+            "metrale_inter_token_latency_seconds", "Time between two tokens of one request",
+            buckets=_LATENCY_BUCKETS, registry=r)
+
+    def set_residency(self, rows: Iterable[tuple[str, str, str]]) -> None:
+        """Replace the residency gauge with (adapter, slot, state) rows."""
+        self.adapter_resident.clear()
+        for adapter, slot, state in rows:
+            self.adapter_resident.labels(adapter, slot, state).set(1)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def instrument(self, lora) -> None:
+        """Time every swap and promotion of this LoraSlots, the engine's own on-demand
+        promotions included: the engine has no landing hook, so the two bound
+        methods are wrapped on the instance (AdapterManager calls through it)."""
+        lora.swap_lora_slot_from_disk = self._timed("swap", lora.swap_lora_slot_from_disk)
+        lora.promote_lora_slot_from_disk = self._timed("promote", lora.promote_lora_slot_from_disk)
+
+    def _timed(self, op: str, fn: Callable) -> Callable:
+        histogram = self.swap_seconds if op == "swap" else self.promote_seconds
+
+        @functools.wraps(fn)
+        def wrapper(adapter_dir, name, *args):
+            start = time.perf_counter()
+            try:
+                result = fn(adapter_dir, name, *args)
+            except PoolFullError:
+                raise  # a wait, not a failed landing: on-demand promotions retry every step
+            except Exception as e:
+                ms = (time.perf_counter() - start) * 1e3
+                self.landings.labels(op, "disk", "error").inc()
+                log.warning("%s", kv(event=op, adapter=name, source="disk", result="error",
+                                     error=type(e).__name__, duration_ms=f"{ms:.2f}"))
+                raise
+            seconds = time.perf_counter() - start
+            histogram.labels("disk").observe(seconds)
+            self.landings.labels(op, "disk", "ok").inc()
+            slot, evicted = result if op == "promote" else (args[0], None)
+            log.info("%s", kv(event=op, adapter=name, slot=slot, evicted=evicted, source="disk",
+                              result="ok", duration_ms=f"{seconds * 1e3:.2f}"))
+            return result
+
+        return wrapper

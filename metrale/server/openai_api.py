@@ -1,0 +1,191 @@
+"""The OpenAI-compatible inference endpoints: /v1/completions,
+/v1/chat/completions (plain and SSE streaming) and /v1/models.
+
+Which adapter answers: an `adapter` field, when present, wins; else `model`
+names it (also as `base:adapter`). The base model's id, or no model at all,
+means "no adapter named": the server's default adapter (POST /v1/lora/active)
+if one is set, else the base model. `adapter: null` or the base id in
+`adapter` always means the base model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from metrale.engine.outputs import RequestOutput
+from metrale.server.async_engine import AsyncEngine
+from metrale.server.auth import require_user
+from metrale.server.errors import BadRequestError, exception_body
+from metrale.server.protocol import ChatCompletionRequest, CompletionRequest, _Request
+from metrale.server.responses import ChatFormatter, CompletionFormatter, TokenText, sse
+from metrale.server.settings import ServerSettings
+
+router = APIRouter(dependencies=[Depends(require_user)])
+T = TypeVar("T")
+
+_DISCONNECT_POLL_S = 0.25
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ClientDisconnected(Exception):
+    """The client went away; its request was aborted and nobody reads the answer."""
+
+
+def _ctx(request: Request) -> tuple[AsyncEngine, ServerSettings]:
+    return request.app.state.engine, request.app.state.settings
+
+
+def resolve_adapter(body: _Request, settings: ServerSettings) -> str | None:
+    explicit = "adapter" in body.model_fields_set
+    name = body.adapter if explicit else body.model
+    base_ids = (settings.model_id, "base")
+    if name and name != settings.model_id:
+        prefix, sep, rest = name.rpartition(":")
+        if sep and prefix in base_ids:  # "base:adapter" / "<model id>:adapter"
+            name = rest
+    if not name or name == settings.model_id:
+        return None if explicit else settings.default_adapter
+    return name
+
+
+def _max_tokens(requested: int | None, default: int, settings: ServerSettings) -> int:
+    if requested is None:
+        return min(default, settings.max_tokens_limit)
+    if requested > settings.max_tokens_limit:
+        raise BadRequestError(
+            f"max_tokens={requested} exceeds this server's limit of {settings.max_tokens_limit} "
+            "(--max-tokens-limit)", "max_tokens")
+    return requested  # < 1 is refused by SamplingParams
+
+
+async def _watch(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts the request) if the client disconnects:
+    Starlette cancels nothing by itself for a response not yet started."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async with contextlib.aclosing(gen):
+        async for out in gen:
+            last = out
+    return last
+
+
+async def _respond(request: Request, gen: AsyncIterator[RequestOutput], fmt, stream: bool,
+                   include_usage: bool) -> Response:
+    if not stream:
+        try:
+            out = await _watch(request, _last(gen))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(fmt.final(out))
+    # Wait for the first output before answering, so that refusals that come late
+    # (POOL_FULL after the promotion wait, a broken adapter) still get their status code.
+    try:
+        first = await _watch(request, anext(gen))
+    except ClientDisconnected:
+        await gen.aclose()
+        return Response(status_code=499)
+    metrics = request.app.state.engine.metrics
+
+    async def events() -> AsyncIterator[str]:
+        async with contextlib.aclosing(gen):  # closing aborts the request (client gone)
+            if isinstance(fmt, ChatFormatter):
+                yield sse(fmt.role_chunk())
+            out = first
+            try:
+                yield sse(fmt.chunk(out))
+                async for out in gen:
+                    yield sse(fmt.chunk(out))
+            except Exception as e:  # the status line is sent: report in-band, then end
+                metrics.refusals.labels(type(e).__name__).inc()
+                yield sse(exception_body(e)[1])
+            else:
+                if include_usage:
+                    yield sse(fmt.usage_chunk(out))
+            yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    engine, settings = _ctx(request)
+    body.refuse_unsupported()
+    prompt = body.single_prompt()
+    max_tokens = _max_tokens(body.max_tokens, _COMPLETIONS_DEFAULT_MAX_TOKENS, settings)
+    params = body.sampling_params(max_tokens, body.logprobs)
+    adapter = resolve_adapter(body, settings)
+    fmt = CompletionFormatter(body.model or settings.model_id, TokenText(engine.engine.tokenizer),
+                              body.logprobs is not None)
+    gen = engine.generate(prompt, params, adapter)
+    return await _respond(request, gen, fmt, bool(body.stream), body.include_usage)
+
+
+def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> str:
+    tokenizer = engine.engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise BadRequestError("this model has no chat template; use /v1/completions", "messages")
+    messages = [m.as_template_dict() for m in body.messages]
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja raises on roles/orders the template does not accept
+        raise BadRequestError(f"the chat template refused these messages: {e}", "messages") from e
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    engine, settings = _ctx(request)
+    body.refuse_unsupported()
+    prompt = _chat_prompt(engine, body)
+    # Default: as long as the context allows (OpenAI's behaviour), capped by the server limit.
+    room = engine.engine.max_seq_tokens - len(engine.engine.tokenizer.encode(prompt))
+    if room < 1:
+        raise BadRequestError(f"the messages fill the model's context of "
+                              f"{engine.engine.max_seq_tokens} tokens", "messages")
+    max_tokens = _max_tokens(body.requested_max_tokens, room, settings)
+    params = body.sampling_params(max_tokens, body.engine_logprobs)
+    adapter = resolve_adapter(body, settings)
+    fmt = ChatFormatter(body.model or settings.model_id, TokenText(engine.engine.tokenizer),
+                        bool(body.logprobs))
+    gen = engine.generate(prompt, params, adapter)
+    return await _respond(request, gen, fmt, bool(body.stream), body.include_usage)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    engine, settings = _ctx(request)
+    snapshot = await engine.snapshot()
+    data = [{"id": settings.model_id, "object": "model", "created": int(settings.started),
+             "owned_by": "metrale", "root": settings.model_id, "parent": None,
+             "max_model_len": engine.engine.max_seq_tokens,
+             "default_adapter": settings.default_adapter}]
+    for a in snapshot["adapters"]:
+        data.append({
+            "id": a.name, "object": "model", "created": int(settings.started),
+            "owned_by": "metrale", "root": a.name, "parent": settings.model_id,
+            "residency": {"slot": a.slot, "uid": a.uid, "state": a.state, "pinned": a.pinned,
+                          "last_used": a.last_used, "ref_count": a.ref_count,
+                          "unloading": a.unloading},
+        })
+    return {"object": "list", "data": data}

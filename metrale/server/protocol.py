@@ -1,0 +1,169 @@
+"""OpenAI request bodies and how they map onto SamplingParams.
+
+Unknown fields are accepted and ignored (clients send `user`, `metadata`...),
+but a field that would change the output and that the engine cannot honour
+(n > 1, penalties, logit_bias, echo, tools...) is refused with 400 rather than
+silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from metrale.engine.sampling_params import SamplingParams
+from metrale.server.errors import BadRequestError
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    adapter: str | None = None  # metrale extension; when present it wins over `model`
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM)
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    ignore_eos: bool | None = None  # extension (vLLM)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    def refuse_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise BadRequestError("only n=1 is supported; send one request per completion", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise BadRequestError(f"{name} is not supported by this server", name)
+        if self.logit_bias:
+            raise BadRequestError("logit_bias is not supported by this server", "logit_bias")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises InvalidSamplingParamsError (400) on out-of-range values."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, seed=self.seed, stop=tuple(stop),
+            ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise BadRequestError("echo is not supported by this server", "echo")
+        if self.best_of not in (None, 1):
+            raise BadRequestError("only best_of=1 is supported", "best_of")
+        if self.suffix:
+            raise BadRequestError("suffix is not supported by this server", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The prompt as text or token ids; batches of prompts are refused (n=1 only)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if p and all(isinstance(t, int) for t in p):
+            return list(p)
+        if len(p) == 1:
+            return p[0]
+        raise BadRequestError("send exactly one prompt per request (a string or a list of "
+                              "token ids)", "prompt")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):  # content parts: only text can be served
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequestError("only text content parts are supported", "messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if not self.messages:
+            raise BadRequestError("messages must not be empty", "messages")
+        if self.tools:
+            raise BadRequestError("tools are not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise BadRequestError("only response_format type 'text' is supported",
+                                  "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequestError("top_logprobs requires logprobs=true", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class LoadLoraRequest(BaseModel):  # vLLM's /v1/load_lora_adapter
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoraRequest(BaseModel):  # vLLM's /v1/unload_lora_adapter
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+class SlotLoadRequest(BaseModel):  # the original engine's /v1/lora/load
+    name: str
+    path: str
+    slot: int
+
+
+class ActiveAdapterRequest(BaseModel):  # the original engine's /v1/lora/active
+    adapter: str | None
+
+
+class RegisterRequest(BaseModel):
+    name: str
+    path: str
+    pinned: bool = False
+
+
+class SwapRequest(BaseModel):
+    slot: int

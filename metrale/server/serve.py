@@ -1,0 +1,138 @@
+"""`metrale serve`: build the engine from command-line arguments and run uvicorn.
+
+With no arguments it serves the embedded default model with its demo adapters
+(registered, not pinned: they are promoted on first use) on 127.0.0.1:8000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_adapter_args(values: list[str]) -> dict[str, str]:
+    out = {}
+    for item in values:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"metrale: --adapter expects NAME=DIR, got {item!r}")
+        out[name] = path
+    return out
+
+
+def curl_example(base_url: str, model: str, api_key: bool) -> str:
+    body = {"model": model,
+            "messages": [{"role": "user", "content": "Tell me about the moon."}],
+            "max_tokens": 48, "temperature": 0}
+    auth = ' -H "Authorization: Bearer $METRALE_API_KEY"' if api_key else ""
+    return (f"curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d {shlex.quote(json.dumps(body))}")
+
+
+def build_app(args: argparse.Namespace):
+    """(app, settings, adapter names) for the parsed `serve` arguments; no socket yet."""
+    from metrale.engine.llm import LLM
+    from metrale.server.app import create_app
+    from metrale.server.async_engine import AsyncEngine
+    from metrale.server.settings import ServerSettings
+
+    pinned = parse_adapter_args(args.adapter)
+    unpinned: dict[str, Path] = {}
+    model = args.model
+    if model is None:
+        from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+        from metrale.model.default_model import default_model_dir
+
+        model = default_model_dir(progress=_progress)
+        unpinned = {n: demo_adapter_dir(n, progress=_progress) for n in DEMO_ADAPTERS
+                    if n not in pinned}
+    model_dir = Path(model)
+    for root in args.adapter_root:
+        if not Path(root).is_dir():
+            raise SystemExit(f"metrale: --adapter-root {root!r} is not a directory")
+
+    # Runtime swaps are switched off only after the start-up adapters have landed:
+    # --no-runtime-swaps freezes the pool as configured, it must not forbid configuring it.
+    llm = LLM(model_dir, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+              device=args.device, dtype=args.dtype, allow_runtime_swaps=True,
+              max_model_len=args.max_model_len, promotion_timeout_s=args.promotion_timeout,
+              **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}))
+    engine = llm.engine
+    for name, path in unpinned.items():
+        # without runtime swaps an unpinned adapter could never become resident
+        engine.register_adapter(name, path, pinned=args.no_runtime_swaps)
+    for name, path in pinned.items():
+        engine.register_adapter(name, path, pinned=True)
+    if args.no_runtime_swaps:
+        engine.lora.pool_config = replace(engine.lora.pool_config, allow_runtime_swaps=False)
+
+    settings = ServerSettings(
+        model_id=model_dir.name, host=args.host, port=args.port,
+        api_key=args.api_key or os.environ.get("METRALE_API_KEY") or None,
+        admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
+        adapter_roots=tuple(Path(r) for r in args.adapter_root),
+        max_tokens_limit=args.max_tokens_limit)
+    return create_app(AsyncEngine(engine), settings), settings, list(pinned) + list(unpinned)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from metrale.server.settings import is_loopback
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    app, settings, names = build_app(args)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    base_url = f"http://{host}:{args.port}"
+    example = "shout" if "shout" in names else (names[0] if names else settings.model_id)
+    print(f"metrale: serving {settings.model_id} with adapters {names or 'none'} at {base_url}/v1",
+          flush=True)
+    print(f"metrale: try\n  {curl_example(base_url, example, settings.api_key is not None)}",
+          flush=True)
+    if settings.admin_open_to_network:
+        print("metrale: WARNING: listening beyond loopback without --admin-key: adapter "
+              "management endpoints are disabled", flush=True)
+    if not is_loopback(args.host) and settings.api_key is None:
+        print("metrale: WARNING: listening beyond loopback without --api-key: anyone who can "
+              "reach this port can generate", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=10)
+    return 0
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model dir (default: embedded SmolLM2-135M-Instruct "
+                                   "with the demo adapters 'shout' and 'pirate')")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                   help="serve a PEFT adapter, pinned in a slot from start-up (repeatable)")
+    p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
+                   help="allow loading adapters by path at run time, only inside DIR (repeatable)")
+    p.add_argument("--max-loras", type=int, default=4, help="adapter slots on the device")
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="required as 'Authorization: Bearer' on inference "
+                                     "endpoints (or set METRALE_API_KEY)")
+    p.add_argument("--admin-key", help="required on every adapter-management endpoint "
+                                       "(or set METRALE_ADMIN_KEY)")
+    p.add_argument("--no-runtime-swaps", action="store_true",
+                   help="freeze the adapter pool after start-up")
+    p.add_argument("--promotion-timeout", type=float, default=30.0,
+                   help="seconds a request waits for a free adapter slot before POOL_FULL (503)")
+    p.add_argument("--max-tokens-limit", type=int, default=2048,
+                   help="refuse requests asking for more max_tokens (400)")
+

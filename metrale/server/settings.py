@@ -1,0 +1,47 @@
+"""What the HTTP layer needs to know that the engine does not: keys, limits,
+where adapters may be loaded from, and the server-wide default adapter."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def is_loopback(host: str) -> bool:
+    """True only for addresses that cannot be reached from another machine.
+    Anything else (0.0.0.0, ::, a hostname other than localhost) counts as exposed."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class ServerSettings:
+    model_id: str  # the base model's name in /v1/models and in requests
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # inference endpoints
+    admin_key: str | None = None  # every mutation endpoint
+    adapter_roots: tuple[Path, ...] = ()  # path-based loading only inside these; none = refused
+    max_tokens_limit: int = 2048
+    max_body_bytes: int = 1 << 20
+    # Used by requests that name no adapter. Changed only by POST /v1/lora/active,
+    # never by promotions or swaps: which adapter answers must not depend on cache state.
+    default_adapter: str | None = None
+    started: float = field(default=0.0)
+
+    def __post_init__(self) -> None:
+        # Resolve once: a root that is itself a symlink is trusted as configured,
+        # and containment checks compare resolved paths on both sides.
+        self.adapter_roots = tuple(Path(r).resolve(strict=True) for r in self.adapter_roots)
+        if self.max_tokens_limit < 1:
+            raise ValueError("max_tokens_limit must be >= 1")
+
+    @property
+    def admin_open_to_network(self) -> bool:
+        """Mutations are disabled when reachable from other machines without an admin key."""
+        return self.admin_key is None and not is_loopback(self.host)

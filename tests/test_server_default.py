@@ -1,0 +1,64 @@
+"""`metrale serve` with no model arguments: the embedded default model and its
+demo adapters, the banner's curl pasted as is, equal to the offline engine.
+
+Slow (the real 135M model) and skipped until the default model and the demo
+adapters are cached: training them is `python -m metrale.demo_adapters`'s job,
+not this test's."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+import torch
+
+from metrale.demo_adapters import DEMO_ADAPTERS
+from metrale.model.default_model import MODEL_NAME, cache_root, is_complete
+from tests.test_server_support import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def _cached() -> bool:
+    root = cache_root()
+    return is_complete(root / "models" / MODEL_NAME) and all(
+        is_complete(root / "adapters" / name) for name in DEMO_ADAPTERS)
+
+
+@pytest.mark.skipif(not _cached(), reason="default model or demo adapters not cached yet "
+                    "(python -m metrale.demo_adapters builds them)")
+def test_serve_without_arguments(tmp_path):
+    from metrale import LLM, SamplingParams
+    from metrale.demo_adapters import demo_adapter_dir
+
+    server = ServerProcess([], tmp_path / "server.log", startup_timeout_s=180)
+    try:
+        log = server.log()
+        assert f"at {server.url}/v1" in log
+        curl = re.search(r"^\s+(curl .*)$", log, re.M).group(1)
+        assert '"model": "shout"' in curl
+        reply = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True,
+                                          timeout=120, check=True).stdout)
+        models = subprocess.run(["curl", "-s", f"{server.url}/v1/models"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout
+    finally:
+        server.stop()
+    ids = {m["id"]: m for m in json.loads(models)["data"]}
+    assert set(ids) == {MODEL_NAME, *DEMO_ADAPTERS}
+    assert not any(ids[name]["residency"]["pinned"] for name in DEMO_ADAPTERS)  # on demand
+
+    body = json.loads(curl.split(" -d ", 1)[1].strip("'"))
+    llm = LLM()
+    for name in DEMO_ADAPTERS:
+        llm.register_adapter(name, demo_adapter_dir(name))
+    prompt = llm.chat_prompt(body["messages"][0]["content"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the server process runs: same kernels, same rounding
+    try:
+        want = llm.generate(prompt, SamplingParams(max_tokens=body["max_tokens"], temperature=0),
+                            "shout")[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert reply["choices"][0]["message"]["content"] == want.text
