@@ -1,0 +1,17 @@
+"""Peer adapter staging: land adapters from another engine or a `metrale peer
+serve` store over NIXL (RDMA / NVLink / shared memory / TCP via UCX) or an HTTP
+byte stream, and export this engine's READY slots to peers.
+
+Engine side:    swap_from_peer, promote_from_peer      (metrale.peer.landing)
+Exporter side:  AdapterExporter + PeerHTTPServer       (metrale.peer.exporter, .http_server)
+Store:          AdapterStore, serve_store              (metrale.peer.store)
+NIXL is optional (pip install nixl-cu12); everything works over HTTP without it.
+"""
+
+from metrale.peer.allow import LOOPBACK, AllowList
+from metrale.peer.exporter import AdapterExporter
+from metrale.peer.http_server import PeerHTTPServer
+from metrale.peer.landing import promote_from_peer, swap_from_peer
+
+__all__ = ["LOOPBACK", "AdapterExporter", "AllowList", "PeerHTTPServer", "promote_from_peer",
+           "swap_from_peer"]

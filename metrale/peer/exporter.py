@@ -1,0 +1,275 @@
+"""AdapterExporter: serve the READY slots of a LoraSlots to peers.
+
+A lease takes one reference on the slot (SlotTable.acquire), exactly like an
+in-flight sequence: while it is held the slot can be neither swapped nor
+unloaded nor chosen as a promotion victim, so the bytes a peer reads cannot
+change under it. The reference is dropped when the lease is released or
+expires; an expiry that falls during an HTTP stream waits for the stream to
+end (the server's socket timeout bounds that).
+
+The exporter never touches the slot table from its own threads: every table
+access goes through `call`, which a running engine points at its loop
+(`lambda fn: engine.call_soon(fn).result(timeout)`); the default runs it under a
+lock, which is enough for a LoraSlots nothing else mutates (the peer store).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import math
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from metrale.adapters.peft_config import PeftAdapterConfig
+from metrale.errors import UnknownAdapterError
+from metrale.peer.errors import LeaseNotFoundError, TooManyLeasesError
+from metrale.peer.manifest import DTYPE_NAMES, MANIFEST_VERSION, TensorSpec
+from metrale.pool.slots import SlotState
+from metrale.pool.swap import LoraSlots
+
+log = logging.getLogger("metrale.peer")
+
+Call = Callable[[Callable[[], object]], object]
+TRANSPORTS = ("http", "nixl")
+
+
+@dataclass
+class _Lease:
+    id: str
+    adapter_id: str
+    slot: int
+    expires: float
+    tensors: list[torch.Tensor]  # contiguous canonical views into the pool, manifest order
+    data_bytes: int
+    streams: int = 0
+    ended: bool = False  # released or expired; the reference goes when streams == 0
+    ref_held: bool = True
+
+
+class AdapterExporter:
+    def __init__(
+        self, lora_slots: LoraSlots, *, call: Call | None = None,
+        peft_for: Callable[[str], PeftAdapterConfig | None] | None = None,
+        transports: tuple[str, ...] = ("http",), default_ttl_s: float = 30.0,
+        max_ttl_s: float = 300.0, max_leases: int = 256, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if lora_slots.pool is None:
+            raise UnknownAdapterError("this engine has no adapter pool: there is nothing to export")
+        unknown = set(transports) - set(TRANSPORTS)
+        if unknown or not transports:
+            raise ValueError(f"transports {transports!r}: choose from {TRANSPORTS}")
+        self.slots, self.pool = lora_slots, lora_slots.pool
+        self.transports = tuple(transports)
+        self._table_lock = threading.Lock()
+        self._call = call or self._locked
+        self._peft_for = peft_for or (lambda name: None)
+        self.default_ttl_s, self.max_ttl_s, self.max_leases = default_ttl_s, max_ttl_s, max_leases
+        self._clock = clock
+        self._lock = threading.Lock()  # guards _leases only; never held across _call
+        self._leases: dict[str, _Lease] = {}
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+        self.nixl = None
+        if "nixl" in self.transports:
+            from metrale.peer.nixl_transport import endpoint_for
+
+            self.nixl = endpoint_for(self.pool, self.pool.buffer)  # registers the pool once
+
+    def _locked(self, fn: Callable[[], object]) -> object:
+        with self._table_lock:
+            return fn()
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def start(self, sweep_s: float = 0.25) -> AdapterExporter:
+        """Expire leases in the background (their slots become swappable again)."""
+        if self._sweeper is None:
+            self._sweeper = threading.Thread(target=self._sweep, args=(sweep_s,),
+                                             name="metrale-peer-leases", daemon=True)
+            self._sweeper.start()
+        return self
+
+    def _sweep(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                self.expire()
+            except Exception:  # a dead engine loop must not kill the sweeper silently
+                log.exception("peer exporter: expiring leases failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            ids = list(self._leases)
+        for lease_id in ids:
+            try:
+                self.release(lease_id)
+            except LeaseNotFoundError:
+                pass  # released meanwhile
+
+    # --- the protocol --------------------------------------------------------------------
+
+    def list_adapters(self) -> dict:
+        def ready():
+            return [i for i in self.slots.table.infos()
+                    if i.state is SlotState.READY and i.name is not None]
+        dtype = DTYPE_NAMES[self.pool.layout.dtype]
+        return {"adapters": [
+            {"id": i.name, "name": i.name, "uid": i.uid, "generation": i.generation,
+             "dtype": dtype, "transports": list(self.transports)}
+            for i in self._call(ready)]}
+
+    def lease(self, adapter_id: str, ttl_s: float | None = None) -> dict:
+        """Pin the adapter's slot and describe it: {"lease": {...}, "manifest": {...}}."""
+        if not isinstance(adapter_id, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}",
+                                                                adapter_id):
+            raise UnknownAdapterError(f"adapter id {adapter_id!r} is not valid")
+        ttl = float(ttl_s or self.default_ttl_s)
+        # NaN would never expire (every comparison with it is false): a slot pinned for good.
+        ttl = min(max(ttl, 1.0), self.max_ttl_s) if math.isfinite(ttl) else self.default_ttl_s
+        with self._lock:
+            if len(self._leases) >= self.max_leases:
+                raise TooManyLeasesError(
+                    f"{len(self._leases)} leases are open (max {self.max_leases}); retry later"
+                )
+        slot, info, ranks, scales = self._call(lambda: self._take(adapter_id))
+        try:
+            lease_id = secrets.token_urlsafe(18)
+            specs, views = self._tensors(slot, ranks)
+            manifest = self._manifest(adapter_id, info, ranks, scales, specs, views, lease_id)
+        except BaseException:
+            self._call(lambda: self.slots.table.release(slot))
+            raise
+        lease = _Lease(lease_id, adapter_id, slot, self._clock() + ttl, views, manifest["data_bytes"])
+        with self._lock:
+            self._leases[lease_id] = lease
+        log.info("peer exporter: lease %s on %r (slot %d, %d bytes, %.0fs)", lease_id[:8],
+                 adapter_id, slot, lease.data_bytes, ttl)
+        return {"lease": {"id": lease_id, "expires_in_s": ttl}, "manifest": manifest}
+
+    def release(self, lease_id: str) -> None:
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                raise LeaseNotFoundError(f"lease {lease_id[:16]!r} is unknown, released or expired")
+            lease.ended = True
+            drop = lease.streams == 0 and lease.ref_held
+            if drop:
+                lease.ref_held = False
+        if drop:
+            self._drop(lease)
+
+    def expire(self) -> None:
+        now = self._clock()
+        with self._lock:
+            ids = [k for k, v in self._leases.items() if v.expires <= now and v.streams == 0]
+        for lease_id in ids:
+            try:
+                self.release(lease_id)
+                log.info("peer exporter: lease %s expired", lease_id[:8])
+            except LeaseNotFoundError:
+                pass  # released meanwhile
+
+    def open_data(self, lease_id: str) -> tuple[int, Iterator[memoryview]]:
+        """(nbytes, chunks) of the leased tensors, concatenated in manifest order."""
+        if "http" not in self.transports:
+            raise LeaseNotFoundError("this exporter does not serve the HTTP data plane")
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.expires <= self._clock():
+                raise LeaseNotFoundError(f"lease {lease_id[:16]!r} is unknown, released or expired")
+            lease.streams += 1  # an expiry now waits for this stream to end
+        return lease.data_bytes, self._chunks(lease)
+
+    @property
+    def open_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _take(self, adapter_id: str):
+        table = self.slots.table
+        if table.slot_of(adapter_id) is None:
+            raise UnknownAdapterError(f"adapter {adapter_id!r} is not resident here")
+        slot, _ = table.acquire(adapter_id)
+        return slot, table.info(slot), self.pool.ranks[slot].cpu(), self.pool.scales[slot].cpu()
+
+    def _drop(self, lease: _Lease) -> None:
+        self._call(lambda: self.slots.table.release(lease.slot))
+
+    def _tensors(self, slot: int, ranks: torch.Tensor) -> tuple[list[TensorSpec], list[torch.Tensor]]:
+        layout, itemsize = self.pool.layout, self.pool.layout.itemsize
+        specs, views = [], []
+        for layer in range(layout.model.num_layers):
+            for m, module in enumerate(layout.pool.target_modules):
+                r = int(ranks[layer, m])
+                if r == 0:
+                    continue
+                for kind, full in (("A", self.pool.lora_a(layer, module)),
+                                   ("B", self.pool.lora_bt(layer, module))):
+                    view = full[slot, :r]  # [r, in] or [r, out], contiguous
+                    specs.append(TensorSpec(layer, module, kind, r, view.shape[1],
+                                            view.numel() * itemsize))
+                    views.append(view)
+        return specs, views
+
+    def _manifest(self, adapter_id, info, ranks, scales, specs, views, lease_id) -> dict:
+        peft = self._peft_for(info.name)
+        peft_dict = peft.to_dict() if peft is not None else peft_from_tables(
+            self.pool.layout, ranks, scales)
+        transports: dict = {}
+        if "http" in self.transports:
+            transports["http"] = {"data_path": f"/peer/v1/leases/{lease_id}/data"}
+        if self.nixl is not None:
+            transports["nixl"] = {
+                "agent_metadata": base64.b64encode(self.nixl.metadata).decode(),
+                "mem_type": self.nixl.mem_type,
+                "descs": [list(self.nixl.desc_of(v)) for v in views],
+            }
+        return {
+            "version": MANIFEST_VERSION, "adapter_id": adapter_id, "name": info.name,
+            "uid": info.uid, "generation": info.generation, "peft": peft_dict,
+            "dtype": DTYPE_NAMES[self.pool.layout.dtype],
+            "tensors": [s.to_dict() for s in specs], "data_bytes": sum(s.nbytes for s in specs),
+            "transports": transports,
+        }
+
+    def _chunks(self, lease: _Lease) -> Iterator[memoryview]:
+        try:
+            for view in lease.tensors:
+                host = view if view.device.type == "cpu" else view.cpu()  # VRAM: one D2H per tensor
+                yield memoryview(host.reshape(-1).view(torch.uint8).numpy())
+        finally:
+            with self._lock:
+                lease.streams -= 1
+                drop = lease.ended and lease.streams == 0 and lease.ref_held
+                if drop:
+                    lease.ref_held = False
+            if drop:
+                self._drop(lease)
+
+
+def peft_from_tables(layout, ranks: torch.Tensor, scales: torch.Tensor) -> dict:
+    """A PEFT config that reproduces a landed slot exactly: every targeted module by
+    full path, with its rank and an alpha that gives back the table's scale."""
+    targets, rank_pattern, alpha_pattern = [], {}, {}
+    for layer in range(layout.model.num_layers):
+        for m, module in enumerate(layout.pool.target_modules):
+            r = int(ranks[layer, m])
+            if r:
+                path = layout.model.module_path(layer, module)
+                targets.append(path)
+                rank_pattern[re.escape(path)] = r
+                # scale is float32; scale * r is exact in float64, so alpha / r gives it back
+                alpha_pattern[re.escape(path)] = float(scales[layer, m]) * r
+    top = max(rank_pattern.values(), default=1)
+    return {"peft_type": "LORA", "r": top, "lora_alpha": float(top), "target_modules": targets,
+            "use_rslora": False, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+            "bias": "none"}

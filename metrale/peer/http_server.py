@@ -1,0 +1,157 @@
+"""The peer protocol over the standard library's threading HTTP server.
+
+  GET    /peer/v1/adapters               list what can be leased
+  POST   /peer/v1/adapters/{id}/lease    {"ttl_s": s} -> {"lease": {...}, "manifest": {...}}
+  GET    /peer/v1/leases/{lease}/data    the leased tensors, concatenated in manifest order
+  DELETE /peer/v1/leases/{lease}         release early
+  GET    /peer/v1/health
+
+Clients outside `client_allow` (default: loopback) get 403 before anything is
+read. Every socket has a timeout, so a stalled client cannot hold a lease (or a
+thread) forever.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import threading
+from collections.abc import Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
+
+from metrale.errors import AdapterError, MetraleError, SlotBusyError, UnknownAdapterError
+from metrale.peer.allow import AllowList, as_allow_list
+from metrale.peer.errors import LeaseNotFoundError, TooManyLeasesError
+from metrale.peer.exporter import AdapterExporter
+
+log = logging.getLogger("metrale.peer")
+
+SOCKET_TIMEOUT_S = 30.0
+MAX_BODY_BYTES = 64 * 1024
+_LEASE_RE = re.compile(r"/peer/v1/adapters/([^/]{1,200})/lease")
+_DATA_RE = re.compile(r"/peer/v1/leases/([A-Za-z0-9_-]{1,64})/data")
+_RELEASE_RE = re.compile(r"/peer/v1/leases/([A-Za-z0-9_-]{1,64})")
+_STATUS = [(LeaseNotFoundError, 404), (UnknownAdapterError, 404), (SlotBusyError, 409),
+           (TooManyLeasesError, 503), (AdapterError, 422), (MetraleError, 400)]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: PeerHTTPServer
+    timeout = SOCKET_TIMEOUT_S
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
+        log.debug("peer http %s: " + format, self.client_address[0], *args)
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def _dispatch(self, method: str) -> None:
+        if not self.server.client_allow.allows_ip(self.client_address[0]):
+            self._send_json(403, _error(f"client {self.client_address[0]} is not in this peer's "
+                                        "client allow-list", "forbidden"))
+            return
+        exporter, path = self.server.exporter, self.path.split("?", 1)[0]
+        try:
+            if method == "GET" and path == "/peer/v1/adapters":
+                self._send_json(200, exporter.list_adapters())
+            elif method == "GET" and path == "/peer/v1/health":
+                self._send_json(200, {"status": "ok", "open_leases": exporter.open_leases})
+            elif method == "POST" and (m := _LEASE_RE.fullmatch(path)):
+                body = self._body()
+                self._send_json(200, exporter.lease(unquote(m[1]), body.get("ttl_s")))
+            elif method == "GET" and (m := _DATA_RE.fullmatch(path)):
+                self._send_data(*exporter.open_data(m[1]))
+            elif method == "DELETE" and (m := _RELEASE_RE.fullmatch(path)):
+                exporter.release(m[1])
+                self._send_json(200, {"released": True})
+            else:
+                self._send_json(404, _error(f"no route {method} {path}", "not_found"))
+        except MetraleError as e:
+            status = next(code for cls, code in _STATUS if isinstance(e, cls))
+            self._send_json(status, _error(str(e), type(e).__name__))
+        except (ConnectionError, TimeoutError) as e:
+            log.info("peer http: client %s went away: %s", self.client_address[0], e)
+            self.close_connection = True
+        except Exception as e:
+            log.exception("peer http: %s %s failed", method, path)
+            self._send_json(500, _error(f"internal error: {type(e).__name__}", "internal"))
+
+    def _body(self) -> dict:
+        raw_length = self.headers.get("Content-Length") or "0"
+        length = int(raw_length) if raw_length.isdigit() else -1
+        if not 0 <= length <= MAX_BODY_BYTES:
+            raise MetraleError(f"request body length {raw_length[:20]!r} is invalid or too large")
+        raw = self.rfile.read(length) if length else b"{}"
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise MetraleError("request body is not JSON") from None
+        if not isinstance(body, dict) or not isinstance(body.get("ttl_s", 0), (int, float, type(None))):
+            raise MetraleError("request body must be an object with an optional numeric ttl_s")
+        return body
+
+    def _send_json(self, status: int, doc: dict) -> None:
+        raw = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _send_data(self, nbytes: int, chunks) -> None:
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(nbytes))
+            self.end_headers()
+            for chunk in chunks:
+                self.wfile.write(chunk)
+            self.wfile.flush()
+        finally:
+            chunks.close()  # ends the stream's hold on the lease, even on a broken pipe
+
+
+def _error(message: str, code: str) -> dict:
+    return {"error": {"message": message, "code": code}}
+
+
+class PeerHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, exporter: AdapterExporter, host: str = "127.0.0.1", port: int = 0,
+                 client_allow: AllowList | Iterable[str] | None = None) -> None:
+        self.exporter = exporter
+        self.client_allow = as_allow_list(client_allow)
+        if ":" in host:
+            self.address_family = socket.AF_INET6
+        super().__init__((host, port), _Handler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def start(self) -> PeerHTTPServer:
+        """Serve on a background thread (engines and tests); the CLI uses serve_forever."""
+        self._thread = threading.Thread(target=self.serve_forever, args=(0.1,),
+                                        name="metrale-peer-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join(timeout=5)
+        self.server_close()

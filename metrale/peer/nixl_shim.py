@@ -1,0 +1,53 @@
+"""The one place metrale imports NIXL.
+
+NIXL ships as per-CUDA wheels whose import names differ: `nixl-cu12` installs
+the module `nixl_cu12`, `nixl-cu13` installs `nixl_cu13`, and the `nixl` meta
+package (which does not install cleanly everywhere) provides `nixl`. Each of
+them exposes `nixl_agent` and `nixl_agent_config` at top level.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from types import ModuleType
+
+from metrale.peer.errors import NIXL_PIP, NixlUnavailableError
+
+MODULE_NAMES = ("nixl_cu13", "nixl_cu12", "nixl")
+
+_cached: ModuleType | None = None
+
+
+def load_nixl() -> ModuleType:
+    """The NIXL API module (nixl_agent, nixl_agent_config), or a clear refusal."""
+    global _cached
+    if _cached is not None:
+        return _cached
+    failures = []
+    for name in MODULE_NAMES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            failures.append(f"{name}: {e}")
+            continue
+        if hasattr(module, "nixl_agent") and hasattr(module, "nixl_agent_config"):
+            if "NIXL_LOG_LEVEL" not in os.environ:
+                # NIXL logs every agent start at INFO to stdout; metrale logs its own.
+                logging.getLogger("nixl").setLevel(logging.WARNING)
+            _cached = module
+            return module
+        failures.append(f"{name}: has no nixl_agent")
+    raise NixlUnavailableError(
+        f"NIXL is not installed ({'; '.join(failures)}); install it with `{NIXL_PIP}` "
+        "or use the HTTP transport (transport='http')"
+    )
+
+
+def nixl_available() -> bool:
+    try:
+        load_nixl()
+    except NixlUnavailableError:
+        return False
+    return True

@@ -1,0 +1,144 @@
+"""`metrale peer serve`: an adapter store that exports every PEFT adapter of a
+directory to engines.
+
+The store's memory is a LoraSlots with one slot per adapter: the canonical
+layout engines land (pool dtype, A [r, in], Bt [r, out]), filled through the
+same validating disk path as an engine, with rank and scale tables. It never
+changes after start-up; leases still work as for an engine exporting its own
+READY slots, so both kinds of peer speak one protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from metrale.adapters.peft_config import PeftAdapterConfig
+from metrale.adapters.plan import resolve_targets
+from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
+from metrale.errors import AdapterConfigError, AdapterError
+from metrale.peer.errors import NixlUnavailableError
+from metrale.peer.exporter import AdapterExporter
+from metrale.peer.http_server import PeerHTTPServer
+from metrale.peer.nixl_shim import load_nixl
+from metrale.pool.swap import LoraSlots, validate_adapter_name
+
+log = logging.getLogger("metrale.peer")
+
+_UNBOUNDED_RANK = 1 << 16  # only to discover ranks before the pool is sized
+
+
+def discover_adapters(adapters_dir: str | Path) -> dict[str, Path]:
+    """{adapter id (= directory name): path} of every subdir holding adapter_config.json."""
+    root = Path(adapters_dir)
+    if not root.is_dir():
+        raise AdapterConfigError(f"{root} is not a directory of PEFT adapters")
+    found = {p.name: p for p in sorted(root.iterdir())
+             if p.is_dir() and (p / "adapter_config.json").is_file()}
+    if not found:
+        raise AdapterConfigError(f"{root} holds no adapter (no subdir with adapter_config.json)")
+    for name in found:
+        validate_adapter_name(name)
+    return found
+
+
+class AdapterStore:
+    def __init__(self, adapters_dir: str | Path, model: ModelConfig, *, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, max_lora_rank: int | None = None) -> None:
+        self.paths = discover_adapters(adapters_dir)
+        self.configs: dict[str, PeftAdapterConfig] = {}
+        modules, top_rank = set(), 1
+        probe = PoolConfig(1, max_lora_rank or _UNBOUNDED_RANK, LINEAR_MODULES)
+        for name, path in self.paths.items():
+            with _naming(path):
+                cfg = PeftAdapterConfig.from_dir(path)
+                targets = resolve_targets(cfg, model, probe)
+            self.configs[name] = cfg
+            modules.update(t.module for t in targets)
+            top_rank = max(top_rank, *(t.rank for t in targets))
+        # Sized to what the adapters need: the manifest lists tensors, so engines
+        # never depend on the store's own max rank or module set.
+        pool = PoolConfig(len(self.paths), max_lora_rank or top_rank, tuple(modules))
+        self.slots = LoraSlots(model, pool, device, dtype)
+        for slot, (name, path) in enumerate(self.paths.items()):
+            with _naming(path):
+                self.slots.swap_lora_slot_from_disk(path, name, slot)  # full validation
+            self.slots.table.set_pinned(slot, True)
+        self.pinned = _pin_host(self.slots.pool.buffer)
+        log.info("peer store: %d adapters, %.1f MiB (%s, %s%s)", len(self.paths),
+                 self.slots.pool.buffer.numel() * self.slots.pool.buffer.element_size() / 2**20,
+                 device, dtype, ", pinned" if self.pinned else "")
+
+    def exporter(self, transports: tuple[str, ...] = ("http",)) -> AdapterExporter:
+        return AdapterExporter(self.slots, peft_for=self.configs.get, transports=transports)
+
+
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Prefix an adapter refusal with the adapter's directory, keeping its class."""
+    try:
+        yield
+    except AdapterError as e:
+        if str(path) in str(e):
+            raise
+        raise type(e)(f"{path}: {e}") from e
+
+
+def _pin_host(buffer: torch.Tensor) -> bool:
+    """Page-lock a host store in place (addresses unchanged) when a GPU may read it."""
+    if buffer.device.type != "cpu" or not torch.cuda.is_available():
+        return False
+    try:
+        nbytes = buffer.numel() * buffer.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        return int(getattr(err, "value", err)) == 0
+    except Exception as e:  # pinning is an optimisation, never a reason to refuse to serve
+        log.warning("peer store: could not pin host memory: %s", e)
+        return False
+
+
+def resolve_transports(choice: str) -> tuple[str, ...]:
+    if choice == "http":
+        return ("http",)
+    if choice == "nixl":
+        load_nixl()  # a clear error naming the pip command when missing
+        return ("nixl",)
+    if choice == "auto":
+        try:
+            load_nixl()
+        except NixlUnavailableError as e:
+            log.warning("peer store: NIXL unavailable (%s); serving HTTP only", e)
+            return ("http",)
+        return ("http", "nixl")
+    raise AdapterConfigError(f"transport {choice!r}: choose nixl, http or auto")
+
+
+def serve_store(adapters_dir: str | Path, model: ModelConfig, *, device: str = "cpu",
+                dtype: torch.dtype = torch.float32, max_lora_rank: int | None = None,
+                host: str = "127.0.0.1", port: int = 7460, transport: str = "auto",
+                client_allow: Iterable[str] | None = None,
+                announce: Callable[[str], object] = print) -> None:
+    """Load, validate and serve until SIGINT/SIGTERM."""
+    store = AdapterStore(adapters_dir, model, device=device, dtype=dtype, max_lora_rank=max_lora_rank)
+    transports = resolve_transports(transport)
+    exporter = store.exporter(transports).start()
+    server = PeerHTTPServer(exporter, host, port, client_allow)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    announce(f"metrale peer: serving {len(store.paths)} adapter(s) ({', '.join(store.paths)}) "
+             f"on {server.url} (transports: {', '.join(transports)})")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        exporter.close()
+        server.server_close()

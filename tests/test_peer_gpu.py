@@ -1,0 +1,37 @@
+"""Peer staging into a CUDA pool: from a host store (pinned DRAM -> VRAM) and from
+a GPU store (VRAM -> VRAM), over NIXL and HTTP. Run on the device machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale.peer import promote_from_peer
+from metrale.peer.nixl_shim import nixl_available
+from tests.test_peer_support import assert_matches_disk, new_slots, start_store, stop
+
+pytestmark = pytest.mark.gpu
+
+TRANSPORTS = ["http", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="NIXL not installed (pip install nixl-cu12 / nixl-cu13)"))]
+
+
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def store(request):
+    proc, url = start_store("--device", request.param)
+    yield url
+    stop(proc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cuda_pool_from_store(store, transport, dtype, caplog):
+    if transport == "nixl" and dtype != torch.float32:
+        pytest.skip("the store holds float32: NIXL lands bytes unconverted")
+    slots = new_slots(dtype=dtype, device="cuda")
+    for name in ("a", "b", "c"):
+        with caplog.at_level("INFO", logger="metrale.peer"):
+            slot, _ = promote_from_peer(slots, store, name, name, transport=transport, timeout_s=30)
+        assert f"via {transport}" in caplog.text
+        assert_matches_disk(slots, slot, name)
+    slots.table.check_integrity()

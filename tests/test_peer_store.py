@@ -1,0 +1,216 @@
+"""An engine-side LoraSlots staging adapters from a real `metrale peer serve`
+subprocess, over HTTP and (when installed) NIXL: the landed slot equals a disk
+landing of the same adapter and PEFT's scaling * B @ A; failures mid-transfer
+leave the slot EMPTY within the timeout; leases never leak."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from metrale import errors
+from metrale.config import ModelConfig
+from metrale.peer import promote_from_peer, swap_from_peer
+from metrale.peer.errors import (
+    NixlUnavailableError,
+    PeerTimeoutError,
+    PeerTransferError,
+    UnknownPeerAdapterError,
+)
+from metrale.peer.nixl_shim import nixl_available
+from metrale.peer.store import AdapterStore
+from metrale.pool.slots import SlotState
+from tests.test_peer_support import (
+    adapter_dir,
+    assert_matches_disk,
+    model_config,
+    new_slots,
+    peer_root,
+    snapshot,
+    start_store,
+    stop,
+)
+
+TRANSPORTS = ["http", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="NIXL not installed (pip install nixl-cu12)"))]
+
+
+@pytest.fixture(scope="module")
+def store():
+    proc, url = start_store()
+    yield url
+    stop(proc)
+
+
+def open_leases(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/peer/v1/health", timeout=5) as r:
+        return json.load(r)["open_leases"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_promote_matches_disk_and_peft(store, transport, caplog):
+    slots = new_slots()
+    for name in ("a", "b", "c"):
+        with caplog.at_level("INFO", logger="metrale.peer"):
+            slot, evicted = promote_from_peer(slots, store, name, name, transport=transport,
+                                              timeout_s=20)
+        assert f"via {transport}" in caplog.text
+        assert evicted is None and slots.table.info(slot).state is SlotState.READY
+        assert_matches_disk(slots, slot, name)
+    slots.table.check_integrity()
+    assert open_leases(store) == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_swap_into_slot_evicts_and_renews_identity(store, transport):
+    slots = new_slots()
+    swap_from_peer(slots, store, "a", "x", 1, transport=transport, timeout_s=20)
+    first = slots.table.info(1)
+    swap_from_peer(slots, store, "b", "x", 1, transport=transport, timeout_s=20)  # same name, new bytes
+    second = slots.table.info(1)
+    assert second.generation == first.generation + 1 and second.uid != first.uid
+    assert_matches_disk(slots, 1, "b")
+    slot, evicted = promote_from_peer(slots, store, "c", "y", transport=transport, timeout_s=20)
+    assert slot in (0, 2) and evicted is None
+    slots.table.check_integrity()
+
+
+def test_http_converts_dtype_nixl_refuses(store):
+    slots = new_slots(dtype=torch.bfloat16)
+    swap_from_peer(slots, store, "b", "b", 0, transport="http", timeout_s=20)
+    assert_matches_disk(slots, 0, "b")
+    if nixl_available():
+        before = snapshot(slots)
+        with pytest.raises(errors.AdapterMismatchError, match="transport='http'"):
+            swap_from_peer(slots, store, "a", "a", 0, transport="nixl", timeout_s=20)
+        assert snapshot(slots) == before
+        promote_from_peer(slots, store, "a", "a", transport="auto", timeout_s=20)  # falls back to http
+        assert_matches_disk(slots, slots.table.slot_of("a"), "a")
+
+
+def test_without_nixl_auto_falls_back_and_nixl_refuses(store, monkeypatch):
+    from metrale.peer import nixl_shim, nixl_transport
+
+    monkeypatch.setattr(nixl_shim, "_cached", None)
+    monkeypatch.setattr(nixl_shim, "MODULE_NAMES", ("no_such_nixl_module",))
+    monkeypatch.setattr(nixl_transport, "load_nixl", nixl_shim.load_nixl)
+    slots = new_slots()
+    before = snapshot(slots)
+    with pytest.raises(NixlUnavailableError, match="pip install nixl-cu12"):
+        swap_from_peer(slots, store, "a", "a", 0, transport="nixl", timeout_s=10)
+    assert snapshot(slots) == before
+    slot, _ = promote_from_peer(slots, store, "a", "a", timeout_s=10)  # auto: HTTP
+    assert_matches_disk(slots, slot, "a")
+
+
+def test_unknown_adapter_and_refusals_release_leases(store):
+    slots = new_slots()
+    swap_from_peer(slots, store, "a", "a", 0, timeout_s=20)
+    before = snapshot(slots)
+    with pytest.raises(UnknownPeerAdapterError, match="nope"):
+        swap_from_peer(slots, store, "nope", "a", 0, timeout_s=5)
+    small = new_slots(rank=2)
+    with pytest.raises(errors.AdapterMismatchError, match="max_lora_rank"):
+        promote_from_peer(small, store, "a", "a", timeout_s=5)
+    assert snapshot(slots) == before
+    assert open_leases(store) == 0
+
+
+def test_peft_argument_overrides_the_manifest(store):
+    from metrale.adapters.peft_config import PeftAdapterConfig
+
+    slots = new_slots()
+    cfg = PeftAdapterConfig.from_dir(adapter_dir("a"))
+    doubled = PeftAdapterConfig.from_dict({**cfg.to_dict(), "lora_alpha": cfg.lora_alpha * 2})
+    swap_from_peer(slots, store, "a", "a", 0, peft=doubled, timeout_s=20)
+    ref = new_slots()
+    ref.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
+    torch.testing.assert_close(slots.pool.scales[0], 2 * ref.pool.scales[0])
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
+def test_nixl_peer_killed_mid_transfer_leaves_slot_empty(monkeypatch):
+    from metrale.peer.nixl_transport import NixlEndpoint
+
+    proc, url = start_store("--transport", "nixl")
+    real_read = NixlEndpoint.read
+
+    def die_then_read(self, *args, **kwargs):
+        stop(proc)  # the slot is zeroed and LOADING now: the peer vanishes under the READ
+        return real_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(NixlEndpoint, "read", die_then_read)
+    slots = new_slots()
+    slots.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)
+    old = slots.table.info(0)
+    start = time.monotonic()
+    with pytest.raises(errors.LandingError, match="now EMPTY") as info:
+        swap_from_peer(slots, url, "a", "a", 0, transport="nixl", timeout_s=10)
+    assert time.monotonic() - start < 10
+    assert isinstance(info.value.__cause__, PeerTransferError)
+    _assert_empty(slots, 0, old)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
+def test_nixl_stalled_transfer_times_out_empty(store, monkeypatch):
+    from metrale.peer import nixl_transport
+
+    slots = new_slots()
+    slots.swap_lora_slot_from_disk(adapter_dir("c"), "c", 2)
+    old = slots.table.info(2)
+    monkeypatch.setattr(nixl_transport.NixlEndpoint, "_run", _stalled_run(nixl_transport))
+    start = time.monotonic()
+    with pytest.raises(errors.LandingError) as info:
+        swap_from_peer(slots, store, "b", "b", 2, transport="nixl", timeout_s=1.5)
+    assert 1.0 < time.monotonic() - start < 6
+    assert isinstance(info.value.__cause__, PeerTimeoutError)
+    _assert_empty(slots, 2, old)
+    assert open_leases(store) == 0
+
+
+def _stalled_run(nixl_transport):
+    real = nixl_transport.NixlEndpoint._run
+
+    def run(self, handle, deadline):
+        agent = self._agent
+
+        class Stalled:  # the transfer is posted but never completes
+            def __getattr__(self, name):
+                return getattr(agent, name)
+
+            def transfer(self, h):
+                return "PROC"
+
+            def check_xfer_state(self, h):
+                return "PROC"
+
+        self._agent = Stalled()
+        try:
+            return real(self, handle, deadline)
+        finally:
+            self._agent = agent
+    return run
+
+
+def _assert_empty(slots, slot, old) -> None:
+    info = slots.table.info(slot)
+    assert info.state is SlotState.EMPTY and info.name is None and info.uid != old.uid
+    assert slots.table.slot_of(old.name) is None
+    assert not slots.pool.slot_region(slot).any() and not slots.pool.ranks[slot].any()
+    slots.table.check_integrity()
+
+
+def test_store_refuses_an_adapter_that_does_not_fit(tmp_path):
+    import shutil
+
+    root, _ = peer_root()
+    shutil.copytree(root / "adapters" / "a", tmp_path / "good")
+    shutil.copytree(root / "adapters" / "b", tmp_path / "big")
+    with pytest.raises(errors.AdapterMismatchError, match=r"big.*max_lora_rank"):
+        AdapterStore(tmp_path, model_config(), max_lora_rank=4)
+    store = AdapterStore(tmp_path, ModelConfig.from_dir(root / "model"))
+    assert store.slots.pool_config.max_lora_rank == 8 and set(store.paths) == {"good", "big"}

@@ -1,0 +1,206 @@
+"""Helpers shared by the test_peer_* files (this module holds no tests).
+
+A tiny Llama and three PEFT adapters built once per test process; a real
+`metrale peer serve` subprocess; a fake peer (an in-test HTTP server that says
+whatever a test wants); pool snapshots to prove refusals touched nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+
+from metrale.config import ModelConfig, PoolConfig
+from metrale.pool.swap import LoraSlots
+from tests.tiny_models import make_adapter, make_model, peft_deltas, save_model
+
+REPO = Path(__file__).resolve().parents[1]
+ADAPTERS = {
+    "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "b": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear",
+              rank_pattern={"q_proj": 2}, alpha_pattern={"down_proj": 3}),
+    "c": dict(r=2, lora_alpha=5, target_modules=["k_proj", "o_proj", "up_proj"],
+              layers_to_transform=[1, 2]),
+}
+
+
+@functools.cache
+def peer_root() -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    """(root with model/ and adapters/{a,b,c}, {adapter: PEFT's scaling * B @ A per module})."""
+    root = Path(tempfile.mkdtemp(prefix="metrale-peer-"))
+    atexit.register(shutil.rmtree, root, True)
+    base = make_model("llama", seed=7)
+    save_model(base, root / "model")
+    deltas = {}
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        peft_model = make_adapter(base, root / "adapters" / name, seed=30 + i, **kw)
+        deltas[name] = {k: v.detach() for k, v in peft_deltas(peft_model).items()}
+    return root, deltas
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig.from_dir(peer_root()[0] / "model")
+
+
+def new_slots(max_loras: int = 3, rank: int = 8, dtype: torch.dtype = torch.float32,
+              device: str = "cpu") -> LoraSlots:
+    return LoraSlots(model_config(), PoolConfig(max_loras, rank), device, dtype)
+
+
+def adapter_dir(name: str) -> Path:
+    return peer_root()[0] / "adapters" / name
+
+
+def snapshot(slots: LoraSlots) -> tuple:
+    """Pool bytes, rank/scale tables and every slot's identity."""
+    digest = hashlib.sha256()
+    for t in (slots.pool.buffer, slots.pool.ranks, slots.pool.scales):
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest(), slots.table.infos(), dict(slots.table._by_name)
+
+
+def assert_matches_disk(slots: LoraSlots, slot: int, name: str) -> None:
+    """The slot holds exactly what a disk landing of the same adapter gives, and
+    its deltas are PEFT's scaling * B @ A."""
+    ref = LoraSlots(slots.model_config, slots.pool_config, slots.pool.device, slots.pool.layout.dtype)
+    ref.swap_lora_slot_from_disk(adapter_dir(name), name, slot)
+    assert torch.equal(slots.pool.slot_region(slot), ref.pool.slot_region(slot))
+    assert torch.equal(slots.pool.ranks[slot], ref.pool.ranks[slot])
+    assert torch.equal(slots.pool.scales[slot], ref.pool.scales[slot])
+    model, deltas = slots.model_config, peer_root()[1][name]
+    tol = 1e-5 if slots.pool.layout.dtype == torch.float32 else 3e-2
+    for layer in range(model.num_layers):
+        for module in slots.pool_config.target_modules:
+            got = slots.pool.delta(slot, layer, module).cpu()
+            want = deltas.get(model.module_path(layer, module))
+            if want is None:
+                assert not got.any(), f"{name}: {layer} {module} should be untouched"
+            else:
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+# --- a real peer store in a subprocess -------------------------------------------------
+
+
+def start_store(*extra: str, adapters: Path | None = None, timeout_s: float = 60.0):
+    """`metrale peer serve` on a free port: (process, base URL)."""
+    root = peer_root()[0]
+    cmd = [sys.executable, "-m", "metrale", "peer", "serve", "--adapters",
+           str(adapters or root / "adapters"), "--model", str(root / "model"), "--port", "0", *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, wait_for_line(proc, "metrale peer: serving", timeout_s).rsplit(" on ", 1)[1].split()[0]
+
+
+def wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float) -> str:
+    end, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < end:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, end - time.monotonic()))
+        if not ready:
+            break
+        line = proc.stdout.readline().decode(errors="replace")
+        if not line:
+            break
+        seen.append(line)
+        if marker in line:
+            threading.Thread(target=_drain, args=(proc,), daemon=True).start()
+            return line.strip()
+    stop(proc)
+    raise AssertionError(f"no {marker!r} from {proc.args}:\n{''.join(seen)[-3000:]}")
+
+
+def _drain(proc: subprocess.Popen) -> None:
+    for _ in iter(proc.stdout.readline, b""):  # keep the pipe from filling up
+        pass
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+
+
+# --- a peer that says whatever the test wants ------------------------------------------
+
+
+class FakePeer:
+    """lease -> `lease_reply` (a dict, or raw bytes); data -> `data`, delivered per `mode`:
+    full | half-close | half-stall | long | long-unannounced."""
+
+    def __init__(self, lease_reply, data: bytes = b"", mode: str = "full") -> None:
+        self.lease_reply, self.data, self.mode = lease_reply, data, mode
+        self.requests: list[tuple[str, str]] = []
+        self.release_stall = threading.Event()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.url = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True).start()
+
+    def close(self) -> None:
+        self.release_stall.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _handler(self):
+        peer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _record(self):
+                peer.requests.append((self.command, self.path))
+                n = int(self.headers.get("Content-Length") or 0)
+                if n:
+                    self.rfile.read(n)
+
+            def do_POST(self):
+                self._record()
+                body = peer.lease_reply
+                raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_DELETE(self):
+                self._record()
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def do_GET(self):
+                self._record()
+                data, mode = peer.data, peer.mode
+                self.send_response(200)
+                if mode == "long":
+                    data += b"\0" * 8
+                if mode != "long-unannounced":
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if mode in ("half-close", "half-stall"):
+                    self.wfile.write(data[:len(data) // 2])
+                    self.wfile.flush()
+                    if mode == "half-stall":
+                        peer.release_stall.wait(30)
+                    self.close_connection = True
+                    return
+                self.wfile.write(data + (b"\0" * 8 if mode == "long-unannounced" else b""))
+                self.close_connection = True
+
+        return Handler
