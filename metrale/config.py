@@ -163,8 +163,13 @@ class PoolConfig:
     max_lora_rank: int = 16
     target_modules: tuple[str, ...] = LINEAR_MODULES
     allow_runtime_swaps: bool = True
+    # Pinned host memory for recently landed adapters as slot images (0 = no host tier);
+    # a re-promotion from it is one H2D copy. Each entry takes one slot's bytes.
+    host_tier_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.host_tier_bytes < 0:
+            raise ConfigError(f"host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
         if self.max_loras < 0:
             raise ConfigError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_lora_rank <= 0:
@@ -192,11 +197,19 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     promotion_timeout_s: float = 30.0
+    peer_allow: tuple[str, ...] = ()  # hosts/networks peers may be fetched from; () = loopback
+    peer_timeout_s: float = 30.0
+    peer_transport: str = "auto"  # "nixl" | "http" | "auto" (NIXL when both sides have it)
+    # CUDA only: run every decode step eagerly instead of replaying CUDA graphs.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.peer_transport not in ("auto", "nixl", "http"):
+            raise ConfigError(f"peer_transport must be auto, nixl or http, got {self.peer_transport!r}")
+        object.__setattr__(self, "peer_allow", tuple(self.peer_allow))
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ConfigError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

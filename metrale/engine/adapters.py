@@ -12,41 +12,82 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from metrale.adapters.plan import plan_adapter
 from metrale.engine.sequence import Sequence
-from metrale.errors import MetraleError, PoolFullError, UnknownAdapterError
+from metrale.errors import AdapterConfigError, MetraleError, PoolFullError, UnknownAdapterError
 from metrale.pool.swap import LoraSlots, validate_adapter_name
 
 log = logging.getLogger("metrale.engine")
 
 
+PEER_SCHEME = "peer://"
+
+
+@dataclass(frozen=True)
+class PeerRef:
+    addr: str  # host:port of a peer store or engine
+    adapter_id: str
+
+    def __str__(self) -> str:
+        return f"{PEER_SCHEME}{self.addr}/{self.adapter_id}"
+
+
+def parse_peer_uri(uri: str) -> PeerRef:
+    """peer://host:port/ADAPTER_ID -> PeerRef."""
+    rest = uri[len(PEER_SCHEME):]
+    addr, sep, adapter_id = rest.partition("/")
+    if not uri.startswith(PEER_SCHEME) or not sep or not addr or not adapter_id:
+        raise AdapterConfigError(f"peer source {uri!r} must look like peer://host:port/ADAPTER_ID")
+    return PeerRef(addr, adapter_id)
+
+
 @dataclass(frozen=True)
 class AdapterSource:
+    """Where an adapter's bytes come from when it must be (re)promoted."""
+
     name: str
-    path: Path
+    path: Path | None = None
+    peer: PeerRef | None = None
     pinned: bool = False
+
+    @classmethod
+    def of(cls, name: str, spec: str | Path, pinned: bool = False) -> AdapterSource:
+        if isinstance(spec, str) and spec.startswith(PEER_SCHEME):
+            return cls(name, peer=parse_peer_uri(spec), pinned=pinned)
+        return cls(name, path=Path(spec), pinned=pinned)
 
 
 class AdapterManager:
-    def __init__(self, slots: LoraSlots, timeout_s: float) -> None:
+    def __init__(self, slots: LoraSlots, timeout_s: float,
+                 promote_from_peer: Callable[[PeerRef, str], tuple[int, str | None]]) -> None:
         self.slots, self.timeout_s = slots, timeout_s
+        self._promote_from_peer = promote_from_peer
         self.registry: dict[str, AdapterSource] = {}
         self.pending: OrderedDict[str, list[Sequence]] = OrderedDict()
         self.num_promotions = 0
 
-    def register(self, name: str, path: str | Path, pinned: bool = False) -> AdapterSource:
-        """Validate the adapter now (clear errors at registration, not at first use)."""
+    def register(self, name: str, spec: str | Path, pinned: bool = False) -> AdapterSource:
+        """Validate a disk adapter now (clear errors at registration, not at first
+        use); a peer's manifest is validated when it lands."""
         validate_adapter_name(name)
-        plan_adapter(path, name, self.slots.model_config, self.slots.pool_config)
-        source = AdapterSource(name, Path(path), pinned)
+        source = AdapterSource.of(name, spec, pinned)
+        if source.path is not None:
+            plan_adapter(source.path, name, self.slots.model_config, self.slots.pool_config)
         self.registry[name] = source
         return source
 
+    def promote(self, source: AdapterSource) -> tuple[int, str | None]:
+        if source.peer is not None:
+            return self._promote_from_peer(source.peer, source.name)
+        return self.slots.promote_lora_slot_from_disk(source.path, source.name)
+
     def check_known(self, name: str | None) -> None:
-        if name is not None and name not in self.registry and self.slots.table.slot_of(name) is None:
+        # the registry, not residency, decides: an unregistered (unloading) name admits nothing
+        if name is not None and name not in self.registry:
             raise UnknownAdapterError(
                 f"adapter {name!r} is not registered; register it first "
                 f"(known: {', '.join(sorted(self.registry)) or 'none'})"
@@ -59,11 +100,11 @@ class AdapterManager:
         if seq.adapter is None:
             seq.slot, seq.adapter_uid, seq.bound = -1, 0, True
             return True
+        self.check_known(seq.adapter)
         if self.slots.table.slot_of(seq.adapter) is not None:
             seq.slot, seq.adapter_uid = self.slots.table.acquire(seq.adapter)
             seq.bound = True
             return True
-        self.check_known(seq.adapter)
         self.pending.setdefault(seq.adapter, []).append(seq)
         return False
 
@@ -94,7 +135,7 @@ class AdapterManager:
                 continue
             try:
                 start = time.perf_counter()
-                slot, evicted = self.slots.promote_lora_slot_from_disk(source.path, name)
+                slot, evicted = self.promote(source)
             except PoolFullError:
                 break  # wait for a slot to drain; later names must not jump the queue
             except MetraleError as e:

@@ -13,19 +13,20 @@ import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from metrale.config import EngineConfig, ModelConfig, parse_dtype
-from metrale.engine.adapters import AdapterManager, AdapterSource
+from metrale.engine.adapters import AdapterManager, AdapterSource, PeerRef
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.runner import ModelRunner
 from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from metrale.engine.scheduler import Scheduler
 from metrale.engine.sequence import Sequence
-from metrale.errors import MetraleError, PeerUnavailableError, UnknownAdapterError
+from metrale.errors import MetraleError, UnknownAdapterError
 from metrale.model.llama import LlamaForCausalLM
 from metrale.model.loader import load_model
 from metrale.pool.slots import SlotInfo
@@ -48,7 +49,9 @@ class LLMEngine:
             model = load_model(model_dir, self.model_config, self.dtype, self.device,
                                cfg.max_model_len)
         self.lora = LoraSlots(self.model_config, cfg.pool, self.device, self.dtype)
-        self.adapters = AdapterManager(self.lora, cfg.promotion_timeout_s)
+        self.adapters = AdapterManager(
+            self.lora, cfg.promotion_timeout_s,
+            lambda ref, name: self.lora_promote_from_peer_ref(ref, name))
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
                                   self.lora.pool)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size,
@@ -191,44 +194,58 @@ class LLMEngine:
 
     # --- adapter operations (between steps; the seed's names) ---------------------------
 
-    def register_adapter(self, name: str, adapter_dir: str | Path, pinned: bool = False) -> None:
-        self.adapters.register(name, adapter_dir, pinned)
+    def register_adapter(self, name: str, source: str | Path, pinned: bool = False) -> None:
+        """source: a PEFT adapter dir or peer://host:port/ADAPTER_ID. Pinned adapters
+        are landed now and their slot never becomes a promotion victim."""
+        src = self.adapters.register(name, source, pinned)
         if pinned:
             slot = self.lora.table.slot_of(name)
             if slot is None:
-                slot, _ = self.promote_lora_slot_from_disk(adapter_dir, name)
+                slot, _ = self.adapters.promote(src)
             self.lora.table.set_pinned(slot, True)
 
     def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int) -> None:
         self.lora.swap_lora_slot_from_disk(adapter_dir, name, slot)
-        self._after_landing(name, adapter_dir)
+        self._after_landing(AdapterSource(name, path=Path(adapter_dir)))
 
     def promote_lora_slot_from_disk(self, adapter_dir: str | Path,
                                     name: str) -> tuple[int, str | None]:
         result = self.lora.promote_lora_slot_from_disk(adapter_dir, name)
-        self._after_landing(name, adapter_dir)
+        self._after_landing(AdapterSource(name, path=Path(adapter_dir)))
         return result
-
-    def _after_landing(self, name: str, adapter_dir: str | Path) -> None:
-        """The name now routes to the new contents; remember where they came from
-        so an eviction can be undone by a later request."""
-        old = self.adapters.registry.get(name)
-        self.adapters.registry[name] = AdapterSource(name, Path(adapter_dir), bool(old and old.pinned))
-        self.adapters.bind_waiters(name)
 
     def swap_lora_slot_from_peer(self, peer_addr: str, adapter_id: str, adapter_name: str,
                                  slot: int, peft=None) -> None:
-        raise PeerUnavailableError(
-            "peer staging is not built yet in this version: load the adapter from disk "
-            "(swap_lora_slot_from_disk)"
-        )
+        from metrale.peer.landing import swap_from_peer
+
+        swap_from_peer(self.lora, peer_addr, adapter_id, adapter_name, slot, peft,
+                       **self._peer_options())
+        self._after_landing(AdapterSource(adapter_name, peer=PeerRef(peer_addr, adapter_id)))
 
     def promote_lora_slot_from_peer(self, peer_addr: str, adapter_id: str, adapter_name: str,
                                     peft=None) -> tuple[int, str | None]:
-        raise PeerUnavailableError(
-            "peer staging is not built yet in this version: load the adapter from disk "
-            "(promote_lora_slot_from_disk)"
-        )
+        result = self.lora_promote_from_peer_ref(PeerRef(peer_addr, adapter_id), adapter_name, peft)
+        self._after_landing(AdapterSource(adapter_name, peer=PeerRef(peer_addr, adapter_id)))
+        return result
+
+    def lora_promote_from_peer_ref(self, ref: PeerRef, name: str,
+                                   peft=None) -> tuple[int, str | None]:
+        from metrale.peer.landing import promote_from_peer
+
+        return promote_from_peer(self.lora, ref.addr, ref.adapter_id, name, peft,
+                                 **self._peer_options())
+
+    def _peer_options(self) -> dict:
+        cfg = self.cfg
+        return dict(transport=cfg.peer_transport, timeout_s=cfg.peer_timeout_s,
+                    peer_allow=cfg.peer_allow or None)
+
+    def _after_landing(self, source: AdapterSource) -> None:
+        """The name now routes to the new contents; remember where they came from
+        so an eviction can be undone by a later request."""
+        old = self.adapters.registry.get(source.name)
+        self.adapters.registry[source.name] = replace(source, pinned=bool(old and old.pinned))
+        self.adapters.bind_waiters(source.name)
 
     def slot_info(self) -> list[SlotInfo]:
         return self.lora.slot_info()

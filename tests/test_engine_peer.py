@@ -1,0 +1,75 @@
+"""An engine serves adapters registered with a peer source: requests promote
+them from a `metrale peer serve` store automatically, and the tokens equal
+the same adapters loaded from disk and transformers+PEFT."""
+
+from __future__ import annotations
+
+import pytest
+from peft import PeftModel
+
+from metrale import LLM, SamplingParams
+from metrale.peer.errors import PeerNotAllowedError
+from tests.test_engine_vs_hf import hf_greedy
+from tests.test_peer_support import adapter_dir, peer_root, start_store, stop
+from tests.tiny_models import make_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+
+
+@pytest.fixture(scope="module")
+def store():
+    proc, url = start_store()
+    yield url.removeprefix("http://")
+    stop(proc)
+
+
+def _llm(**kw):
+    return LLM(peer_root()[0] / "model", max_loras=2, max_lora_rank=8, block_size=4,
+               max_model_len=64, num_kv_blocks=64, **kw)
+
+
+@pytest.mark.parametrize("transport", ["http", "nixl"])
+def test_requests_promote_peer_adapters_automatically(store, transport):
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12", reason="NIXL not installed")
+    llm = _llm(peer_transport=transport)
+    for name in "abc":
+        llm.register_adapter(f"p{name}", f"peer://{store}/{name}")
+    outs = llm.generate([PROMPT] * 3, GREEDY, ["pa", "pb", "pc"])  # 3 adapters, 2 slots
+    disk = _llm()
+    for name in "abc":
+        disk.register_adapter(name, adapter_dir(name))
+    assert [o.token_ids for o in outs] == [
+        o.token_ids for o in disk.generate([PROMPT] * 3, GREEDY, list("abc"))]
+    peft = PeftModel.from_pretrained(make_model("llama", seed=7), adapter_dir("b"))
+    assert outs[1].token_ids == hf_greedy(peft, PROMPT, 8)[0]
+    assert llm.engine.adapters.num_promotions == 3
+
+
+def test_seed_peer_operations(store):
+    llm = _llm(peer_transport="http")
+    engine = llm.engine
+    slot, evicted = engine.promote_lora_slot_from_peer(store, "a", "x")
+    assert (slot, evicted) == (0, None)
+    engine.swap_lora_slot_from_peer(store, "b", "x", slot)  # same name, new contents
+    assert engine.lora.table.info(slot).name == "x"
+    assert str(engine.adapters.registry["x"].peer) == f"peer://{store}/b"
+    out = llm.generate(PROMPT, GREEDY, "x")[0]
+    disk = _llm()
+    disk.register_adapter("b", adapter_dir("b"))
+    assert out.token_ids == disk.generate(PROMPT, GREEDY, "b")[0].token_ids
+
+
+def test_peer_outside_allow_list_fails_only_its_requests(store):
+    llm = _llm(peer_transport="http", peer_allow=("10.0.0.0/8",))
+    llm.register_adapter("pa", f"peer://{store}/a")
+    engine = llm.engine
+    bad = engine.add_request(PROMPT, GREEDY, "pa")
+    ok = engine.add_request(PROMPT, GREEDY, None)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert isinstance(done[bad].error, PeerNotAllowedError)
+    assert done[ok].finish_reason == "length"
+    assert all(i.state.value == "EMPTY" and i.uid == 0 for i in engine.slot_info())
