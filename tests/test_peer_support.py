@@ -96,11 +96,13 @@ def assert_matches_disk(slots: LoraSlots, slot: int, name: str) -> None:
 # --- a real peer store in a subprocess -------------------------------------------------
 
 
-def start_store(*extra: str, adapters: Path | None = None, timeout_s: float = 60.0):
+def start_store(*extra: str, adapters: Path | None = None, model: Path | None = None,
+                timeout_s: float = 60.0):
     """`metrale peer serve` on a free port: (process, base URL)."""
-    root = peer_root()[0]
+    root = peer_root()[0] if adapters is None or model is None else None
     cmd = [sys.executable, "-m", "metrale", "peer", "serve", "--adapters",
-           str(adapters or root / "adapters"), "--model", str(root / "model"), "--port", "0", *extra]
+           str(adapters or root / "adapters"), "--model", str(model or root / "model"),
+           "--port", "0", *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc, wait_for_line(proc, "metrale peer: serving", timeout_s).rsplit(" on ", 1)[1].split()[0]

@@ -204,6 +204,22 @@ class LLMEngine:
                 slot, _ = self.adapters.promote(src)
             self.lora.table.set_pinned(slot, True)
 
+    def promote_registered(self, name: str) -> tuple[int, str | None]:
+        """Land a registered adapter from wherever it comes from (disk or peer)."""
+        self.adapters.check_known(name)
+        result = self.adapters.promote(self.adapters.registry[name])
+        self.adapters.bind_waiters(name)
+        return result
+
+    def swap_registered(self, name: str, slot: int) -> None:
+        """Land a registered adapter into `slot` from its disk dir or its peer."""
+        self.adapters.check_known(name)
+        source = self.adapters.registry[name]
+        if source.peer is not None:
+            self.swap_lora_slot_from_peer(source.peer.addr, source.peer.adapter_id, name, slot)
+        else:
+            self.swap_lora_slot_from_disk(source.path, name, slot)
+
     def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int) -> None:
         self.lora.swap_lora_slot_from_disk(adapter_dir, name, slot)
         self._after_landing(AdapterSource(name, path=Path(adapter_dir)))

@@ -83,7 +83,7 @@ class AdapterOps:
         if old_slot is not None:
             was_pinned = self.table.info(old_slot).pinned
             try:
-                self.engine.promote_lora_slot_from_disk(path, name)
+                self.engine.promote_registered(name)
             except Exception:
                 if previous is not None:  # the old files still serve the name
                     self.registry[name] = previous
@@ -96,28 +96,30 @@ class AdapterOps:
 
     def promote(self, name: str) -> tuple[AdapterView, str | None]:
         """Make `name` resident; a resident adapter only gets its recency refreshed."""
-        source = self._source(name)
+        self._source(name)
         slot = self.table.slot_of(name)
         if slot is not None:
             self.table.touch(slot)
             return self.view(name), None
-        _, evicted = self.engine.promote_lora_slot_from_disk(source.path, name)
+        _, evicted = self.engine.promote_registered(name)
         return self.view(name), evicted
 
     def swap(self, name: str, slot: int, path: str | Path | None = None) -> AdapterView:
-        """Land `name` into `slot` (from `path`, else its registered path)."""
+        """Land `name` into `slot` (from `path`, else from its registered source)."""
         validate_adapter_name(name)
         self._refuse_draining(name)
         if path is None:
-            path = self._source(name).path
-        self.engine.swap_lora_slot_from_disk(path, name, slot)
+            self._source(name)
+            self.engine.swap_registered(name, slot)
+        else:
+            self.engine.swap_lora_slot_from_disk(path, name, slot)
         return self.view(name)
 
     def set_pinned(self, name: str, pinned: bool) -> AdapterView:
         source = self._source(name)
         slot = self.table.slot_of(name)
         if slot is None and pinned:
-            slot, _ = self.engine.promote_lora_slot_from_disk(source.path, name)
+            slot, _ = self.engine.promote_registered(name)
         if slot is not None:
             self.table.set_pinned(slot, pinned)
         self.registry[name] = replace(source, pinned=pinned)
@@ -191,7 +193,7 @@ class AdapterOps:
         slot = self.table.slot_of(name)
         info = infos[slot] if slot is not None else None
         return AdapterView(
-            name=name, path=str(source.path) if source else None,
+            name=name, path=str(source.peer or source.path) if source else None,
             pinned=bool(info.pinned if info else source and source.pinned),
             slot=slot, uid=info.uid if info else None,
             state=info.state.value if info else "DISK",

@@ -11,9 +11,12 @@ must resolve inside --adapter-root (paths.resolve_adapter_path).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from metrale.engine.adapters import PEER_SCHEME
 from metrale.errors import UnknownAdapterError
 from metrale.pool.swap import validate_adapter_name
 from metrale.server.async_engine import AsyncEngine
@@ -34,6 +37,14 @@ reads = APIRouter(dependencies=[Depends(require_user)])
 admin = APIRouter(dependencies=[Depends(require_admin)])
 
 
+def _adapter_source(raw: object, settings: ServerSettings, param: str) -> str | Path:
+    """A peer URI (the engine checks the peer against --peer-allow when it lands),
+    or a directory confined to --adapter-root."""
+    if isinstance(raw, str) and raw.startswith(PEER_SCHEME):
+        return raw
+    return resolve_adapter_path(raw, settings.adapter_roots, param)
+
+
 def _ctx(request: Request) -> tuple[AsyncEngine, ServerSettings]:
     return request.app.state.engine, request.app.state.settings
 
@@ -44,7 +55,7 @@ def _ctx(request: Request) -> tuple[AsyncEngine, ServerSettings]:
 @admin.post("/v1/load_lora_adapter")
 async def vllm_load(body: LoadLoraRequest, request: Request) -> PlainTextResponse:
     engine, settings = _ctx(request)
-    path = resolve_adapter_path(body.lora_path, settings.adapter_roots, "lora_path")
+    path = _adapter_source(body.lora_path, settings, "lora_path")
     try:
         await engine.register(body.lora_name, path, reload=body.load_inplace)
     except AdapterExistsError:  # vLLM answers 400 here, and so do we
@@ -102,7 +113,7 @@ async def list_adapters(request: Request) -> dict:
 @admin.post("/v1/adapters", status_code=201)
 async def register(body: RegisterRequest, request: Request) -> JSONResponse:
     engine, settings = _ctx(request)
-    path = resolve_adapter_path(body.path, settings.adapter_roots, "path")
+    path = _adapter_source(body.path, settings, "path")
     view = await engine.register(body.name, path, pinned=body.pinned)
     return JSONResponse({"adapter": view.as_dict()}, status_code=201)
 

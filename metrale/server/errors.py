@@ -20,6 +20,7 @@ from metrale.errors import (
     SlotOutOfRangeError,
     UnknownAdapterError,
 )
+from metrale.peer.errors import PeerNotAllowedError
 
 
 class ServerError(MetraleError):
@@ -76,7 +77,8 @@ _TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
     (AdapterError, 422, "invalid_request_error", "invalid_adapter"),
     (PoolFullError, 503, "service_unavailable_error", "pool_full"),
     (LandingError, 500, "internal_error", "landing_failed"),
-    (PeerUnavailableError, 501, "not_implemented_error", "peer_unavailable"),
+    (PeerNotAllowedError, 403, "permission_error", "peer_not_allowed"),
+    (PeerUnavailableError, 502, "bad_gateway_error", "peer_unavailable"),
 ]
 
 _SERVER_TYPES = {

@@ -66,6 +66,8 @@ def build_app(args: argparse.Namespace):
     llm = LLM(model_dir, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
               device=args.device, dtype=args.dtype, allow_runtime_swaps=True,
               max_model_len=args.max_model_len, promotion_timeout_s=args.promotion_timeout,
+              peer_allow=tuple(args.peer_allow), peer_transport=args.peer_transport,
+              peer_timeout_s=args.peer_timeout,
               **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}))
     engine = llm.engine
     for name, path in unpinned.items():
@@ -82,7 +84,27 @@ def build_app(args: argparse.Namespace):
         admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
         adapter_roots=tuple(Path(r) for r in args.adapter_root),
         max_tokens_limit=args.max_tokens_limit)
-    return create_app(AsyncEngine(engine), settings), settings, list(pinned) + list(unpinned)
+    async_engine = AsyncEngine(engine)
+    if args.peer_export_port is not None:
+        _start_exporter(async_engine, args)
+    return create_app(async_engine, settings), settings, list(pinned) + list(unpinned)
+
+
+def _start_exporter(async_engine, args: argparse.Namespace) -> None:
+    """Export this engine's READY slots to peers (leases hold a slot reference, so a
+    leased adapter is never swapped mid-transfer). Slot-table access runs on the
+    engine thread, like every other mutation."""
+    from metrale.peer.allow import LOOPBACK
+    from metrale.peer.exporter import AdapterExporter
+    from metrale.peer.http_server import PeerHTTPServer
+    from metrale.peer.store import resolve_transports
+
+    exporter = AdapterExporter(
+        async_engine.engine.lora, call=lambda fn: async_engine.submit(fn).result(timeout=30),
+        transports=resolve_transports(args.peer_transport)).start()
+    server = PeerHTTPServer(exporter, host=args.host, port=args.peer_export_port,
+                            client_allow=tuple(args.peer_allow) or LOOPBACK).start()
+    print(f"metrale: exporting resident adapters to peers at {server.url}", flush=True)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -114,7 +136,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model dir (default: embedded SmolLM2-135M-Instruct "
                                    "with the demo adapters 'shout' and 'pirate')")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
-                   help="serve a PEFT adapter, pinned in a slot from start-up (repeatable)")
+                   help="serve a PEFT adapter, pinned in a slot from start-up (repeatable); "
+                        "DIR may be peer://HOST:PORT/ADAPTER_ID")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
                    help="allow loading adapters by path at run time, only inside DIR (repeatable)")
     p.add_argument("--max-loras", type=int, default=4, help="adapter slots on the device")
@@ -135,4 +158,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a request waits for a free adapter slot before POOL_FULL (503)")
     p.add_argument("--max-tokens-limit", type=int, default=2048,
                    help="refuse requests asking for more max_tokens (400)")
+    p.add_argument("--peer-allow", action="append", default=[], metavar="NET",
+                   help="hosts/networks adapters may be fetched from, and exported to "
+                        "(repeatable; default loopback only)")
+    p.add_argument("--peer-transport", default="auto", choices=["auto", "nixl", "http"],
+                   help="peer data plane: NIXL (RDMA/NVLink/UCX) when installed, else HTTP")
+    p.add_argument("--peer-timeout", type=float, default=30.0,
+                   help="seconds a whole peer landing may take before the slot is left EMPTY")
+    p.add_argument("--peer-export-port", type=int, default=None, metavar="PORT",
+                   help="export this server's resident adapters to peers on PORT (0 = any)")
 

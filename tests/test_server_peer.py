@@ -1,0 +1,92 @@
+"""Peers through the server: an adapter registered as peer://... is promoted
+from a `metrale peer serve` store on first request; a second server promotes
+an adapter exported by the first one's READY slot; a peer outside
+--peer-allow is refused with 403 and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.test_peer_support import start_store, stop
+from tests.test_server_support import Reference, ServerProcess, free_port, make_world
+
+PROMPT = "tell me about the moon"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return make_world(tmp_path_factory.mktemp("peer-world"))
+
+
+@pytest.fixture(scope="module")
+def store(world):
+    """A peer store over the world's adapters (the rank-32 'bad' one is left out)."""
+    import shutil
+
+    adapters = world["adapters"].parent / "store"
+    for name in ("a", "b"):
+        shutil.copytree(world["adapters"] / name, adapters / name)
+    proc, url = start_store("--max-lora-rank", "8", adapters=adapters, model=world["model"])
+    yield url.removeprefix("http://")
+    stop(proc)
+
+
+def _complete(url, model):
+    r = httpx.post(f"{url}/v1/completions", timeout=60,
+                   json={"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    return r
+
+
+def test_peer_adapters_through_the_server(world, store, tmp_path):
+    export_port = free_port()
+    first = ServerProcess(["--model", str(world["model"]), "--max-loras", "2", "--max-lora-rank", "8",
+                           "--adapter", f"a=peer://{store}/a", "--peer-transport", "http",
+                           "--peer-export-port", str(export_port)], tmp_path / "first.log")
+    second = None
+    try:
+        ref = Reference(world)
+        ref.register("a")
+        ref.register("b")
+        want_a = ref.complete(PROMPT, "a", max_tokens=8).text
+        r = _complete(first.url, "a")  # pinned at start-up from the store
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want_a
+        # register a peer adapter at run time; the first request promotes it
+        r = httpx.post(f"{first.url}/v1/adapters", json={"name": "pb", "path": f"peer://{store}/b"},
+                       timeout=30)
+        assert r.status_code == 201, r.text
+        r = _complete(first.url, "pb")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.complete(
+            PROMPT, "b", max_tokens=8).text
+        # a second server takes "a" from the first server's exported READY slot
+        second = ServerProcess(["--model", str(world["model"]), "--max-loras", "2",
+                                "--max-lora-rank", "8", "--peer-transport", "http",
+                                "--adapter", f"x=peer://127.0.0.1:{export_port}/a"],
+                               tmp_path / "second.log")
+        r = _complete(second.url, "x")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want_a
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_peer_outside_allow_list_is_403_and_serving_goes_on(world, store, tmp_path):
+    server = ServerProcess(["--model", str(world["model"]), "--max-loras", "2", "--max-lora-rank",
+                            "8", "--peer-allow", "10.1.2.0/24", "--peer-transport", "http"],
+                           tmp_path / "deny.log")
+    try:
+        r = httpx.post(f"{server.url}/v1/adapters", json={"name": "pb", "path": f"peer://{store}/b"},
+                       timeout=30)
+        assert r.status_code == 201  # registration does not contact the peer
+        r = _complete(server.url, "pb")
+        assert r.status_code == 403 and r.json()["error"]["code"] == "peer_not_allowed"
+        r = httpx.post(f"{server.url}/v1/adapters/pb/promote", timeout=30)
+        assert r.status_code == 403
+        assert _complete(server.url, server_model(server)).status_code == 200
+    finally:
+        server.stop()
+
+
+def server_model(server) -> str:
+    return httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
