@@ -191,6 +191,7 @@ def test_random_operations_follow_the_rules(seed):
                 continue
             table.unload(slot)
             model.name[slot] = None
+            model.pinned[slot] = False
         table.check_integrity()
         for i, info in enumerate(table.infos()):
             assert info.name == model.name[i] and info.ref_count == model.refs[i]

@@ -180,12 +180,12 @@ class SlotTable:
         s.state, s.name, s.uid = SlotState.EMPTY, None, next_uid()
 
     def unload(self, slot: int) -> None:
-        """READY -> EMPTY (slot idle)."""
+        """READY -> EMPTY (slot idle); an emptied slot is cache space again, unpinned."""
         self.require_idle(slot)
         s = self._slots[slot]
         if s.name is not None:
             del self._by_name[s.name]
-        s.state, s.name, s.uid = SlotState.EMPTY, None, next_uid()
+        s.state, s.name, s.uid, s.pinned = SlotState.EMPTY, None, next_uid(), False
         s.generation += 1
 
     # --- invariants ---------------------------------------------------------------

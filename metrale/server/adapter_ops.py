@@ -151,7 +151,6 @@ class AdapterOps:
                 del self.draining[name]
             elif info.ref_count == 0:
                 self.engine.lora.unload(name)
-                self.table.set_pinned(slot, False)  # an empty slot is cache space again
                 del self.draining[name]
                 log.info("%s", kv(event="unload", adapter=name, slot=slot, result="unloaded"))
 
