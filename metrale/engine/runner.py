@@ -1,11 +1,17 @@
 """ModelRunner: owns the model and its KV cache; turns a scheduled batch into
-flat tensors, runs one forward pass under a forward context, and samples."""
+flat tensors, runs one forward pass under a forward context, and samples.
+
+On CUDA, decode steps of up to MAX_GRAPH_BATCH sequences replay CUDA graphs
+(metrale.engine.cuda_graphs) unless `enforce_eager`; prefill and bigger batches run
+eagerly. The KV cache holds one block more than the block manager hands out: the
+padding block that padded graph rows write into."""
 
 from __future__ import annotations
 
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
+from metrale.engine.cuda_graphs import DecodeGraphs
 from metrale.engine.sampler import sample
 from metrale.engine.sequence import Sequence
 from metrale.model.context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
@@ -22,10 +28,24 @@ class ModelRunner:
         self.model, self.model_cfg, self.cfg = model, model_cfg, cfg
         self.device, self.dtype, self.pool = device, dtype, pool
         self.num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
-        shape = (self.num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.pad_block = self.num_blocks  # never handed out: padded graph rows write here
+        shape = (self.num_blocks + 1, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         for attn in model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not cfg.enforce_eager:
+            self.enable_decode_graphs(capture=True)
+
+    def enable_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
+        """Build the static decode buffers and capture the graphs (capture=False: run the
+        same padded static-buffer path eagerly, for tests off the GPU)."""
+        cfg = self.cfg
+        self.graphs = DecodeGraphs(
+            self.model, self.pool, cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size),
+            cfg.block_size, self.pad_block, cfg.max_model_len, self.device, capture=capture)
+        self.graphs.capture()
+        return self.graphs
 
     def _block_bytes(self) -> int:
         m = self.model_cfg
@@ -43,6 +63,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[dict | None]]:
+        if not is_prefill and self.graphs is not None and self.graphs.can_run(len(seqs)):
+            lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
+            logits = self.graphs.run(seqs, lora)  # [B, V]
+        else:
+            logits = self._run_eager(seqs, is_prefill)
+        for seq in seqs:
+            seq.num_computed = len(seq)
+        return sample(logits, seqs)
+
+    def _run_eager(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         ids, positions, slot_mapping, cu, slot_ids = [], [], [], [0], []
         bs = self.cfg.block_size
         for seq in seqs:
@@ -79,7 +109,4 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.int64, device=dev),
             )  # [T, hidden]
             last = torch.tensor(cu[1:], device=dev) - 1  # [B] last token of each sequence
-            logits = self.model.compute_logits(hidden[last])  # [B, V]
-        for seq in seqs:
-            seq.num_computed = len(seq)
-        return sample(logits, seqs)
+            return self.model.compute_logits(hidden[last])  # [B, V]

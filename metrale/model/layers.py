@@ -12,6 +12,7 @@ from torch import nn
 
 from metrale.config import ConfigError, ModelConfig
 from metrale.model.context import get_context
+from metrale.ops import fused_triton as fused
 from metrale.ops.lora import lora_apply
 
 
@@ -22,6 +23,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and fused.usable(x):  # one launch instead of ~7 (same arithmetic)
+            return fused.rmsnorm(x, self.weight, self.eps)
         # fp32 statistics as transformers does, so low-precision runs match it
         dtype = x.dtype
         x = x.float()
@@ -72,6 +75,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [T, H, D], k: [T, KV, D], positions: [T]
+        if fused.rotary_usable(q, self.cos) and q.stride(2) == 1 and k.stride(2) == 1:
+            return fused.rotary(positions, q, k, self.cos, self.sin)  # one launch, not ~18
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

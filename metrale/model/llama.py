@@ -13,7 +13,7 @@ from torch import nn
 from metrale.config import ModelConfig
 from metrale.model.context import get_context
 from metrale.model.layers import LoraProjection, RMSNorm, RotaryEmbedding
-from metrale.ops.attention import paged_attention_ref, store_kv
+from metrale.ops.attention import paged_attention, store_kv
 
 
 class Attention(nn.Module):
@@ -44,7 +44,7 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         meta = get_context().attn
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = paged_attention_ref(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(T, cfg.q_size))
 
 

@@ -1,6 +1,9 @@
 """Paged attention: write new K/V into the block cache, then attend each
-sequence's queries over its cached context. Plain torch (CPU and the
-reference for GPU kernels)."""
+sequence's queries over its cached context.
+
+`paged_attention` dispatches by device: the Triton kernels of
+metrale.ops.attention_triton on CUDA (decode: CUDA-graph capturable), and the plain
+torch reference below elsewhere (CPU, and the ground truth for the kernels' tests)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,22 @@ def store_kv(
     # k, v: [T, KV, D]; caches: [num_blocks, block_size, KV, D]; slot_mapping: [T]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence."""
+    if not q.is_cuda:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    from metrale.ops.attention_triton import paged_decode, paged_prefill
+
+    if meta.is_prefill:
+        return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                             meta.cu_query, meta.max_query_len, scale)
+    # a decode step has one query per sequence (cu_query is 0..B)
+    return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
 
 def paged_attention_ref(

@@ -77,12 +77,25 @@ class AdapterPool:
             if (data.storage_offset() + e.begin) % e.torch_dtype.itemsize:
                 raw = raw.clone()  # a hostile file may misalign a tensor; keep the view legal
             views.append(raw.view(e.torch_dtype).view(e.shape))
-        finite = torch.stack([v.isfinite().all() for v in views]).all() if views else True
-        if not bool(finite):
-            bad = next(landing.entry.name for landing, v in zip(plan.landings, views)
-                       if not bool(v.isfinite().all()))
-            raise NonFiniteWeightsError(f"{plan.source}: tensor {bad!r} holds NaN or Inf")
-        return views
+        if not views or self._all_finite(data, views):
+            return views
+        bad = next(landing.entry.name for landing, v in zip(plan.landings, views)
+                   if not bool(v.isfinite().all()))
+        raise NonFiniteWeightsError(f"{plan.source}: tensor {bad!r} holds NaN or Inf")
+
+    @staticmethod
+    def _all_finite(data: torch.Tensor, views: list[torch.Tensor]) -> bool:
+        """One check (one device sync) for the whole adapter. When the views are all of
+        one dtype and tile the data bytes (a validated file: no gaps, no other tensors),
+        a single pass over the bytes does it; else one reduction per tensor, stacked."""
+        dtype = views[0].dtype
+        size = views[0].element_size()
+        whole = (all(v.dtype == dtype for v in views)
+                 and sum(v.numel() for v in views) * size == data.numel()
+                 and data.data_ptr() % size == 0)
+        if whole:
+            return bool(data.view(dtype).isfinite().all())
+        return bool(torch.stack([v.isfinite().all() for v in views]).all())
 
     def zero_slot(self, slot: int) -> None:
         self.slot_region(slot).zero_()
@@ -91,21 +104,40 @@ class AdapterPool:
 
     def land(self, slot: int, plan: AdapterPlan, views: list[torch.Tensor]) -> None:
         """Write staged tensors into a zeroed slot: dtype conversion and the B
-        transpose happen on the device, one copy per tensor, no host round trip."""
-        for landing, src in zip(plan.landings, views):
-            t = landing.target
-            if landing.kind == "A":
-                self.lora_a(t.layer, t.module)[slot, :t.rank].copy_(src)  # [r, in]
-            else:
-                self.lora_bt(t.layer, t.module)[slot, :t.rank].copy_(src.t())  # [r, out]
+        transpose happen on the device, no host round trip. On CUDA one kernel lands
+        every tensor (metrale.ops.landing_triton); elsewhere one copy per tensor."""
+        src_base = None
+        if self.buffer.is_cuda:
+            from metrale.ops.landing_triton import base_of
+
+            src_base = base_of(views)
+        if src_base is not None:
+            from metrale.ops.landing_triton import land_views
+
+            base, items = slot * self.layout.slot_elems, []
+            for landing, src in zip(plan.landings, views):
+                t = landing.target
+                region = self.layout.region(t.layer, t.module, landing.kind)
+                items.append((src, base + region.offset, t.rank, region.cols, landing.kind == "B"))
+            land_views(self.buffer, src_base, items)
+        else:
+            for landing, src in zip(plan.landings, views):
+                t = landing.target
+                if landing.kind == "A":
+                    self.lora_a(t.layer, t.module)[slot, :t.rank].copy_(src)  # [r, in]
+                else:
+                    self.lora_bt(t.layer, t.module)[slot, :t.rank].copy_(src.t())  # [r, out]
         self.set_tables(slot, plan)
 
     def set_tables(self, slot: int, plan: AdapterPlan) -> None:
-        ranks = torch.zeros_like(self.ranks[slot], device="cpu")
-        scales = torch.zeros_like(self.scales[slot], device="cpu")
-        for t in plan.targets:
-            m = self.layout.module_index(t.module)
-            ranks[t.layer, m], scales[t.layer, m] = t.rank, t.scale
+        ranks = torch.zeros(self.ranks[slot].shape, dtype=torch.int32)  # [L, M]
+        scales = torch.zeros(self.scales[slot].shape, dtype=torch.float32)
+        if plan.targets:  # one indexed write each, not one per module (448 on an 8B)
+            rows = [(t.layer, self.layout.module_index(t.module), t.rank, t.scale)
+                    for t in plan.targets]
+            layer, module, rank, scale = (list(c) for c in zip(*rows))
+            ranks[layer, module] = torch.tensor(rank, dtype=torch.int32)
+            scales[layer, module] = torch.tensor(scale, dtype=torch.float32)
         self.ranks[slot].copy_(ranks)
         self.scales[slot].copy_(scales)
 

@@ -1,0 +1,264 @@
+"""Triton paged attention over the block KV cache (same semantics as
+metrale.ops.attention.paged_attention_ref).
+
+- decode: one query per sequence. A program serves one (sequence, KV head, split) and
+  all the query heads of that KV head (GQA: K/V are read once per group, not per head).
+  Split-K (flash-decoding): each split covers a slice of the context and writes its
+  running max, sum and unnormalised output; a second kernel merges the splits. The
+  split count depends only on the batch size and the (fixed) block-table width, and the
+  kernels read context lengths and block tables from device memory, so a decode step is
+  CUDA-graph capturable: no host sync, no Python value derived from tensor contents.
+- prefill: varlen, causal, paged; a program serves one (sequence, query head, query
+  tile) and walks the keys up to its last query's position through the block table.
+  Prefill runs eagerly, so its grid may use max_query_len (a host int the runner knows).
+
+Block tables may hold any value past a sequence's context (-1, or a padding block):
+only entries for positions < context_lens are read.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from metrale.ops.lora_triton import _kernel, _next_pow2, _require_triton, tl, triton
+
+DECODE_BLOCK_N = 64  # keys per tile
+PREFILL_BLOCK_M, PREFILL_BLOCK_N = 64, 64
+MIN_SPLIT_TOKENS = 256  # never split a context into slices shorter than this
+
+
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, o_ptr, ml_ptr, acc_ptr,
+    scale, num_splits, q_st, q_sh, c_sb, c_st, c_sh, tab_st, o_st, o_sh,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    b, kvh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b).to(tl.int32)
+    # this split's slice of the context, in whole tiles: [start, end)
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    end = tl.minimum(start + chunk, ctx)
+    g = tl.arange(0, G_PAD)
+    g_ok = g < G
+    heads = kvh * G + g  # [G_PAD] query heads of this KV head
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * q_st + heads[:, None] * q_sh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G_PAD, D_PAD]
+    if F32_DOT:
+        q = q.to(tl.float32)
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D_PAD), tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + offs_n  # [BN] key positions
+        t_ok = t < end
+        blk = tl.load(tab_ptr + b64 * tab_st + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        row = blk * c_sb + (t % BLOCK_SIZE).to(tl.int64) * c_st + kvh * c_sh  # [BN]
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BN, D_PAD]
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if F32_DOT:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [G_PAD, BN] fp32 accumulate
+        s = tl.where(t_ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has >= 1 valid key
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if F32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if SPLIT:  # partials for the merge kernel: ml [B, H, S, 2], acc [B, H, S, D_PAD]
+        S = num_splits
+        base = (b64 * (S * G * tl.num_programs(1)) + heads.to(tl.int64) * S + sp)  # [G_PAD]
+        tl.store(ml_ptr + base * 2, m_i, mask=g_ok)
+        tl.store(ml_ptr + base * 2 + 1, l_i, mask=g_ok)
+        tl.store(acc_ptr + base[:, None] * D_PAD + d[None, :], acc, mask=g_ok[:, None])
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # ctx 0 (never in practice) -> zeros
+        tl.store(o_ptr + b64 * o_st + heads[:, None] * o_sh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def _merge_kernel(
+    ml_ptr, acc_ptr, o_ptr, num_splits, o_st, o_sh,
+    D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    b, h = tl.program_id(0), tl.program_id(1)
+    base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    s = tl.arange(0, S_PAD)
+    s_ok = s < num_splits
+    m = tl.load(ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))  # [S_PAD]
+    l = tl.load(ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
+    d = tl.arange(0, D_PAD)
+    acc = tl.load(acc_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=s_ok[:, None],
+                  other=0.0)  # [S_PAD, D_PAD]
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # empty splits weigh nothing
+    total = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)  # [D_PAD]
+    tl.store(o_ptr + b.to(tl.int64) * o_st + h * o_sh + d, out.to(o_ptr.dtype.element_ty),
+             mask=d < D)
+
+
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, cu_ptr, o_ptr,
+    scale, q_st, q_sh, c_sb, c_st, c_sh, tab_st, o_st, o_sh,
+    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    b, h, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q0 = tl.load(cu_ptr + b).to(tl.int32)
+    n = tl.load(cu_ptr + b + 1).to(tl.int32) - q0  # new tokens of this sequence
+    if mb * BLOCK_M >= n:
+        return
+    ctx = tl.load(ctx_ptr + b).to(tl.int32)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    r_ok = rows < n
+    q_pos = ctx - n + rows  # [BM] position of each query; it sees keys 0..q_pos
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    tok = (q0 + rows).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * q_st + h * q_sh + d[None, :],
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, D_PAD]
+    if F32_DOT:
+        q = q.to(tl.float32)
+    kvh = h // G
+    hi = tl.minimum(ctx, ctx - n + (mb + 1) * BLOCK_M)  # keys the tile's last query sees
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    b64 = b.to(tl.int64)
+    for n0 in range(0, hi, BLOCK_N):
+        t = n0 + offs_n  # [BN]
+        t_ok = t < hi
+        blk = tl.load(tab_ptr + b64 * tab_st + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        row = blk * c_sb + (t % BLOCK_SIZE).to(tl.int64) * c_st + kvh * c_sh
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BN, D_PAD]
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if F32_DOT:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [BM, BN]
+        # key 0 is visible to every row, so each row's max is finite after the first tile
+        visible = t_ok[None, :] & (t[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if F32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + tok[:, None] * o_st + h * o_sh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+
+
+def _f32_dot(kernel, dtype: torch.dtype) -> bool:
+    """fp32 caches use exact fp32 dots; the interpreter's bf16/fp16 tl.dot is unreliable."""
+    return dtype == torch.float32 or type(kernel).__name__ == "InterpretedFunction"
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head): enough programs for ~2 waves, never slices shorter
+    than MIN_SPLIT_TOKENS of the table's capacity. Depends on shapes only (graph-safe)."""
+    want = -(-2 * _num_sms(device) // max(batch * kv_heads, 1))
+    return max(1, min(want, max_context // MIN_SPLIT_TOKENS, 64))
+
+
+def _cache_strides(k_cache: torch.Tensor):
+    if k_cache.stride(3) != 1:
+        raise ValueError("caches must be [num_blocks, block_size, KV, D] with unit last stride")
+    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+) -> torch.Tensor:
+    """q: [B, H, D] (one query per sequence, at position context_lens - 1) -> [B, H, D].
+
+    k_cache, v_cache: [num_blocks, block_size, KV, D]; block_tables: [B, W] (int32/int64);
+    context_lens: [B] >= 1."""
+    _require_triton()
+    B, H, D = q.shape
+    _, bs, KV, _ = k_cache.shape
+    if k_cache.stride() != v_cache.stride() or q.stride(2) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("k/v caches must share strides; q and block_tables need unit last stride")
+    G = H // KV
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    S = num_splits or decode_splits(B, KV, block_tables.shape[1] * bs, q.device)
+    D_PAD, G_PAD = _next_pow2(max(D, 16)), max(16, _next_pow2(G))  # tl.dot needs >= 16
+    kernel = _kernel(_decode_kernel, q.device)
+    if S > 1:
+        ml = torch.empty(B, H, S, 2, dtype=torch.float32, device=q.device)
+        acc = torch.empty(B, H, S, D_PAD, dtype=torch.float32, device=q.device)
+    else:
+        ml = acc = out  # unused
+    kernel[(B, KV, S)](
+        q, k_cache, v_cache, block_tables, context_lens, out, ml, acc,
+        scale, S, q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_SIZE=bs, BLOCK_N=DECODE_BLOCK_N,
+        SPLIT=S > 1, F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
+    )
+    if S > 1:
+        merge = _kernel(_merge_kernel, q.device)
+        merge[(B, H)](ml, acc, out, S, out.stride(0), out.stride(1),
+                      D=D, D_PAD=D_PAD, S_PAD=max(2, _next_pow2(S)), num_warps=2)
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, cu_query: torch.Tensor, max_query_len: int, scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D], sequence i's queries are rows cu_query[i]:cu_query[i+1], the last of
+    them at position context_lens[i] - 1; causal over its cached context -> [T, H, D]."""
+    _require_triton()
+    T, H, D = q.shape
+    _, bs, KV, _ = k_cache.shape
+    B = block_tables.shape[0]
+    if k_cache.stride() != v_cache.stride() or q.stride(2) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("k/v caches must share strides; q and block_tables need unit last stride")
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    kernel = _kernel(_prefill_kernel, q.device)
+    grid = (B, H, triton.cdiv(max_query_len, PREFILL_BLOCK_M))
+    kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, cu_query, out,
+        scale, q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=H // KV, D=D, D_PAD=_next_pow2(max(D, 16)), BLOCK_SIZE=bs,
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+        F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
+    )
+    return out

@@ -1,0 +1,69 @@
+"""One Triton launch that lands every tensor of an adapter into its slot.
+
+A PEFT adapter of a Llama-3-8B (r=16, all-linear) has 448 tensors; landing them with
+one torch copy each costs ~448 launches and as many Python view constructions (several
+ms of host time against ~2 ms for the bytes themselves). Here a descriptor row per
+tensor says where it is in the staged bytes and where it goes in the pool:
+
+    dst[dst_off + i * cols + j] = src[src_off + i * s_row + j * s_col]   i < rows, j < cols
+
+A is [r, in] -> A[slot, :r] (s_row = in, s_col = 1); B is [out, r] -> Bt[slot, :r] =
+B^T (s_row = 1, s_col = r). The dtype conversion happens in registers. The transposed
+reads are strided, but one B is at most out * r elements (< 1 MB): L2 absorbs them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.ops.lora_triton import _kernel, _require_triton, tl, triton
+
+BLOCK = 2048  # destination elements per program
+
+
+def _land_kernel(src_ptr, dst_ptr, desc_ptr, BLOCK: tl.constexpr):
+    i, tile = tl.program_id(0), tl.program_id(1)
+    d = desc_ptr + i * 6
+    rows, cols = tl.load(d + 1), tl.load(d + 2)
+    n = rows * cols
+    if tile * BLOCK >= n:
+        return  # the grid is sized for the largest tensor
+    e = tile * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK] destination elements
+    ok = e < n
+    r, c = e // cols, e % cols
+    src = src_ptr + tl.load(d + 0) + r * tl.load(d + 3) + c * tl.load(d + 4)
+    x = tl.load(src, mask=ok, other=0.0)
+    # downcasts round to nearest even as torch's copy_ does (compiled; the interpreter truncates)
+    tl.store(dst_ptr + tl.load(d + 5) + e, x.to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+def base_of(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D storage every view lives in (same dtype, aligned), or None if they don't
+    share one (then land them one by one)."""
+    if not views:
+        return None
+    v0 = views[0]
+    ptr = v0.untyped_storage().data_ptr()
+    for v in views:
+        if v.dtype != v0.dtype or v.untyped_storage().data_ptr() != ptr or not v.is_contiguous():
+            return None
+    return v0.as_strided((v0.untyped_storage().nbytes() // v0.element_size(),), (1,), 0)
+
+
+def land_views(dst: torch.Tensor, src_base: torch.Tensor,
+               items: list[tuple[torch.Tensor, int, int, int, bool]]) -> None:
+    """dst: the 1-D pool buffer; src_base: base_of(the views).
+    items: (view, dst element offset, rows, cols, transpose) with view [rows, cols], or
+    [cols, rows] when transpose (B -> Bt)."""
+    _require_triton()
+    if not items:
+        return
+    size = src_base.element_size()
+    rows = []
+    for view, dst_off, r, c, transpose in items:
+        src_off = (view.data_ptr() - src_base.data_ptr()) // size
+        rows.append((src_off, r, c, 1 if transpose else c, r if transpose else 1, dst_off))
+    desc = torch.tensor(rows, dtype=torch.int64).to(dst.device, non_blocking=True)  # [N, 6]
+    tiles = triton.cdiv(max(r * c for _, r, c, _, _, _ in rows), BLOCK)
+    kernel = _kernel(_land_kernel, dst.device)
+    kernel[(len(rows), tiles)](src_base, dst, desc, BLOCK=BLOCK, num_warps=4)

@@ -1,0 +1,132 @@
+"""Host tier: an LRU of recently landed adapters, kept as slot images.
+
+An entry is the whole slot region exactly as the pool holds it (pool dtype, rank-major,
+rank padding and untargeted modules zero) plus the slot's rank and scale rows, in pinned
+memory. Re-promoting it is one H2D copy of the image and two tiny table copies: no file
+read, no parse, no NaN scan, no conversion.
+
+Keys are (weights path, mtime_ns, size, config mtime_ns, size): editing either file
+changes the key, so a stale image is never served; the entry of an older version of the
+same path is dropped when a newer one is stored. A hit skips validation because the
+image is the output of a landing that passed it, for these exact files and this pool.
+
+Filling copies a freshly landed slot back to the host on a side stream (off the hot
+path). Until that copy completes, the next write into that slot waits for it on the
+device (`before_write`), never on the host. Images live in one pinned arena allocated at
+the first fill (pinning memory costs ~ms per MB-scale call; paying it per landing would
+stall the engine loop), and an evicted entry's image is reused by the next fill: the
+side stream first waits for the engine stream, so an H2D still reading it finishes first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from metrale.pool.pool import AdapterPool
+
+Key = tuple
+
+
+@dataclass
+class TierEntry:
+    index: int  # image row in the arena
+    image: torch.Tensor  # [slot_elems] pool dtype, host (pinned with CUDA)
+    ranks: torch.Tensor  # [layers, modules] int32, host
+    scales: torch.Tensor  # [layers, modules] float32, host
+    ready: torch.cuda.Event | None  # the D2H copy that fills image; None: already done
+
+
+def adapter_key(adapter_dir: str | Path) -> Key | None:
+    """Identity of an adapter dir's files; None if they cannot be stat'ed (then the disk
+    path runs and raises its usual, precise error)."""
+    d = Path(adapter_dir)
+    try:
+        w, c = os.stat(d / "adapter_model.safetensors"), os.stat(d / "adapter_config.json")
+    except OSError:
+        return None
+    return (str(d.resolve()), w.st_mtime_ns, w.st_size, c.st_mtime_ns, c.st_size)
+
+
+class HostTier:
+    def __init__(self, pool: AdapterPool, capacity_bytes: int) -> None:
+        self.pool, self.capacity = pool, capacity_bytes
+        self.entry_bytes = pool.layout.slot_bytes
+        self._entries: OrderedDict[Key, TierEntry] = OrderedDict()  # oldest first
+        self._cuda = pool.device.type == "cuda"
+        self._stream = torch.cuda.Stream(pool.device) if self._cuda else None
+        self._pending: dict[int, torch.cuda.Event] = {}  # slot -> fill copy reading it
+        self._arena: torch.Tensor | None = None  # [entries, slot_elems]
+        self._free: list[int] = []
+        self.hits = self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity >= self.entry_bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Key | None) -> TierEntry | None:
+        entry = self._entries.get(key) if key is not None else None
+        if entry is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def put(self, key: Key | None, slot: int) -> None:
+        """Store `slot`'s current contents under key (call right after landing it)."""
+        if key is None or not self.enabled:
+            return
+        pool = self.pool
+        if self._arena is None:
+            n = self.capacity // self.entry_bytes
+            self._arena = torch.empty(n, pool.layout.slot_elems, dtype=pool.layout.dtype,
+                                      pin_memory=self._cuda)
+            self._free = list(range(n))
+        for old in [k for k in self._entries if k[0] == key[0]]:
+            self._free.append(self._entries.pop(old).index)  # an older version of the files
+        if not self._free:
+            self._free.append(self._entries.popitem(last=False)[1].index)  # LRU
+        index = self._free.pop()
+        image = self._arena[index]
+        ranks = torch.empty(pool.ranks[slot].shape, dtype=torch.int32, pin_memory=self._cuda)
+        scales = torch.empty(pool.scales[slot].shape, dtype=torch.float32, pin_memory=self._cuda)
+        ready = None
+        if self._cuda:
+            side = self._stream
+            side.wait_stream(torch.cuda.current_stream(pool.device))  # after the landing
+            with torch.cuda.stream(side):
+                image.copy_(pool.slot_region(slot), non_blocking=True)
+                ranks.copy_(pool.ranks[slot], non_blocking=True)
+                scales.copy_(pool.scales[slot], non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            self._pending[slot] = ready
+        else:
+            image.copy_(pool.slot_region(slot))
+            ranks.copy_(pool.ranks[slot])
+            scales.copy_(pool.scales[slot])
+        self._entries[key] = TierEntry(index, image, ranks, scales, ready)
+
+    def before_write(self, slot: int) -> None:
+        """Order the next write into slot after a fill copy still reading it (device-side)."""
+        ready = self._pending.pop(slot, None)
+        if ready is not None:
+            torch.cuda.current_stream(self.pool.device).wait_event(ready)
+
+    def land(self, entry: TierEntry, slot: int) -> None:
+        """One H2D copy of the image into the slot, then its table rows."""
+        if entry.ready is not None:
+            entry.ready.synchronize()  # long done in practice: filled at an earlier landing
+            entry.ready = None
+        pool = self.pool
+        pool.slot_region(slot).copy_(entry.image, non_blocking=self._cuda)
+        pool.ranks[slot].copy_(entry.ranks, non_blocking=self._cuda)
+        pool.scales[slot].copy_(entry.scales, non_blocking=self._cuda)

@@ -1,0 +1,212 @@
+"""Paged attention: the Triton decode (split-K, GQA) and varlen prefill kernels against
+the torch reference, which itself is checked against a float64 dense oracle.
+
+On CPU the kernels run in Triton's interpreter at tiny sizes (see tests/test_lora_ops.py
+for why TRITON_INTERPRET must be set before triton is imported, and the fresh-process
+fallback); on a GPU the `gpu` tests add realistic sizes in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from metrale.model.context import AttentionMetadata  # noqa: E402
+from metrale.ops import attention_triton as at  # noqa: E402
+from metrale.ops.attention import paged_attention_ref  # noqa: E402
+from tests.test_lora_ops import KERNELS  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
+
+
+def make_case(ctx_lens, new_lens, H, KV, D, bs, dtype, device=DEV, seed=0, spare_blocks=3):
+    """Random caches with each sequence's blocks scattered (shuffled) over the cache;
+    block tables padded with -1 to a fixed width. Returns q [T, H, D] and metadata."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    need = [-(-c // bs) for c in ctx_lens]
+    width = max(need) + 1  # a fixed, wider table: entries past the context are never read
+    num_blocks = sum(need) + spare_blocks
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, at_ = [], 0
+    for n in need:
+        tables.append(ids[at_:at_ + n] + [-1] * (width - n))
+        at_ += n
+    k = torch.randn(num_blocks, bs, KV, D, generator=g).to(dtype).to(device)
+    v = torch.randn(num_blocks, bs, KV, D, generator=g).to(dtype).to(device)
+    T = sum(new_lens)
+    q = torch.randn(T, H, D, generator=g).to(dtype).to(device)
+    cu = [0]
+    for n in new_lens:
+        cu.append(cu[-1] + n)
+    meta = AttentionMetadata(
+        is_prefill=any(n != 1 for n in new_lens),
+        slot_mapping=torch.zeros(T, dtype=torch.int64, device=device),
+        context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        cu_query=torch.tensor(cu, dtype=torch.int32, device=device),
+        max_query_len=max(new_lens), max_context_len=max(ctx_lens),
+    )
+    return q, k, v, meta
+
+
+def dense_oracle(q, k, v, meta, scale):
+    """float64, one query row at a time, straight from the definitions."""
+    bs = k.shape[1]
+    G = q.shape[1] // k.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    cu, ctxs = meta.cu_query.tolist(), meta.context_lens.tolist()
+    for i, ctx in enumerate(ctxs):
+        blocks = meta.block_tables[i, :-(-ctx // bs)].long().cpu()
+        ki = k.cpu()[blocks].flatten(0, 1)[:ctx].double()  # [ctx, KV, D]
+        vi = v.cpu()[blocks].flatten(0, 1)[:ctx].double()
+        n = cu[i + 1] - cu[i]
+        for j in range(n):
+            pos = ctx - n + j
+            qj = q[cu[i] + j].cpu().double()  # [H, D]
+            kk = ki[:pos + 1].repeat_interleave(G, dim=1)  # [pos+1, H, D]
+            vv = vi[:pos + 1].repeat_interleave(G, dim=1)
+            w = torch.softmax(torch.einsum("hd,thd->ht", qj, kk) * scale, dim=-1)
+            out[cu[i] + j] = torch.einsum("ht,thd->hd", w, vv)
+    return out
+
+
+def rel_err(got, want):
+    want = want.double().cpu()
+    return ((got.double().cpu() - want).norm() / want.norm()).item()
+
+
+def test_reference_matches_oracle():
+    q, k, v, meta = make_case([7, 1, 13], [3, 1, 5], H=4, KV=2, D=8, bs=4,
+                              dtype=torch.float32, device="cpu")
+    ref = paged_attention_ref(q, k, v, meta, 0.3)
+    assert rel_err(ref, dense_oracle(q, k, v, meta, 0.3)) < 1e-6
+
+
+DECODE_CASES = {  # (context lengths, H, KV, D, block size, forced splits)
+    "gqa-split": ([1, 5, 16, 37, 70], 8, 2, 16, 4, 3),
+    "mha-nosplit": ([1, 9, 33], 2, 2, 32, 8, 1),
+    "odd-group-pad-d": ([3, 65, 130], 6, 2, 24, 16, 4),  # G=3 and D=24 are padded in-kernel
+    "auto-splits": ([2, 300], 4, 1, 16, 16, None),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_matches_reference(case, dtype):
+    ctx, H, KV, D, bs, splits = DECODE_CASES[case]
+    q, k, v, meta = make_case(ctx, [1] * len(ctx), H, KV, D, bs, dtype, seed=len(case))
+    want = dense_oracle(q, k, v, meta, D ** -0.5)
+    got = at.paged_decode(q, k, v, meta.block_tables, meta.context_lens, D ** -0.5,
+                          num_splits=splits)
+    assert got.dtype == dtype and not got.isnan().any()
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, D ** -0.5)
+    assert rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@needs_kernels
+def test_decode_more_splits_than_tiles_and_int64_tables():
+    """Splits that get no keys merge in with zero weight; int64 metadata (the CUDA-graph
+    runner's static buffers) reads the same as int32."""
+    q, k, v, meta = make_case([1, 3, 70], [1, 1, 1], 4, 2, 16, 4, torch.float32, seed=9)
+    want = dense_oracle(q, k, v, meta, 0.25)
+    got = at.paged_decode(q, k, v, meta.block_tables.long(), meta.context_lens.long(), 0.25,
+                          num_splits=8)
+    assert rel_err(got, want) < 1e-5
+
+
+PREFILL_CASES = {  # (context lengths, new tokens per sequence, H, KV, D, block size)
+    "fresh": ([5, 1, 70], [5, 1, 70], 4, 2, 16, 4),
+    "prefix-hit": ([20, 67, 9], [3, 60, 9], 4, 1, 16, 8),  # cached context before the queries
+    "mha-pad-d": ([130, 17], [130, 2], 2, 2, 24, 16),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_matches_reference(case, dtype):
+    ctx, new, H, KV, D, bs = PREFILL_CASES[case]
+    q, k, v, meta = make_case(ctx, new, H, KV, D, bs, dtype, seed=3)
+    want = dense_oracle(q, k, v, meta, D ** -0.5)
+    got = at.paged_prefill(q, k, v, meta.block_tables, meta.context_lens, meta.cu_query,
+                           meta.max_query_len, D ** -0.5)
+    assert got.dtype == dtype and not got.isnan().any()
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@needs_kernels
+def test_outputs_fully_written():
+    """Every output element is written: poison the allocator's memory, then compare."""
+    q, k, v, meta = make_case([4, 33], [1, 1], 4, 2, 16, 4, torch.float32, seed=5)
+    torch.empty(4096, device=DEV).fill_(float("nan"))  # poisoned memory for empty_like to reuse
+    got = at.paged_decode(q, k, v, meta.block_tables, meta.context_lens, 0.25, num_splits=2)
+    assert not got.isnan().any()
+
+
+@pytest.mark.skipif(KERNELS or at.triton is None or torch.cuda.is_available(),
+                    reason="kernel tests already run in this process")
+def test_kernels_in_fresh_interpreter_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+         str(Path(__file__).resolve())],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+# --- realistic sizes, compiled, bf16 (Llama-3-8B: 32 heads, 8 KV heads, D 128) ------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,max_ctx", [(1, 4000), (32, 1500), (64, 300)])
+def test_gpu_decode_bf16(batch, max_ctx):
+    rng = random.Random(batch)
+    ctx = [1, 16, 17] + [rng.randrange(1, max_ctx) for _ in range(batch - 3)] if batch > 3 \
+        else [max_ctx]
+    q, k, v, meta = make_case(ctx, [1] * batch, 32, 8, 128, 16, torch.bfloat16, seed=batch)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, 128 ** -0.5)
+    got = at.paged_decode(q, k, v, meta.block_tables, meta.context_lens, 128 ** -0.5)
+    assert rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_bf16():
+    ctx, new = [1, 300, 1000, 77], [1, 300, 200, 77]
+    q, k, v, meta = make_case(ctx, new, 32, 8, 128, 16, torch.bfloat16, seed=11)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, 128 ** -0.5)
+    got = at.paged_prefill(q, k, v, meta.block_tables, meta.context_lens, meta.cu_query,
+                           meta.max_query_len, 128 ** -0.5)
+    assert rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_decode_graph_capturable():
+    """Captured once, replayed with new context lengths and block tables copied into the
+    same buffers: results follow the new contents."""
+    q, k, v, meta = make_case([50, 700, 3], [1, 1, 1], 32, 8, 128, 16, torch.bfloat16, seed=2)
+    tables, lens = meta.block_tables.clone(), meta.context_lens.clone()
+    at.paged_decode(q, k, v, tables, lens, 0.1)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = at.paged_decode(q, k, v, tables, lens, 0.1)
+    for new_lens in ([50, 700, 3], [1, 350, 2]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        meta.context_lens = lens
+        ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, 0.1)
+        assert rel_err(out, ref) < 1e-2

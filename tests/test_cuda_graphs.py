@@ -1,0 +1,134 @@
+"""Decode through CUDA graphs: padded static-buffer steps give transformers + PEFT's
+tokens, graphs survive adapter swaps (replayed, never recaptured), and a batch with no
+adapter token replays the graph that does no LoRA work.
+
+On CPU the runner's static-buffer path runs eagerly (`capture=False`): padding rows, the
+padding KV block and the buffer layout are checked exactly against HF in float32. The
+`gpu` test captures real graphs in bf16 on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from tests.test_engine_vs_hf import check, prompts
+from tests.tiny_models import make_adapter, make_model, save_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and [n, V] logprobs by full forwards (no EOS stop, no cache quirks)."""
+    device = next(model.parameters()).device
+    ids, rows = list(prompt), []
+    for _ in range(n):
+        logits = model(torch.tensor([ids], device=device)).logits[0, -1].float()  # [V]
+        rows.append(torch.log_softmax(logits, dim=-1).cpu())
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):], torch.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def cpu_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graphs")
+    base = make_model("llama", seed=5)
+    save_model(base, root / "model")
+    peft = {n: make_adapter(base, root / n, seed=30 + i, r=4, lora_alpha=8,
+                            target_modules="all-linear") for i, n in enumerate("AB")}
+    return root, base, peft
+
+
+def test_static_buffer_path_matches_hf_across_swap(cpu_root):
+    root, base, peft = cpu_root
+    llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
+              num_kv_blocks=64, max_num_seqs=6)
+    graphs = llm.engine.runner.enable_decode_graphs(capture=False)
+    assert graphs.sizes == [1, 2, 4, 6]
+    engine = llm.engine
+    engine.swap_lora_slot_from_disk(root / "A", "A", 1)
+    ps = prompts(7, 3)  # 3 rows padded to the size-4 graph
+    outs = llm.generate(ps, GREEDY, ["A", None, "A"])
+    for p, out, model in zip(ps, outs, [peft["A"], base, peft["A"]]):
+        check(out, *hf_greedy(model, p, 8))
+    assert graphs.replays[(4, True)] == 7  # 8 tokens: one prefill, 7 decode steps
+    engine.swap_lora_slot_from_disk(root / "B", "B", 1)
+    outs = llm.generate(ps[:2], GREEDY, ["B", "B"])
+    for p, out in zip(ps[:2], outs):
+        check(out, *hf_greedy(peft["B"], p, 8))
+    assert graphs.replays[(2, True)] == 7
+    outs = llm.generate(ps[:1], GREEDY, [None])  # no adapter token: the no-LoRA variant
+    check(outs[0], *hf_greedy(base, ps[0], 8))
+    assert graphs.replays[(1, False)] == 7
+
+
+def test_batches_beyond_the_largest_graph_run_eagerly(cpu_root):
+    root, base, _ = cpu_root
+    llm = LLM(root / "model", max_loras=1, max_lora_rank=8, block_size=4, max_model_len=64,
+              num_kv_blocks=64, max_num_seqs=3)
+    graphs = llm.engine.runner.enable_decode_graphs(capture=False)
+    graphs.sizes, graphs.max_batch = [1, 2], 2  # pretend only sizes 1 and 2 were captured
+    ps = prompts(8, 3)
+    outs = llm.generate(ps, GREEDY)
+    for p, out in zip(ps, outs):
+        check(out, *hf_greedy(base, p, 8))
+    assert graphs.num_replays == 0
+
+
+# --- on a GPU: real capture, bf16 -----------------------------------------------------------
+
+def assert_greedy_close(tokens, logprobs, ref_tokens, ref_lp, tol, label):
+    """Compare greedy decodes made under different rounding: token by token until the
+    first divergence, which is only allowed at a near tie of the reference (its logprob
+    of our token within tol of its own choice). Returns the number of equal tokens."""
+    for i, (t, r) in enumerate(zip(tokens, ref_tokens)):
+        if t != r:
+            gap = (ref_lp[i, r] - ref_lp[i, t]).item()
+            assert gap < tol, f"{label}: token {i} is {t}, reference {r} (logprob gap {gap:.3f})"
+            return i
+        assert abs(logprobs[i] - ref_lp[i, r].item()) < tol, f"{label}: logprob {i}"
+    return len(tokens)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_survive_swap_and_match_peft(tmp_path):
+    dims = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                num_key_value_heads=2, num_hidden_layers=3)
+    base = make_model("llama", seed=6, **dims)
+    save_model(base, tmp_path / "model")
+    peft = {n: make_adapter(base, tmp_path / n, seed=40 + i, r=8, lora_alpha=16,
+                            target_modules="all-linear") for i, n in enumerate("AB")}
+    kw = dict(max_loras=2, max_lora_rank=8, block_size=16, max_model_len=128,
+              num_kv_blocks=64, max_num_seqs=8, device="cuda", dtype="bfloat16")
+    llm = LLM(tmp_path / "model", **kw)
+    eager = LLM(tmp_path / "model", enforce_eager=True, **kw)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and eager.engine.runner.graphs is None
+    captures = graphs.num_captures
+    assert captures == 2 * len(graphs.sizes)
+    ps = prompts(9, 3)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    compared = 0
+    for name in "AB":  # A into slot 1, then B swapped over it: same graphs replayed
+        for e in (llm.engine, eager.engine):
+            e.swap_lora_slot_from_disk(tmp_path / name, name, 1)
+        before = graphs.replays[(4, True)]
+        outs = llm.generate(ps, params, [name, None, name])
+        ref_outs = eager.generate(ps, params, [name, None, name])
+        assert graphs.replays[(4, True)] == before + 5 and graphs.num_captures == captures
+        for p, out, ref, who in zip(ps, outs, ref_outs, [name, None, name]):
+            lps = [lp["logprob"] for lp in out.logprobs]
+            # graph replay vs our eager path: same dtype, same kernels up to the padding
+            eager_lp = torch.full((6, 256), -1e9)  # the eager run's top-3 logprobs
+            for i, lp in enumerate(ref.logprobs):
+                for tok, val in lp["top"]:
+                    eager_lp[i, tok] = val
+            assert_greedy_close(out.token_ids, lps, ref.token_ids, eager_lp, 0.05, "eager")
+            # against transformers + PEFT in fp32 on the GPU: bf16 tolerance
+            model = (base if who is None else peft[who]).cuda()
+            hf_tokens, hf_lp = hf_greedy(model, p, 6)
+            compared += assert_greedy_close(out.token_ids, lps, hf_tokens, hf_lp.cpu(), 0.15,
+                                            f"peft {who}")
+    assert compared >= 12, "too few tokens compared before bf16 divergence"

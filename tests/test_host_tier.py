@@ -1,0 +1,219 @@
+"""The fast disk path and the host tier: chunked parallel reads give the file's bytes,
+the one-launch landing kernel equals the per-tensor copies, and a landing from the host
+tier equals a landing from disk (bytes, ranks, scales) while every refusal still refuses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from metrale import errors  # noqa: E402
+from metrale.adapters.plan import plan_adapter  # noqa: E402
+from metrale.config import ModelConfig, PoolConfig  # noqa: E402
+from metrale.pool import staging  # noqa: E402
+from metrale.pool.swap import LoraSlots, read_adapter_bytes  # noqa: E402
+from tests.test_lora_ops import KERNELS  # noqa: E402
+from tests.test_swap_refusals import snapshot  # noqa: E402
+from tests.tiny_models import hf_config, make_adapter, make_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tier")
+    base = make_model("llama")
+    make_adapter(base, root / "a", seed=1, r=4, lora_alpha=8, target_modules="all-linear")
+    make_adapter(base, root / "b", seed=2, r=6, lora_alpha=3, target_modules=["q_proj", "down_proj"],
+                 rank_pattern={"model.layers.1.mlp.down_proj": 2})
+    make_adapter(base, root / "c", seed=3, r=8, lora_alpha=16, target_modules=["v_proj"])
+    return root
+
+
+def _slots(dtype=torch.float32, tier_slots: float = 8, **kw) -> LoraSlots:
+    cfg = ModelConfig.from_hf_dict(hf_config("llama").to_dict())
+    probe = LoraSlots(cfg, PoolConfig(1, 8), "cpu", dtype)
+    tier = int(tier_slots * probe.pool.layout.slot_bytes)
+    return LoraSlots(cfg, PoolConfig(max_loras=3, max_lora_rank=8, host_tier_bytes=tier, **kw),
+                     "cpu", dtype)
+
+
+def _slot_state(slots, slot):
+    p = slots.pool
+    return p.slot_region(slot).clone(), p.ranks[slot].clone(), p.scales[slot].clone()
+
+
+def _same(x, y):
+    return all(torch.equal(a, b) for a, b in zip(x, y))
+
+
+def test_chunked_parallel_read_equals_file(adapters, monkeypatch):
+    monkeypatch.setattr(staging, "CHUNK", 1000)  # many chunks through the thread pool
+    cfg = ModelConfig.from_hf_dict(hf_config("llama").to_dict())
+    plan = plan_adapter(adapters / "a", "a", cfg, PoolConfig(2, 8))
+    out = torch.empty(plan.data_bytes, dtype=torch.uint8)
+    read_adapter_bytes(plan, out)
+    raw = (adapters / "a" / "adapter_model.safetensors").read_bytes()
+    assert out.numpy().tobytes() == raw[plan.data_offset:]
+
+
+def test_truncated_between_plan_and_read_is_refused(adapters, tmp_path, monkeypatch):
+    monkeypatch.setattr(staging, "CHUNK", 1000)
+    shutil.copytree(adapters / "a", tmp_path / "a")
+    cfg = ModelConfig.from_hf_dict(hf_config("llama").to_dict())
+    plan = plan_adapter(tmp_path / "a", "a", cfg, PoolConfig(2, 8))
+    path = tmp_path / "a" / "adapter_model.safetensors"
+    os.truncate(path, path.stat().st_size - 1500)
+    with pytest.raises(errors.AdapterFileError, match="truncated"):
+        read_adapter_bytes(plan, torch.empty(plan.data_bytes, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_landing_kernel_equals_per_tensor_copies(adapters, dtype):
+    from metrale.ops.landing_triton import base_of, land_views
+
+    slots = _slots(dtype, tier_slots=0)
+    for name, slot in (("a", 0), ("b", 2)):
+        slots.swap_lora_slot_from_disk(adapters / name, name, slot)  # per-tensor path on CPU
+        plan = plan_adapter(adapters / name, name, slots.model_config, slots.pool_config)
+        data = torch.empty(plan.data_bytes, dtype=torch.uint8)
+        read_adapter_bytes(plan, data)
+        views = slots.pool.stage_views(plan, data)
+        pool, layout = slots.pool, slots.pool.layout
+        got = torch.full_like(pool.buffer, float("nan"))
+        got[slot * layout.slot_elems:(slot + 1) * layout.slot_elems] = 0  # a zeroed slot
+        items = []
+        for landing, view in zip(plan.landings, views):
+            t = landing.target
+            region = layout.region(t.layer, t.module, landing.kind)
+            items.append((view, slot * layout.slot_elems + region.offset, t.rank, region.cols,
+                          landing.kind == "B"))
+        land_views(got, base_of(views), items)
+        region = got[slot * layout.slot_elems:(slot + 1) * layout.slot_elems]
+        if dtype == torch.float32:
+            assert torch.equal(region, pool.slot_region(slot))
+        else:  # the interpreter truncates fp32 -> bf16 (compiled code rounds: gpu test below)
+            torch.testing.assert_close(region, pool.slot_region(slot), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_landing_kernel_is_exact(adapters):
+    """On CUDA, pool.land runs the one-launch kernel: bit-identical to the CPU copies
+    (fp32 file -> bf16 pool, rounding included), staged through the chunked reader."""
+    cfg = ModelConfig.from_hf_dict(hf_config("llama").to_dict())
+    pc = PoolConfig(max_loras=3, max_lora_rank=8)
+    gpu = LoraSlots(cfg, pc, "cuda", torch.bfloat16)
+    cpu = LoraSlots(cfg, pc, "cpu", torch.bfloat16)
+    for name, slot in (("a", 0), ("b", 2)):
+        gpu.swap_lora_slot_from_disk(adapters / name, name, slot)
+        cpu.swap_lora_slot_from_disk(adapters / name, name, slot)
+    for t_gpu, t_cpu in ((gpu.pool.buffer, cpu.pool.buffer), (gpu.pool.ranks, cpu.pool.ranks),
+                         (gpu.pool.scales, cpu.pool.scales)):
+        assert torch.equal(t_gpu.cpu(), t_cpu)
+    # the host tier on CUDA: pinned images filled on a side stream, landed by one copy
+    tiered = LoraSlots(cfg, PoolConfig(3, 8, host_tier_bytes=1 << 30), "cuda", torch.bfloat16)
+    tiered.swap_lora_slot_from_disk(adapters / "b", "b", 0)
+    tiered.swap_lora_slot_from_disk(adapters / "a", "a", 0)  # overwrites slot 0 after the fill
+    tiered.swap_lora_slot_from_disk(adapters / "b", "b", 1)  # hit
+    assert tiered.host_tier.hits == 1
+    for slot_t, slot_c in ((0, 0), (1, 2)):
+        for kind in ("slot_region", "ranks", "scales"):
+            got = getattr(tiered.pool, kind)
+            want = getattr(cpu.pool, kind)
+            got = got(slot_t) if callable(got) else got[slot_t]
+            want = want(slot_c) if callable(want) else want[slot_c]
+            assert torch.equal(got.cpu(), want), (slot_t, kind)
+
+
+def test_tier_landing_equals_disk_landing(adapters):
+    disk, tiered = _slots(tier_slots=0), _slots()
+    assert disk.host_tier is None and tiered.host_tier.enabled
+    disk.swap_lora_slot_from_disk(adapters / "b", "b", 2)
+    tiered.swap_lora_slot_from_disk(adapters / "b", "b", 0)  # miss: lands from disk, fills
+    assert (tiered.host_tier.misses, tiered.host_tier.hits, len(tiered.host_tier)) == (1, 0, 1)
+    tiered.unload("b")
+    tiered.swap_lora_slot_from_disk(adapters / "a", "a", 2)  # slot 2 held something else
+    tiered.unload("a")
+    tiered.swap_lora_slot_from_disk(adapters / "b", "b", 2)  # hit: one copy of the image
+    assert tiered.host_tier.hits == 1
+    assert _same(_slot_state(tiered, 2), _slot_state(disk, 2))
+    info = tiered.table.info(2)
+    assert info.name == "b" and info.state.value == "READY"
+    tiered.table.check_integrity()
+    slot, evicted = tiered.promote_lora_slot_from_disk(adapters / "a", "a")  # hit via promote
+    assert tiered.host_tier.hits == 2 and evicted is None
+    disk.swap_lora_slot_from_disk(adapters / "a", "a", 0)
+    assert _same(_slot_state(tiered, slot), _slot_state(disk, 0))
+
+
+@pytest.mark.parametrize("tier_slots", [8, 0])
+def test_changed_file_is_a_miss_and_lands_new_contents(adapters, tmp_path, tier_slots):
+    """Neither the host tier nor the remembered plan serves an edited file's old version."""
+    shutil.copytree(adapters / "a", tmp_path / "a")
+    slots = _slots(tier_slots=tier_slots)
+    slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 0)
+    old = _slot_state(slots, 0)
+    path = tmp_path / "a" / "adapter_model.safetensors"
+    tensors = {k: v * 2 for k, v in load_file(path).items()}
+    time.sleep(0.01)
+    save_file(tensors, path, metadata={"format": "pt"})
+    slots.swap_lora_slot_from_disk(tmp_path / "a", "a2", 1)
+    if tier_slots:
+        assert slots.host_tier.hits == 0 and len(slots.host_tier) == 1  # old version dropped
+    new = _slot_state(slots, 1)
+    assert not torch.equal(new[0], old[0]) and torch.equal(new[0], old[0] * 2)
+    # a different rank under the same path: a new plan, not the remembered one
+    time.sleep(0.01)
+    shutil.rmtree(tmp_path / "a")
+    shutil.copytree(adapters / "c", tmp_path / "a")
+    slots.swap_lora_slot_from_disk(tmp_path / "a", "a3", 2)
+    fresh = _slots(tier_slots=0)
+    fresh.swap_lora_slot_from_disk(adapters / "c", "c", 2)
+    assert _same(_slot_state(slots, 2), _slot_state(fresh, 2))
+
+
+def test_refusals_untouched_by_the_tier(adapters, tmp_path):
+    shutil.copytree(adapters / "a", tmp_path / "a")
+    slots = _slots()
+    slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 0)  # now in the tier
+    slots.table.acquire("a")
+    before = snapshot(slots)
+    with pytest.raises(errors.SlotBusyError):  # busy slot: refused before the tier is asked
+        slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 0)
+    with pytest.raises(errors.InvalidNameError):
+        slots.swap_lora_slot_from_disk(tmp_path / "a", "../x", 1)
+    assert snapshot(slots) == before and slots.host_tier.hits == 0
+    # the file turns bad: its key changes, the disk path runs and refuses
+    path = tmp_path / "a" / "adapter_model.safetensors"
+    tensors = load_file(path)
+    next(iter(tensors.values()))[0, 0] = float("nan")
+    time.sleep(0.01)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(errors.NonFiniteWeightsError):
+        slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 1)
+    assert snapshot(slots) == before
+    shutil.rmtree(tmp_path / "a")  # gone: stat fails, the disk path reports it
+    with pytest.raises(errors.AdapterConfigError):
+        slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 1)
+    assert snapshot(slots) == before
+
+
+def test_lru_eviction_and_capacity(adapters):
+    slots = _slots(tier_slots=2.5)  # room for two images
+    for i, name in enumerate("abc"):
+        slots.swap_lora_slot_from_disk(adapters / name, name, i)
+    assert len(slots.host_tier) == 2  # "a" was the least recently used
+    for name in "abc":
+        slots.unload(name)
+    slots.swap_lora_slot_from_disk(adapters / "a", "a", 0)
+    slots.swap_lora_slot_from_disk(adapters / "c", "c", 1)
+    assert slots.host_tier.hits == 1 and slots.host_tier.misses == 4
+    assert not _slots(tier_slots=0.5).host_tier.enabled  # smaller than one slot: off
