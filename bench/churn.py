@@ -1,0 +1,154 @@
+"""Serving under adapter churn: more adapters than slots, Zipf popularity, Poisson
+arrivals; TTFT and inter-token latency with continuous promotions vs all resident.
+
+    PYTHONPATH=. python bench/churn.py [--model llama3.2-1b] [--seconds 8]
+
+Both runs replay the same arrival trace (times, prompts, adapters) against one engine
+loop on this thread. "promote": max_loras < adapters, the host tier holds every adapter
+after its first landing (so most promotions are one H2D copy). "resident": one slot per
+adapter, all landed before the run. JSON `churn[<model>]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import adapter_dir, build_pair, make_peft, merge_results, pct, results_path, table
+from metrale.config import PoolConfig
+from metrale.engine.sampling_params import SamplingParams
+from metrale.pool.layout import SlotLayout
+
+
+def trace(n_adapters: int, seconds: float, rate: float, vocab: int, seed: int = 0,
+          zipf_s: float = 1.1, prompt_len: int = 64):
+    """[(arrival s, prompt, adapter name)]: Poisson arrivals, Zipf adapter popularity."""
+    rng = random.Random(seed)
+    ranks = list(range(n_adapters))
+    rng.shuffle(ranks)  # popularity independent of adapter index
+    weights = [1.0 / (r + 1) ** zipf_s for r in ranks]
+    t, out = 0.0, []
+    while t < seconds:
+        t += rng.expovariate(rate)
+        name = f"a{rng.choices(range(n_adapters), weights)[0]}"
+        out.append((t, [rng.randrange(10, vocab - 10) for _ in range(prompt_len)], name))
+    return out
+
+
+def serve(engine, arrivals, gen: int, device: str, drain_s: float = 30.0) -> dict:
+    params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
+    start, i = time.perf_counter(), 0
+    arrived: dict[str, float] = {}
+    last: dict[str, float] = {}
+    ttft, itl = [], []
+    steps: list[tuple[float, str]] = []  # (ms, kind) per engine step
+    promotions0 = engine.adapters.num_promotions
+    gc0 = gc.get_stats()[2]["collections"]
+    deadline = arrivals[-1][0] + drain_s
+    while i < len(arrivals) or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        if now > deadline:
+            break
+        while i < len(arrivals) and arrivals[i][0] <= now:
+            _, prompt, name = arrivals[i]
+            rid = engine.add_request(prompt, params, adapter=name, request_id=f"r{i}")
+            arrived[rid] = start + arrivals[i][0]
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(arrivals[i][0] - now, 0.01)) if i < len(arrivals) else 0)
+            continue
+        promos = engine.adapters.num_promotions
+        t_step = time.perf_counter()
+        outs = engine.step()
+        t = time.perf_counter()
+        first = any(o.request_id not in last for o in outs if o.error is None)
+        kind = "promote" if engine.adapters.num_promotions > promos else (
+            "prefill" if first else "decode")
+        steps.append(((t - t_step) * 1e3, kind))
+        for o in outs:
+            if o.error is not None:
+                continue
+            if o.request_id in last:
+                itl.append((t - last[o.request_id]) * 1e3)
+            else:
+                ttft.append((t - arrived[o.request_id]) * 1e3)
+            last[o.request_id] = t
+    by_kind = {k: [ms for ms, kk in steps if kk == k] for k in ("decode", "prefill", "promote")}
+    return {
+        "steps": {k: {"n": len(v), "p50_ms": pct(v, 50), "p99_ms": pct(v, 99),
+                      "max_ms": max(v, default=float("nan"))} for k, v in by_kind.items()},
+        "slow_steps_over_50ms": sorted(((round(ms, 1), k) for ms, k in steps if ms > 50),
+                                       reverse=True)[:10],
+        "gc_gen2": gc.get_stats()[2]["collections"] - gc0,
+        "requests": len(arrivals), "completed": len(ttft),
+        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+        "promotions": engine.adapters.num_promotions - promotions0,
+        "tier_hits": getattr(engine.lora.host_tier, "hits", 0),
+    }
+
+
+def run(pair, adapters_root: Path, device: str, n_adapters: int = 32, slots: int = 8,
+        seconds: float = 8.0, rate: float = 150.0, gen: int = 32) -> dict:
+    from bench.decode import make_engine
+
+    arrivals = trace(n_adapters, seconds, rate, pair.config.vocab_size)
+    out = {"adapters": n_adapters, "slots": slots, "seconds": seconds, "rate_per_s": rate,
+           "gen": gen}
+    for mode in ("promote", "resident"):
+        n_slots = slots if mode == "promote" else n_adapters
+        dtype = next(pair.ours.parameters()).dtype
+        slot_bytes = SlotLayout(pair.config, PoolConfig(1, 16), dtype).slot_bytes
+        tier = n_adapters * slot_bytes if mode == "promote" else 0
+        engine = make_engine(pair, device, n_slots, max_num_seqs=64, max_model_len=256,
+                             host_tier_bytes=tier)
+        for a in range(n_adapters):
+            engine.register_adapter(f"a{a}", adapter_dir(adapters_root, a))
+            if mode == "resident":
+                engine.swap_lora_slot_from_disk(adapter_dir(adapters_root, a), f"a{a}", a)
+        serve(engine, trace(n_adapters, 1.0, rate, pair.config.vocab_size, seed=1), gen, device)
+        out[mode] = serve(engine, arrivals, gen, device)
+        del engine
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    p, r = out["promote"], out["resident"]
+    out["itl_p99_ratio"] = p["itl_p99_ms"] / r["itl_p99_ms"]
+    return out
+
+
+def report(name: str, res: dict) -> str:
+    rows = [{"model": name, "mode": m, **res[m]} for m in ("promote", "resident") if m in res]
+    cols = ["model", "mode", "requests", "completed", "promotions", "tier_hits", "ttft_p50_ms",
+            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+    lines = [table(rows, cols), f"itl p99 promote/resident: {res.get('itl_p99_ratio', 0):.3g}"]
+    for m in ("promote", "resident"):
+        if m in res:
+            lines.append(f"{m} steps: {res[m]['steps']} slow: {res[m]['slow_steps_over_50ms']} "
+                         f"gc2: {res[m]['gc_gen2']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3.2-1b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--rate", type=float, default=150.0)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        pair = build_pair(args.model, args.device, Path(tmp))
+        make_peft(pair, 32, Path(tmp) / "adapters")
+        res = run(pair, Path(tmp) / "adapters", args.device, seconds=args.seconds, rate=args.rate)
+    merge_results(results_path(args.device), "churn", args.model, res)
+    print(report(args.model, res))
+
+
+if __name__ == "__main__":
+    main()

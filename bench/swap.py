@@ -1,0 +1,123 @@
+"""Adapter landing time into a slot of a live engine, against the PCIe floor.
+
+    PYTHONPATH=. python bench/swap.py [--model llama3-8b]
+
+For one PEFT-saved r=16 all-linear adapter (bf16 file; and PEFT's default fp32 file):
+- h2d_floor_ms: a pinned host -> device copy of the file's data bytes (same run);
+- disk_warm_ms: swap_lora_slot_from_disk with the file in the page cache, host tier off
+  (parse + validate, parallel chunked reads overlapped with H2D, NaN check, one landing
+  kernel, tables); disk_warm_cached_plan_ms: the same with the validated plan of these
+  unchanged files remembered (a re-promotion after a tier miss);
+- host_tier_ms: the same call when the host tier holds the adapter (one H2D of the slot
+  image + table rows);
+- plan_ms: the config/header validation alone (part of disk_warm_ms);
+- peft_load_adapter_ms: PEFT `load_adapter` of the same directory (one repetition).
+Each time is wall clock until the device is idle again (synchronized), median of 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import (
+    adapter_dir,
+    build_pair,
+    h2d_ms,
+    make_peft,
+    median,
+    merge_results,
+    results_path,
+    sync,
+    table,
+    timed,
+)
+from metrale.adapters.plan import plan_adapter
+
+
+def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
+    slots = engine.lora
+    out = {"slot_bytes": slots.pool.layout.slot_bytes}
+    files = {"bf16": adapter_dir(adapters_root, 0), "fp32": adapters_root / "fp32" / "a0"}
+    for label, d in files.items():
+        plan = plan_adapter(d, "x", slots.model_config, slots.pool_config)
+
+        def swap(d=d):
+            engine.swap_lora_slot_from_disk(d, "swapbench", slot)
+
+        def swap_fresh_plan(d=d):
+            slots._plans.clear()  # parse + validate the files again, as a first landing does
+            swap(d)
+
+        tier = slots.host_tier
+        slots.host_tier = None  # disk path every time
+        disk = timed(swap_fresh_plan, device, reps=5, warmup=2)
+        disk_cached = timed(swap, device, reps=5, warmup=1)
+        slots.host_tier = tier
+        row = {
+            "adapter_bytes": plan.data_bytes,
+            "h2d_floor_ms": h2d_ms(plan.data_bytes, device),
+            "h2d_slot_floor_ms": h2d_ms(slots.pool.layout.slot_bytes, device),
+            "disk_warm_ms": median(disk),
+            "disk_warm_min_ms": min(disk),
+            "disk_warm_cached_plan_ms": median(disk_cached),
+            "plan_ms": median(timed(lambda d=d: plan_adapter(d, "x", slots.model_config,
+                                                             slots.pool_config), "cpu", reps=5)),
+        }
+        if tier is not None and tier.enabled:
+            swap()  # lands from disk and fills the tier
+            sync(device)
+            hits = tier.hits
+            t = timed(swap, device, reps=5, warmup=1)
+            assert tier.hits == hits + 6, "host tier was not hit"
+            row["host_tier_ms"] = median(t)
+            row["host_tier_min_ms"] = min(t)
+        if peft is not None:
+            sync(device)
+            t0 = time.perf_counter()
+            peft.load_adapter(str(d), adapter_name=f"loadbench_{label}")
+            sync(device)
+            row["peft_load_adapter_ms"] = (time.perf_counter() - t0) * 1e3
+            peft.delete_adapter(f"loadbench_{label}")
+        out[label] = row
+    return out
+
+
+def report(name: str, res: dict) -> str:
+    rows = []
+    for label in ("bf16", "fp32"):
+        r = res.get(label)
+        if not r:
+            continue
+        floor = r["h2d_floor_ms"]
+        rows.append({"model": name, "file": label, "MB": r["adapter_bytes"] / 1e6,
+                     "h2d_floor_ms": floor, "disk_warm_ms": r["disk_warm_ms"],
+                     "disk/floor": r["disk_warm_ms"] / floor,
+                     "disk_cached_plan_ms": r.get("disk_warm_cached_plan_ms", float("nan")),
+                     "host_tier_ms": r.get("host_tier_ms", float("nan")),
+                     "tier/slot_floor": r.get("host_tier_ms", float("nan")) / r["h2d_slot_floor_ms"],
+                     "plan_ms": r["plan_ms"],
+                     "peft_load_ms": r.get("peft_load_adapter_ms", float("nan"))})
+    return table(rows, list(rows[0]) if rows else [])
+
+
+def main() -> None:
+    from bench.decode import make_engine
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        pair = build_pair(args.model, args.device, Path(tmp))
+        peft = make_peft(pair, 1, Path(tmp) / "adapters")
+        engine = make_engine(pair, args.device, 2, max_num_seqs=8, host_tier_bytes=4 << 30)
+        res = run(engine, Path(tmp) / "adapters", peft, args.device, slot=1)
+    merge_results(results_path(args.device), "swap", args.model, res)
+    print(report(args.model, res))
+
+
+if __name__ == "__main__":
+    main()
