@@ -58,6 +58,15 @@ def test_peer_adapters_through_the_server(world, store, tmp_path):
         r = _complete(first.url, "pb")
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.complete(
             PROMPT, "b", max_tokens=8).text
+        # peer landings are timed by source (the on-demand promotion of pb; the start-up
+        # pin lands before the server exists)
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families = {f.name: f for f in text_string_to_metric_families(
+            httpx.get(f"{first.url}/metrics", timeout=10).text)}
+        counts = {s.labels["source"]: s.value for s in families["metrale_adapter_promote_seconds"].samples
+                  if s.name.endswith("_count")}
+        assert counts.get("peer", 0) == 1
         # a second server takes "a" from the first server's exported READY slot
         second = ServerProcess(["--model", str(world["model"]), "--max-loras", "2",
                                 "--max-lora-rank", "8", "--peer-transport", "http",

@@ -13,6 +13,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +24,9 @@ from metrale.errors import (
     AdapterFileError,
     InvalidNameError,
     LandingError,
+    MetraleError,
     NoAdapterPoolError,
+    PoolFullError,
     RuntimeSwapsDisabledError,
     UnknownAdapterError,
 )
@@ -65,6 +68,26 @@ def _read_error(plan: AdapterPlan, e: OSError) -> AdapterFileError:
     return AdapterFileError(f"cannot read {plan.source}: {e}")
 
 
+@dataclass(frozen=True)
+class LandingEvent:
+    """One swap or promotion, landed or refused, for metrics and logs."""
+
+    op: str  # e.g. "promote_lora_slot_from_peer"
+    name: str
+    slot: int | None  # None when refused before a slot was chosen or touched
+    evicted: str | None
+    seconds: float
+    error: MetraleError | None
+
+    @property
+    def kind(self) -> str:
+        return "promote" if self.op.startswith("promote") else "swap"
+
+    @property
+    def source(self) -> str:
+        return "peer" if self.op.endswith("_peer") else "disk"
+
+
 class LoraSlots:
     """The slot table, the device pool and staging memory, with the operations
     that move adapters into slots. Not thread-safe: the engine calls it from
@@ -76,6 +99,7 @@ class LoraSlots:
     ) -> None:
         self.model_config, self.pool_config = model, pool
         self.table = SlotTable(pool.max_loras)
+        self.listeners: list[Callable[[LandingEvent], None]] = []
         self.pool: AdapterPool | None = None
         self.host_tier: HostTier | None = None
         if pool.max_loras:
@@ -106,23 +130,52 @@ class LoraSlots:
 
     def swap_from(self, op: str, name: str, slot: int, source: str,
                   prepare: Callable[[], Callable[[int], None]]) -> None:
-        self._require_swappable(op)
-        validate_adapter_name(name)
-        self.table.require_idle(slot)  # refuse a busy slot before any I/O
-        write = prepare()
-        self._land(slot, name, source, lambda: write(slot))
+        def run() -> tuple[int, None]:
+            self._require_swappable(op)
+            validate_adapter_name(name)
+            self.table.require_idle(slot)  # refuse a busy slot before any I/O
+            write = prepare()
+            self._land(slot, name, source, lambda: write(slot))
+            return slot, None
+
+        self._observed(op, name, run)
 
     def promote_from(self, op: str, name: str, source: str,
                      prepare: Callable[[], Callable[[int], None]]) -> tuple[int, str | None]:
-        self._require_swappable(op)
-        validate_adapter_name(name)
-        self.table.select_victim()  # POOL_FULL before reading anything
-        write = prepare()
-        slot = self.table.select_victim()
-        evicted = self.table.info(slot).name
-        self._land(slot, name, source, lambda: write(slot))
-        log.info("promote: %r hot in slot %d from %s (evicted=%r)", name, slot, source, evicted)
+        def run() -> tuple[int, str | None]:
+            self._require_swappable(op)
+            validate_adapter_name(name)
+            self.table.select_victim()  # POOL_FULL before reading anything
+            write = prepare()
+            slot = self.table.select_victim()
+            evicted = self.table.info(slot).name
+            self._land(slot, name, source, lambda: write(slot))
+            log.info("promote: %r hot in slot %d from %s (evicted=%r)", name, slot, source, evicted)
+            return slot, evicted
+
+        return self._observed(op, name, run)
+
+    def _observed(self, op: str, name: str,
+                  run: Callable[[], tuple[int, str | None]]) -> tuple[int, str | None]:
+        """Run an operation and tell every listener how it went (metrics, logs).
+        POOL_FULL is a wait, not an outcome: on-demand promotions retry every step."""
+        start = time.perf_counter()
+        try:
+            slot, evicted = run()
+        except PoolFullError:
+            raise
+        except MetraleError as e:
+            self._notify(LandingEvent(op, name, None, None, time.perf_counter() - start, e))
+            raise
+        self._notify(LandingEvent(op, name, slot, evicted, time.perf_counter() - start, None))
         return slot, evicted
+
+    def _notify(self, event: LandingEvent) -> None:
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # an observer must never fail a landing
+                log.exception("landing listener failed")
 
     def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int) -> None:
         self.swap_from("swap_lora_slot_from_disk", name, slot, "disk",

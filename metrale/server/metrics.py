@@ -4,16 +4,12 @@ of every adapter landing."""
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import re
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from metrale.errors import PoolFullError
 
 log = logging.getLogger("metrale.server")
 
@@ -81,34 +77,19 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def instrument(self, lora) -> None:
-        """Time every swap and promotion of this LoraSlots, the engine's own on-demand
-        promotions included: the engine has no landing hook, so the two bound
-        methods are wrapped on the instance (AdapterManager calls through it)."""
-        lora.swap_lora_slot_from_disk = self._timed("swap", lora.swap_lora_slot_from_disk)
-        lora.promote_lora_slot_from_disk = self._timed("promote", lora.promote_lora_slot_from_disk)
+        """Time and log every swap and promotion of this LoraSlots, the engine's own
+        on-demand promotions and peer landings included."""
+        lora.listeners.append(self._on_landing)
 
-    def _timed(self, op: str, fn: Callable) -> Callable:
-        histogram = self.swap_seconds if op == "swap" else self.promote_seconds
-
-        @functools.wraps(fn)
-        def wrapper(adapter_dir, name, *args):
-            start = time.perf_counter()
-            try:
-                result = fn(adapter_dir, name, *args)
-            except PoolFullError:
-                raise  # a wait, not a failed landing: on-demand promotions retry every step
-            except Exception as e:
-                ms = (time.perf_counter() - start) * 1e3
-                self.landings.labels(op, "disk", "error").inc()
-                log.warning("%s", kv(event=op, adapter=name, source="disk", result="error",
-                                     error=type(e).__name__, duration_ms=f"{ms:.2f}"))
-                raise
-            seconds = time.perf_counter() - start
-            histogram.labels("disk").observe(seconds)
-            self.landings.labels(op, "disk", "ok").inc()
-            slot, evicted = result if op == "promote" else (args[0], None)
-            log.info("%s", kv(event=op, adapter=name, slot=slot, evicted=evicted, source="disk",
-                              result="ok", duration_ms=f"{seconds * 1e3:.2f}"))
-            return result
-
-        return wrapper
+    def _on_landing(self, event) -> None:
+        ms = f"{event.seconds * 1e3:.2f}"
+        if event.error is not None:
+            self.landings.labels(event.kind, event.source, "error").inc()
+            log.warning("%s", kv(event=event.kind, adapter=event.name, source=event.source,
+                                 result="error", error=type(event.error).__name__, duration_ms=ms))
+            return
+        histogram = self.swap_seconds if event.kind == "swap" else self.promote_seconds
+        histogram.labels(event.source).observe(event.seconds)
+        self.landings.labels(event.kind, event.source, "ok").inc()
+        log.info("%s", kv(event=event.kind, adapter=event.name, slot=event.slot,
+                          evicted=event.evicted, source=event.source, result="ok", duration_ms=ms))
