@@ -43,6 +43,9 @@ class LLMEngine:
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # kernels launch on the current device: make it this engine's (e.g. cuda:1)
+            torch.cuda.set_device(self.device)
         self.dtype = parse_dtype(cfg.dtype)
         self.tokenizer = tokenizer
         if model is None:

@@ -9,6 +9,7 @@ identity (never the old name over half-new bytes).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -88,6 +89,14 @@ class LandingEvent:
         return "peer" if self.op.endswith("_peer") else "disk"
 
 
+def _on_device(device: torch.device):
+    """Make the pool's GPU current: Triton and side streams launch on the current
+    device, which need not be the pool's (an engine on cuda:1)."""
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 class LoraSlots:
     """The slot table, the device pool and staging memory, with the operations
     that move adapters into slots. Not thread-safe: the engine calls it from
@@ -161,7 +170,8 @@ class LoraSlots:
         POOL_FULL is a wait, not an outcome: on-demand promotions retry every step."""
         start = time.perf_counter()
         try:
-            slot, evicted = run()
+            with _on_device(self.staging.device):
+                slot, evicted = run()
         except PoolFullError:
             raise
         except MetraleError as e:
