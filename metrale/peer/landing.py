@@ -220,14 +220,13 @@ class _PeerFetch:
 
 
 def _check_finite(pool, slot: int, plan: AdapterPlan) -> None:
-    """Bytes that arrived by RDMA skipped staging's NaN/Inf check: do it in place
-    (one device sync for the whole adapter)."""
-    views = []
-    for landing in plan.landings:
+    """Bytes that arrived by RDMA skipped staging's NaN/Inf check: do it in place.
+    The slot was zeroed before the READ, so one pass over the whole region checks
+    every landed tensor (per-tensor checks cost ~0.3 s for an 8B adapter)."""
+    if bool(pool.slot_region(slot).isfinite().all()):
+        return
+    for landing in plan.landings:  # rare: name the culprit
         t = landing.target
         full = pool.lora_a(t.layer, t.module) if landing.kind == "A" else pool.lora_bt(t.layer, t.module)
-        views.append(full[slot, :t.rank])
-    finite = torch.stack([v.isfinite().all() for v in views])
-    if not bool(finite.all()):
-        bad = plan.landings[int((~finite).nonzero()[0])].entry.name
-        raise NonFiniteWeightsError(f"{plan.source}: tensor {bad!r} holds NaN or Inf")
+        if not bool(full[slot, :t.rank].isfinite().all()):
+            raise NonFiniteWeightsError(f"{plan.source}: tensor {landing.entry.name!r} holds NaN or Inf")
