@@ -46,7 +46,7 @@ def main() -> None:
         print(f"{r['batch']:>5} {r['adapter'] or 'base':>8} {r['tokens']:>7} "
               f"{r['seconds']:>7.2f} {r['tok_s']:>8.1f}")
     day = datetime.date.today().isoformat()
-    out = Path(__file__).parent / "results" / f"{day}-cpu.json"
+    out = Path(__file__).parent / "results" / f"{day.replace('-', '')}-cpu-decode.json"
     out.write_text(json.dumps({
         "date": day, "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
         "torch": torch.__version__, "model": "SmolLM2-135M-Instruct fp32", "cpu_decode": rows,
