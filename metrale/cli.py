@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from metrale.errors import MetraleError
+from metrale.server.serve import parse_adapter_args, progress
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -17,7 +18,7 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         from metrale.model.default_model import default_model_dir
 
-        model = ModelConfig.from_dir(default_model_dir(progress=_progress))
+        model = ModelConfig.from_dir(default_model_dir(progress=progress))
     plan = plan_adapter(args.adapter, "inspect", model, PoolConfig(1, args.max_lora_rank))
     cfg = plan.config
     print(f"adapter   {args.adapter}")
@@ -38,31 +39,17 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _adapter_args(values: list[str]) -> dict[str, str]:
-    out = {}
-    for item in values:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"metrale: --adapter expects NAME=DIR, got {item!r}")
-        out[name] = path
-    return out
-
-
 def _generate(args: argparse.Namespace) -> int:
     from metrale import LLM, SamplingParams
 
-    adapters = _adapter_args(args.adapter)
+    adapters = parse_adapter_args(args.adapter)
     use = args.use or [None]
     if args.model is None:
         from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 
         for name in use:
             if name in DEMO_ADAPTERS and name not in adapters:
-                adapters[name] = str(demo_adapter_dir(name, progress=_progress))
+                adapters[name] = str(demo_adapter_dir(name, progress=progress))
     rank = max([args.max_lora_rank, 16])
     llm = LLM(args.model, max_loras=max(len(adapters), 1), max_lora_rank=rank,
               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
@@ -99,7 +86,7 @@ def _peer_serve(args: argparse.Namespace) -> int:
     else:
         from metrale.model.default_model import default_model_dir
 
-        model = ModelConfig.from_dir(default_model_dir(progress=_progress))
+        model = ModelConfig.from_dir(default_model_dir(progress=progress))
     serve_store(args.adapters, model, device=args.device, dtype=parse_dtype(args.dtype),
                 max_lora_rank=args.max_lora_rank, host=args.host, port=args.port,
                 transport=args.transport, client_allow=args.allow_client or LOOPBACK,

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 
-def _progress(message: str) -> None:
+def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
@@ -53,8 +53,8 @@ def build_app(args: argparse.Namespace):
         from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
         from metrale.model.default_model import default_model_dir
 
-        model = default_model_dir(progress=_progress)
-        unpinned = {n: demo_adapter_dir(n, progress=_progress) for n in DEMO_ADAPTERS
+        model = default_model_dir(progress=progress)
+        unpinned = {n: demo_adapter_dir(n, progress=progress) for n in DEMO_ADAPTERS
                     if n not in pinned}
     model_dir = Path(model)
     for root in args.adapter_root:
