@@ -95,17 +95,17 @@ def serve(engine, arrivals, gen: int, device: str, drain_s: float = 30.0) -> dic
 
 
 def run(pair, adapters_root: Path, device: str, n_adapters: int = 32, slots: int = 8,
-        seconds: float = 8.0, rate: float = 150.0, gen: int = 32) -> dict:
+        seconds: float = 8.0, rate: float = 150.0, gen: int = 32, host_tier: bool = True) -> dict:
     from bench.decode import make_engine
 
     arrivals = trace(n_adapters, seconds, rate, pair.config.vocab_size)
     out = {"adapters": n_adapters, "slots": slots, "seconds": seconds, "rate_per_s": rate,
-           "gen": gen}
+           "gen": gen, "host_tier": host_tier}
     for mode in ("promote", "resident"):
         n_slots = slots if mode == "promote" else n_adapters
         dtype = next(pair.ours.parameters()).dtype
         slot_bytes = SlotLayout(pair.config, PoolConfig(1, 16), dtype).slot_bytes
-        tier = n_adapters * slot_bytes if mode == "promote" else 0
+        tier = n_adapters * slot_bytes if mode == "promote" and host_tier else 0
         engine = make_engine(pair, device, n_slots, max_num_seqs=64, max_model_len=256,
                              host_tier_bytes=tier)
         for a in range(n_adapters):
@@ -141,12 +141,16 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--rate", type=float, default=150.0)
+    ap.add_argument("--no-tier", action="store_true",
+                    help="promote from disk every time (exercises the async disk promotion path)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         pair = build_pair(args.model, args.device, Path(tmp))
         make_peft(pair, 32, Path(tmp) / "adapters")
-        res = run(pair, Path(tmp) / "adapters", args.device, seconds=args.seconds, rate=args.rate)
-    merge_results(results_path(args.device), "churn", args.model, res)
+        res = run(pair, Path(tmp) / "adapters", args.device, seconds=args.seconds, rate=args.rate,
+                  host_tier=not args.no_tier)
+    key = args.model + ("-disk" if args.no_tier else "")
+    merge_results(results_path(args.device), "churn", key, res)
     print(report(args.model, res))
 
 

@@ -197,6 +197,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     promotion_timeout_s: float = 30.0
+    # on-demand disk promotions read and land off the engine thread (decoding goes on)
+    async_promotions: bool = True
     peer_allow: tuple[str, ...] = ()  # hosts/networks peers may be fetched from; () = loopback
     peer_timeout_s: float = 30.0
     peer_transport: str = "auto"  # "nixl" | "http" | "auto" (NIXL when both sides have it)

@@ -4,6 +4,11 @@ import os
 import pytest
 import torch
 
+# Triton kernels run in Triton's CPU interpreter off the GPU. The flag must be set
+# before anything imports triton (any metrale module may), so it is set here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # The server tests need the `server` extra; a GPU box's bare image may lack it.

@@ -5,6 +5,10 @@ promotion lands it. Promotions are single-flight per name (every waiter of a
 name shares one) and run FIFO by first request; a full pool makes them wait
 for a slot to drain, up to a timeout. Waiters take their slot reference the
 moment the adapter lands, so it cannot be evicted before they run.
+
+Disk promotions run off the engine thread (metrale.engine.async_promotion), one at
+a time, so decoding of other requests goes on while the adapter is read and lands;
+peer promotions and host-tier hits (one H2D copy) run inline.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metrale.adapters.plan import plan_adapter
+from metrale.engine.async_promotion import AsyncPromoter
 from metrale.engine.sequence import Sequence
 from metrale.errors import AdapterConfigError, MetraleError, PoolFullError, UnknownAdapterError
 from metrale.pool.swap import LoraSlots, validate_adapter_name
@@ -63,8 +68,10 @@ class AdapterSource:
 
 class AdapterManager:
     def __init__(self, slots: LoraSlots, timeout_s: float,
-                 promote_from_peer: Callable[[PeerRef, str], tuple[int, str | None]]) -> None:
+                 promote_from_peer: Callable[[PeerRef, str], tuple[int, str | None]],
+                 async_promotions: bool = True) -> None:
         self.slots, self.timeout_s = slots, timeout_s
+        self.promoter = AsyncPromoter(slots) if async_promotions and slots.pool else None
         self._promote_from_peer = promote_from_peer
         self.registry: dict[str, AdapterSource] = {}
         self.pending: OrderedDict[str, list[Sequence]] = OrderedDict()
@@ -125,28 +132,102 @@ class AdapterManager:
 
     # --- promotions (called by the engine between steps) -----------------------------
 
+    @property
+    def promoting(self) -> str | None:
+        """The name whose disk promotion is in flight (its waiters wait for bytes, not
+        for a slot), if any."""
+        if not self.promotion_busy():  # a staged promotion waiting for a victim is POOL_FULL
+            return None
+        name = self.promoter.job.name
+        return name if name in self.pending else None
+
+    def promotion_busy(self) -> bool:
+        """A promotion is progressing off the engine thread (worth waiting for when
+        there is nothing else to run)."""
+        return self.promoter is not None and self.promoter.busy
+
+    def wait_promotion(self, timeout: float) -> None:
+        if self.promoter is not None:
+            self.promoter.wait(timeout)
+
     def run_promotions(self) -> list[Sequence]:
         """Promote waited-for adapters in FIFO order; returns sequences that failed."""
-        failed = []
+        failed = self._advance_async() if self.promoter is not None else []
         for name in list(self.pending):
             source = self.registry.get(name)
             if source is None:  # unregistered while requests waited
                 failed += self._fail(name, UnknownAdapterError(f"adapter {name!r} was unloaded"))
                 continue
-            try:
-                start = time.perf_counter()
-                slot, evicted = self.promote(source)
-            except PoolFullError:
-                break  # wait for a slot to drain; later names must not jump the queue
-            except MetraleError as e:
-                failed += self._fail(name, e)
+            if self.slots.table.slot_of(name) is not None:  # landed meanwhile by an explicit op
+                self.bind_waiters(name)
                 continue
-            self.num_promotions += 1
-            log.info("promoted %r into slot %d (evicted %r) in %.1f ms for %d waiting request(s)",
-                     name, slot, evicted, (time.perf_counter() - start) * 1e3,
-                     len(self.pending[name]))
-            self.bind_waiters(name)
+            if self._inline(source):
+                try:
+                    start = time.perf_counter()
+                    slot, evicted = self.promote(source)
+                except PoolFullError:
+                    break  # wait for a slot to drain; later names must not jump the queue
+                except MetraleError as e:
+                    failed += self._fail(name, e)
+                    continue
+                self._landed(name, slot, evicted, start)
+                continue
+            if self.promoter.job is None:
+                try:
+                    self.promoter.start(name, source.path)
+                except MetraleError as e:
+                    failed += self._fail(name, e)
+                    continue
+            break  # one disk promotion at a time; later names keep their place
         return failed
+
+    def _inline(self, source: AdapterSource) -> bool:
+        p = self.promoter
+        return (source.peer is not None or p is None
+                or (p.job is None and p.tier_hit(source.path)))
+
+    def _landed(self, name: str, slot: int, evicted: str | None, start: float) -> None:
+        self.num_promotions += 1
+        log.info("promoted %r into slot %d (evicted %r) in %.1f ms for %d waiting request(s)",
+                 name, slot, evicted, (time.perf_counter() - start) * 1e3,
+                 len(self.pending.get(name, [])))
+        self.bind_waiters(name)
+
+    def _advance_async(self) -> list[Sequence]:
+        """Move the in-flight disk promotion on by what has happened since the last
+        step boundary; returns the sequences its refusal failed."""
+        p = self.promoter
+        job = p.job
+        if job is None:
+            return []
+        source = self.registry.get(job.name)
+        superseded = (source is None or source.path != job.path
+                      or self.slots.table.slot_of(job.name) is not None)
+        wanted = job.name in self.pending and not superseded
+        if job.slot is None:  # nothing touched yet
+            if not job.staged:
+                return []
+            if not wanted:  # never lands behind the back of callers that gave up
+                p.clear()
+                return []
+            try:
+                p.launch()
+            except PoolFullError:
+                return []  # keep the staged bytes; wait for a slot to drain
+            except MetraleError as e:
+                p.notify(job, None, None, e)
+                p.clear()
+                return self._fail(job.name, e)
+        if not p.landed():
+            return []
+        try:
+            # every waiter gone but nothing superseded: the slot just becomes READY and idle
+            landed = p.finish(keep=not superseded)
+        except MetraleError as e:
+            return self._fail(job.name, e)
+        if landed is not None:
+            self._landed(job.name, *landed, job.start)
+        return []
 
     def expire(self, now: float) -> list[Sequence]:
         """Waiters past the promotion timeout fail with POOL_FULL."""

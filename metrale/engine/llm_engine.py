@@ -33,6 +33,7 @@ from metrale.pool.slots import SlotInfo
 from metrale.pool.swap import LoraSlots
 
 log = logging.getLogger("metrale.engine")
+_IDLE_WAIT_S = 0.01  # an idle step re-checks for commands this often while a promotion runs
 
 
 class LLMEngine:
@@ -54,7 +55,8 @@ class LLMEngine:
         self.lora = LoraSlots(self.model_config, cfg.pool, self.device, self.dtype)
         self.adapters = AdapterManager(
             self.lora, cfg.promotion_timeout_s,
-            lambda ref, name: self.lora_promote_from_peer_ref(ref, name))
+            lambda ref, name: self.lora_promote_from_peer_ref(ref, name),
+            async_promotions=cfg.async_promotions)
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
                                   self.lora.pool)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size,
@@ -135,9 +137,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self._run_commands()
-        outputs = [self._fail(s) for s in self.adapters.run_promotions()]
-        outputs += [self._fail(s) for s in self.adapters.expire(time.monotonic())]
+        outputs = self._promotions()
         seqs, is_prefill = self.scheduler.schedule()
+        while not seqs and self.adapters.promotion_busy() and self._commands.empty():
+            # nothing to decode: wait for the in-flight promotion rather than spin
+            self.adapters.wait_promotion(_IDLE_WAIT_S)
+            outputs += self._promotions()
+            seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return outputs
         tokens, logprobs = self.runner.run(seqs, is_prefill)
@@ -145,6 +151,10 @@ class LLMEngine:
         for seq, token, lp in zip(seqs, tokens, logprobs):
             outputs.append(self._append(seq, token, lp, now))
         return outputs
+
+    def _promotions(self) -> list[RequestOutput]:
+        outputs = [self._fail(s) for s in self.adapters.run_promotions()]
+        return outputs + [self._fail(s) for s in self.adapters.expire(time.monotonic())]
 
     def _append(self, seq: Sequence, token: int, lp: dict | None, now: float) -> RequestOutput:
         seq.output_ids.append(token)

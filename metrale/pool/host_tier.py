@@ -80,6 +80,10 @@ class HostTier:
         self.hits += 1
         return entry
 
+    def has(self, key: Key | None) -> bool:
+        """Whether get(key) would hit (counts nothing, moves nothing)."""
+        return key is not None and key in self._entries
+
     def put(self, key: Key | None, slot: int) -> None:
         """Store `slot`'s current contents under key (call right after landing it)."""
         if key is None or not self.enabled:

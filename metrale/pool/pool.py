@@ -102,10 +102,13 @@ class AdapterPool:
         self.ranks[slot].zero_()
         self.scales[slot].zero_()
 
-    def land(self, slot: int, plan: AdapterPlan, views: list[torch.Tensor]) -> None:
+    def land(self, slot: int, plan: AdapterPlan, views: list[torch.Tensor],
+             tables: bool = True) -> None:
         """Write staged tensors into a zeroed slot: dtype conversion and the B
         transpose happen on the device, no host round trip. On CUDA one kernel lands
-        every tensor (metrale.ops.landing_triton); elsewhere one copy per tensor."""
+        every tensor (metrale.ops.landing_triton); elsewhere one copy per tensor.
+        tables=False leaves the rank/scale rows to a later set_tables (their copy from
+        pageable host memory would wait for the stream on the host)."""
         src_base = None
         if self.buffer.is_cuda:
             from metrale.ops.landing_triton import base_of
@@ -127,7 +130,8 @@ class AdapterPool:
                     self.lora_a(t.layer, t.module)[slot, :t.rank].copy_(src)  # [r, in]
                 else:
                     self.lora_bt(t.layer, t.module)[slot, :t.rank].copy_(src.t())  # [r, out]
-        self.set_tables(slot, plan)
+        if tables:
+            self.set_tables(slot, plan)
 
     def set_tables(self, slot: int, plan: AdapterPlan) -> None:
         ranks = torch.zeros(self.ranks[slot].shape, dtype=torch.int32)  # [L, M]

@@ -270,20 +270,31 @@ class LoraSlots:
 
     def _land(self, slot: int, name: str, source: str, write: Callable[[], None]) -> int:
         """LOADING -> write -> READY, or EMPTY with a fresh identity on any failure."""
-        pool = self.pool
         start = time.perf_counter()
+        self.begin_landing(slot, name, source, write)
+        return self.finish_landing(slot, name, source, start)
+
+    def begin_landing(self, slot: int, name: str, source: str, write: Callable[[], None]) -> None:
+        """EMPTY|READY -> LOADING, zero, write (on CUDA: queued on the current stream).
+        On failure the slot is EMPTY with a fresh identity and LandingError is raised."""
         self.table.begin_load(slot)  # re-checks idleness; from here the slot serves nothing
         try:
             self._before_write(slot)
-            pool.zero_slot(slot)
+            self.pool.zero_slot(slot)
             write()
         except BaseException as e:
-            pool.zero_slot(slot)
-            self.table.fail_load(slot)
-            log.warning("landing %r into slot %d from %s failed: %s", name, slot, source, e)
-            raise LandingError(
-                f"landing {name!r} into slot {slot} failed ({e}); the slot is now EMPTY"
-            ) from e
+            raise self.fail_landing(slot, name, source, e) from e
+
+    def fail_landing(self, slot: int, name: str, source: str,
+                     e: BaseException | str) -> LandingError:
+        """A LOADING slot whose write failed: zeroed, EMPTY with a fresh identity."""
+        self.pool.zero_slot(slot)
+        self.table.fail_load(slot)
+        log.warning("landing %r into slot %d from %s failed: %s", name, slot, source, e)
+        return LandingError(f"landing {name!r} into slot {slot} failed ({e}); the slot is now EMPTY")
+
+    def finish_landing(self, slot: int, name: str, source: str, start: float) -> int:
+        """LOADING -> READY under `name` (the bytes must have landed); returns the uid."""
         uid = self.table.finish_load(slot, name)
         log.info(
             "swap: %r landed in slot %d from %s (uid=%d, generation=%d) in %.2f ms",

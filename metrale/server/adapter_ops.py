@@ -177,9 +177,11 @@ class AdapterOps:
         scheduler = self.engine.scheduler
         self.metrics.waiting.set(len(scheduler.waiting))
         self.metrics.running.set(len(scheduler.running))
-        # After step() every request still pending a promotion is waiting for a
-        # slot to drain (POOL_FULL): step ran the promotions after admitting.
-        ids = {s.request_id for waiters in self.engine.adapters.pending.values() for s in waiters}
+        # After step() every request still pending a promotion, except those of the
+        # promotion in flight, is waiting for a slot to drain (POOL_FULL).
+        adapters = self.engine.adapters
+        ids = {s.request_id for name, waiters in adapters.pending.items()
+               if name != adapters.promoting for s in waiters}
         self.metrics.pool_full_waits.inc(len(ids - self._waiting_ids))
         self.metrics.pool_full_waiting.set(len(ids))
         self._waiting_ids = ids

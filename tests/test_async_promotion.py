@@ -1,0 +1,166 @@
+"""On-demand disk promotions run off the engine thread: decoding of other requests
+goes on while an adapter is read, a refusal found by the worker fails only its
+requests and touches no slot, and the promoted adapter serves the same tokens as
+the synchronous path."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import threading
+import time
+
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.pool.staging import StagingBuffers
+from metrale.pool.swap import LandingEvent
+from tests.tiny_models import make_adapter, make_model, save_model
+
+PROMPT = [5, 17, 99, 3, 42, 8, 120, 77, 61, 2, 9, 13, 200]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+BASE = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async_promo")
+    base = make_model("llama", seed=4)
+    save_model(base, root / "model")
+    for i, name in enumerate(("a", "b")):
+        make_adapter(base, root / name, seed=30 + i, r=4, lora_alpha=8, target_modules="all-linear")
+    return root
+
+
+def _llm(root, **kw):
+    args = dict(max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128, num_kv_blocks=128)
+    llm = LLM(root / "model", **{**args, **kw})
+    for name in ("a", "b"):
+        llm.register_adapter(name, root / name)
+    return llm
+
+
+def _pool_hash(engine) -> tuple:
+    pool = engine.lora.pool
+    digest = hashlib.sha256()
+    for t in (pool.buffer, pool.ranks, pool.scales):
+        digest.update(t.contiguous().view(-1).view(dtype=t.dtype).numpy().tobytes())
+    ids = tuple((i.slot, i.name, i.uid, i.generation, i.state) for i in engine.lora.slot_info())
+    return digest.hexdigest(), ids
+
+
+def _run(engine, limit=2000):
+    done = {}
+    for _ in range(limit):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            return done
+    raise AssertionError("engine did not finish")
+
+
+def test_decoding_goes_on_while_a_promotion_reads(root, monkeypatch):
+    llm = _llm(root)
+    engine = llm.engine
+    release = threading.Event()
+    original = StagingBuffers.read_file
+
+    def slow_read(self, *args):
+        release.wait(10)  # the worker holds the read until the base request made progress
+        return original(self, *args)
+
+    monkeypatch.setattr(StagingBuffers, "read_file", slow_read)
+    events: list[LandingEvent] = []
+    engine.lora.listeners.append(events.append)
+    base = engine.add_request(PROMPT, BASE)
+    engine.step()  # base prefill
+    waiting = engine.add_request(PROMPT, GREEDY, "a")
+    steps_with_base_tokens, done = 0, {}
+    for _ in range(2000):
+        in_flight = engine.adapters.promoter.job is not None
+        outs = engine.step()
+        if in_flight and any(o.request_id == base and o.token_ids for o in outs):
+            steps_with_base_tokens += 1
+            if steps_with_base_tokens >= 10:
+                release.set()
+        done.update({o.request_id: o for o in outs if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    release.set()
+    assert steps_with_base_tokens >= 10  # the loop was never blocked by the promotion
+    assert done[base].finish_reason == "length" and done[waiting].finish_reason == "length"
+    assert engine.adapters.num_promotions == 1
+    assert [(e.name, e.source, e.error) for e in events] == [("a", "disk", None)]
+    engine.lora.table.check_integrity()
+
+
+def test_waiter_tokens_equal_synchronous_path(root):
+    fast = _llm(root)
+    sync = _llm(root, async_promotions=False)
+    assert fast.engine.adapters.promoter is not None and sync.engine.adapters.promoter is None
+    for llm in (fast, sync):  # "a" lands while a base request decodes; "b" into an idle engine
+        engine = llm.engine
+        engine.add_request(PROMPT, BASE, request_id="base")
+        engine.step()
+        engine.add_request(PROMPT, GREEDY, "a", request_id="a")
+        engine.add_request(PROMPT[::-1], GREEDY, "b", request_id="b")
+        llm.done = _run(engine)
+    for rid in ("base", "a", "b"):
+        assert fast.done[rid].token_ids == sync.done[rid].token_ids, rid
+    assert fast.engine.adapters.num_promotions == sync.engine.adapters.num_promotions == 2
+    fast.engine.lora.table.check_integrity()
+
+
+@pytest.mark.parametrize("damage", ["nan", "truncated"])
+def test_broken_file_found_by_worker_fails_only_its_requests(root, tmp_path, damage):
+    llm = _llm(root)
+    engine = llm.engine
+    shutil.copytree(root / "b", tmp_path / "bad")
+    llm.register_adapter("bad", tmp_path / "bad")  # valid at registration
+    llm.generate([PROMPT], GREEDY, ["a"])  # "a" resident in one slot, the other never filled
+    weights = tmp_path / "bad" / "adapter_model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    if damage == "nan":
+        raw[-4:] = b"\x00\x00\xc0\x7f"  # the last float32 becomes NaN; the header still holds
+    else:
+        raw = raw[:-64]
+    weights.write_bytes(bytes(raw))
+    before = _pool_hash(engine)
+    events: list[LandingEvent] = []
+    engine.lora.listeners.append(events.append)
+    ok = engine.add_request(PROMPT, GREEDY, "a")
+    base = engine.add_request(PROMPT, GREEDY)
+    bad = [engine.add_request(PROMPT, GREEDY, "bad") for _ in range(3)]
+    done = _run(engine)
+    for rid in bad:
+        assert done[rid].finish_reason == "error", rid
+    assert done[ok].finish_reason == "length" and done[base].finish_reason == "length"
+    expected = "NaN" if damage == "nan" else "bad"
+    assert expected in str(done[bad[0]].error) or damage == "truncated"
+    assert _pool_hash(engine)[1] == before[1]  # identities untouched
+    assert _pool_hash(engine)[0] == before[0]  # bytes and tables untouched
+    assert [(e.name, e.slot) for e in events] == [("bad", None)] and events[0].error
+    engine.lora.table.check_integrity()
+
+
+def test_abandoned_promotion_never_lands(root, monkeypatch):
+    llm = _llm(root)
+    engine = llm.engine
+    release = threading.Event()
+    original = StagingBuffers.read_file
+    monkeypatch.setattr(StagingBuffers, "read_file",
+                        lambda self, *a: (release.wait(10), original(self, *a))[1])
+    before = _pool_hash(engine)
+    rid = engine.add_request(PROMPT, GREEDY, "a")
+    assert engine.adapters.run_promotions() == []  # starts the worker, which is held
+    assert engine.adapters.promoter.job is not None
+    engine.abort(rid)
+    release.set()
+    deadline = time.monotonic() + 10
+    while engine.adapters.promoter.job is not None and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.001)
+    assert engine.adapters.promoter.job is None
+    assert _pool_hash(engine) == before  # staged, then dropped: no slot was touched
+    assert engine.adapters.num_promotions == 0
