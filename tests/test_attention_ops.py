@@ -1,29 +1,21 @@
 """Paged attention: the Triton decode (split-K, GQA) and varlen prefill kernels against
 the torch reference, which itself is checked against a float64 dense oracle.
 
-On CPU the kernels run in Triton's interpreter at tiny sizes (see tests/test_lora_ops.py
-for why TRITON_INTERPRET must be set before triton is imported, and the fresh-process
-fallback); on a GPU the `gpu` tests add realistic sizes in bf16.
+On CPU the kernels run in Triton's interpreter at tiny sizes (tests/conftest.py turns it
+on); on a GPU the `gpu` tests add realistic sizes in bf16.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from metrale.model.context import AttentionMetadata  # noqa: E402
-from metrale.ops import attention_triton as at  # noqa: E402
-from metrale.ops.attention import paged_attention_ref  # noqa: E402
-from tests.test_lora_ops import KERNELS  # noqa: E402
+from metrale.model.context import AttentionMetadata
+from metrale.ops import attention_triton as at
+from metrale.ops.attention import paged_attention_ref
+from tests.test_lora_ops import KERNELS
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
@@ -157,17 +149,6 @@ def test_outputs_fully_written():
     assert not got.isnan().any()
 
 
-@pytest.mark.skipif(KERNELS or at.triton is None or torch.cuda.is_available(),
-                    reason="kernel tests already run in this process")
-def test_kernels_in_fresh_interpreter_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-         str(Path(__file__).resolve())],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
 
 # --- realistic sizes, compiled, bf16 (Llama-3-8B: 32 heads, 8 KV heads, D 128) ------------

@@ -1,22 +1,17 @@
 """Fused RMSNorm and rotary kernels (CUDA path of metrale.model.layers) against the torch
 code they replace: exact in float32 up to summation order, within an ulp in bf16.
-Interpreted on CPU (see tests/test_lora_ops.py for TRITON_INTERPRET), compiled on a GPU."""
+Interpreted on CPU (tests/conftest.py turns the interpreter on), compiled on a GPU."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from metrale.config import ModelConfig  # noqa: E402
-from metrale.model.layers import RMSNorm, RotaryEmbedding  # noqa: E402
-from metrale.ops import fused_triton as fused  # noqa: E402
-from tests.test_lora_ops import KERNELS  # noqa: E402
-from tests.tiny_models import hf_config  # noqa: E402
+from metrale.config import ModelConfig
+from metrale.model.layers import RMSNorm, RotaryEmbedding
+from metrale.ops import fused_triton as fused
+from tests.test_lora_ops import KERNELS
+from tests.tiny_models import hf_config
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")

@@ -13,17 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from metrale import errors  # noqa: E402
-from metrale.adapters.plan import plan_adapter  # noqa: E402
-from metrale.config import ModelConfig, PoolConfig  # noqa: E402
-from metrale.pool import staging  # noqa: E402
-from metrale.pool.swap import LoraSlots, read_adapter_bytes  # noqa: E402
-from tests.test_lora_ops import KERNELS  # noqa: E402
-from tests.test_swap_refusals import snapshot  # noqa: E402
-from tests.tiny_models import hf_config, make_adapter, make_model  # noqa: E402
+from metrale import errors
+from metrale.adapters.plan import plan_adapter
+from metrale.config import ModelConfig, PoolConfig
+from metrale.pool import staging
+from metrale.pool.swap import LoraSlots, read_adapter_bytes
+from tests.test_lora_ops import KERNELS
+from tests.test_swap_refusals import snapshot
+from tests.tiny_models import hf_config, make_adapter, make_model
 
 
 @pytest.fixture(scope="module")
