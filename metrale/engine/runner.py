@@ -16,6 +16,7 @@ from metrale.engine.sampler import sample
 from metrale.engine.sequence import Sequence
 from metrale.model.context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
+from metrale.ops.lora_triton import sort_tokens_by_slot
 from metrale.pool.pool import AdapterPool
 
 _CPU_KV_BUDGET = 2 << 30  # bytes of KV cache on a CPU engine when not told otherwise
@@ -100,8 +101,7 @@ class ModelRunner:
         if self.pool is not None and any(s.slot >= 0 for s in seqs):
             slot_ids_t = torch.tensor(slot_ids, dtype=torch.int64, device=dev)  # [T]
             # sort once per batch, not per layer: the prefill kernels want slot-sorted tokens
-            order = torch.sort(slot_ids_t, stable=True).indices if dev.type == "cuda" and (
-                is_prefill) else None
+            order = sort_tokens_by_slot(slot_ids_t) if dev.type == "cuda" and is_prefill else None
             lora = LoraBatch(self.pool, slot_ids_t, order)
         with forward_context(ForwardContext(meta, lora)):
             hidden = self.model(
