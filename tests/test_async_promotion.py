@@ -15,6 +15,7 @@ import pytest
 from metrale import LLM, SamplingParams
 from metrale.pool.staging import StagingBuffers
 from metrale.pool.swap import LandingEvent
+from tests.test_engine_swaps import run_until_done
 from tests.tiny_models import make_adapter, make_model, save_model
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120, 77, 61, 2, 9, 13, 200]
@@ -47,17 +48,6 @@ def _pool_hash(engine) -> tuple:
         digest.update(t.contiguous().view(-1).view(dtype=t.dtype).numpy().tobytes())
     ids = tuple((i.slot, i.name, i.uid, i.generation, i.state) for i in engine.lora.slot_info())
     return digest.hexdigest(), ids
-
-
-def _run(engine, limit=2000):
-    done = {}
-    for _ in range(limit):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        if not engine.has_unfinished_requests():
-            return done
-    raise AssertionError("engine did not finish")
 
 
 def test_decoding_goes_on_while_a_promotion_reads(root, monkeypatch):
@@ -105,7 +95,7 @@ def test_waiter_tokens_equal_synchronous_path(root):
         engine.step()
         engine.add_request(PROMPT, GREEDY, "a", request_id="a")
         engine.add_request(PROMPT[::-1], GREEDY, "b", request_id="b")
-        llm.done = _run(engine)
+        llm.done = run_until_done(engine, limit=2000)
     for rid in ("base", "a", "b"):
         assert fast.done[rid].token_ids == sync.done[rid].token_ids, rid
     assert fast.engine.adapters.num_promotions == sync.engine.adapters.num_promotions == 2
@@ -132,7 +122,7 @@ def test_broken_file_found_by_worker_fails_only_its_requests(root, tmp_path, dam
     ok = engine.add_request(PROMPT, GREEDY, "a")
     base = engine.add_request(PROMPT, GREEDY)
     bad = [engine.add_request(PROMPT, GREEDY, "bad") for _ in range(3)]
-    done = _run(engine)
+    done = run_until_done(engine, limit=2000)
     for rid in bad:
         assert done[rid].finish_reason == "error", rid
     assert done[ok].finish_reason == "length" and done[base].finish_reason == "length"

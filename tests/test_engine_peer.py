@@ -9,6 +9,7 @@ from peft import PeftModel
 
 from metrale import LLM, SamplingParams
 from metrale.peer.errors import PeerNotAllowedError
+from tests.test_engine_swaps import run_until_done
 from tests.test_engine_vs_hf import hf_greedy
 from tests.test_peer_support import adapter_dir, peer_root, start_store, stop
 from tests.tiny_models import make_model
@@ -67,9 +68,7 @@ def test_peer_outside_allow_list_fails_only_its_requests(store):
     engine = llm.engine
     bad = engine.add_request(PROMPT, GREEDY, "pa")
     ok = engine.add_request(PROMPT, GREEDY, None)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = run_until_done(engine)
     assert isinstance(done[bad].error, PeerNotAllowedError)
     assert done[ok].finish_reason == "length"
     assert all(i.state.value == "EMPTY" and i.uid == 0 for i in engine.slot_info())

@@ -34,7 +34,8 @@ def _llm(root, **kw):
     return llm
 
 
-def _run_until_done(engine, limit=500):
+def run_until_done(engine, limit=500):
+    """Step until every request finished; {request_id: final output}."""
     finished = {}
     for _ in range(limit):
         for out in engine.step():
@@ -57,7 +58,7 @@ def test_busy_slot_refused_while_running_then_swappable(root):
     assert torch.equal(engine.lora.pool.slot_region(slot), before)
     # other slots stay swappable while "a" decodes: quiescence is per slot
     engine.swap_lora_slot_from_disk(root / "b", "b", 1 - slot)
-    done = _run_until_done(engine)
+    done = run_until_done(engine)
     assert done[rid].finish_reason == "length"
     engine.swap_lora_slot_from_disk(root / "c", "c", slot)
     assert engine.lora.table.info(slot).name == "c"
@@ -106,7 +107,7 @@ def test_pool_full_times_out_with_pool_full(root):
     outs = {o.request_id: o for o in engine.step()}
     assert outs[rb].finish_reason == "error" and isinstance(outs[rb].error, PoolFullError)
     assert str(outs[rb].error).startswith("POOL_FULL")
-    _run_until_done(engine)
+    run_until_done(engine)
     engine.lora.table.check_integrity()
 
 
@@ -155,7 +156,7 @@ def test_broken_adapter_fails_its_requests_only(root, tmp_path):
     engine = llm.engine
     ok = engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0), "a")
     bad = engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0), "bad")
-    done = _run_until_done(engine)
+    done = run_until_done(engine)
     assert done[bad].finish_reason == "error" and "safetensors" in str(done[bad].error)
     assert done[ok].finish_reason == "length"
     engine.lora.table.check_integrity()
