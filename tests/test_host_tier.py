@@ -17,7 +17,7 @@ from metrale import errors
 from metrale.adapters.plan import plan_adapter
 from metrale.config import ModelConfig, PoolConfig
 from metrale.pool import staging
-from metrale.pool.swap import LoraSlots, read_adapter_bytes
+from metrale.pool.swap import LoraSlots, read_adapter_data
 from tests.test_lora_ops import KERNELS
 from tests.test_swap_refusals import snapshot
 from tests.tiny_models import hf_config, make_adapter, make_model
@@ -55,8 +55,7 @@ def test_chunked_parallel_read_equals_file(adapters, monkeypatch):
     monkeypatch.setattr(staging, "CHUNK", 1000)  # many chunks through the thread pool
     cfg = ModelConfig.from_hf_dict(hf_config("llama").to_dict())
     plan = plan_adapter(adapters / "a", "a", cfg, PoolConfig(2, 8))
-    out = torch.empty(plan.data_bytes, dtype=torch.uint8)
-    read_adapter_bytes(plan, out)
+    out = read_adapter_data(plan, staging.StagingBuffers(torch.device("cpu")))
     raw = (adapters / "a" / "adapter_model.safetensors").read_bytes()
     assert out.numpy().tobytes() == raw[plan.data_offset:]
 
@@ -69,7 +68,7 @@ def test_truncated_between_plan_and_read_is_refused(adapters, tmp_path, monkeypa
     path = tmp_path / "a" / "adapter_model.safetensors"
     os.truncate(path, path.stat().st_size - 1500)
     with pytest.raises(errors.AdapterFileError, match="truncated"):
-        read_adapter_bytes(plan, torch.empty(plan.data_bytes, dtype=torch.uint8))
+        read_adapter_data(plan, staging.StagingBuffers(torch.device("cpu")))
 
 
 @pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
@@ -81,8 +80,7 @@ def test_landing_kernel_equals_per_tensor_copies(adapters, dtype):
     for name, slot in (("a", 0), ("b", 2)):
         slots.swap_lora_slot_from_disk(adapters / name, name, slot)  # per-tensor path on CPU
         plan = plan_adapter(adapters / name, name, slots.model_config, slots.pool_config)
-        data = torch.empty(plan.data_bytes, dtype=torch.uint8)
-        read_adapter_bytes(plan, data)
+        data = read_adapter_data(plan, staging.StagingBuffers(torch.device("cpu")))
         views = slots.pool.stage_views(plan, data)
         pool, layout = slots.pool, slots.pool.layout
         got = torch.full_like(pool.buffer, float("nan"))

@@ -28,7 +28,7 @@ from metrale.adapters.plan import AdapterPlan, plan_adapter
 from metrale.errors import AdapterFileError, MetraleError
 from metrale.pool.host_tier import adapter_key
 from metrale.pool.staging import StagingBuffers
-from metrale.pool.swap import LandingEvent, LoraSlots, _on_device, _read_error
+from metrale.pool.swap import LandingEvent, LoraSlots, _on_device, read_adapter_data
 
 OP = "promote_lora_slot_from_disk"
 
@@ -81,10 +81,7 @@ class AsyncPromoter:
         stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with _on_device(self.device), stream:
             plan = plan_adapter(path, name, slots.model_config, slots.pool_config)
-            try:
-                data = self.staging.read_file(plan.source, plan.data_offset, plan.data_bytes)
-            except OSError as e:
-                raise _read_error(plan, e) from None
+            data = read_adapter_data(plan, self.staging)
             return plan, slots.pool.stage_views(plan, data)  # NaN/Inf: syncs this stream only
 
     def staged_result(self) -> tuple[AdapterPlan, list[torch.Tensor]]:

@@ -35,7 +35,7 @@ from metrale.pool.host_tier import HostTier, adapter_key
 from metrale.pool.layout import SlotLayout
 from metrale.pool.pool import AdapterPool
 from metrale.pool.slots import SlotInfo, SlotTable
-from metrale.pool.staging import ShortReadError, StagingBuffers, read_chunks
+from metrale.pool.staging import ShortReadError, StagingBuffers
 
 log = logging.getLogger("metrale.pool")
 _PLAN_CACHE = 256
@@ -51,11 +51,11 @@ def validate_adapter_name(name: str) -> str:
     return name
 
 
-def read_adapter_bytes(plan: AdapterPlan, out: torch.Tensor) -> None:
-    """Read the file's data section straight into `out` ([data_bytes] uint8, host), in
-    parallel chunks (see StagingBuffers.read_file for the path that also uploads)."""
+def read_adapter_data(plan: AdapterPlan, staging: StagingBuffers) -> torch.Tensor:
+    """The file's data section, read in parallel chunks into `staging` (on its device:
+    [data_bytes] uint8); a file that changed or shrank since it was planned is refused."""
     try:
-        read_chunks(plan.source, plan.data_offset, out, on_chunk=None)
+        return staging.read_file(plan.source, plan.data_offset, plan.data_bytes)
     except OSError as e:
         raise _read_error(plan, e) from None
 
@@ -235,10 +235,7 @@ class LoraSlots:
         if entry is not None:
             return lambda slot: tier.land(entry, slot)
         plan = self.plan_from_disk(adapter_dir, name, key)
-        try:
-            data = self.staging.read_file(plan.source, plan.data_offset, plan.data_bytes)
-        except OSError as e:
-            raise _read_error(plan, e) from None
+        data = read_adapter_data(plan, self.staging)
         views = self.pool.stage_views(plan, data)
 
         def write(slot: int) -> None:
