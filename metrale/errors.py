@@ -38,6 +38,14 @@ class UnknownAdapterError(MetraleError):
     """No adapter of that name is registered or resident."""
 
 
+class AdapterExistsError(MetraleError):
+    """register() of a name that is already registered, without reload."""
+
+
+class StaleVersionError(MetraleError):
+    """An operation on an adapter version that a reload or an unload replaced meanwhile."""
+
+
 class InvalidNameError(MetraleError):
     """An adapter name that could break routing, URLs, metrics labels or paths."""
 

@@ -15,7 +15,7 @@ import pytest
 from metrale import LLM, SamplingParams
 from metrale.pool.staging import StagingBuffers
 from metrale.pool.swap import LandingEvent
-from tests.test_engine_swaps import run_until_done
+from tests.helpers.engine import run_until_done, step_until
 from tests.tiny_models import make_adapter, make_model, save_model
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120, 77, 61, 2, 9, 13, 200]
@@ -68,7 +68,7 @@ def test_decoding_goes_on_while_a_promotion_reads(root, monkeypatch):
     waiting = engine.add_request(PROMPT, GREEDY, "a")
     steps_with_base_tokens, done = 0, {}
     for _ in range(2000):
-        in_flight = engine.adapters.promoter.job is not None
+        in_flight = engine.adapters.job is not None
         outs = engine.step()
         if in_flight and any(o.request_id == base and o.token_ids for o in outs):
             steps_with_base_tokens += 1
@@ -88,14 +88,13 @@ def test_decoding_goes_on_while_a_promotion_reads(root, monkeypatch):
 def test_waiter_tokens_equal_synchronous_path(root):
     fast = _llm(root)
     sync = _llm(root, async_promotions=False)
-    assert fast.engine.adapters.promoter is not None and sync.engine.adapters.promoter is None
     for llm in (fast, sync):  # "a" lands while a base request decodes; "b" into an idle engine
         engine = llm.engine
         engine.add_request(PROMPT, BASE, request_id="base")
         engine.step()
         engine.add_request(PROMPT, GREEDY, "a", request_id="a")
         engine.add_request(PROMPT[::-1], GREEDY, "b", request_id="b")
-        llm.done = run_until_done(engine, limit=2000)
+        llm.done = run_until_done(engine)
     for rid in ("base", "a", "b"):
         assert fast.done[rid].token_ids == sync.done[rid].token_ids, rid
     assert fast.engine.adapters.num_promotions == sync.engine.adapters.num_promotions == 2
@@ -122,7 +121,7 @@ def test_broken_file_found_by_worker_fails_only_its_requests(root, tmp_path, dam
     ok = engine.add_request(PROMPT, GREEDY, "a")
     base = engine.add_request(PROMPT, GREEDY)
     bad = [engine.add_request(PROMPT, GREEDY, "bad") for _ in range(3)]
-    done = run_until_done(engine, limit=2000)
+    done = run_until_done(engine)
     for rid in bad:
         assert done[rid].finish_reason == "error", rid
     assert done[ok].finish_reason == "length" and done[base].finish_reason == "length"
@@ -143,15 +142,11 @@ def test_abandoned_promotion_never_lands(root, monkeypatch):
                         lambda self, *a: (release.wait(10), original(self, *a))[1])
     before = _pool_hash(engine)
     rid = engine.add_request(PROMPT, GREEDY, "a")
-    assert engine.adapters.run_promotions() == []  # starts the worker, which is held
-    assert engine.adapters.promoter.job is not None
+    assert engine.adapters.advance(time.monotonic()) == []  # starts the worker, which is held
+    assert engine.adapters.job is not None
     engine.abort(rid)
     release.set()
-    deadline = time.monotonic() + 10
-    while engine.adapters.promoter.job is not None and time.monotonic() < deadline:
-        engine.step()
-        time.sleep(0.001)
-    assert engine.adapters.promoter.job is None
+    step_until(engine, lambda: engine.adapters.job is None)
     assert _pool_hash(engine) == before  # staged, then dropped: no slot was touched
     assert engine.adapters.num_promotions == 0
 

@@ -9,6 +9,7 @@ import torch
 
 from metrale import LLM, SamplingParams
 from metrale.errors import PoolFullError, SlotBusyError, UnknownAdapterError
+from tests.helpers.engine import run_until_done, step_until_running
 from tests.test_engine_vs_hf import hf_greedy
 from tests.tiny_models import make_adapter, make_model, save_model
 
@@ -34,23 +35,11 @@ def _llm(root, **kw):
     return llm
 
 
-def run_until_done(engine, limit=500):
-    """Step until every request finished; {request_id: final output}."""
-    finished = {}
-    for _ in range(limit):
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        if not engine.has_unfinished_requests():
-            return finished
-    raise AssertionError("engine did not finish")
-
-
 def test_busy_slot_refused_while_running_then_swappable(root):
     llm = _llm(root)
     engine = llm.engine
     rid = engine.add_request(PROMPT, LONG, "a")
-    engine.step()  # prefill: "a" is promoted and its sequence runs
+    step_until_running(engine, rid)  # "a" is promoted and its sequence runs
     slot = engine.lora.table.slot_of("a")
     before = engine.lora.pool.slot_region(slot).clone()
     with pytest.raises(SlotBusyError, match="mid-decode"):
@@ -69,7 +58,7 @@ def test_abort_releases_reference(root):
     llm = _llm(root)
     engine = llm.engine
     rid = engine.add_request(PROMPT, LONG, "a")
-    engine.step()
+    step_until_running(engine, rid)
     slot = engine.lora.table.slot_of("a")
     assert engine.lora.table.ref_count(slot) == 1
     engine.abort(rid)
@@ -83,31 +72,24 @@ def test_pool_full_waiters_served_in_arrival_order(root):
     llm = _llm(root, max_loras=1)
     engine = llm.engine
     first = engine.add_request(PROMPT, LONG, "a")
-    engine.step()
+    step_until_running(engine, first)
     # the only slot is busy: b then c must wait, and be served b first
     rb = engine.add_request(PROMPT, SamplingParams(max_tokens=2, temperature=0), "b")
     rc = engine.add_request(PROMPT, SamplingParams(max_tokens=2, temperature=0), "c")
-    order = []
-    for _ in range(300):
-        for out in engine.step():
-            if out.finished:
-                order.append(out.request_id)
-        if not engine.has_unfinished_requests():
-            break
-    assert order == [first, rb, rc]
+    done = run_until_done(engine)
+    assert list(done) == [first, rb, rc]
     assert engine.adapters.num_promotions == 3
 
 
 def test_pool_full_times_out_with_pool_full(root):
     llm = _llm(root, max_loras=1, promotion_timeout_s=0.0)
     engine = llm.engine
-    engine.add_request(PROMPT, LONG, "a")
-    engine.step()
+    ra = engine.add_request(PROMPT, LONG, "a")
+    step_until_running(engine, ra)
     rb = engine.add_request(PROMPT, LONG, "b")
-    outs = {o.request_id: o for o in engine.step()}
+    outs = run_until_done(engine)
     assert outs[rb].finish_reason == "error" and isinstance(outs[rb].error, PoolFullError)
     assert str(outs[rb].error).startswith("POOL_FULL")
-    run_until_done(engine)
     engine.lora.table.check_integrity()
 
 

@@ -1,119 +1,121 @@
-"""Adapter registry and on-demand promotion for the engine.
+"""AdapterManager: binds requests to adapter slots and lands adapters into the pool.
 
-A request for a registered adapter that is not resident waits here until a
-promotion lands it. Promotions are single-flight per name (every waiter of a
-name shares one) and run FIFO by first request; a full pool makes them wait
-for a slot to drain, up to a timeout. Waiters take their slot reference the
-moment the adapter lands, so it cannot be evicted before they run.
+Names and versions belong to the AdapterRegistry; slot policy to the SlotTable; bytes
+to the pool. This module asks each of them and orchestrates landings:
 
-Disk promotions run off the engine thread (metrale.engine.async_promotion), one at
-a time, so decoding of other requests goes on while the adapter is read and lands;
-peer promotions and host-tier hits (one H2D copy) run inline.
+- explicit landings (`land`, `land_new`): synchronous, on the calling thread;
+- on-demand promotions for waiting requests: single-flight per name, one at a time,
+  FIFO by first request. Reading and checking the adapter (disk or peer) and writing
+  its bytes into the LOADING slot run on a worker thread (on CUDA on a side stream), so
+  the engine keeps decoding; the victim is chosen and the landing committed at step
+  boundaries, on the engine thread.
+
+Every landing commits only if the version it read is still its name's current one;
+otherwise the slot ends EMPTY with a fresh uid and the current version is promoted.
+Waiters take their slot reference the moment their adapter lands, so it cannot be
+evicted before they run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from pathlib import Path
 
-from metrale.adapters.plan import plan_adapter
-from metrale.engine.async_promotion import AsyncPromoter
+import torch
+
+from metrale.adapters.identity import adapter_identity
+from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion
 from metrale.engine.sequence import Sequence
-from metrale.errors import AdapterConfigError, MetraleError, PoolFullError, UnknownAdapterError
-from metrale.pool.swap import LoraSlots, validate_adapter_name
+from metrale.errors import (
+    AdapterFileError,
+    MetraleError,
+    PoolFullError,
+    StaleVersionError,
+    UnknownAdapterError,
+)
+from metrale.peer.landing import prepare_from_peer
+from metrale.pool.landing import Landing
+from metrale.pool.staging import StagingBuffers
+from metrale.pool.swap import LandingEvent, LoraSlots, Prepared, on_device
 
 log = logging.getLogger("metrale.engine")
 
 
-PEER_SCHEME = "peer://"
-
-
 @dataclass(frozen=True)
-class PeerRef:
-    addr: str  # host:port of a peer store or engine
-    adapter_id: str
-
-    def __str__(self) -> str:
-        return f"{PEER_SCHEME}{self.addr}/{self.adapter_id}"
+class PeerOptions:
+    transport: str = "auto"
+    timeout_s: float = 30.0
+    peer_allow: tuple[str, ...] | None = None
 
 
-def parse_peer_uri(uri: str) -> PeerRef:
-    """peer://host:port/ADAPTER_ID -> PeerRef."""
-    rest = uri[len(PEER_SCHEME):]
-    addr, sep, adapter_id = rest.partition("/")
-    if not uri.startswith(PEER_SCHEME) or not sep or not addr or not adapter_id:
-        raise AdapterConfigError(f"peer source {uri!r} must look like peer://host:port/ADAPTER_ID")
-    return PeerRef(addr, adapter_id)
+@dataclass
+class _Job:
+    """One on-demand promotion: staged (worker) -> launched (slot LOADING, bytes being
+    written by the worker) -> committed or failed at a step boundary."""
 
+    version: AdapterVersion
+    staged: Future  # -> Prepared, or None: a host-tier hit, landed on the engine thread
+    start: float
+    landing: Landing | None = None
+    prepared: Prepared | None = None
+    written: Future | None = None  # -> the CUDA event that completes the write, or None
+    evicted: str | None = None
 
-@dataclass(frozen=True)
-class AdapterSource:
-    """Where an adapter's bytes come from when it must be (re)promoted."""
-
-    name: str
-    path: Path | None = None
-    peer: PeerRef | None = None
-    pinned: bool = False
-
-    @classmethod
-    def of(cls, name: str, spec: str | Path, pinned: bool = False) -> AdapterSource:
-        if isinstance(spec, str) and spec.startswith(PEER_SCHEME):
-            return cls(name, peer=parse_peer_uri(spec), pinned=pinned)
-        return cls(name, path=Path(spec), pinned=pinned)
+    @property
+    def progressing(self) -> bool:
+        """Moving without the engine's help (staging, or bytes being written)."""
+        if self.landing is None:
+            return not self.staged.done()
+        if not self.written.done():
+            return True
+        event = self.written.result() if self.written.exception() is None else None
+        return event is not None and not event.query()
 
 
 class AdapterManager:
-    def __init__(self, slots: LoraSlots, timeout_s: float,
-                 promote_from_peer: Callable[[PeerRef, str], tuple[int, str | None]],
-                 async_promotions: bool = True) -> None:
-        self.slots, self.timeout_s = slots, timeout_s
-        self.promoter = AsyncPromoter(slots) if async_promotions and slots.pool else None
-        self._promote_from_peer = promote_from_peer
-        self.registry: dict[str, AdapterSource] = {}
+    def __init__(self, slots: LoraSlots, registry: AdapterRegistry, timeout_s: float,
+                 peer: PeerOptions, async_promotions: bool = True) -> None:
+        self.slots, self.registry, self.timeout_s, self.peer = slots, registry, timeout_s, peer
         self.pending: OrderedDict[str, list[Sequence]] = OrderedDict()
         self.num_promotions = 0
+        self.device = slots.staging.device
+        self._async = async_promotions and slots.pool is not None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="metrale-land") if self._async else None
+        self._staging = StagingBuffers(self.device)  # the worker's, never the engine thread's
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.job: _Job | None = None
 
-    def register(self, name: str, spec: str | Path, pinned: bool = False) -> AdapterSource:
-        """Validate a disk adapter now (clear errors at registration, not at first
-        use); a peer's manifest is validated when it lands."""
-        validate_adapter_name(name)
-        source = AdapterSource.of(name, spec, pinned)
-        if source.path is not None:
-            plan_adapter(source.path, name, self.slots.model_config, self.slots.pool_config)
-        self.registry[name] = source
-        return source
+    # --- reading adapters ---------------------------------------------------------------
 
-    def promote(self, source: AdapterSource) -> tuple[int, str | None]:
+    def prepare(self, name: str, source: AdapterSource, staging: StagingBuffers | None = None,
+                use_tier: bool = True) -> Prepared:
+        """Read and check `source` as `name`, touching no slot (see LoraSlots.prepare_disk)."""
         if source.peer is not None:
-            return self._promote_from_peer(source.peer, source.name)
-        return self.slots.promote_lora_slot_from_disk(source.path, source.name)
+            p = self.peer
+            return prepare_from_peer(self.slots, source.peer.addr, source.peer.adapter_id, name,
+                                     source.peft, staging=staging, transport=p.transport,
+                                     timeout_s=p.timeout_s, peer_allow=p.peer_allow)
+        return self.slots.prepare_disk(source.path, name, staging, use_tier)
 
-    def check_known(self, name: str | None) -> None:
-        # the registry, not residency, decides: an unregistered (unloading) name admits nothing
-        if name is not None and name not in self.registry:
-            raise UnknownAdapterError(
-                f"adapter {name!r} is not registered; register it first "
-                f"(known: {', '.join(sorted(self.registry)) or 'none'})"
-            )
+    # --- binding requests -----------------------------------------------------------------
 
-    # --- binding sequences to slots ------------------------------------------------
-
-    def bind(self, seq: Sequence) -> bool:
-        """Bind seq to its adapter's slot if resident; else queue it for promotion."""
+    def bind(self, seq: Sequence) -> None:
+        """Bind seq to its adapter's slot if the current version is resident; else queue
+        it for a promotion."""
         if seq.adapter is None:
             seq.slot, seq.adapter_uid, seq.bound = -1, 0, True
-            return True
-        self.check_known(seq.adapter)
+            return
+        self.registry.current(seq.adapter)
         if self.slots.table.slot_of(seq.adapter) is not None:
             seq.slot, seq.adapter_uid = self.slots.table.acquire(seq.adapter)
             seq.bound = True
-            return True
+            return
         self.pending.setdefault(seq.adapter, []).append(seq)
-        return False
 
     def release(self, seq: Sequence) -> None:
         if seq.bound and seq.slot >= 0:
@@ -125,129 +127,293 @@ class AdapterManager:
             if not waiters:
                 del self.pending[seq.adapter]
 
-    def bind_waiters(self, name: str) -> None:
+    def _bind_waiters(self, name: str) -> None:
         for seq in self.pending.pop(name, []):
             seq.slot, seq.adapter_uid = self.slots.table.acquire(name)
             seq.bound = True
 
-    # --- promotions (called by the engine between steps) -----------------------------
+    # --- explicit landings (synchronous) ------------------------------------------------
 
-    @property
+    def land(self, version: AdapterVersion, slot: int | None = None,
+             prepared: Prepared | None = None) -> tuple[int, str | None]:
+        """Land a registered version into `slot` (None: a victim). `prepared`: bytes
+        already read off the engine thread; they are closed here."""
+        if not self.registry.is_current(version):
+            if prepared is not None:
+                prepared.close()
+            raise StaleVersionError(
+                f"adapter {version.name!r} was reloaded or unloaded meanwhile; retry")
+        source, name = version.source, version.name
+
+        def prepare() -> Prepared:
+            return prepared if prepared is not None else self.prepare(name, source)
+
+        slot, evicted = self._land_with(name, source, slot, prepare)
+        self._landed(version, slot)
+        return slot, evicted
+
+    def land_new(self, name: str, source: AdapterSource, slot: int | None = None,
+                 prepared: Prepared | None = None) -> tuple[int, str | None]:
+        """Land `source` as `name` and make it the name's current version (a reload of an
+        existing name). A refusal changes nothing, the registry included."""
+        try:
+            self.registry.check_new(name, reload=True)
+        except MetraleError:
+            if prepared is not None:
+                prepared.close()
+            raise
+
+        def prepare() -> Prepared:
+            return prepared if prepared is not None else self.prepare(name, source)
+
+        slot, evicted = self._land_with(name, source, slot, prepare)
+        self._landed(self.registry.register(name, source, reload=True), slot)
+        return slot, evicted
+
+    def _land_with(self, name: str, source: AdapterSource, slot: int | None,
+                   prepare) -> tuple[int, str | None]:
+        kind = "peer" if source.peer is not None else "disk"
+        if slot is None:
+            return self.slots.promote_from(f"promote_lora_slot_from_{kind}", name, str(source),
+                                           prepare)
+        self.slots.swap_from(f"swap_lora_slot_from_{kind}", name, slot, str(source), prepare)
+        return slot, None
+
+    def _landed(self, version: AdapterVersion, slot: int) -> None:
+        if version.pinned:
+            self.slots.table.set_pinned(slot, True)
+        self._bind_waiters(version.name)
+
+    # --- names leaving ----------------------------------------------------------------------
+
+    def detach(self, name: str) -> None:
+        """A reload: the old version's slot finishes its in-flight requests, takes no new."""
+        self.slots.table.detach(name)
+
+    def unload(self, name: str) -> str:
+        """'unloaded' when the slot (if any) is free now, 'draining' when it is freed after
+        its last in-flight request."""
+        table = self.slots.table
+        slot = table.slot_of(name)
+        busy = slot is not None and table.ref_count(slot) > 0
+        self.registry.unload(name, slot if busy else None)
+        if slot is None:
+            return "unloaded"
+        if not busy:
+            self.slots.unload_slot(slot)
+            return "unloaded"
+        table.detach(name)
+        return "draining"
+
+    def finish_unloads(self) -> None:
+        table = self.slots.table
+        for name, slot in self.registry.draining().items():
+            info = table.info(slot)
+            if info.ref_count:
+                continue
+            if info.name is None and info.state.value == "READY":
+                self.slots.unload_slot(slot)
+            self.registry.drained(name)
+
+    # --- on-demand promotions (the engine calls these between steps) ---------------------
+
+    def busy(self) -> bool:
+        """A promotion is moving off the engine thread: worth waiting for when idle."""
+        return self.job is not None and self.job.progressing
+
     def promoting(self) -> str | None:
-        """The name whose disk promotion is in flight (its waiters wait for bytes, not
-        for a slot), if any."""
-        if not self.promotion_busy():  # a staged promotion waiting for a victim is POOL_FULL
-            return None
-        name = self.promoter.job.name
-        return name if name in self.pending else None
+        """The name whose promotion is in flight (its waiters wait for bytes, not a slot)."""
+        job = self.job
+        return job.version.name if job is not None and job.progressing else None
 
-    def promotion_busy(self) -> bool:
-        """A promotion is progressing off the engine thread (worth waiting for when
-        there is nothing else to run)."""
-        return self.promoter is not None and self.promoter.busy
+    def wait(self, timeout: float) -> None:
+        """Block up to timeout for the in-flight promotion's current phase."""
+        job = self.job
+        if job is None:
+            return
+        future = job.staged if job.landing is None else job.written
+        deadline = time.monotonic() + timeout
+        wait_futures([future], timeout)
+        while job.progressing and time.monotonic() < deadline:  # a CUDA event: no blocking wait
+            time.sleep(50e-6)
 
-    def wait_promotion(self, timeout: float) -> None:
-        if self.promoter is not None:
-            self.promoter.wait(timeout)
+    def advance(self, now: float) -> list[Sequence]:
+        """Move promotions on by what happened since the last boundary; returns the
+        sequences that failed (their adapter was refused, unloaded, or never got a slot)."""
+        failed = self._advance_job()
+        if self.job is None:
+            failed += self._start_next()
+        return failed + self._expire(now)
 
-    def run_promotions(self) -> list[Sequence]:
-        """Promote waited-for adapters in FIFO order; returns sequences that failed."""
-        failed = self._advance_async() if self.promoter is not None else []
+    def _start_next(self) -> list[Sequence]:
+        failed = []
         for name in list(self.pending):
-            source = self.registry.get(name)
-            if source is None:  # unregistered while requests waited
+            version = self.registry.get(name)
+            if version is None:
                 failed += self._fail(name, UnknownAdapterError(f"adapter {name!r} was unloaded"))
                 continue
             if self.slots.table.slot_of(name) is not None:  # landed meanwhile by an explicit op
-                self.bind_waiters(name)
+                self._bind_waiters(name)
                 continue
-            if self._inline(source):
-                try:
-                    start = time.perf_counter()
-                    slot, evicted = self.promote(source)
-                except PoolFullError:
-                    break  # wait for a slot to drain; later names must not jump the queue
-                except MetraleError as e:
-                    failed += self._fail(name, e)
-                    continue
-                self._landed(name, slot, evicted, start)
+            try:
+                self.slots.require_swappable("promote")
+            except MetraleError as e:
+                failed += self._fail(name, e)
                 continue
-            if self.promoter.job is None:
-                try:
-                    self.promoter.start(name, source.path)
-                except MetraleError as e:
-                    failed += self._fail(name, e)
-                    continue
-            break  # one disk promotion at a time; later names keep their place
+            self.job = _Job(version, self._submit(self._stage, version), time.perf_counter())
+            failed += self._advance_job()  # inline (not async): it may be done already
+            break  # one promotion at a time; later names keep their place
         return failed
 
-    def _inline(self, source: AdapterSource) -> bool:
-        p = self.promoter
-        return (source.peer is not None or p is None
-                or (p.job is None and p.tier_hit(source.path)))
+    def _stage(self, version: AdapterVersion) -> Prepared | None:
+        """Worker: everything that may refuse the adapter, nothing that touches a slot."""
+        source = version.source
+        if source.path is not None and self.slots.tier_has(adapter_identity(source.path)):
+            return None  # a tier image is landed on the engine thread (it owns image memory)
+        with on_device(self.device), self._on_stream():
+            return self.prepare(version.name, source, self._staging, use_tier=False)
 
-    def _landed(self, name: str, slot: int, evicted: str | None, start: float) -> None:
-        self.num_promotions += 1
-        log.info("promoted %r into slot %d (evicted %r) in %.1f ms for %d waiting request(s)",
-                 name, slot, evicted, (time.perf_counter() - start) * 1e3,
-                 len(self.pending.get(name, [])))
-        self.bind_waiters(name)
+    def _write(self, landing: Landing, prepared: Prepared) -> torch.cuda.Event | None:
+        """Worker: the bytes into the LOADING slot; on CUDA, queued on the side stream."""
+        with on_device(self.device), self._on_stream():
+            prepared.write(landing)
+            if self._stream is None:
+                return None
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            return event
 
-    def _advance_async(self) -> list[Sequence]:
-        """Move the in-flight disk promotion on by what has happened since the last
-        step boundary; returns the sequences its refusal failed."""
-        p = self.promoter
-        job = p.job
-        if job is None:
+    def _advance_job(self) -> list[Sequence]:
+        job = self.job
+        if job is None or job.progressing:
             return []
-        source = self.registry.get(job.name)
-        superseded = (source is None or source.path != job.path
-                      or self.slots.table.slot_of(job.name) is not None)
-        wanted = job.name in self.pending and not superseded
-        if job.slot is None:  # nothing touched yet
-            if not job.staged:
-                return []
-            if not wanted:  # never lands behind the back of callers that gave up
-                p.clear()
-                return []
-            try:
-                p.launch()
-            except PoolFullError:
-                return []  # keep the staged bytes; wait for a slot to drain
-            except MetraleError as e:
-                p.notify(job, None, None, e)
-                p.clear()
-                return self._fail(job.name, e)
-        if not p.landed():
+        name = job.version.name
+        if job.landing is None:
+            return self._launch(job)
+        self.job = None
+        job.prepared.close()
+        try:
+            event = job.written.result()
+            if event is not None:
+                event.synchronize()  # complete already; raises a device error if any
+        except BaseException as e:
+            error = job.landing.fail(e)
+            self._notify(job, None, error)
+            return self._fail(name, error)
+        if not self.registry.is_current(job.version) or self.slots.table.slot_of(name) is not None:
+            job.landing.fail("superseded while landing")  # by a reload, an unload or an explicit land
             return []
         try:
-            # every waiter gone but nothing superseded: the slot just becomes READY and idle
-            landed = p.finish(keep=not superseded)
+            job.landing.commit(name)
         except MetraleError as e:
-            return self._fail(job.name, e)
-        if landed is not None:
-            self._landed(job.name, *landed, job.start)
+            self._notify(job, None, e)
+            return self._fail(name, e)
+        self.slots.fill_tier(job.prepared, job.landing.slot)
+        self._promoted(job, job.landing.slot)
         return []
 
-    def expire(self, now: float) -> list[Sequence]:
-        """Waiters past the promotion timeout fail with POOL_FULL."""
+    def _launch(self, job: _Job) -> list[Sequence]:
+        """Staged: pick a victim, open the landing and hand the write to the worker."""
+        name = job.version.name
+        if not self.registry.is_current(job.version) or name not in self.pending:
+            self.job = None  # superseded or abandoned before touching a slot
+            self._close_staged(job)
+            return []
+        try:
+            prepared = job.staged.result()
+        except BaseException as e:
+            self.job = None
+            error = e if isinstance(e, MetraleError) else AdapterFileError(
+                f"reading {job.version.source} failed: {e!r}")
+            self._notify(job, None, error)
+            return self._fail(name, error)
+        try:
+            slot = self.slots.table.select_victim()
+        except PoolFullError:
+            return []  # keep the staged bytes; wait for a slot to drain
+        job.evicted = self.slots.table.info(slot).name
+        if prepared is None:  # host-tier hit: one H2D copy, here
+            self.job = None
+            try:
+                self.slots.land(slot, name, self.prepare(name, job.version.source))
+            except MetraleError as e:
+                self._notify(job, None, e)
+                return self._fail(name, e)
+            self._promoted(job, slot)
+            return []
+        job.prepared = prepared
+        with on_device(self.device):
+            if self._stream is not None:
+                # after every kernel already queued: the last step may have read the victim
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            try:
+                with self._on_stream():
+                    job.landing = self.slots.begin(slot)
+            except MetraleError as e:
+                self.job = None
+                prepared.close()
+                self._notify(job, None, e)
+                return self._fail(name, e)
+        job.written = self._submit(self._write, job.landing, prepared)
+        return [] if self._async else self._advance_job()
+
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _submit(self, fn, *args) -> Future:
+        if self._worker is not None:
+            return self._worker.submit(fn, *args)
+        future: Future = Future()  # not async: run it here
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+        return future
+
+    def _close_staged(self, job: _Job) -> None:
+        if job.staged.done() and job.staged.exception() is None and job.staged.result() is not None:
+            job.staged.result().close()
+
+    def _promoted(self, job: _Job, slot: int) -> None:
+        self.num_promotions += 1
+        log.info("promoted %r into slot %d (evicted %r) in %.1f ms for %d waiting request(s)",
+                 job.version.name, slot, job.evicted, (time.perf_counter() - job.start) * 1e3,
+                 len(self.pending.get(job.version.name, [])))
+        self._notify(job, slot, None)
+        self._landed(job.version, slot)
+
+    def _notify(self, job: _Job, slot: int | None, error: MetraleError | None) -> None:
+        kind = "peer" if job.version.source.peer is not None else "disk"
+        self.slots.notify(LandingEvent(f"promote_lora_slot_from_{kind}", job.version.name, slot,
+                                       job.evicted if slot is not None else None,
+                                       time.perf_counter() - job.start, error))
+
+    def _expire(self, now: float) -> list[Sequence]:
+        """Waiters past the promotion timeout fail with POOL_FULL. The timeout bounds the
+        wait for a free slot; a promotion in flight is bounded by its own I/O deadlines."""
         failed = []
+        promoting = self.promoting()
         for name, waiters in list(self.pending.items()):
+            if name == promoting:
+                continue
             late = [s for s in waiters if now - s.arrival > self.timeout_s]
             for seq in late:
                 waiters.remove(seq)
                 seq.error = PoolFullError(
-                    f"POOL_FULL: waited {self.timeout_s:.0f}s for a free adapter slot for "
-                    f"{name!r}; every cache slot stayed busy; retry later"
-                )
+                    f"POOL_FULL: waited {self.timeout_s:.0f}s for an adapter slot for {name!r}: "
+                    "every cache slot stayed busy or pinned; retry later")
             failed += late
             if not waiters:
                 del self.pending[name]
         return failed
 
-    def _fail(self, name: str, error: Exception) -> list[Sequence]:
+    def _fail(self, name: str, error: BaseException) -> list[Sequence]:
         waiters = self.pending.pop(name, [])
         for seq in waiters:
             seq.error = error
         log.warning("promotion of %r failed for %d request(s): %s", name, len(waiters), error)
         return waiters
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)

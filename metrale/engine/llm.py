@@ -42,8 +42,11 @@ class LLM:
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = LLMEngine(model_dir, cfg, self.tokenizer)
 
-    def register_adapter(self, name: str, adapter_dir: str | Path, pinned: bool = False) -> None:
-        self.engine.register_adapter(name, adapter_dir, pinned)
+    def register_adapter(self, name: str, adapter_dir: str | Path, pinned: bool = False,
+                         reload: bool = False) -> None:
+        """An existing name is refused (AdapterExistsError) unless reload=True: then requests
+        from here on get the new files, never the old weights or their cached KV."""
+        self.engine.register_adapter(name, adapter_dir, pinned, reload)
 
     def chat_prompt(self, message: str) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -65,9 +68,12 @@ class LLM:
         ids = [self.engine.add_request(p, sp, a) for p, sp, a in zip(prompts, params, names)]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            outputs = self.engine.step()
+            for out in outputs:
                 if out.finished:
                     final[out.request_id] = out
+            if not outputs:
+                self.engine.wait_for_work(0.05)
         for out in final.values():
             if out.error is not None:
                 raise out.error

@@ -1,8 +1,8 @@
 """LLMEngine: requests in, one batched step at a time, outputs out.
 
-Adapter operations run between steps on the thread that calls step(): call
-them directly from that thread, or hand them to `call_soon` from another (the
-server does). A swap needs only *its* slot to be idle, never an empty server.
+Adapter operations run between steps on the thread that calls step(): call them
+directly from that thread, or hand them to `call_soon` from another (the server does).
+A swap needs only *its* slot to be idle, never an empty server.
 """
 
 from __future__ import annotations
@@ -13,15 +13,17 @@ import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from metrale.adapters.plan import plan_adapter
 from metrale.config import EngineConfig, ModelConfig, parse_dtype
-from metrale.engine.adapters import AdapterManager, AdapterSource, PeerRef
+from metrale.engine.adapters import AdapterManager, PeerOptions
 from metrale.engine.block_manager import BlockManager
+from metrale.engine.output_processor import OutputProcessor, failed_output
 from metrale.engine.outputs import RequestOutput
+from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion, PeerRef
 from metrale.engine.runner import ModelRunner
 from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from metrale.engine.scheduler import Scheduler
@@ -30,10 +32,9 @@ from metrale.errors import MetraleError, UnknownAdapterError
 from metrale.model.llama import LlamaForCausalLM
 from metrale.model.loader import load_model
 from metrale.pool.slots import SlotInfo
-from metrale.pool.swap import LoraSlots
+from metrale.pool.swap import LoraSlots, Prepared
 
 log = logging.getLogger("metrale.engine")
-_IDLE_WAIT_S = 0.01  # an idle step re-checks for commands this often while a promotion runs
 
 
 class LLMEngine:
@@ -53,9 +54,11 @@ class LLMEngine:
             model = load_model(model_dir, self.model_config, self.dtype, self.device,
                                cfg.max_model_len)
         self.lora = LoraSlots(self.model_config, cfg.pool, self.device, self.dtype)
+        # an adapter named like the base model would shadow it in every API
+        self.registry = AdapterRegistry(reserved_names=("base", Path(model_dir).name))
         self.adapters = AdapterManager(
-            self.lora, cfg.promotion_timeout_s,
-            lambda ref, name: self.lora_promote_from_peer_ref(ref, name),
+            self.lora, self.registry, cfg.promotion_timeout_s,
+            PeerOptions(cfg.peer_transport, cfg.peer_timeout_s, cfg.peer_allow or None),
             async_promotions=cfg.async_promotions)
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
                                   self.lora.pool)
@@ -65,10 +68,11 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.eos_ids = set(self.model_config.eos_token_ids)
+        eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
+            eos_ids.add(tokenizer.eos_token_id)
         self.max_seq_tokens = min(cfg.max_model_len, self.runner.num_blocks * cfg.block_size)
+        self.output_processor = OutputProcessor(tokenizer, eos_ids, self.max_seq_tokens)
 
     # --- requests ----------------------------------------------------------------------
 
@@ -83,12 +87,11 @@ class LLMEngine:
             )
         if adapter is not None and self.lora.pool is None:
             raise UnknownAdapterError("this engine was started without LoRA (max_loras=0)")
-        self.adapters.check_known(adapter)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise MetraleError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, adapter)
-        self.adapters.bind(seq)
+        self.adapters.bind(seq)  # raises UnknownAdapterError before anything is queued
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -110,7 +113,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
-            self._finish(seq, "abort")
+            self._free(seq)
+            seq.finish_reason = "abort"
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -122,6 +126,32 @@ class LLMEngine:
         future: Future = Future()
         self._commands.put((fn, future))
         return future
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._between_steps()
+        seqs, is_prefill = self.scheduler.schedule()
+        if seqs:
+            tokens, logprobs = self.runner.run(seqs, is_prefill)
+            outputs += self.output_processor.process(seqs, tokens, logprobs)
+        for out in outputs:
+            self._finish(out)
+        return outputs
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """For the loop that calls step(): when a step produced nothing, block up to
+        `timeout` for an in-flight promotion to move instead of spinning. False when
+        nothing is in flight (nothing to wait for here)."""
+        if not self.adapters.busy():
+            return False
+        if self._commands.empty():
+            self.adapters.wait(timeout)
+        return True
+
+    def _between_steps(self) -> list[RequestOutput]:
+        """Commands, then promotions and unloads: every adapter change lands here."""
+        self._run_commands()
+        self.adapters.finish_unloads()
+        return [failed_output(seq) for seq in self.adapters.advance(time.monotonic())]
 
     def _run_commands(self) -> None:
         while True:
@@ -135,156 +165,91 @@ class LLMEngine:
                 except BaseException as e:  # the caller gets it; the loop goes on
                     future.set_exception(e)
 
-    def step(self) -> list[RequestOutput]:
-        self._run_commands()
-        outputs = self._promotions()
-        seqs, is_prefill = self.scheduler.schedule()
-        while not seqs and self.adapters.promotion_busy() and self._commands.empty():
-            # nothing to decode: wait for the in-flight promotion rather than spin
-            self.adapters.wait_promotion(_IDLE_WAIT_S)
-            outputs += self._promotions()
-            seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            return outputs
-        tokens, logprobs = self.runner.run(seqs, is_prefill)
-        now = time.monotonic()
-        for seq, token, lp in zip(seqs, tokens, logprobs):
-            outputs.append(self._append(seq, token, lp, now))
-        return outputs
+    def _finish(self, out: RequestOutput) -> None:
+        seq = self.requests.pop(out.request_id, None) if out.finished else None
+        if seq is not None:
+            self._free(seq)
+            seq.finish_reason = out.finish_reason
 
-    def _promotions(self) -> list[RequestOutput]:
-        outputs = [self._fail(s) for s in self.adapters.run_promotions()]
-        return outputs + [self._fail(s) for s in self.adapters.expire(time.monotonic())]
-
-    def _append(self, seq: Sequence, token: int, lp: dict | None, now: float) -> RequestOutput:
-        seq.output_ids.append(token)
-        if lp is not None:
-            seq.logprobs.append(lp)
-        seq.first_token_time = seq.first_token_time or now
-        p = seq.params
-        reason = "stop" if token in self.eos_ids and not p.ignore_eos else None
-        full = self._decode(seq.output_ids)
-        for stop in p.stop:
-            at = full.find(stop)
-            if at >= 0:
-                full, reason = full[:at], "stop"
-                break
-        if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_seq_tokens):
-            reason = "length"
-        prev = seq.text
-        seq.text = full if reason else _stable_prefix(full, p.stop, prev)
-        out = self._output(seq, delta_text=seq.text[len(prev):], delta_ids=[token])
-        if reason is not None:
-            self.requests.pop(seq.request_id, None)
-            self._finish(seq, reason)
-            out.finished, out.finish_reason = True, reason
-        return out
-
-    def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _free(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.adapters.release(seq)
-        seq.finish_reason = reason
 
-    def _fail(self, seq: Sequence) -> RequestOutput:
-        self.requests.pop(seq.request_id, None)
-        self._finish(seq, "error")
-        out = self._output(seq, delta_text="", delta_ids=[])
-        out.finished, out.finish_reason, out.error = True, "error", seq.error
-        return out
+    # --- adapters: the registry's operations ----------------------------------------------
 
-    def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
-        return RequestOutput(
-            seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), False,
-            delta_text=delta_text, delta_token_ids=delta_ids,
-            logprobs=list(seq.logprobs),
-            adapter=seq.adapter, num_cached_tokens=seq.num_cached_tokens,
-        )
+    def check_adapter(self, name: str, source: str | Path | AdapterSource) -> AdapterSource:
+        """Validate a disk adapter's files against this engine (thread-safe: the server runs
+        it off the engine thread). A peer's manifest is validated when it lands."""
+        source = AdapterSource.of(source)
+        if source.path is not None:
+            plan_adapter(source.path, name, self.model_config, self.lora.pool_config)
+        return source
 
-    # --- adapter operations (between steps; the seed's names) ---------------------------
+    def register_adapter(self, name: str, source: str | Path | AdapterSource, pinned: bool = False,
+                         reload: bool = False, checked: bool = False,
+                         prepared: Prepared | None = None) -> AdapterVersion:
+        """Register `name` (reload=True: a new version of an existing name; requests in
+        flight finish on the old one, every later request gets the new one and none of
+        the old one's KV). Pinned adapters land now and their slot is never a victim.
+        checked: the files were validated by check_adapter already; prepared: their
+        bytes were read off this thread (used only when the adapter lands now)."""
+        self.registry.check_new(name, reload)
+        source = self.check_adapter(name, source) if not checked else AdapterSource.of(source)
+        old = self.registry.get(name)
+        if pinned or (old is not None and old.pinned):
+            self.adapters.land_new(name, source, None, prepared)
+            return self.pin_adapter(name, True)
+        if prepared is not None:
+            prepared.close()
+        version = self.registry.register(name, source, reload=reload)
+        self.adapters.detach(name)
+        return version
 
-    def register_adapter(self, name: str, source: str | Path, pinned: bool = False) -> None:
-        """source: a PEFT adapter dir or peer://host:port/ADAPTER_ID. Pinned adapters
-        are landed now and their slot never becomes a promotion victim."""
-        src = self.adapters.register(name, source, pinned)
-        if pinned:
-            slot = self.lora.table.slot_of(name)
-            if slot is None:
-                slot, _ = self.adapters.promote(src)
-            self.lora.table.set_pinned(slot, True)
+    def unload_adapter(self, name: str) -> str:
+        """'unloaded', or 'draining' while its slot still serves in-flight requests."""
+        return self.adapters.unload(name)
 
-    def promote_registered(self, name: str) -> tuple[int, str | None]:
-        """Land a registered adapter from wherever it comes from (disk or peer)."""
-        self.adapters.check_known(name)
-        result = self.adapters.promote(self.adapters.registry[name])
-        self.adapters.bind_waiters(name)
-        return result
+    def pin_adapter(self, name: str, pinned: bool = True,
+                    prepared: Prepared | None = None) -> AdapterVersion:
+        """Pinning a non-resident adapter lands it now."""
+        version = self.registry.current(name)
+        slot = self.lora.table.slot_of(name)
+        if pinned and slot is None:
+            slot, _ = self.land(version, None, prepared)
+        elif prepared is not None:
+            prepared.close()
+        if slot is not None:
+            self.lora.table.set_pinned(slot, pinned)
+        return self.registry.set_pinned(name, pinned)
 
-    def swap_registered(self, name: str, slot: int) -> None:
-        """Land a registered adapter into `slot` from its disk dir or its peer."""
-        self.adapters.check_known(name)
-        source = self.adapters.registry[name]
-        if source.peer is not None:
-            self.swap_lora_slot_from_peer(source.peer.addr, source.peer.adapter_id, name, slot)
-        else:
-            self.swap_lora_slot_from_disk(source.path, name, slot)
+    def land(self, version: AdapterVersion, slot: int | None = None,
+             prepared: Prepared | None = None) -> tuple[int, str | None]:
+        """Land a registered version now, into `slot` or a victim: (slot, evicted)."""
+        return self.adapters.land(version, slot, prepared)
+
+    def swap_adapter(self, name: str, source: str | Path | AdapterSource, slot: int,
+                     prepared: Prepared | None = None) -> None:
+        """Land `source` into `slot` as the current version of `name` (new or reloaded)."""
+        self.adapters.land_new(name, AdapterSource.of(source), slot, prepared)
+
+    # --- the seed's four operations: land these bytes as `name` now ----------------------
 
     def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int) -> None:
-        self.lora.swap_lora_slot_from_disk(adapter_dir, name, slot)
-        self._after_landing(AdapterSource(name, path=Path(adapter_dir)))
+        self.adapters.land_new(name, AdapterSource(path=Path(adapter_dir)), slot)
 
     def promote_lora_slot_from_disk(self, adapter_dir: str | Path,
                                     name: str) -> tuple[int, str | None]:
-        result = self.lora.promote_lora_slot_from_disk(adapter_dir, name)
-        self._after_landing(AdapterSource(name, path=Path(adapter_dir)))
-        return result
+        return self.adapters.land_new(name, AdapterSource(path=Path(adapter_dir)))
 
     def swap_lora_slot_from_peer(self, peer_addr: str, adapter_id: str, adapter_name: str,
                                  slot: int, peft=None) -> None:
-        from metrale.peer.landing import swap_from_peer
-
-        swap_from_peer(self.lora, peer_addr, adapter_id, adapter_name, slot, peft,
-                       **self._peer_options())
-        self._after_landing(AdapterSource(adapter_name, peer=PeerRef(peer_addr, adapter_id)))
+        self.adapters.land_new(adapter_name, AdapterSource(peer=PeerRef(peer_addr, adapter_id),
+                                                           peft=peft), slot)
 
     def promote_lora_slot_from_peer(self, peer_addr: str, adapter_id: str, adapter_name: str,
                                     peft=None) -> tuple[int, str | None]:
-        result = self.lora_promote_from_peer_ref(PeerRef(peer_addr, adapter_id), adapter_name, peft)
-        self._after_landing(AdapterSource(adapter_name, peer=PeerRef(peer_addr, adapter_id)))
-        return result
-
-    def lora_promote_from_peer_ref(self, ref: PeerRef, name: str,
-                                   peft=None) -> tuple[int, str | None]:
-        from metrale.peer.landing import promote_from_peer
-
-        return promote_from_peer(self.lora, ref.addr, ref.adapter_id, name, peft,
-                                 **self._peer_options())
-
-    def _peer_options(self) -> dict:
-        cfg = self.cfg
-        return dict(transport=cfg.peer_transport, timeout_s=cfg.peer_timeout_s,
-                    peer_allow=cfg.peer_allow or None)
-
-    def _after_landing(self, source: AdapterSource) -> None:
-        """The name now routes to the new contents; remember where they came from
-        so an eviction can be undone by a later request."""
-        old = self.adapters.registry.get(source.name)
-        self.adapters.registry[source.name] = replace(source, pinned=bool(old and old.pinned))
-        self.adapters.bind_waiters(source.name)
+        return self.adapters.land_new(
+            adapter_name, AdapterSource(peer=PeerRef(peer_addr, adapter_id), peft=peft))
 
     def slot_info(self) -> list[SlotInfo]:
         return self.lora.slot_info()
-
-
-def _stable_prefix(full: str, stops: tuple[str, ...], emitted: str) -> str:
-    """The part of `full` that can be streamed now: never text a stop string may
-    still cut (hold back len(stop) - 1 chars), nor a half-decoded character, and
-    never shorter than or different from what was already sent."""
-    hold = max((len(s) for s in stops), default=1) - 1
-    stable = full[:len(full) - hold] if hold else full
-    stable = stable.rstrip("\ufffd")
-    return stable if stable.startswith(emitted) and len(stable) >= len(emitted) else emitted

@@ -41,7 +41,6 @@ class Sequence:
     finish_reason: str | None = None
     error: Exception | None = None
     generator: torch.Generator | None = None
-    first_token_time: float | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -13,7 +13,7 @@ pool. Then, by transport:
 - nixl: the slot is zeroed and NIXL READs each tensor from the peer's memory
   straight into it. Local descriptors come only from the local SlotLayout; the
   peer's lengths were checked against them before zeroing. A peer that dies or
-  stalls mid-transfer leaves the slot EMPTY with a fresh identity (LoraSlots._land).
+  stalls mid-transfer leaves the slot EMPTY with a fresh identity (Landing.fail).
 
 The lease is released when the operation ends, whatever happened.
 """
@@ -29,13 +29,15 @@ import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import AdapterPlan
-from metrale.errors import AdapterMismatchError, InvalidNameError, MetraleError, NonFiniteWeightsError
+from metrale.errors import AdapterMismatchError, InvalidNameError, MetraleError
 from metrale.peer.allow import AllowList, resolve_peer
 from metrale.peer.client import PeerClient
 from metrale.peer.deadline import Deadline
 from metrale.peer.errors import NixlUnavailableError, PeerManifestError, PeerUnavailableError
 from metrale.peer.manifest import DTYPE_NAMES, Manifest, canonical_views, manifest_plan, parse_manifest
-from metrale.pool.swap import LoraSlots
+from metrale.pool.landing import Landing
+from metrale.pool.staging import StagingBuffers
+from metrale.pool.swap import LoraSlots, Prepared
 
 log = logging.getLogger("metrale.peer")
 
@@ -59,11 +61,8 @@ def swap_from_peer(
     argument); otherwise the manifest's. peer_allow defaults to loopback only."""
     fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
                        timeout_s, peer_allow)
-    try:
-        lora_slots.swap_from("swap_lora_slot_from_peer", adapter_name, slot, fetch.source,
-                             fetch.prepare)
-    finally:
-        fetch.close()
+    lora_slots.swap_from("swap_lora_slot_from_peer", adapter_name, slot, fetch.source,
+                         fetch.prepare)
 
 
 def promote_from_peer(
@@ -74,20 +73,32 @@ def promote_from_peer(
     """Pick a victim cache slot and land the peer's adapter there: (slot, evicted name)."""
     fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
                        timeout_s, peer_allow)
-    try:
-        return lora_slots.promote_from("promote_lora_slot_from_peer", adapter_name, fetch.source,
-                                       fetch.prepare)
-    finally:
-        fetch.close()
+    return lora_slots.promote_from("promote_lora_slot_from_peer", adapter_name, fetch.source,
+                                   fetch.prepare)
+
+
+def prepare_from_peer(
+    lora_slots: LoraSlots, peer_addr: str, adapter_id: str, adapter_name: str,
+    peft: PeftLike = None, *, staging: StagingBuffers | None = None, transport: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S, peer_allow: AllowList | Iterable[str] | None = None,
+) -> Prepared:
+    """Lease, validate and (over HTTP) fetch the peer's adapter without touching a slot;
+    safe on a worker thread with its own `staging`. The lease is released by
+    Prepared.close, after the landing."""
+    fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
+                       timeout_s, peer_allow, staging)
+    return fetch.prepare()
 
 
 class _PeerFetch:
     def __init__(self, lora_slots: LoraSlots, peer_addr: str, adapter_id: str, name: str,
-                 peft: PeftLike, transport: str, timeout_s: float, peer_allow) -> None:
+                 peft: PeftLike, transport: str, timeout_s: float, peer_allow,
+                 staging: StagingBuffers | None = None) -> None:
         if transport not in TRANSPORT_CHOICES:
             raise MetraleError(f"transport {transport!r}: choose from {', '.join(TRANSPORT_CHOICES)}")
         self.slots, self.peer_addr, self.adapter_id, self.name = lora_slots, peer_addr, adapter_id, name
         self.peft, self.transport, self.timeout_s, self.peer_allow = peft, transport, timeout_s, peer_allow
+        self.staging = staging
         self.source = f"peer {peer_addr} adapter {adapter_id!r}"
         self._client: PeerClient | None = None
         self._lease_id: str | None = None
@@ -97,8 +108,16 @@ class _PeerFetch:
             self._client.release(self._lease_id)
             self._lease_id = None
 
-    def prepare(self) -> Callable[[int], None]:
-        """Everything up to the point of touching a slot; returns the write."""
+    def prepare(self) -> Prepared:
+        """Everything up to the point of touching a slot; returns the write. On any
+        refusal the lease is released here; else by Prepared.close."""
+        try:
+            return Prepared(self._prepare(), close=self.close)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self) -> Callable[[Landing], None]:
         if not isinstance(self.adapter_id, str) or not _ID_RE.fullmatch(self.adapter_id):
             raise InvalidNameError(f"peer adapter id {self.adapter_id!r} is invalid")
         addr = resolve_peer(self.peer_addr, self.peer_allow)  # before any connection
@@ -174,59 +193,40 @@ class _PeerFetch:
         return endpoint_for(self.slots.pool, self.slots.pool.buffer)
 
     def _http_writer(self, client: PeerClient, manifest: Manifest,
-                     plan: AdapterPlan) -> Callable[[int], None]:
+                     plan: AdapterPlan) -> Callable[[Landing], None]:
         def fill(host: torch.Tensor) -> None:
             client.read_exact(manifest.http_path, memoryview(host.numpy()))
 
-        views = canonical_views(plan, self.slots.stage(plan, fill))
-        pool = self.slots.pool
-        return lambda slot: pool.land(slot, plan, views)
+        views = canonical_views(plan, self.slots.stage(plan, fill, self.staging))
+        return lambda landing: landing.write_views(plan, views)
 
     def _nixl_writer(self, manifest: Manifest, plan: AdapterPlan,
-                     deadline: Deadline) -> Callable[[int], None]:
-        pool, layout = self.slots.pool, self.slots.pool.layout
+                     deadline: Deadline) -> Callable[[Landing], None]:
+        layout = self.slots.pool.layout
         endpoint = self._endpoint()
         remote_by_key = {(t.layer, t.module, t.kind): d
                          for t, d in zip(manifest.tensors, manifest.nixl.descs)}
-        # (element offset inside a slot, element count, remote descriptor) per tensor
-        parts = []
+        remotes = []  # one remote descriptor per planned tensor, in plan order
         for landing in plan.landings:
             t = landing.target
             region = layout.region(t.layer, t.module, landing.kind)
             remote = remote_by_key[(t.layer, t.module, landing.kind)]
-            numel = t.rank * region.cols
-            if remote[1] != numel * layout.itemsize:  # checked before any slot is zeroed
+            nbytes = t.rank * region.cols * layout.itemsize
+            if remote[1] != nbytes:  # checked before any slot is zeroed
                 raise PeerManifestError(
                     f"{self.source}: NIXL descriptor of {remote[1]} bytes for layer {t.layer} "
-                    f"{t.module} {landing.kind}; the local slot expects {numel * layout.itemsize}"
+                    f"{t.module} {landing.kind}; the local slot expects {nbytes}"
                 )
-            parts.append((region.offset, numel, remote))
+            remotes.append(remote)
         agent = endpoint.add_remote(manifest.nixl.agent_metadata)
 
-        def write(slot: int) -> None:
-            base = pool.buffer.data_ptr() + slot * layout.slot_elems * layout.itemsize
-            local = [(base + off * layout.itemsize, n * layout.itemsize, endpoint.device_id)
-                     for off, n, _ in parts]
+        def write(landing: Landing) -> None:
+            local = [(r.addr, r.nbytes, endpoint.device_id) for r in landing.byte_ranges(plan)]
             try:
-                endpoint.read(agent, local, [r for _, _, r in parts], manifest.nixl.mem_type,
-                              deadline)
+                endpoint.read(agent, local, remotes, manifest.nixl.mem_type, deadline)
             except PeerUnavailableError:
                 endpoint.forget_remote(agent)  # reconnect from fresh metadata next time
                 raise
-            _check_finite(pool, slot, plan)
-            pool.set_tables(slot, plan)
+            landing.check_written(plan)
 
         return write
-
-
-def _check_finite(pool, slot: int, plan: AdapterPlan) -> None:
-    """Bytes that arrived by RDMA skipped staging's NaN/Inf check: do it in place.
-    The slot was zeroed before the READ, so one pass over the whole region checks
-    every landed tensor (per-tensor checks cost ~0.3 s for an 8B adapter)."""
-    if bool(pool.slot_region(slot).isfinite().all()):
-        return
-    for landing in plan.landings:  # rare: name the culprit
-        t = landing.target
-        full = pool.lora_a(t.layer, t.module) if landing.kind == "A" else pool.lora_bt(t.layer, t.module)
-        if not bool(full[slot, :t.rank].isfinite().all()):
-            raise NonFiniteWeightsError(f"{plan.source}: tensor {landing.entry.name!r} holds NaN or Inf")

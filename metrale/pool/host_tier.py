@@ -5,9 +5,10 @@ rank padding and untargeted modules zero) plus the slot's rank and scale rows, i
 memory. Re-promoting it is one H2D copy of the image and two tiny table copies: no file
 read, no parse, no NaN scan, no conversion.
 
-Keys are (weights path, mtime_ns, size, config mtime_ns, size): editing either file
-changes the key, so a stale image is never served; the entry of an older version of the
-same path is dropped when a newer one is stored. A hit skips validation because the
+Keys are AdapterIdentity (metrale.adapters.identity): a digest of the config and the
+header plus the weights file's inode and ctime, so any rewrite of either file changes the
+key and a stale image is never served; the entry of an older version of the same
+directory is dropped when a newer one is stored. A hit skips validation because the
 image is the output of a landing that passed it, for these exact files and this pool.
 
 Filling copies a freshly landed slot back to the host on a side stream (off the hot
@@ -20,16 +21,16 @@ side stream first waits for the engine stream, so an H2D still reading it finish
 
 from __future__ import annotations
 
-import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from metrale.adapters.identity import AdapterIdentity
 from metrale.pool.pool import AdapterPool
 
-Key = tuple
+Key = AdapterIdentity
 
 
 @dataclass
@@ -41,22 +42,12 @@ class TierEntry:
     ready: torch.cuda.Event | None  # the D2H copy that fills image; None: already done
 
 
-def adapter_key(adapter_dir: str | Path) -> Key | None:
-    """Identity of an adapter dir's files; None if they cannot be stat'ed (then the disk
-    path runs and raises its usual, precise error)."""
-    d = Path(adapter_dir)
-    try:
-        w, c = os.stat(d / "adapter_model.safetensors"), os.stat(d / "adapter_config.json")
-    except OSError:
-        return None
-    return (str(d.resolve()), w.st_mtime_ns, w.st_size, c.st_mtime_ns, c.st_size)
-
-
 class HostTier:
     def __init__(self, pool: AdapterPool, capacity_bytes: int) -> None:
         self.pool, self.capacity = pool, capacity_bytes
         self.entry_bytes = pool.layout.slot_bytes
         self._entries: OrderedDict[Key, TierEntry] = OrderedDict()  # oldest first
+        self._lock = threading.Lock()  # has() is asked from a promotion worker
         self._cuda = pool.device.type == "cuda"
         self._stream = torch.cuda.Stream(pool.device) if self._cuda else None
         self._pending: dict[int, torch.cuda.Event] = {}  # slot -> fill copy reading it
@@ -81,8 +72,9 @@ class HostTier:
         return entry
 
     def has(self, key: Key | None) -> bool:
-        """Whether get(key) would hit (counts nothing, moves nothing)."""
-        return key is not None and key in self._entries
+        """Whether get(key) would hit now (counts nothing, moves nothing)."""
+        with self._lock:
+            return key is not None and key in self._entries
 
     def put(self, key: Key | None, slot: int) -> None:
         """Store `slot`'s current contents under key (call right after landing it)."""
@@ -94,10 +86,11 @@ class HostTier:
             self._arena = torch.empty(n, pool.layout.slot_elems, dtype=pool.layout.dtype,
                                       pin_memory=self._cuda)
             self._free = list(range(n))
-        for old in [k for k in self._entries if k[0] == key[0]]:
-            self._free.append(self._entries.pop(old).index)  # an older version of the files
-        if not self._free:
-            self._free.append(self._entries.popitem(last=False)[1].index)  # LRU
+        with self._lock:
+            for old in [k for k in self._entries if k.path == key.path]:
+                self._free.append(self._entries.pop(old).index)  # an older version of the files
+            if not self._free:
+                self._free.append(self._entries.popitem(last=False)[1].index)  # LRU
         index = self._free.pop()
         image = self._arena[index]
         ranks = torch.empty(pool.ranks[slot].shape, dtype=torch.int32, pin_memory=self._cuda)
@@ -117,7 +110,8 @@ class HostTier:
             image.copy_(pool.slot_region(slot))
             ranks.copy_(pool.ranks[slot])
             scales.copy_(pool.scales[slot])
-        self._entries[key] = TierEntry(index, image, ranks, scales, ready)
+        with self._lock:
+            self._entries[key] = TierEntry(index, image, ranks, scales, ready)
 
     def before_write(self, slot: int) -> None:
         """Order the next write into slot after a fill copy still reading it (device-side)."""

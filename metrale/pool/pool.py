@@ -8,11 +8,21 @@ CUDA graphs captured over these views stay valid.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from metrale.adapters.plan import AdapterPlan
 from metrale.errors import NonFiniteWeightsError
 from metrale.pool.layout import SlotLayout
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """A device address range inside one slot, for transports that write raw bytes."""
+
+    addr: int
+    nbytes: int
 
 
 class AdapterPool:
@@ -62,6 +72,22 @@ class AdapterPool:
     def slot_region(self, slot: int) -> torch.Tensor:
         n = self.layout.slot_elems
         return self.buffer[slot * n:(slot + 1) * n]
+
+    def slot_byte_ranges(self, slot: int, plan: AdapterPlan) -> list[ByteRange]:
+        """One range per planned tensor (plan order): its rank-r rows of its region."""
+        layout, itemsize = self.layout, self.layout.itemsize
+        base = self.slot_region(slot).data_ptr()
+        ranges = []
+        for landing in plan.landings:
+            t = landing.target
+            region = layout.region(t.layer, t.module, landing.kind)
+            if not 0 < t.rank <= region.rows:
+                raise AssertionError(f"planned rank {t.rank} outside the region of {region.rows} rows")
+            ranges.append(ByteRange(base + region.offset * itemsize, t.rank * region.cols * itemsize))
+        return ranges
+
+    def slot_is_finite(self, slot: int) -> bool:
+        return bool(self.slot_region(slot).isfinite().all())
 
     # --- landing ----------------------------------------------------------------
 

@@ -166,13 +166,21 @@ class SlotTable:
         s = self._slots[slot]
         if s.state is not SlotState.LOADING:
             raise AssertionError(f"finish_load on slot {slot} in state {s.state}")
-        old = self._by_name.get(name)
-        if old is not None:
-            self._slots[old].name = None
+        self.detach(name)
         s.state, s.name = SlotState.READY, name
         self._by_name[name] = slot
         s.last_used = next(self._clock)
         return s.uid
+
+    def detach(self, name: str) -> int | None:
+        """`name` stops routing to its slot (a reload or an unload): the slot keeps serving
+        the sequences it holds under its old uid, takes no new ones, loses its pin (no name
+        can unpin it any more) and is the preferred victim once idle. Returns the slot."""
+        slot = self._by_name.pop(name, None)
+        if slot is not None:
+            self._slots[slot].name = None
+            self._slots[slot].pinned = False
+        return slot
 
     def fail_load(self, slot: int) -> None:
         """LOADING -> EMPTY with a fresh identity: nothing may key on half-landed bytes."""

@@ -12,26 +12,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from metrale.adapters.identity import AdapterIdentity, adapter_identity
 from metrale.adapters.plan import AdapterPlan, plan_adapter
 from metrale.config import ModelConfig, PoolConfig
 from metrale.errors import (
     AdapterFileError,
     InvalidNameError,
-    LandingError,
     MetraleError,
     NoAdapterPoolError,
     PoolFullError,
     RuntimeSwapsDisabledError,
     UnknownAdapterError,
 )
-from metrale.pool.host_tier import HostTier, adapter_key
+from metrale.pool.host_tier import HostTier
+from metrale.pool.landing import Landing, LandingResult
 from metrale.pool.layout import SlotLayout
 from metrale.pool.pool import AdapterPool
 from metrale.pool.slots import SlotInfo, SlotTable
@@ -89,7 +91,17 @@ class LandingEvent:
         return "peer" if self.op.endswith("_peer") else "disk"
 
 
-def _on_device(device: torch.device):
+@dataclass(frozen=True)
+class Prepared:
+    """An adapter read and checked from some source, ready to be written into any slot
+    through a Landing. Producing one touches no slot: every refusal happens before."""
+
+    write: Callable[[Landing], None]
+    identity: AdapterIdentity | None = None  # set: fill the host tier after the commit
+    close: Callable[[], None] = field(default=lambda: None)  # e.g. release a peer's lease
+
+
+def on_device(device: torch.device):
     """Make the pool's GPU current: Triton and side streams launch on the current
     device, which need not be the pool's (an engine on cuda:1)."""
     if device.type == "cuda" and device.index is not None:
@@ -98,9 +110,9 @@ def _on_device(device: torch.device):
 
 
 class LoraSlots:
-    """The slot table, the device pool and staging memory, with the operations
-    that move adapters into slots. Not thread-safe: the engine calls it from
-    its own loop, between steps."""
+    """The slot table, the device pool and staging memory, with the operations that
+    move adapters into slots. The engine calls it from its own loop; the methods named
+    thread-safe below may also run on a promotion worker."""
 
     def __init__(
         self, model: ModelConfig, pool: PoolConfig, device: torch.device | str,
@@ -116,11 +128,16 @@ class LoraSlots:
             if pool.host_tier_bytes:
                 self.host_tier = HostTier(self.pool, pool.host_tier_bytes)
         self.staging = StagingBuffers(torch.device(device))
-        self._plans: dict = {}  # (adapter_key, name) -> AdapterPlan, oldest first
+        self._plans: dict[tuple[AdapterIdentity, str], AdapterPlan] = {}  # oldest first
+        self._plans_lock = threading.Lock()
+
+    def disable_runtime_swaps(self) -> None:
+        """Freeze the pool as it is now (after the start-up adapters landed)."""
+        self.pool_config = replace(self.pool_config, allow_runtime_swaps=False)
 
     # --- refusals that need no I/O ------------------------------------------------
 
-    def _require_swappable(self, op: str) -> AdapterPool:
+    def require_swappable(self, op: str) -> AdapterPool:
         if self.pool is None:
             raise NoAdapterPoolError(
                 f"{op}: no adapter pool (the engine was started with max_loras=0); "
@@ -133,32 +150,73 @@ class LoraSlots:
             )
         return self.pool
 
-    # --- the operations -------------------------------------------------------------
+    # --- the two-phase landing ------------------------------------------------------
+
+    def begin(self, slot: int) -> Landing:
+        """EMPTY|READY -> LOADING and zeroed (on CUDA: queued on the current stream).
+        Refuses a busy slot before touching it."""
+        self.table.begin_load(slot)  # re-checks idleness; from here the slot serves nothing
+        landing = Landing(self.table, self.pool, slot, self._write_image)
+        try:
+            if self.host_tier is not None:
+                self.host_tier.before_write(slot)
+            self.pool.zero_slot(slot)
+        except BaseException as e:
+            raise landing.fail(e) from e
+        return landing
+
+    def land(self, slot: int, name: str, prepared: Prepared) -> LandingResult:
+        """begin, write, commit, all here: the synchronous path. Any failure after
+        begin leaves the slot EMPTY with a fresh identity (LandingError)."""
+        landing = self.begin(slot)
+        try:
+            prepared.write(landing)
+        except BaseException as e:
+            raise landing.fail(e) from e
+        result = landing.commit(name)
+        self.fill_tier(prepared, slot)
+        return result
+
+    def fill_tier(self, prepared: Prepared, slot: int) -> None:
+        tier = self.host_tier
+        if prepared.identity is not None and tier is not None and tier.enabled:
+            tier.put(prepared.identity, slot)
+
+    def _write_image(self, entry, slot: int) -> None:
+        self.host_tier.land(entry, slot)
+
+    # --- the seed's operations ------------------------------------------------------
     # `prepare` reads and validates an adapter from some source without touching
-    # any slot, and returns the write that lands it into a (zeroed) slot.
+    # any slot; the landing writes it into a zeroed slot.
 
     def swap_from(self, op: str, name: str, slot: int, source: str,
-                  prepare: Callable[[], Callable[[int], None]]) -> None:
+                  prepare: Callable[[], Prepared]) -> None:
         def run() -> tuple[int, None]:
-            self._require_swappable(op)
+            self.require_swappable(op)
             validate_adapter_name(name)
             self.table.require_idle(slot)  # refuse a busy slot before any I/O
-            write = prepare()
-            self._land(slot, name, source, lambda: write(slot))
+            prepared = prepare()
+            try:
+                self.land(slot, name, prepared)
+            finally:
+                prepared.close()
             return slot, None
 
         self._observed(op, name, run)
 
     def promote_from(self, op: str, name: str, source: str,
-                     prepare: Callable[[], Callable[[int], None]]) -> tuple[int, str | None]:
+                     prepare: Callable[[], Prepared]) -> tuple[int, str | None]:
         def run() -> tuple[int, str | None]:
-            self._require_swappable(op)
+            self.require_swappable(op)
             validate_adapter_name(name)
             self.table.select_victim()  # POOL_FULL before reading anything
-            write = prepare()
-            slot = self.table.select_victim()
-            evicted = self.table.info(slot).name
-            self._land(slot, name, source, lambda: write(slot))
+            prepared = prepare()
+            try:
+                slot = self.table.select_victim()
+                evicted = self.table.info(slot).name
+                self.land(slot, name, prepared)
+            finally:
+                prepared.close()
             log.info("promote: %r hot in slot %d from %s (evicted=%r)", name, slot, source, evicted)
             return slot, evicted
 
@@ -170,17 +228,17 @@ class LoraSlots:
         POOL_FULL is a wait, not an outcome: on-demand promotions retry every step."""
         start = time.perf_counter()
         try:
-            with _on_device(self.staging.device):
+            with on_device(self.staging.device):
                 slot, evicted = run()
         except PoolFullError:
             raise
         except MetraleError as e:
-            self._notify(LandingEvent(op, name, None, None, time.perf_counter() - start, e))
+            self.notify(LandingEvent(op, name, None, None, time.perf_counter() - start, e))
             raise
-        self._notify(LandingEvent(op, name, slot, evicted, time.perf_counter() - start, None))
+        self.notify(LandingEvent(op, name, slot, evicted, time.perf_counter() - start, None))
         return slot, evicted
 
-    def _notify(self, event: LandingEvent) -> None:
+    def notify(self, event: LandingEvent) -> None:
         for listener in self.listeners:
             try:
                 listener(event)
@@ -189,29 +247,27 @@ class LoraSlots:
 
     def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int) -> None:
         self.swap_from("swap_lora_slot_from_disk", name, slot, "disk",
-                       lambda: self._disk_writer(adapter_dir, name))
+                       lambda: self.prepare_disk(adapter_dir, name))
 
     def promote_lora_slot_from_disk(
         self, adapter_dir: str | Path, name: str
     ) -> tuple[int, str | None]:
         return self.promote_from("promote_lora_slot_from_disk", name, "disk",
-                                 lambda: self._disk_writer(adapter_dir, name))
-
-    def stage(self, plan: AdapterPlan, fill: Callable[[torch.Tensor], None]) -> list[torch.Tensor]:
-        """fill() writes the plan's data bytes into pinned host staging; they go to
-        the device in one copy and come back as checked, typed tensor views."""
-        host = self.staging.host(plan.data_bytes)
-        fill(host)
-        return self.pool.stage_views(plan, self.staging.to_device(host))
+                                 lambda: self.prepare_disk(adapter_dir, name))
 
     def unload(self, name: str) -> int:
         """Free the slot serving `name` (it must be idle); returns the slot."""
         slot = self.resident_slot(name)
+        self.unload_slot(slot)
+        return slot
+
+    def unload_slot(self, slot: int) -> None:
+        """An idle slot -> EMPTY, zeroed (also a detached one that no name routes to)."""
         self.table.unload(slot)
         if self.pool is not None:
-            self._before_write(slot)
+            if self.host_tier is not None:
+                self.host_tier.before_write(slot)
             self.pool.zero_slot(slot)
-        return slot
 
     def resident_slot(self, name: str) -> int:
         slot = self.table.slot_of(name)
@@ -222,80 +278,54 @@ class LoraSlots:
     def slot_info(self) -> list[SlotInfo]:
         return self.table.infos()
 
-    # --- internals ------------------------------------------------------------------
+    # --- reading adapters (thread-safe: a promotion worker runs these) ---------------
 
-    def _disk_writer(self, adapter_dir: str | Path, name: str) -> Callable[[int], None]:
-        """Host-tier hit: one H2D copy of a slot image landed earlier from these exact
-        files. Else: validate, read the data section in parallel chunks into pinned
-        staging while the chunks go to the device, check, and land in one kernel."""
+    def stage(self, plan: AdapterPlan, fill: Callable[[torch.Tensor], None],
+              staging: StagingBuffers | None = None) -> list[torch.Tensor]:
+        """fill() writes the plan's data bytes into pinned host staging; they go to
+        the device in one copy and come back as checked, typed tensor views."""
+        staging = staging or self.staging
+        host = staging.host(plan.data_bytes)
+        fill(host)
+        return self.pool.stage_views(plan, staging.to_device(host))
+
+    def tier_has(self, identity: AdapterIdentity | None) -> bool:
         tier = self.host_tier
-        key = adapter_key(adapter_dir)
-        use_tier = key is not None and tier is not None and tier.enabled
-        entry = tier.get(key) if use_tier else None
+        return identity is not None and tier is not None and tier.enabled and tier.has(identity)
+
+    def prepare_disk(self, adapter_dir: str | Path, name: str,
+                     staging: StagingBuffers | None = None, use_tier: bool = True) -> Prepared:
+        """Host-tier hit: one H2D copy of a slot image landed earlier from these exact
+        bytes. Else: validate, read the data section in parallel chunks into pinned
+        staging while the chunks go to the device, and check it (NaN/Inf) there.
+        `staging`: a worker's own buffers (the default ones belong to the engine thread);
+        a worker passes use_tier=False: a tier image must be read on the engine thread, which
+        alone reuses image memory."""
+        identity = adapter_identity(adapter_dir)
+        tier = self.host_tier
+        entry = tier.get(identity) if use_tier and self.tier_has(identity) else None
         if entry is not None:
-            return lambda slot: tier.land(entry, slot)
-        plan = self.plan_from_disk(adapter_dir, name, key)
-        data = read_adapter_data(plan, self.staging)
+            return Prepared(lambda landing: landing.write_image(entry))
+        plan = self.plan_from_disk(adapter_dir, name)
+        data = read_adapter_data(plan, staging or self.staging)
         views = self.pool.stage_views(plan, data)
+        return Prepared(lambda landing: landing.write_views(plan, views), identity)
 
-        def write(slot: int) -> None:
-            self.pool.land(slot, plan, views)
-            if use_tier:
-                tier.put(key, slot)
-
-        return write
-
-    def plan_from_disk(self, adapter_dir: str | Path, name: str, key=None) -> AdapterPlan:
-        """plan_adapter, remembered per file identity (host_tier.adapter_key: path, mtime,
-        size of weights and config): validation is a pure function of those files and this
-        engine's config, and costs ~4 ms of Python on an 8B adapter. The bytes are still
-        read and checked (NaN/Inf) on every landing."""
-        key = key if key is not None else adapter_key(adapter_dir)
-        if key is None:
-            return plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
-        plan = self._plans.get((key, name))
-        if plan is None:
-            plan = plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
-            while len(self._plans) >= _PLAN_CACHE:
-                self._plans.pop(next(iter(self._plans)))
-            self._plans[(key, name)] = plan
+    def plan_from_disk(self, adapter_dir: str | Path, name: str) -> AdapterPlan:
+        """plan_adapter, remembered per content identity (metrale.adapters.identity): the
+        plan is a pure function of the config, the header and this engine's config, and
+        costs ~4 ms of Python on an 8B adapter. The data bytes are still read and checked
+        (NaN/Inf) on every landing."""
+        before = adapter_identity(adapter_dir)
+        key = (before, name)
+        with self._plans_lock:
+            plan = self._plans.get(key) if before is not None else None
+        if plan is not None:
+            return plan
+        plan = plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
+        if before is not None and adapter_identity(adapter_dir) == before:  # not rewritten meanwhile
+            with self._plans_lock:
+                while len(self._plans) >= _PLAN_CACHE:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[key] = plan
         return plan
-
-    def _before_write(self, slot: int) -> None:
-        if self.host_tier is not None:
-            self.host_tier.before_write(slot)
-
-    def _land(self, slot: int, name: str, source: str, write: Callable[[], None]) -> int:
-        """LOADING -> write -> READY, or EMPTY with a fresh identity on any failure."""
-        start = time.perf_counter()
-        self.begin_landing(slot, name, source, write)
-        return self.finish_landing(slot, name, source, start)
-
-    def begin_landing(self, slot: int, name: str, source: str, write: Callable[[], None]) -> None:
-        """EMPTY|READY -> LOADING, zero, write (on CUDA: queued on the current stream).
-        On failure the slot is EMPTY with a fresh identity and LandingError is raised."""
-        self.table.begin_load(slot)  # re-checks idleness; from here the slot serves nothing
-        try:
-            self._before_write(slot)
-            self.pool.zero_slot(slot)
-            write()
-        except BaseException as e:
-            raise self.fail_landing(slot, name, source, e) from e
-
-    def fail_landing(self, slot: int, name: str, source: str,
-                     e: BaseException | str) -> LandingError:
-        """A LOADING slot whose write failed: zeroed, EMPTY with a fresh identity."""
-        self.pool.zero_slot(slot)
-        self.table.fail_load(slot)
-        log.warning("landing %r into slot %d from %s failed: %s", name, slot, source, e)
-        return LandingError(f"landing {name!r} into slot {slot} failed ({e}); the slot is now EMPTY")
-
-    def finish_landing(self, slot: int, name: str, source: str, start: float) -> int:
-        """LOADING -> READY under `name` (the bytes must have landed); returns the uid."""
-        uid = self.table.finish_load(slot, name)
-        log.info(
-            "swap: %r landed in slot %d from %s (uid=%d, generation=%d) in %.2f ms",
-            name, slot, source, uid, self.table.info(slot).generation,
-            (time.perf_counter() - start) * 1e3,
-        )
-        return uid

@@ -1,25 +1,23 @@
-"""Adapter management as the server sees it. Every method here runs on the
-engine thread, between steps (AsyncEngine.call), so it sees and changes the
-engine's registry and slot table without locks.
+"""Adapter management as the server sees it. Every method here runs on the engine
+thread, between steps (AsyncEngine.call): it asks the engine's registry and slot table
+and turns their answers into views. Reading adapter bytes happens before, off the engine
+thread (AsyncEngine), and arrives here as a `Prepared`.
 
-Unload never waits for a busy slot: the name leaves the registry at once (and
-admission refuses it), and the slot is freed after the step that finishes its
-last in-flight request.
+Unload never waits for a busy slot: the name leaves the registry at once (and admission
+refuses it), and the slot is freed after the step that finishes its last in-flight request.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
-from metrale.engine.adapters import AdapterSource
 from metrale.engine.llm_engine import LLMEngine
+from metrale.engine.registry import AdapterSource
 from metrale.engine.sampling_params import SamplingParams
-from metrale.errors import RuntimeSwapsDisabledError, SlotBusyError, UnknownAdapterError
+from metrale.errors import RuntimeSwapsDisabledError
 from metrale.pool.slots import SlotInfo
-from metrale.pool.swap import validate_adapter_name
-from metrale.server.errors import AdapterExistsError
+from metrale.pool.swap import Prepared
 from metrale.server.metrics import ServerMetrics, kv
 
 log = logging.getLogger("metrale.server")
@@ -38,6 +36,7 @@ class AdapterView:
     ref_count: int
     last_used: int | None
     unloading: bool
+    version: int | None = None
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -47,141 +46,85 @@ class AdapterOps:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
         self.engine, self.metrics = engine, metrics
         self.table = engine.lora.table
-        self.registry: dict[str, AdapterSource] = engine.adapters.registry
-        self.draining: dict[str, int] = {}  # name -> slot still serving its in-flight requests
+        self.registry = engine.registry
         self._waiting_ids: set[str] = set()
 
     # --- requests -------------------------------------------------------------------
 
     def admit(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
               request_id: str) -> str:
-        if adapter is not None and adapter in self.draining:
-            # resident but leaving: the engine would still bind to it
-            raise UnknownAdapterError(f"adapter {adapter!r} is being unloaded")
         return self.engine.add_request(prompt, params, adapter, request_id)
 
     # --- management -----------------------------------------------------------------
 
-    def register(self, name: str, path: str | Path, pinned: bool = False,
-                 reload: bool = False) -> AdapterView:
-        """Validate and register `name`. An existing name is refused unless reload:
-        then a resident adapter is re-landed from the new files (new uid; its old
-        slot finishes its in-flight requests on the old weights)."""
-        validate_adapter_name(name)
-        self._refuse_draining(name)
+    def check_register(self, name: str, reload: bool) -> None:
+        """The refusals of register that need no I/O, before any file is read."""
         if not self.engine.lora.pool_config.allow_runtime_swaps:
             # it could never become resident: say so now, not at its first request
             raise RuntimeSwapsDisabledError(
                 "runtime swaps are disabled (--no-runtime-swaps): adapters can only be "
                 "loaded at start-up (--adapter NAME=DIR)")
-        old_slot = self.table.slot_of(name)
-        if not reload and (name in self.registry or old_slot is not None):
-            raise AdapterExistsError(
-                f"adapter {name!r} is already registered; unload it first or reload it in place", "name")
-        previous = self.registry.get(name)
-        self.engine.register_adapter(name, path, pinned=False)  # validates the files
-        if old_slot is not None:
-            was_pinned = self.table.info(old_slot).pinned
-            try:
-                self.engine.promote_registered(name)
-            except Exception:
-                if previous is not None:  # the old files still serve the name
-                    self.registry[name] = previous
-                raise
-            self.table.set_pinned(old_slot, False)  # detached now: cache space once drained
-            pinned = pinned or was_pinned
-        if pinned:
-            return self.set_pinned(name, True)
+        self.registry.check_new(name, reload)
+
+    def register(self, name: str, source: AdapterSource, pinned: bool, reload: bool,
+                 prepared: Prepared | None) -> AdapterView:
+        """`source` was validated off the engine thread. An existing name is refused unless
+        reload: then requests in flight finish on the old version, later ones get the new."""
+        self.check_register(name, reload)
+        self.engine.register_adapter(name, source, pinned=pinned, reload=reload, checked=True,
+                                     prepared=prepared)
         return self.view(name)
 
-    def promote(self, name: str) -> tuple[AdapterView, str | None]:
+    def is_resident(self, name: str) -> bool:
+        self.registry.current(name)
+        return self.table.slot_of(name) is not None
+
+    def promote(self, name: str, prepared: Prepared | None) -> tuple[AdapterView, str | None]:
         """Make `name` resident; a resident adapter only gets its recency refreshed."""
-        self._source(name)
+        version = self.registry.current(name)
         slot = self.table.slot_of(name)
         if slot is not None:
             self.table.touch(slot)
             return self.view(name), None
-        _, evicted = self.engine.promote_registered(name)
+        _, evicted = self.engine.land(version, None, prepared)
         return self.view(name), evicted
 
-    def swap(self, name: str, slot: int, path: str | Path | None = None) -> AdapterView:
-        """Land `name` into `slot` (from `path`, else from its registered source)."""
-        validate_adapter_name(name)
-        self._refuse_draining(name)
-        if path is None:
-            self._source(name)
-            self.engine.swap_registered(name, slot)
+    def swap(self, name: str, slot: int, source: AdapterSource | None, reload: bool,
+             prepared: Prepared | None) -> AdapterView:
+        """Land `name` into `slot`: its registered version, or `source` as a new
+        registration (an existing name only when reload)."""
+        if source is None:
+            self.engine.land(self.registry.current(name), slot, prepared)
         else:
-            self.engine.swap_lora_slot_from_disk(path, name, slot)
+            self.registry.check_new(name, reload)
+            self.engine.swap_adapter(name, source, slot, prepared)
         return self.view(name)
 
-    def set_pinned(self, name: str, pinned: bool) -> AdapterView:
-        source = self._source(name)
-        slot = self.table.slot_of(name)
-        if slot is None and pinned:
-            slot, _ = self.engine.promote_registered(name)
-        if slot is not None:
-            self.table.set_pinned(slot, pinned)
-        self.registry[name] = replace(source, pinned=pinned)
+    def set_pinned(self, name: str, pinned: bool, prepared: Prepared | None) -> AdapterView:
+        self.engine.pin_adapter(name, pinned, prepared)
         return self.view(name)
 
     def unload(self, name: str) -> str:
         """'unloaded' when the slot (if any) is free now, 'draining' when it is freed later."""
-        validate_adapter_name(name)
-        self._refuse_draining(name)
-        slot = self.table.slot_of(name)
-        if name not in self.registry and slot is None:
-            raise UnknownAdapterError(f"adapter {name!r} is not registered")
-        self.registry.pop(name, None)  # no new request is admitted from here on
-        if slot is None:
-            log.info("%s", kv(event="unload", adapter=name, slot=None, result="unloaded"))
-            return "unloaded"
-        self.draining[name] = slot
-        self._finish_unloads()
-        if name in self.draining:
-            log.info("%s", kv(event="unload", adapter=name, slot=slot, result="draining",
-                              in_flight=self.table.ref_count(slot)))
-            return "draining"
-        return "unloaded"
+        result = self.engine.unload_adapter(name)
+        log.info("%s", kv(event="unload", adapter=name, result=result))
+        return result
 
-    def _finish_unloads(self) -> None:
-        for name, slot in list(self.draining.items()):
-            info = self.table.info(slot)
-            if info.name != name:  # should not happen (swaps of draining names are refused)
-                del self.draining[name]
-            elif info.ref_count == 0:
-                self.engine.lora.unload(name)
-                del self.draining[name]
-                log.info("%s", kv(event="unload", adapter=name, slot=slot, result="unloaded"))
-
-    def _source(self, name: str) -> AdapterSource:
-        validate_adapter_name(name)
-        self._refuse_draining(name)
-        source = self.registry.get(name)
-        if source is None:
-            raise UnknownAdapterError(
-                f"adapter {name!r} is not registered (known: "
-                f"{', '.join(sorted(self.registry)) or 'none'})")
-        return source
-
-    def _refuse_draining(self, name: str) -> None:
-        if name in self.draining:
-            raise SlotBusyError(
-                f"adapter {name!r} is being unloaded and still serves in-flight requests in "
-                f"slot {self.draining[name]}; retry when they finish")
+    def source_of(self, name: str) -> AdapterSource:
+        return self.registry.current(name).source
 
     # --- after every step -------------------------------------------------------------
 
     def after_step(self) -> None:
-        self._finish_unloads()
         scheduler = self.engine.scheduler
         self.metrics.waiting.set(len(scheduler.waiting))
         self.metrics.running.set(len(scheduler.running))
         # After step() every request still pending a promotion, except those of the
         # promotion in flight, is waiting for a slot to drain (POOL_FULL).
         adapters = self.engine.adapters
+        promoting = adapters.promoting()
         ids = {s.request_id for name, waiters in adapters.pending.items()
-               if name != adapters.promoting for s in waiters}
+               if name != promoting for s in waiters}
         self.metrics.pool_full_waits.inc(len(ids - self._waiting_ids))
         self.metrics.pool_full_waiting.set(len(ids))
         self._waiting_ids = ids
@@ -190,23 +133,27 @@ class AdapterOps:
 
     def view(self, name: str, infos: list[SlotInfo] | None = None) -> AdapterView:
         infos = infos if infos is not None else self.table.infos()
-        source = self.registry.get(name)
+        version = self.registry.get(name)
+        draining = self.registry.draining()
         slot = self.table.slot_of(name)
+        if slot is None and name in draining:
+            slot = draining[name]
         info = infos[slot] if slot is not None else None
         return AdapterView(
-            name=name, path=str(source.peer or source.path) if source else None,
-            pinned=bool(info.pinned if info else source and source.pinned),
+            name=name, path=str(version.source) if version else None,
+            pinned=bool(info.pinned if info else version and version.pinned),
             slot=slot, uid=info.uid if info else None,
             state=info.state.value if info else "DISK",
             ref_count=info.ref_count if info else 0,
             last_used=info.last_used if info else None,
-            unloading=name in self.draining,
+            unloading=name in draining,
+            version=version.version if version else None,
         )
 
     def snapshot(self) -> dict:
-        """Every adapter (registered or still resident) and every slot, consistently."""
+        """Every adapter (registered or still draining) and every slot, consistently."""
         infos = self.table.infos()
-        names = sorted(set(self.registry) | {i.name for i in infos if i.name})
+        names = sorted(set(self.registry.names()) | set(self.registry.draining()))
         return {
             "adapters": [self.view(n, infos) for n in names],
             "slots": [

@@ -16,12 +16,12 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from metrale.engine.adapters import PEER_SCHEME
-from metrale.errors import UnknownAdapterError
+from metrale.engine.registry import PEER_SCHEME
+from metrale.errors import AdapterExistsError, UnknownAdapterError
 from metrale.pool.swap import validate_adapter_name
 from metrale.server.async_engine import AsyncEngine
 from metrale.server.auth import require_admin, require_user
-from metrale.server.errors import AdapterExistsError, BadRequestError
+from metrale.server.errors import BadRequestError
 from metrale.server.paths import resolve_adapter_path
 from metrale.server.protocol import (
     ActiveAdapterRequest,
@@ -78,7 +78,7 @@ async def vllm_unload(body: UnloadLoraRequest, request: Request) -> PlainTextRes
 async def slot_load(body: SlotLoadRequest, request: Request) -> dict:
     engine, settings = _ctx(request)
     path = resolve_adapter_path(body.path, settings.adapter_roots, "path")
-    view = await engine.swap(body.name, body.slot, path)
+    view = await engine.swap(body.name, body.slot, path, reload=body.reload)
     return {"adapter": view.as_dict()}
 
 

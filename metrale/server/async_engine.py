@@ -22,7 +22,10 @@ from typing import TypeVar
 
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.outputs import RequestOutput
+from metrale.engine.registry import AdapterSource
 from metrale.engine.sampling_params import SamplingParams
+from metrale.pool.staging import StagingBuffers
+from metrale.pool.swap import Prepared
 from metrale.server.adapter_ops import AdapterOps, AdapterView
 from metrale.server.errors import EngineUnavailableError
 from metrale.server.metrics import ServerMetrics
@@ -45,8 +48,12 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """on_fatal: called on the engine thread if the loop itself fails (not one request:
+        those fail alone); the server exits the process rather than answer 503 forever."""
         self.engine = engine
+        self._on_fatal = on_fatal
         self.metrics = metrics or ServerMetrics()
         self.metrics.instrument(engine.lora)
         self.ops = AdapterOps(engine, self.metrics)
@@ -57,6 +64,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # why the engine thread died, if it did
         self._accepting = True
+        self._io_lock = asyncio.Lock()
+        self._staging = StagingBuffers(engine.device)  # admin landings' own (see _with_bytes)
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -135,20 +144,37 @@ class AsyncEngine:
                 except EngineUnavailableError:
                     pass  # stopped meanwhile: shutdown aborts every request
 
-    # --- adapter management (awaited, on the engine thread) -------------------------------
+    # --- adapter management: bytes read here, off the engine thread; changes on it ----------
 
     async def register(self, name: str, path: str | Path, pinned: bool = False,
                        reload: bool = False) -> AdapterView:
-        return await self.call(lambda: self.ops.register(name, path, pinned, reload))
+        await self.call(lambda: self.ops.check_register(name, reload))  # before any I/O
+        source = await asyncio.to_thread(self.engine.check_adapter, name, path)
+        if not pinned:
+            return await self.call(lambda: self.ops.register(name, source, False, reload, None))
+        return await self._with_bytes(
+            name, source, lambda p: self.ops.register(name, source, True, reload, p))
 
     async def promote(self, name: str) -> tuple[AdapterView, str | None]:
-        return await self.call(lambda: self.ops.promote(name))
+        if await self.call(lambda: self.ops.is_resident(name)):
+            return await self.call(lambda: self.ops.promote(name, None))
+        source = await self.call(lambda: self.ops.source_of(name))
+        return await self._with_bytes(name, source, lambda p: self.ops.promote(name, p))
 
-    async def swap(self, name: str, slot: int, path: str | Path | None = None) -> AdapterView:
-        return await self.call(lambda: self.ops.swap(name, slot, path))
+    async def swap(self, name: str, slot: int, path: str | Path | None = None,
+                   reload: bool = False) -> AdapterView:
+        if path is None:
+            source = await self.call(lambda: self.ops.source_of(name))
+            return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, None, False, p))
+        await self.call(lambda: self.ops.check_register(name, reload))
+        source = await asyncio.to_thread(self.engine.check_adapter, name, path)
+        return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, source, reload, p))
 
     async def pin(self, name: str, pinned: bool = True) -> AdapterView:
-        return await self.call(lambda: self.ops.set_pinned(name, pinned))
+        if not pinned or await self.call(lambda: self.ops.is_resident(name)):
+            return await self.call(lambda: self.ops.set_pinned(name, pinned, None))
+        source = await self.call(lambda: self.ops.source_of(name))
+        return await self._with_bytes(name, source, lambda p: self.ops.set_pinned(name, True, p))
 
     async def unload(self, name: str) -> str:
         return await self.call(lambda: self.ops.unload(name))
@@ -157,7 +183,19 @@ class AsyncEngine:
         return await self.call(self.ops.snapshot)
 
     async def is_known(self, name: str) -> bool:
-        return await self.call(lambda: name in self.ops.registry and name not in self.ops.draining)
+        return await self.call(lambda: self.engine.registry.get(name) is not None)
+
+    async def _with_bytes(self, name: str, source: AdapterSource,
+                          land: Callable[[Prepared], T]) -> T:
+        """Read and check the adapter on a thread (a slow disk or peer stalls nobody), then
+        land it on the engine thread. One at a time: the staging buffers are reused."""
+        async with self._io_lock:
+            prepared = await asyncio.to_thread(self.engine.adapters.prepare, name, source,
+                                               self._staging, False)
+            try:
+                return await self.call(lambda: land(prepared))
+            finally:
+                prepared.close()
 
     # --- the engine thread ---------------------------------------------------------------
 
@@ -169,7 +207,7 @@ class AsyncEngine:
                 outputs = engine.step()
                 self.ops.after_step()
                 self._dispatch(outputs)
-                if not outputs:
+                if not outputs and not engine.wait_for_work(_WAIT_POLL_S):
                     self._wake.wait(_WAIT_POLL_S if engine.has_unfinished_requests() else None)
             for request_id in list(engine.requests):
                 engine.abort(request_id)
@@ -178,6 +216,8 @@ class AsyncEngine:
             self.error = e
             self._stop.set()
             self._fail_leftovers(EngineUnavailableError(f"the engine failed: {e!r}"))
+            if self._on_fatal is not None:
+                self._on_fatal(e)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from metrale.engine.sampling_params import InvalidSamplingParamsError
 from metrale.errors import (
     AdapterError,
+    AdapterExistsError,
     InvalidNameError,
     LandingError,
     MetraleError,
@@ -51,10 +52,6 @@ class AdapterPathError(ServerError):
     status = 403
 
 
-class AdapterExistsError(ServerError):
-    status = 409
-
-
 class PayloadTooLargeError(ServerError):
     status = 413
 
@@ -74,6 +71,7 @@ _TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
     (RuntimeSwapsDisabledError, 403, "permission_error", "runtime_swaps_disabled"),
     (UnknownAdapterError, 404, "not_found_error", "model_not_found"),
     (SlotBusyError, 409, "conflict_error", "slot_busy"),
+    (AdapterExistsError, 409, "conflict_error", "adapter_exists"),
     (AdapterError, 422, "invalid_request_error", "invalid_adapter"),
     (PoolFullError, 503, "service_unavailable_error", "pool_full"),
     (LandingError, 500, "internal_error", "landing_failed"),

@@ -153,6 +153,7 @@ class SlotLoadRequest(BaseModel):  # the original engine's /v1/lora/load
     name: str
     path: str
     slot: int
+    reload: bool = False  # an existing name is refused unless this declares a reload
 
 
 class ActiveAdapterRequest(BaseModel):  # the original engine's /v1/lora/active

@@ -12,7 +12,6 @@ import logging
 import os
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 
@@ -76,7 +75,7 @@ def build_app(args: argparse.Namespace):
     for name, path in pinned.items():
         engine.register_adapter(name, path, pinned=True)
     if args.no_runtime_swaps:
-        engine.lora.pool_config = replace(engine.lora.pool_config, allow_runtime_swaps=False)
+        engine.lora.disable_runtime_swaps()
 
     settings = ServerSettings(
         model_id=model_dir.name, host=args.host, port=args.port,
@@ -84,10 +83,18 @@ def build_app(args: argparse.Namespace):
         admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
         adapter_roots=tuple(Path(r) for r in args.adapter_root),
         max_tokens_limit=args.max_tokens_limit)
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, on_fatal=_exit_on_engine_failure)
     if args.peer_export_port is not None:
         _start_exporter(async_engine, args)
     return create_app(async_engine, settings), settings, list(pinned) + list(unpinned)
+
+
+def _exit_on_engine_failure(error: BaseException) -> None:
+    """The engine loop itself failed (a bug or a device error, never one request's fault):
+    exit non-zero so a supervisor restarts the server, instead of answering 503 forever."""
+    print(f"metrale: the engine loop failed ({error!r}); exiting with status 70", file=sys.stderr,
+          flush=True)
+    os._exit(70)
 
 
 def _start_exporter(async_engine, args: argparse.Namespace) -> None:

@@ -1,0 +1,67 @@
+"""OutputProcessor: sampled tokens -> RequestOutputs. Appends each token, detokenises,
+applies stop strings and length limits, and decides which requests finished. It frees
+nothing itself: the engine releases the finished requests' KV and slot references."""
+
+from __future__ import annotations
+
+from metrale.engine.outputs import RequestOutput
+from metrale.engine.sequence import Sequence
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_ids: set[int], max_seq_tokens: int) -> None:
+        self.tokenizer, self.eos_ids, self.max_seq_tokens = tokenizer, eos_ids, max_seq_tokens
+
+    def process(self, seqs: list[Sequence], tokens: list[int],
+                logprobs: list[dict | None]) -> list[RequestOutput]:
+        return [self._append(seq, token, lp) for seq, token, lp in zip(seqs, tokens, logprobs)]
+
+    def _append(self, seq: Sequence, token: int, lp: dict | None) -> RequestOutput:
+        seq.output_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        p = seq.params
+        reason = "stop" if token in self.eos_ids and not p.ignore_eos else None
+        full = self._decode(seq.output_ids)
+        for stop in p.stop:
+            at = full.find(stop)
+            if at >= 0:
+                full, reason = full[:at], "stop"
+                break
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_seq_tokens):
+            reason = "length"
+        prev = seq.text
+        seq.text = full if reason else _stable_prefix(full, p.stop, prev)
+        out = output_of(seq, delta_text=seq.text[len(prev):], delta_ids=[token])
+        if reason is not None:
+            out.finished, out.finish_reason = True, reason
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def output_of(seq: Sequence, delta_text: str = "", delta_ids: list[int] | None = None) -> RequestOutput:
+    return RequestOutput(
+        seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), False,
+        delta_text=delta_text, delta_token_ids=delta_ids or [],
+        logprobs=list(seq.logprobs), adapter=seq.adapter, num_cached_tokens=seq.num_cached_tokens,
+    )
+
+
+def failed_output(seq: Sequence) -> RequestOutput:
+    out = output_of(seq)
+    out.finished, out.finish_reason, out.error = True, "error", seq.error
+    return out
+
+
+def _stable_prefix(full: str, stops: tuple[str, ...], emitted: str) -> str:
+    """The part of `full` that can be streamed now: never text a stop string may
+    still cut (hold back len(stop) - 1 chars), nor a half-decoded character, and
+    never shorter than or different from what was already sent."""
+    hold = max((len(s) for s in stops), default=1) - 1
+    stable = full[:len(full) - hold] if hold else full
+    stable = stable.rstrip("\ufffd")
+    return stable if stable.startswith(emitted) and len(stable) >= len(emitted) else emitted

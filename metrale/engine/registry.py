@@ -1,0 +1,157 @@
+"""AdapterRegistry: the one owner of adapter names.
+
+Each registration is an immutable AdapterVersion; a reload makes a new one. Every
+landing carries the version it read, and commits only if that version is still its
+name's current one, so a reload can never be undone by a landing that started before
+it. The registry does no I/O and touches no slot: the engine validates files before
+asking it, and turns its answers into slot operations.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from metrale.errors import (
+    AdapterConfigError,
+    AdapterExistsError,
+    InvalidNameError,
+    SlotBusyError,
+    UnknownAdapterError,
+)
+from metrale.pool.swap import validate_adapter_name
+
+PEER_SCHEME = "peer://"
+_versions = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class PeerRef:
+    addr: str  # host:port of a peer store or engine
+    adapter_id: str
+
+    def __str__(self) -> str:
+        return f"{PEER_SCHEME}{self.addr}/{self.adapter_id}"
+
+
+def parse_peer_uri(uri: str) -> PeerRef:
+    """peer://host:port/ADAPTER_ID -> PeerRef."""
+    rest = uri[len(PEER_SCHEME):]
+    addr, sep, adapter_id = rest.partition("/")
+    if not uri.startswith(PEER_SCHEME) or not sep or not addr or not adapter_id:
+        raise AdapterConfigError(f"peer source {uri!r} must look like peer://host:port/ADAPTER_ID")
+    return PeerRef(addr, adapter_id)
+
+
+@dataclass(frozen=True)
+class AdapterSource:
+    """Where an adapter's bytes come from: a PEFT directory or a peer."""
+
+    path: Path | None = None
+    peer: PeerRef | None = None
+    peft: object = field(default=None, compare=False)  # a peer adapter's config override
+
+    @classmethod
+    def of(cls, spec: str | Path | AdapterSource) -> AdapterSource:
+        if isinstance(spec, AdapterSource):
+            return spec
+        if isinstance(spec, str) and spec.startswith(PEER_SCHEME):
+            return cls(peer=parse_peer_uri(spec))
+        if not isinstance(spec, (str, Path)):
+            raise AdapterConfigError(f"adapter source {spec!r} must be a directory or peer:// URI")
+        return cls(path=Path(spec))
+
+    def __str__(self) -> str:
+        return str(self.peer) if self.peer is not None else str(self.path)
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    name: str
+    source: AdapterSource
+    version: int  # process-wide, never reused: a reload always gets a new one
+    pinned: bool = False
+
+
+class AdapterRegistry:
+    def __init__(self, reserved_names: tuple[str, ...] = ()) -> None:
+        self._current: dict[str, AdapterVersion] = {}
+        self._draining: dict[str, int] = {}  # unloaded name -> slot still serving it
+        self._reserved = {n.lower() for n in reserved_names}
+
+    # --- reads -------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return sorted(self._current)
+
+    def get(self, name: str) -> AdapterVersion | None:
+        return self._current.get(name)
+
+    def current(self, name: str) -> AdapterVersion:
+        version = self._current.get(name)
+        if version is None:
+            if name in self._draining:
+                raise UnknownAdapterError(f"adapter {name!r} is being unloaded")
+            raise UnknownAdapterError(
+                f"adapter {name!r} is not registered; register it first "
+                f"(known: {', '.join(self.names()) or 'none'})")
+        return version
+
+    def is_current(self, version: AdapterVersion) -> bool:
+        """Pinning keeps the version; only a reload or an unload replaces it."""
+        current = self._current.get(version.name)
+        return current is not None and current.version == version.version
+
+    def draining(self) -> dict[str, int]:
+        return dict(self._draining)
+
+    # --- changes -----------------------------------------------------------------------
+
+    def check_new(self, name: str, reload: bool) -> None:
+        """Refusals of register(name, reload) that need no I/O: call before validating
+        files, so a refused call costs nothing."""
+        validate_adapter_name(name)
+        if name.lower() in self._reserved:
+            raise InvalidNameError(
+                f"adapter name {name!r} is reserved: it names the base model; choose another")
+        self._refuse_draining(name)
+        if name in self._current and not reload:
+            raise AdapterExistsError(
+                f"adapter {name!r} is already registered; unload it first or reload it "
+                "(reload=True) to serve new files under the same name")
+
+    def register(self, name: str, source: str | Path | AdapterSource, pinned: bool = False,
+                 reload: bool = False) -> AdapterVersion:
+        """A new current version of `name` (its files validated by the caller). A reload
+        keeps the pin unless pinned is given as True."""
+        self.check_new(name, reload)
+        old = self._current.get(name)
+        version = AdapterVersion(name, AdapterSource.of(source), next(_versions),
+                                 pinned or bool(old and old.pinned))
+        self._current[name] = version
+        return version
+
+    def set_pinned(self, name: str, pinned: bool) -> AdapterVersion:
+        version = replace(self.current(name), pinned=pinned)
+        self._current[name] = version
+        return version
+
+    def unload(self, name: str, draining_slot: int | None) -> AdapterVersion:
+        """The name admits nothing from now on; draining_slot (if any) still serves its
+        in-flight requests until the engine frees it (drained)."""
+        self._refuse_draining(name)
+        version = self.current(name)
+        del self._current[name]
+        if draining_slot is not None:
+            self._draining[name] = draining_slot
+        return version
+
+    def drained(self, name: str) -> None:
+        self._draining.pop(name, None)
+
+    def _refuse_draining(self, name: str) -> None:
+        if name in self._draining:
+            raise SlotBusyError(
+                f"adapter {name!r} is being unloaded and still serves in-flight requests in "
+                f"slot {self._draining[name]}; retry when they finish")

@@ -1,0 +1,103 @@
+"""Landing: one adapter going into one slot, from `LoraSlots.begin` to `commit` or `fail`.
+
+While a Landing is open its slot is LOADING: it has no name, routes no request and is
+never a victim, so its bytes may be written from a worker thread or a side stream while
+the engine keeps stepping. Every source of bytes (disk staging, the host tier, an HTTP
+or NIXL peer) writes through the methods here, never into the pool directly: a peer
+gets checked byte ranges inside this slot, not the pool's base pointer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from metrale.adapters.plan import AdapterPlan
+from metrale.errors import LandingError, NonFiniteWeightsError
+from metrale.pool.host_tier import TierEntry
+from metrale.pool.pool import AdapterPool, ByteRange
+from metrale.pool.slots import SlotTable
+
+log = logging.getLogger("metrale.pool")
+
+
+@dataclass(frozen=True)
+class LandingResult:
+    slot: int
+    uid: int
+    seconds: float
+
+
+class Landing:
+    def __init__(self, table: SlotTable, pool: AdapterPool, slot: int,
+                 write_image: Callable[[TierEntry, int], None]) -> None:
+        self._table, self._pool, self.slot = table, pool, slot
+        self._write_image = write_image
+        self._tables: AdapterPlan | None = None  # rank/scale rows still to write at commit
+        self._open = True
+        self.start = time.perf_counter()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    # --- bytes in ----------------------------------------------------------------------
+
+    def write_views(self, plan: AdapterPlan, views: list[torch.Tensor]) -> None:
+        """Staged, checked tensors (on the pool's device) into the slot. The rank/scale
+        rows wait for commit: their copy from host memory would block on the stream."""
+        self._pool.land(self.slot, plan, views, tables=False)
+        self._tables = plan
+
+    def write_image(self, entry: TierEntry) -> None:
+        """A host-tier slot image (bytes and table rows) in one copy."""
+        self._write_image(entry, self.slot)
+        self._tables = None
+
+    def byte_ranges(self, plan: AdapterPlan) -> list[ByteRange]:
+        """Where each of the plan's tensors goes inside this slot, for a transport that
+        writes raw bytes (NIXL); call check_written afterwards."""
+        self._tables = plan
+        return self._pool.slot_byte_ranges(self.slot, plan)
+
+    def check_written(self, plan: AdapterPlan) -> None:
+        """Raw bytes skipped staging's NaN/Inf check: check the slot in place. It was
+        zeroed at begin, so one pass over the whole region covers every tensor."""
+        if not self._pool.slot_is_finite(self.slot):
+            raise NonFiniteWeightsError(f"{plan.source}: the landed bytes hold NaN or Inf")
+
+    # --- the end -----------------------------------------------------------------------
+
+    def commit(self, name: str) -> LandingResult:
+        """LOADING -> READY under `name` (the bytes must have landed)."""
+        self._close()
+        try:
+            if self._tables is not None:
+                self._pool.set_tables(self.slot, self._tables)
+        except BaseException as e:
+            raise self._failed(e) from e
+        uid = self._table.finish_load(self.slot, name)
+        seconds = time.perf_counter() - self.start
+        log.info("%r landed in slot %d (uid=%d, generation=%d) in %.2f ms", name, self.slot,
+                 uid, self._table.info(self.slot).generation, seconds * 1e3)
+        return LandingResult(self.slot, uid, seconds)
+
+    def fail(self, reason: BaseException | str) -> LandingError:
+        """Zero the slot; EMPTY with a fresh identity. Returns the error to raise."""
+        self._close()
+        return self._failed(reason)
+
+    def _failed(self, reason: BaseException | str) -> LandingError:
+        self._pool.zero_slot(self.slot)
+        self._table.fail_load(self.slot)
+        log.warning("landing into slot %d failed: %s", self.slot, reason)
+        return LandingError(f"landing into slot {self.slot} failed ({reason}); the slot is now EMPTY")
+
+    def _close(self) -> None:
+        if not self._open:
+            raise AssertionError(f"landing into slot {self.slot} already ended")
+        self._open = False

@@ -1,0 +1,135 @@
+"""Same-name reloads never serve old weights: requests admitted after a reload get the new
+version's tokens (compared with transformers + PEFT on the new files), requests already
+running finish on the old version, and no old KV is reused. The three ways main served old
+weights before the registry: a reload of a resident name through the Python API, a
+promotion in flight while the files are rewritten in place, and a rewrite that keeps the
+files' size and mtime."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import pytest
+from peft import PeftModel
+
+from metrale import LLM, SamplingParams
+from metrale.errors import AdapterExistsError
+from metrale.pool.staging import StagingBuffers
+from tests.helpers.engine import run_until_done, step_until, step_until_running
+from tests.test_engine_vs_hf import hf_greedy
+from tests.tiny_models import make_adapter, make_model, save_model
+
+PROMPT = [5, 17, 99, 3, 42, 8, 120, 77, 61, 2, 9, 13, 200]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reload")
+    base = make_model("llama", seed=4)
+    save_model(base, root / "model")
+    make_adapter(base, root / "old", seed=50, r=4, lora_alpha=8, target_modules="all-linear")
+    make_adapter(base, root / "new", seed=51, r=4, lora_alpha=8, target_modules="all-linear")
+    return root
+
+
+def reference(adapter_dir) -> list[int]:
+    model = PeftModel.from_pretrained(make_model("llama", seed=4), adapter_dir)
+    return hf_greedy(model, PROMPT, GREEDY.max_tokens)[0]
+
+
+@pytest.fixture(scope="module")
+def refs(root):
+    return {"old": reference(root / "old"), "new": reference(root / "new")}
+
+
+def _llm(root):
+    return LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
+               num_kv_blocks=128)
+
+
+def _copy_adapter(src, dst) -> None:
+    dst.mkdir(exist_ok=True)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(src / f, dst / f)
+
+
+def test_reload_of_a_resident_name_serves_the_new_version(root, refs, tmp_path):
+    llm = _llm(root)
+    engine = llm.engine
+    llm.register_adapter("x", root / "old")
+    assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["old"]
+    with pytest.raises(AdapterExistsError):  # never half a reload: refused outright
+        llm.register_adapter("x", root / "new")
+    assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["old"]
+    running = engine.add_request(PROMPT, GREEDY, "x")
+    step_until_running(engine, running)
+    llm.register_adapter("x", root / "new", reload=True)
+    after = engine.add_request(PROMPT, GREEDY, "x")
+    done = run_until_done(engine)
+    assert done[running].token_ids == refs["old"]  # in flight: finishes on its version
+    assert done[after].token_ids == refs["new"]
+    assert done[after].num_cached_tokens == 0  # no prefix hit on the old version's KV
+    assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["new"]
+    engine.lora.table.check_integrity()
+
+
+def test_reload_in_place_while_a_promotion_is_in_flight(root, refs, tmp_path, monkeypatch):
+    """The worker has read the old bytes when the files are rewritten in place and a
+    reload of the same path arrives: the staged old bytes must never serve."""
+    adapter = tmp_path / "x"
+    _copy_adapter(root / "old", adapter)
+    llm = _llm(root)
+    engine = llm.engine
+    llm.register_adapter("x", adapter)
+    read_done, release = threading.Event(), threading.Event()
+    original = StagingBuffers.read_file
+
+    def read_then_hold(self, *args):
+        data = original(self, *args)
+        read_done.set()
+        release.wait(30)
+        return data
+
+    monkeypatch.setattr(StagingBuffers, "read_file", read_then_hold)
+    before = engine.add_request(PROMPT, GREEDY, "x")
+    step_until(engine, read_done.is_set)  # the worker holds the old bytes
+    _copy_adapter(root / "new", adapter)
+    llm.register_adapter("x", adapter, reload=True)
+    after = engine.add_request(PROMPT, GREEDY, "x")
+    release.set()
+    done = run_until_done(engine)
+    assert done[after].token_ids == refs["new"]
+    # `before` was still waiting for its slot at the reload: it binds the current version
+    assert done[before].token_ids == refs["new"]
+    assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["new"]
+    engine.lora.table.check_integrity()
+
+
+def test_rewrite_that_keeps_size_and_mtime_lands_the_new_contents(root, tmp_path):
+    """`cp -p`, tar and `rsync -t` keep size and mtime: the plan cache and the host tier
+    must still see new contents (here a new lora_alpha of the same width)."""
+    adapter = tmp_path / "x"
+    _copy_adapter(root / "old", adapter)
+    config_path = adapter / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["lora_alpha"] = 8
+    config_path.write_text(json.dumps(config))
+    expected_old = reference(adapter)
+    llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
+              num_kv_blocks=128, host_tier_bytes=1 << 24)
+    llm.register_adapter("x", adapter)
+    assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == expected_old
+    stat = config_path.stat()
+    config["lora_alpha"] = 3  # same width: the file keeps its size
+    config_path.write_text(json.dumps(config))
+    os.utime(config_path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert config_path.stat().st_size == stat.st_size
+    assert config_path.stat().st_mtime_ns == stat.st_mtime_ns
+    expected_new = reference(adapter)
+    assert expected_new != expected_old
+    llm.register_adapter("x", adapter, reload=True)
+    assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == expected_new
