@@ -55,7 +55,7 @@ def test_seed_peer_operations(store):
     assert (slot, evicted) == (0, None)
     engine.swap_lora_slot_from_peer(store, "b", "x", slot)  # same name, new contents
     assert engine.lora.table.info(slot).name == "x"
-    assert str(engine.adapters.registry["x"].peer) == f"peer://{store}/b"
+    assert str(engine.registry.current("x").source.peer) == f"peer://{store}/b"
     out = llm.generate(PROMPT, GREEDY, "x")[0]
     disk = _llm()
     disk.register_adapter("b", adapter_dir("b"))

@@ -161,8 +161,9 @@ def test_random_operations_follow_the_rules(seed):
                 uid = table.finish_load(slot, name)
                 assert uid not in uids
                 uids.add(uid)
-                if name in model.name:
-                    model.name[model.name.index(name)] = None
+                if name in model.name:  # detached: unnamed, so nobody could unpin it
+                    old = model.name.index(name)
+                    model.name[old], model.pinned[old] = None, False
                 model.name[slot] = name
                 model.used[slot] = model.tick()
             model.filled[slot] = True

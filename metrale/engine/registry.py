@@ -88,6 +88,11 @@ class AdapterRegistry:
     def get(self, name: str) -> AdapterVersion | None:
         return self._current.get(name)
 
+    def changeable(self, name: str) -> AdapterVersion:
+        """current(name) for an operation that would change it: a draining name is busy."""
+        self.refuse_draining(name)
+        return self.current(name)
+
     def current(self, name: str) -> AdapterVersion:
         version = self._current.get(name)
         if version is None:
@@ -115,7 +120,7 @@ class AdapterRegistry:
         if name.lower() in self._reserved:
             raise InvalidNameError(
                 f"adapter name {name!r} is reserved: it names the base model; choose another")
-        self._refuse_draining(name)
+        self.refuse_draining(name)
         if name in self._current and not reload:
             raise AdapterExistsError(
                 f"adapter {name!r} is already registered; unload it first or reload it "
@@ -140,7 +145,7 @@ class AdapterRegistry:
     def unload(self, name: str, draining_slot: int | None) -> AdapterVersion:
         """The name admits nothing from now on; draining_slot (if any) still serves its
         in-flight requests until the engine frees it (drained)."""
-        self._refuse_draining(name)
+        self.refuse_draining(name)
         version = self.current(name)
         del self._current[name]
         if draining_slot is not None:
@@ -150,7 +155,7 @@ class AdapterRegistry:
     def drained(self, name: str) -> None:
         self._draining.pop(name, None)
 
-    def _refuse_draining(self, name: str) -> None:
+    def refuse_draining(self, name: str) -> None:
         if name in self._draining:
             raise SlotBusyError(
                 f"adapter {name!r} is being unloaded and still serves in-flight requests in "

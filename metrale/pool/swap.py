@@ -303,7 +303,7 @@ class LoraSlots:
         alone reuses image memory."""
         identity = adapter_identity(adapter_dir)
         tier = self.host_tier
-        entry = tier.get(identity) if use_tier and self.tier_has(identity) else None
+        entry = tier.get(identity) if use_tier and tier is not None and tier.enabled else None
         if entry is not None:
             return Prepared(lambda landing: landing.write_image(entry))
         plan = self.plan_from_disk(adapter_dir, name)

@@ -76,12 +76,12 @@ class AdapterOps:
         return self.view(name)
 
     def is_resident(self, name: str) -> bool:
-        self.registry.current(name)
+        self.registry.changeable(name)
         return self.table.slot_of(name) is not None
 
     def promote(self, name: str, prepared: Prepared | None) -> tuple[AdapterView, str | None]:
         """Make `name` resident; a resident adapter only gets its recency refreshed."""
-        version = self.registry.current(name)
+        version = self.registry.changeable(name)
         slot = self.table.slot_of(name)
         if slot is not None:
             self.table.touch(slot)
@@ -94,24 +94,26 @@ class AdapterOps:
         """Land `name` into `slot`: its registered version, or `source` as a new
         registration (an existing name only when reload)."""
         if source is None:
-            self.engine.land(self.registry.current(name), slot, prepared)
+            self.engine.land(self.registry.changeable(name), slot, prepared)
         else:
             self.registry.check_new(name, reload)
             self.engine.swap_adapter(name, source, slot, prepared)
         return self.view(name)
 
     def set_pinned(self, name: str, pinned: bool, prepared: Prepared | None) -> AdapterView:
+        self.registry.refuse_draining(name)
         self.engine.pin_adapter(name, pinned, prepared)
         return self.view(name)
 
     def unload(self, name: str) -> str:
         """'unloaded' when the slot (if any) is free now, 'draining' when it is freed later."""
+        self.registry.refuse_draining(name)
         result = self.engine.unload_adapter(name)
         log.info("%s", kv(event="unload", adapter=name, result=result))
         return result
 
     def source_of(self, name: str) -> AdapterSource:
-        return self.registry.current(name).source
+        return self.registry.changeable(name).source
 
     # --- after every step -------------------------------------------------------------
 
