@@ -146,10 +146,14 @@ class LLMEngine:
             seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return outputs
-        tokens, logprobs = self.runner.run(seqs, is_prefill)
+        results = self.runner.run(seqs, is_prefill)
         now = time.monotonic()
-        for seq, token, lp in zip(seqs, tokens, logprobs):
-            outputs.append(self._append(seq, token, lp, now))
+        for seq, result in zip(seqs, results):
+            if result.error is not None:  # a bad row fails its own sequence, never the batch
+                seq.error = result.error
+                outputs.append(self._fail(seq))
+                continue
+            outputs.append(self._append(seq, result.token, result.logprob, now))
         return outputs
 
     def _promotions(self) -> list[RequestOutput]:
