@@ -114,7 +114,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         message = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
             for e in errors) or "invalid request"
-        return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None),
+        # the request's field; deeper parts of loc name pydantic's union members, not fields
+        return JSONResponse(error_body(message, "invalid_request_error", loc[0] if loc else None),
                             status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
