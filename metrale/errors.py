@@ -83,3 +83,11 @@ class NonFiniteWeightsError(AdapterFileError):
 
 class LandingError(MetraleError):
     """A landing failed after the slot was zeroed; the slot is now EMPTY with a new identity."""
+
+
+# --- generation failures (one sequence fails, the batch goes on) ----------------
+
+
+class SamplingError(MetraleError):
+    """No token could be drawn for one sequence (its logits were NaN, +inf or all -inf);
+    only that sequence fails."""

@@ -265,7 +265,8 @@ def test_admin_endpoints_refuse_the_user_key(server, client, ref):
 
 def test_health_and_metrics(server):
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
-    text = httpx.get(f"{server.url}/metrics").text
+    assert httpx.get(f"{server.url}/metrics").status_code == 401  # --api-key guards it too
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {USER}"}).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("metrale_adapter_resident", "metrale_adapter_swap_seconds",
                  "metrale_adapter_promote_seconds", "metrale_refusals", "metrale_pool_full_waits",

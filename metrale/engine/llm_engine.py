@@ -131,8 +131,7 @@ class LLMEngine:
         outputs = self._between_steps()
         seqs, is_prefill = self.scheduler.schedule()
         if seqs:
-            tokens, logprobs = self.runner.run(seqs, is_prefill)
-            outputs += self.output_processor.process(seqs, tokens, logprobs)
+            outputs += self.output_processor.process(seqs, self.runner.run(seqs, is_prefill))
         for out in outputs:
             self._finish(out)
         return outputs

@@ -5,6 +5,7 @@ nothing itself: the engine releases the finished requests' KV and slot reference
 from __future__ import annotations
 
 from metrale.engine.outputs import RequestOutput
+from metrale.engine.sampler import SampleResult
 from metrale.engine.sequence import Sequence
 
 
@@ -12,9 +13,16 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_ids: set[int], max_seq_tokens: int) -> None:
         self.tokenizer, self.eos_ids, self.max_seq_tokens = tokenizer, eos_ids, max_seq_tokens
 
-    def process(self, seqs: list[Sequence], tokens: list[int],
-                logprobs: list[dict | None]) -> list[RequestOutput]:
-        return [self._append(seq, token, lp) for seq, token, lp in zip(seqs, tokens, logprobs)]
+    def process(self, seqs: list[Sequence], results: list[SampleResult]) -> list[RequestOutput]:
+        outputs = []
+        for seq, result in zip(seqs, results):
+            seq.num_computed = len(seq)  # the step computed KV for every token it was given
+            if result.error is not None:  # a bad row fails its own sequence, never the batch
+                seq.error = result.error
+                outputs.append(failed_output(seq))
+            else:
+                outputs.append(self._append(seq, result.token, result.logprob))
+        return outputs
 
     def _append(self, seq: Sequence, token: int, lp: dict | None) -> RequestOutput:
         seq.output_ids.append(token)

@@ -12,7 +12,7 @@ import torch
 
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.cuda_graphs import DecodeGraphs
-from metrale.engine.sampler import sample
+from metrale.engine.sampler import SampleResult, sample
 from metrale.engine.sequence import Sequence
 from metrale.model.context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
@@ -63,14 +63,12 @@ class ModelRunner:
         return max(min(wanted, budget // self._block_bytes()), 1)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[dict | None]]:
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[SampleResult]:
         if not is_prefill and self.graphs is not None and self.graphs.can_run(len(seqs)):
             lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
             logits = self.graphs.run(seqs, lora)  # [B, V]
         else:
             logits = self._run_eager(seqs, is_prefill)
-        for seq in seqs:
-            seq.num_computed = len(seq)
         return sample(logits, seqs)
 
     def _run_eager(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:

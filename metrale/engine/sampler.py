@@ -1,43 +1,97 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+One sequence's bad logits (NaN, +inf, or nothing left above -inf) fail that
+sequence alone: `sample` returns a SampleResult per sequence and never raises for
+a row. Invalid probabilities never reach torch.multinomial, where on CUDA they
+would trip a device-side assert and take the whole engine down.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from metrale.engine.sampling_params import SamplingParams
 from metrale.engine.sequence import Sequence
+from metrale.errors import MetraleError, SamplingError
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
-    """logits: [B, V] float32 -> one token per sequence (+ logprobs where asked)."""
-    greedy = logits.argmax(dim=-1)  # [B]
-    tokens = greedy.tolist()
+@dataclass(frozen=True)
+class SampleResult:
+    """A token (plus its logprobs where asked), or the error that failed the sequence."""
+
+    token: int | None
+    logprob: dict | None = None
+    error: MetraleError | None = None
+
+    @classmethod
+    def failed(cls, error: MetraleError) -> SampleResult:
+        return cls(None, None, error)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+    """logits: [B, V] float32 -> one result per sequence, in order."""
+    # One reduction for the batch: the argmax of every greedy row, and the row max,
+    # which is finite exactly when the row has no NaN, no +inf and some finite value.
+    row_max, argmax = logits.max(dim=-1)  # [B], [B]
+    usable = torch.isfinite(row_max).tolist()
+    tokens = argmax.tolist()
+    results: list[SampleResult | None] = [None] * len(seqs)
     for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature  # [V]
-        if p.top_k:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always the top token)
-            drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
-            probs = probs.scatter(0, order[drop], 0.0)
-        gen = seq.generator
-        if gen is None and p.seed is not None:
-            gen = seq.generator = torch.Generator(device=logits.device).manual_seed(p.seed)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
-    logprobs: list[dict | None] = [None] * len(seqs)
-    wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    if wanted:
-        lp = torch.log_softmax(logits[wanted], dim=-1)  # [W, V]
-        for row, i in enumerate(wanted):
-            k = seqs[i].params.logprobs
-            top = torch.topk(lp[row], k) if k else None
-            logprobs[i] = {
-                "token": tokens[i], "logprob": float(lp[row, tokens[i]]),
-                "top": [] if top is None else list(zip(top.indices.tolist(), top.values.tolist())),
-            }
-    return tokens, logprobs
+        if not usable[i]:
+            results[i] = SampleResult.failed(SamplingError(
+                f"request {seq.request_id}: the model produced non-finite logits "
+                f"(max {float(row_max[i])}); no token can be drawn"))
+        elif not seq.params.greedy:
+            try:
+                tokens[i] = _sample_row(logits[i], seq)
+            except RuntimeError as e:  # a backstop: the row is checked above, this must not happen
+                results[i] = SampleResult.failed(
+                    SamplingError(f"request {seq.request_id}: sampling failed: {e}"))
+    wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and results[i] is None]
+    logprobs = _logprobs(logits, seqs, tokens, wanted)
+    return [r if r is not None else SampleResult(tokens[i], logprobs.get(i))
+            for i, r in enumerate(results)]
+
+
+def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
+    """row: [V] with a finite max. Every step below keeps the top token, so the
+    probabilities handed to multinomial always have a positive, finite sum."""
+    p: SamplingParams = seq.params
+    # Shift before dividing: the max becomes 0 and the rest <= 0, so even the smallest
+    # non-greedy temperature cannot overflow to inf (inf - inf = NaN in the softmax).
+    row = (row - row.max()) / p.temperature  # [V]
+    if p.top_k:
+        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p
+        drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
+        # always the top token: a top_p below float32's smallest value (5e-324) rounds to 0
+        drop[0] = False
+        probs = probs.scatter(0, order[drop], 0.0)
+    gen = seq.generator
+    if gen is None and p.seed is not None:
+        gen = seq.generator = torch.Generator(device=row.device).manual_seed(p.seed)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int],
+              wanted: list[int]) -> dict[int, dict]:
+    if not wanted:
+        return {}
+    lp = torch.log_softmax(logits[wanted], dim=-1)  # [W, V]
+    # a -inf logit (masked, or overflowed in half precision) must still serialise as JSON
+    lp = lp.clamp(min=torch.finfo(lp.dtype).min)
+    out = {}
+    for row, i in enumerate(wanted):
+        k = min(seqs[i].params.logprobs, lp.shape[-1])
+        top = torch.topk(lp[row], k) if k else None
+        out[i] = {
+            "token": tokens[i], "logprob": float(lp[row, tokens[i]]),
+            "top": [] if top is None else list(zip(top.indices.tolist(), top.values.tolist())),
+        }
+    return out

@@ -15,11 +15,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metrale.errors import MetraleError
 from metrale.server import admin_api, openai_api
 from metrale.server.async_engine import AsyncEngine
+from metrale.server.auth import AuthGate
 from metrale.server.errors import error_body, exception_body
 from metrale.server.metrics import ServerMetrics
 from metrale.server.settings import ServerSettings
@@ -112,7 +114,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         message = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
             for e in errors) or "invalid request"
-        return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None),
+        # the request's field; deeper parts of loc name pydantic's union members, not fields
+        return JSONResponse(error_body(message, "invalid_request_error", loc[0] if loc else None),
                             status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -146,4 +149,17 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(admin_api.reads)
     app.include_router(admin_api.admin)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics)
+    # added last, so outermost: the key is checked before the body is even measured
+    app.add_middleware(AuthGate, settings=settings, metrics=metrics, is_admin=_is_admin,
+                       docs_paths=_docs_paths(app))
     return app
+
+
+def _is_admin(scope: Scope) -> bool:
+    """A request for a mutation route (method included: GET /v1/lora/active is a read)."""
+    return any(route.matches(scope)[0] is Match.FULL for route in admin_api.admin.routes)
+
+
+def _docs_paths(app: FastAPI) -> frozenset[str]:
+    return frozenset(p for p in (app.docs_url, app.redoc_url, app.openapi_url,
+                                 app.swagger_ui_oauth2_redirect_url) if p)

@@ -4,20 +4,39 @@
 - no admin key, loopback host: mutations are guarded like inference (API key, if any).
 - no admin key, reachable host: mutations are disabled (403) whatever the caller sends.
 The admin key is also accepted wherever the API key is.
+
+AuthGate applies these checks in front of the whole app, before anything reads the
+request body: a caller without the key gets 401/403 whatever it sends, never a 400
+or 413 that would tell it how its body was judged. Every path needs the API key
+(when one is set) except /health, and /metrics and the docs where the settings open
+them. The routers' dependencies (require_user, require_admin) still run in the route.
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from metrale.server.errors import AuthenticationError, PermissionDeniedError
+from metrale.server.errors import (
+    AuthenticationError,
+    PermissionDeniedError,
+    ServerError,
+    exception_body,
+)
+from metrale.server.metrics import ServerMetrics
 from metrale.server.settings import ServerSettings
 
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
 
-def _bearer(request: Request) -> str | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+
+def _bearer(authorization: str | None) -> str | None:
+    scheme, _, token = (authorization or "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
@@ -26,25 +45,23 @@ def _matches(token: str | None, key: str | None) -> bool:
     return token is not None and key is not None and hmac.compare_digest(token.encode(), key.encode())
 
 
-def require_user(request: Request) -> None:
-    settings: ServerSettings = request.app.state.settings
+def check_user(settings: ServerSettings, authorization: str | None) -> None:
     if settings.api_key is None:
         return
-    token = _bearer(request)
+    token = _bearer(authorization)
     if not (_matches(token, settings.api_key) or _matches(token, settings.admin_key)):
         raise AuthenticationError(
             "missing or invalid API key: send the header 'Authorization: Bearer <api key>'")
 
 
-def require_admin(request: Request) -> None:
-    settings: ServerSettings = request.app.state.settings
+def check_admin(settings: ServerSettings, authorization: str | None) -> None:
     if settings.admin_key is None:
         if settings.admin_open_to_network:
             raise PermissionDeniedError(
                 f"adapter management is disabled: the server listens on {settings.host!r}, "
                 "beyond loopback, without an admin key; restart it with --admin-key KEY")
-        return require_user(request)
-    token = _bearer(request)
+        return check_user(settings, authorization)
+    token = _bearer(authorization)
     if _matches(token, settings.admin_key):
         return
     if _matches(token, settings.api_key):
@@ -53,3 +70,54 @@ def require_admin(request: Request) -> None:
             "allows inference")
     raise AuthenticationError(
         "missing or invalid admin key: send the header 'Authorization: Bearer <admin key>'")
+
+
+def require_user(request: Request) -> None:
+    check_user(request.app.state.settings, request.headers.get("authorization"))
+
+
+def require_admin(request: Request) -> None:
+    check_admin(request.app.state.settings, request.headers.get("authorization"))
+
+
+Check = Callable[[ServerSettings, str | None], None]
+
+
+class AuthGate:
+    """ASGI middleware: the key check of every HTTP request, before its body is read.
+
+    is_admin(scope) says whether the request is a mutation (needs the admin key)."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics,
+                 is_admin: Callable[[Scope], bool], docs_paths: frozenset[str]) -> None:
+        self.app, self.settings, self.metrics = app, settings, metrics
+        self.is_admin, self.docs_paths = is_admin, docs_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        check = self._check_for(scope)
+        if check is not None:
+            try:
+                check(self.settings, Headers(scope=scope).get("authorization"))
+            except ServerError as e:
+                return await self._refuse(e, scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _check_for(self, scope: Scope) -> Check | None:
+        path = scope["path"]
+        if path == HEALTH_PATH:
+            return None
+        if path == METRICS_PATH and self.settings.public_metrics:
+            return None
+        if path in self.docs_paths and self.settings.public_docs:
+            return None
+        # deny by default: unknown paths need the key too (a 404 would map the API)
+        return check_admin if self.is_admin(scope) else check_user
+
+    async def _refuse(self, error: ServerError, scope: Scope, receive: Receive,
+                      send: Send) -> None:
+        self.metrics.refusals.labels(type(error).__name__).inc()
+        status, body = exception_body(error)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)

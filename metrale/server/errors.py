@@ -17,6 +17,7 @@ from metrale.errors import (
     PeerUnavailableError,
     PoolFullError,
     RuntimeSwapsDisabledError,
+    SamplingError,
     SlotBusyError,
     SlotOutOfRangeError,
     UnknownAdapterError,
@@ -75,6 +76,7 @@ _TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
     (AdapterError, 422, "invalid_request_error", "invalid_adapter"),
     (PoolFullError, 503, "service_unavailable_error", "pool_full"),
     (LandingError, 500, "internal_error", "landing_failed"),
+    (SamplingError, 500, "internal_error", "sampling_failed"),
     (PeerNotAllowedError, 403, "permission_error", "peer_not_allowed"),
     (PeerUnavailableError, 502, "bad_gateway_error", "peer_unavailable"),
 ]
@@ -99,7 +101,14 @@ def classify(exc: BaseException) -> tuple[int, str, str | None]:
 
 def error_body(message: str, kind: str, param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": _utf8(message), "type": kind,
+                      "param": None if param is None else _utf8(param), "code": code}}
+
+
+def _utf8(text: str) -> str:
+    # A message may quote the client (a JSON "\ud800" decodes to a lone surrogate);
+    # UTF-8 cannot encode that, and the refusal itself would fail with a 500.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def exception_body(exc: BaseException) -> tuple[int, dict]:

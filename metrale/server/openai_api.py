@@ -54,13 +54,14 @@ def resolve_adapter(body: _Request, settings: ServerSettings) -> str | None:
     return name
 
 
-def _max_tokens(requested: int | None, default: int, settings: ServerSettings) -> int:
+def _max_tokens(requested: int | None, default: int, settings: ServerSettings,
+                param: str = "max_tokens") -> int:
     if requested is None:
         return min(default, settings.max_tokens_limit)
     if requested > settings.max_tokens_limit:
         raise BadRequestError(
-            f"max_tokens={requested} exceeds this server's limit of {settings.max_tokens_limit} "
-            "(--max-tokens-limit)", "max_tokens")
+            f"{param}={requested} exceeds this server's limit of {settings.max_tokens_limit} "
+            "(--max-tokens-limit)", param)
     return requested  # < 1 is refused by SamplingParams
 
 
@@ -163,7 +164,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if room < 1:
         raise BadRequestError(f"the messages fill the model's context of "
                               f"{engine.engine.max_seq_tokens} tokens", "messages")
-    max_tokens = _max_tokens(body.requested_max_tokens, room, settings)
+    max_tokens = _max_tokens(body.requested_max_tokens, room, settings,
+                             body.api_param("max_tokens"))
     params = body.sampling_params(max_tokens, body.engine_logprobs)
     adapter = resolve_adapter(body, settings)
     fmt = ChatFormatter(body.model or settings.model_id, TokenText(engine.engine.tokenizer),

@@ -4,16 +4,49 @@ Unknown fields are accepted and ignored (clients send `user`, `metadata`...),
 but a field that would change the output and that the engine cannot honour
 (n > 1, penalties, logit_bias, echo, tools...) is refused with 400 rather than
 silently ignored.
+
+Types are strict (a bool or a numeric string is no number, a float no integer):
+pydantic refuses the shape with the field's name, SamplingParams the range.
+No string may hold a lone surrogate: UTF-8 cannot encode it, so the tokenizer
+or the JSON answer would fail on it later.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, field_validator
 
-from metrale.engine.sampling_params import SamplingParams
+from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from metrale.server.errors import BadRequestError
+
+Number = StrictFloat | StrictInt  # never a bool, never a string
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """Any string in value (nested lists and dicts, keys too) that UTF-8 cannot encode.
+    Iterative: a deeply nested body must not overflow the stack here."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _valid_unicode(value: Any) -> Any:
+    if has_lone_surrogate(value):
+        raise ValueError("invalid Unicode: the string holds a lone surrogate")
+    return value
 
 
 class _Request(BaseModel):
@@ -21,19 +54,21 @@ class _Request(BaseModel):
 
     model: str | None = None
     adapter: str | None = None  # metrale extension; when present it wins over `model`
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM)
-    n: int | None = None
-    stream: bool | None = False
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None  # extension (vLLM)
+    n: StrictInt | None = None
+    stream: StrictBool | None = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
-    ignore_eos: bool | None = None  # extension (vLLM)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    seed: StrictInt | None = None
+    max_tokens: StrictInt | None = None
+    ignore_eos: StrictBool | None = None  # extension (vLLM)
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
+
+    _unicode = field_validator("*", mode="before")(_valid_unicode)
 
     @property
     def include_usage(self) -> bool:
@@ -49,22 +84,31 @@ class _Request(BaseModel):
             raise BadRequestError("logit_bias is not supported by this server", "logit_bias")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises InvalidSamplingParamsError (400) on out-of-range values."""
+        """Raises InvalidSamplingParamsError (400) on out-of-range values, naming the
+        request's field."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0, seed=self.seed, stop=tuple(stop),
-            ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
-        )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0, seed=self.seed, stop=tuple(stop),
+                ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
+            )
+        except InvalidSamplingParamsError as e:
+            e.param = e.param and self.api_param(e.param)
+            raise
+
+    def api_param(self, engine_name: str) -> str:
+        """The request field a SamplingParams field comes from."""
+        return engine_name
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = False
-    best_of: int | None = None
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = False
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
@@ -95,6 +139,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    _unicode = field_validator("*", mode="before")(_valid_unicode)
+
     def as_template_dict(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):  # content parts: only text can be served
@@ -110,9 +156,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -127,6 +173,13 @@ class ChatCompletionRequest(_Request):
                                   "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequestError("top_logprobs requires logprobs=true", "top_logprobs")
+
+    def api_param(self, engine_name: str) -> str:
+        if engine_name == "logprobs":
+            return "top_logprobs"
+        if engine_name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return engine_name
 
     @property
     def requested_max_tokens(self) -> int | None:

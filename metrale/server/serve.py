@@ -82,7 +82,8 @@ def build_app(args: argparse.Namespace):
         api_key=args.api_key or os.environ.get("METRALE_API_KEY") or None,
         admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
         adapter_roots=tuple(Path(r) for r in args.adapter_root),
-        max_tokens_limit=args.max_tokens_limit)
+        max_tokens_limit=args.max_tokens_limit, public_metrics=args.public_metrics,
+        public_docs=args.public_docs)
     async_engine = AsyncEngine(engine, on_fatal=_exit_on_engine_failure)
     if args.peer_export_port is not None:
         _start_exporter(async_engine, args)
@@ -159,6 +160,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                                      "endpoints (or set METRALE_API_KEY)")
     p.add_argument("--admin-key", help="required on every adapter-management endpoint "
                                        "(or set METRALE_ADMIN_KEY)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics without the API key (e.g. to a Prometheus scraper); "
+                        "by default it needs the key whenever --api-key is set")
+    p.add_argument("--public-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json without the API key; by "
+                        "default they need the key whenever --api-key is set")
     p.add_argument("--no-runtime-swaps", action="store_true",
                    help="freeze the adapter pool after start-up")
     p.add_argument("--promotion-timeout", type=float, default=30.0,

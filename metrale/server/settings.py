@@ -29,6 +29,10 @@ class ServerSettings:
     adapter_roots: tuple[Path, ...] = ()  # path-based loading only inside these; none = refused
     max_tokens_limit: int = 2048
     max_body_bytes: int = 1 << 20
+    # With an API key set, /metrics and the API docs need it too unless opened here:
+    # metrics name every adapter, the docs map every endpoint.
+    public_metrics: bool = False  # /metrics without a key (a Prometheus scraper)
+    public_docs: bool = False  # /docs, /redoc and /openapi.json without a key
     # Used by requests that name no adapter. Changed only by POST /v1/lora/active,
     # never by promotions or swaps: which adapter answers must not depend on cache state.
     default_adapter: str | None = None
