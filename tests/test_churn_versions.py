@@ -11,14 +11,13 @@ import shutil
 
 import pytest
 import torch
-from peft import PeftModel
 
 from metrale import LLM, SamplingParams
 from metrale.errors import MetraleError, PoolFullError, SlotBusyError, UnknownAdapterError
 from tests.helpers.engine import step_until
 from tests.tiny_models import make_adapter, make_model, save_model
 
-N_CONTENTS = 64  # distinct adapter files; every registration or reload is a new version
+N_CONTENTS = 24  # distinct adapter files; every registration or reload is a new version
 N_NAMES = 12
 N_REQUESTS = 2000
 GEN = 3
@@ -62,7 +61,7 @@ def test_every_token_matches_its_version_under_churn(world, tmp_path):
     root, refs = world
     rng = random.Random(7)
     llm = LLM(root / "model", max_loras=8, max_lora_rank=8, block_size=4, max_model_len=64,
-              num_kv_blocks=256, max_num_seqs=16, host_tier_bytes=1 << 22)
+              num_kv_blocks=512, max_num_seqs=32, host_tier_bytes=1 << 22)
     engine, table = llm.engine, llm.engine.lora.table
     names = [f"n{i}" for i in range(N_NAMES)]
     content: dict[str, int] = {}  # name -> content of its current version

@@ -33,6 +33,7 @@ from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersi
 from metrale.engine.sequence import Sequence
 from metrale.errors import (
     AdapterFileError,
+    LandingError,
     MetraleError,
     PoolFullError,
     StaleVersionError,
@@ -240,10 +241,28 @@ class AdapterManager:
     def advance(self, now: float) -> list[Sequence]:
         """Move promotions on by what happened since the last boundary; returns the
         sequences that failed (their adapter was refused, unloaded, or never got a slot)."""
-        failed = self._advance_job()
+        failed = self._guarded(self._advance_job)
         if self.job is None:
-            failed += self._start_next()
+            failed += self._guarded(self._start_next)
         return failed + self._expire(now)
+
+    def _guarded(self, advance) -> list[Sequence]:
+        """A failure nobody foresaw in one promotion fails that promotion's requests with a
+        typed error and frees its slot; it never reaches the engine loop."""
+        try:
+            return advance()
+        except Exception as e:
+            job, self.job = self.job, None
+            if job is None:
+                raise  # not a promotion's failure: a bug in the loop itself
+            log.exception("promotion of %r failed unexpectedly", job.version.name)
+            error = LandingError(f"landing adapter {job.version.name!r} failed: {e!r}")
+            if job.landing is not None and job.landing.is_open:
+                job.landing.fail(e)
+            if job.prepared is not None:
+                job.prepared.close()
+            self._notify(job, None, error)
+            return self._fail(job.version.name, error)
 
     def _start_next(self) -> list[Sequence]:
         failed = []
@@ -333,12 +352,13 @@ class AdapterManager:
             return []  # keep the staged bytes; wait for a slot to drain
         job.evicted = self.slots.table.info(slot).name
         if prepared is None:  # host-tier hit: one H2D copy, here
-            self.job = None
             try:
                 self.slots.land(slot, name, self.prepare(name, job.version.source))
             except MetraleError as e:
+                self.job = None
                 self._notify(job, None, e)
                 return self._fail(name, e)
+            self.job = None
             self._promoted(job, slot)
             return []
         job.prepared = prepared
