@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from metrale.adapters.input_limits import brief
+from metrale.adapters.patterns import MatchBudget
 from metrale.adapters.peft_config import ALL_LINEAR, PeftAdapterConfig
 from metrale.adapters.safetensors_file import TensorEntry, read_header
 from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
@@ -66,8 +68,11 @@ def module_universe(model: ModelConfig) -> list[tuple[str, int | None, str | Non
 def resolve_targets(
     peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig
 ) -> tuple[ModuleTarget, ...]:
-    """The (layer, module) pairs PEFT would wrap, with PEFT's rank and scale for each."""
+    """The (layer, module) pairs PEFT would wrap, with PEFT's rank and scale for each.
+    All regex matching shares one MatchBudget, so a pathological pattern costs at
+    most patterns.MATCH_BUDGET_S before an AdapterConfigError."""
     universe = module_universe(model)
+    budget = MatchBudget()
     if isinstance(peft.target_modules, str) and peft.target_modules.lower() == ALL_LINEAR:
         # PEFT expands "all-linear" to every Linear but the output head, by full path.
         linear = tuple(p for p, layer, _ in universe if layer is not None)
@@ -76,7 +81,7 @@ def resolve_targets(
         _refuse_unknown_names(peft.target_modules, universe, model)
     targets = []
     for path, layer, module in universe:
-        if not peft.targets(path):
+        if not peft.targets(path, budget):
             continue
         if layer is None:
             raise UnsupportedAdapterError(
@@ -88,27 +93,29 @@ def resolve_targets(
                 f"{', '.join(pool.target_modules)}; start the engine with {module} in its "
                 "LoRA target modules"
             )
-        rank = peft.rank_for(path)
+        rank = peft.rank_for(path, budget)
         if rank > pool.max_lora_rank:
             raise AdapterMismatchError(
                 f"{path} has rank {rank} > max_lora_rank {pool.max_lora_rank}; "
                 f"start the engine with max_lora_rank >= {peft.max_rank()}"
             )
-        targets.append(ModuleTarget(layer, module, rank, peft.scaling_for(path)))
+        targets.append(ModuleTarget(layer, module, rank, peft.scaling_for(path, budget)))
     if not targets:
         raise AdapterMismatchError(
-            f"target_modules {peft.target_modules!r} matches no module of this "
+            f"target_modules {brief(peft.target_modules)} matches no module of this "
             f"{model.model_type} model"
         )
     return tuple(targets)
 
 
 def _refuse_unknown_names(names, universe, model: ModelConfig) -> None:
-    paths = [p for p, _, _ in universe]
+    # every path and every `.`-suffix of one: PEFT's list rule, as set lookups
+    known = {p[i + 1:] for p, _, _ in universe for i, c in enumerate(p) if c == "."}
+    known.update(p for p, _, _ in universe)
     for name in names:
-        if not any(p == name or p.endswith(f".{name}") for p in paths):
+        if name not in known:
             raise AdapterMismatchError(
-                f"target module {name!r} does not exist in a {model.model_type} model "
+                f"target module {brief(name)} does not exist in a {model.model_type} model "
                 f"(known: {', '.join(LINEAR_MODULES)})"
             )
 
