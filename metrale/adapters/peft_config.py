@@ -265,23 +265,26 @@ def _check_numbers(c: PeftAdapterConfig) -> None:
 def _check_scales(c: PeftAdapterConfig) -> None:
     """Every alpha against every rank, through the extremes: the largest |alpha| over
     the smallest rank and the smallest non-zero |alpha| over the largest rank."""
-    ranks = [c.r, *(r for _, r in c.rank_pattern)]
-    alphas = [c.lora_alpha, *(a for _, a in c.alpha_pattern)]
-    big = max(alphas, key=abs)
-    worst = _scale(big, min(ranks), c.use_rslora)
+    ranks = [("r", c.r), *((f"rank_pattern[{brief(k)}]", r) for k, r in c.rank_pattern)]
+    alphas = [("lora_alpha", c.lora_alpha),
+              *((f"alpha_pattern[{brief(k)}]", a) for k, a in c.alpha_pattern)]
+    kind = "lora_alpha / sqrt(r) (rsLoRA)" if c.use_rslora else "lora_alpha / r"
+    (a_name, big), (r_name, low) = max(alphas, key=lambda x: abs(x[1])), min(ranks, key=lambda x: x[1])
+    worst = _scale(big, low, c.use_rslora)
     if not abs(worst) <= MAX_SCALE:
         raise AdapterConfigError(
-            f"lora_alpha {big!r} with rank {min(ranks)} gives a LoRA scale of {worst:.4g}; "
-            f"|scale| must be <= {MAX_SCALE:g} (check lora_alpha, alpha_pattern and r)"
+            f"{a_name}={big!r} with {r_name}={low} gives a LoRA scale ({kind}) of {worst:.4g}; "
+            f"|scale| must be <= {MAX_SCALE:g}: lower the alpha or raise the rank"
         )
-    nonzero = [a for a in alphas if a != 0]
+    nonzero = [(n, a) for n, a in alphas if a != 0]
     if nonzero:
-        small = min(nonzero, key=abs)
-        least = _scale(small, max(ranks), c.use_rslora)
+        (a_name, small), (r_name, high) = min(nonzero, key=lambda x: abs(x[1])), max(ranks, key=lambda x: x[1])
+        least = _scale(small, high, c.use_rslora)
         if np.float32(least) == 0:
             raise AdapterConfigError(
-                f"lora_alpha {small!r} with rank {max(ranks)} gives a LoRA scale of {least:.4g}, "
-                "which is 0 in float32; use lora_alpha 0 to disable a module, or a larger alpha"
+                f"{a_name}={small!r} with {r_name}={high} gives a LoRA scale ({kind}) of "
+                f"{least:.4g}, which is 0 in float32; use alpha 0 to switch a module off, "
+                "or a larger alpha"
             )
 
 
