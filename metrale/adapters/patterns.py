@@ -50,8 +50,8 @@ _SCOPED_FLAGS = re.compile(r"\(\?([aiLmsux]*)(?:-[imsx]*)?[:)]")
 class MatchBudget:
     """Seconds of regex matching left to one resolution (shared by its calls)."""
 
-    def __init__(self, seconds: float = MATCH_BUDGET_S) -> None:
-        self.left = seconds
+    def __init__(self, seconds: float | None = None) -> None:
+        self.left = MATCH_BUDGET_S if seconds is None else seconds
 
     def run(self, pattern: PeftPattern, call, key: str):
         if self.left <= 0:
