@@ -519,3 +519,18 @@ def test_check_weights_file_shrank(good):
     path.write_bytes(path.read_bytes()[:-64])
     with pytest.raises(FILE):
         check_weights(p, torch.float32)
+
+
+@pytest.mark.parametrize("path", ["bad\x00dir", 5, None, "/nonexistent/adapter"])
+def test_odd_adapter_paths_are_typed(path):
+    with pytest.raises(CFG):
+        plan(path)
+
+
+def test_directory_in_place_of_a_file(good):
+    (good / "adapter_model.safetensors").unlink()
+    (good / "adapter_model.safetensors").mkdir()
+    refused(good, FILE)
+    (good / "adapter_config.json").unlink()
+    (good / "adapter_config.json").mkdir()
+    refused(good, CFG)

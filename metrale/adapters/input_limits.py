@@ -36,6 +36,17 @@ def read_capped(f: BinaryIO, limit: int, source: object, error: type[AdapterErro
     return raw
 
 
+def probe(path: Path, error: type[AdapterError]) -> os.stat_result | None:
+    """stat(path), None when it does not exist; a path that cannot be looked at
+    (permissions, a NUL byte, a symlink loop) is the caller's typed error."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError, TypeError) as e:
+        raise error(f"cannot access {path}: {e}") from None
+
+
 def open_regular(path: Path, error: type[AdapterError]) -> BinaryIO:
     """path opened for reading, refused unless it is a regular file. O_NONBLOCK: a
     FIFO planted in an adapter dir must not block the open waiting for a writer."""

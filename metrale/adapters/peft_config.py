@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from metrale.adapters.input_limits import brief, parse_json, read_capped_path
+from metrale.adapters.input_limits import brief, parse_json, probe, read_capped_path
 from metrale.adapters.patterns import (
     MatchBudget,
     PeftPattern,
@@ -159,7 +159,7 @@ class PeftAdapterConfig:
     @classmethod
     def from_dir(cls, adapter_dir: str | Path) -> PeftAdapterConfig:
         path = Path(adapter_dir) / "adapter_config.json"
-        if not path.exists():
+        if probe(path, AdapterConfigError) is None:
             raise AdapterConfigError(
                 f"{path} not found: an adapter dir needs PEFT's adapter_config.json"
             )

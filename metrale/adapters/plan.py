@@ -5,11 +5,12 @@ scale. Nothing here touches a device or a slot."""
 from __future__ import annotations
 
 import re
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from metrale.adapters.input_limits import brief
+from metrale.adapters.input_limits import brief, probe
 from metrale.adapters.patterns import MatchBudget
 from metrale.adapters.peft_config import ALL_LINEAR, PeftAdapterConfig
 from metrale.adapters.safetensors_file import TensorEntry, read_header
@@ -124,13 +125,17 @@ def plan_adapter(
     adapter_dir: str | Path, name: str, model: ModelConfig, pool: PoolConfig
 ) -> AdapterPlan:
     """Read and check the whole adapter (config, header, every tensor's shape)."""
-    adapter_dir = Path(adapter_dir)
-    if not adapter_dir.is_dir():
+    try:
+        adapter_dir = Path(adapter_dir)
+    except TypeError:
+        raise AdapterConfigError(f"adapter path {brief(adapter_dir)} is not a path") from None
+    found = probe(adapter_dir, AdapterConfigError)
+    if found is None or not stat.S_ISDIR(found.st_mode):
         raise AdapterConfigError(f"{adapter_dir} is not a directory")
     peft = PeftAdapterConfig.from_dir(adapter_dir)
     weights = adapter_dir / "adapter_model.safetensors"
-    if not weights.exists():
-        if (adapter_dir / "adapter_model.bin").exists():
+    if probe(weights, AdapterFileError) is None:
+        if probe(adapter_dir / "adapter_model.bin", AdapterFileError) is not None:
             raise AdapterFileError(
                 f"{adapter_dir} holds a pickled adapter_model.bin, which can run code on "
                 "load; convert it to adapter_model.safetensors (PEFT: "
@@ -162,13 +167,13 @@ def _match_tensors(
         m = _KEY_RE.match(entry.name)
         if m is None:
             raise UnsupportedAdapterError(
-                f"{source}: tensor {entry.name!r} is not a LoRA A/B weight metrale "
+                f"{source}: tensor {brief(entry.name)} is not a LoRA A/B weight metrale "
                 "serves (DoRA magnitudes, embedding LoRA, biases and overlays are refused)"
             )
         target = by_path.get(m["module"])
         if target is None:
             raise AdapterMismatchError(
-                f"{source}: tensor {entry.name!r} is for a module the adapter config "
+                f"{source}: tensor {brief(entry.name)} is for a module the adapter config "
                 "does not target in this model (or a module this model does not have)"
             )
         kind = "A" if m["kind"] == "lora_A" else "B"
