@@ -109,19 +109,11 @@ class PeftAdapterConfig:
             return False
         return layer == idx if isinstance(idx, int) else layer in idx
 
-    @staticmethod
-    def _pattern_value(patterns: tuple[tuple[PeftPattern, Any], ...], key: str, default: Any,
-                       budget: MatchBudget) -> Any:
-        for pattern, value in patterns:  # first match in file order wins, as in PEFT
-            if pattern.suffix_match(key, budget):
-                return value
-        return default
-
     def rank_for(self, key: str, budget: MatchBudget | None = None) -> int:
-        return self._pattern_value(self._match.rank, key, self.r, budget or MatchBudget())
+        return self._match.rank.value_for(key, self.r, budget or MatchBudget())
 
     def alpha_for(self, key: str, budget: MatchBudget | None = None) -> float:
-        return self._pattern_value(self._match.alpha, key, self.lora_alpha, budget or MatchBudget())
+        return self._match.alpha.value_for(key, self.lora_alpha, budget or MatchBudget())
 
     def scaling_for(self, key: str, budget: MatchBudget | None = None) -> float:
         budget = budget or MatchBudget()
@@ -210,13 +202,41 @@ class RegexMatcher:
         return self.pattern.fullmatch(key, budget)
 
 
+class PatternTable:
+    """rank_pattern / alpha_pattern: the value of the first key (in file order) that
+    re.match(rf"(.*\\.)?({key})$", module) accepts, as PEFT's get_pattern_key. Plain
+    keys (an exporter sends one re.escape'd path per module) are looked up by the
+    module's dot-suffixes instead of tried one by one."""
+
+    def __init__(self, field_name: str, entries: tuple[tuple[str, Any], ...]) -> None:
+        self.entries = tuple((suffix_pattern(f"{field_name} key", k), v) for k, v in entries)
+        self.first_plain: dict[str, int] = {}
+        for i, (pattern, _) in enumerate(self.entries):
+            if pattern.literal is not None:
+                self.first_plain.setdefault(pattern.literal, i)
+        self.regexes = tuple((i, p, v) for i, (p, v) in enumerate(self.entries) if p.literal is None)
+
+    def value_for(self, key: str, default: Any, budget: MatchBudget) -> Any:
+        if "\n" in key:  # `$` before a final newline: leave that corner to the patterns
+            return next((v for p, v in self.entries if p.suffix_match(key, budget)), default)
+        suffixes = [key, *(key[i + 1:] for i, c in enumerate(key) if c == ".")]
+        first = min((self.first_plain[s] for s in suffixes if s in self.first_plain),
+                    default=len(self.entries))
+        for i, pattern, value in self.regexes:
+            if i > first:
+                break
+            if pattern.suffix_match(key, budget):
+                return value
+        return self.entries[first][1] if first < len(self.entries) else default
+
+
 @dataclass(frozen=True)
 class _Matchers:
     target: PeftPattern | NameSet
     exclude: RegexMatcher | NameSet | None
     layers: tuple[PeftPattern, ...]
-    rank: tuple[tuple[PeftPattern, int], ...]
-    alpha: tuple[tuple[PeftPattern, float], ...]
+    rank: PatternTable
+    alpha: PatternTable
 
     @classmethod
     def build(cls, c: PeftAdapterConfig) -> _Matchers:
@@ -226,13 +246,13 @@ class _Matchers:
         e = c.exclude_modules
         exclude = (None if not e else RegexMatcher(fullmatch_pattern("exclude_modules", e))
                    if isinstance(e, str) else NameSet(frozenset(e)))
-        lp = c.layers_pattern
-        layers = tuple(layers_pattern("layers_pattern", p)
-                       for p in ((lp,) if isinstance(lp, str) else lp or ()))
+        lp = c.layers_pattern  # PEFT: None, "" or [] all mean its default layer rule
+        lp = () if not lp else (lp,) if isinstance(lp, str) else lp
+        layers = tuple(layers_pattern("layers_pattern", p) for p in lp)
         return cls(
             target, exclude, layers,
-            tuple((suffix_pattern("rank_pattern key", k), v) for k, v in c.rank_pattern),
-            tuple((suffix_pattern("alpha_pattern key", k), v) for k, v in c.alpha_pattern),
+            PatternTable("rank_pattern", c.rank_pattern),
+            PatternTable("alpha_pattern", c.alpha_pattern),
         )
 
 
