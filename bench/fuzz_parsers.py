@@ -37,7 +37,7 @@ from metrale.adapters import patterns
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import plan_from_tensors, resolve_targets
 from metrale.adapters.safetensors_file import read_header
-from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
+from metrale.config import ModelConfig, PoolConfig
 from metrale.errors import MetraleError
 
 MODEL = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=96,

@@ -289,7 +289,7 @@ def _check_scales(c: PeftAdapterConfig) -> None:
     alphas = [("lora_alpha", c.lora_alpha),
               *((f"alpha_pattern[{brief(k)}]", a) for k, a in c.alpha_pattern)]
     kind = "lora_alpha / sqrt(r) (rsLoRA)" if c.use_rslora else "lora_alpha / r"
-    (a_name, big), (r_name, low) = max(alphas, key=lambda x: abs(x[1])), min(ranks, key=lambda x: x[1])
+    (a_name, big), (r_name, low) = max(alphas, key=_magnitude), min(ranks, key=_value)
     worst = _scale(big, low, c.use_rslora)
     if not abs(worst) <= MAX_SCALE:
         raise AdapterConfigError(
@@ -298,7 +298,7 @@ def _check_scales(c: PeftAdapterConfig) -> None:
         )
     nonzero = [(n, a) for n, a in alphas if a != 0]
     if nonzero:
-        (a_name, small), (r_name, high) = min(nonzero, key=lambda x: abs(x[1])), max(ranks, key=lambda x: x[1])
+        (a_name, small), (r_name, high) = min(nonzero, key=_magnitude), max(ranks, key=_value)
         least = _scale(small, high, c.use_rslora)
         if np.float32(least) == 0:
             raise AdapterConfigError(
@@ -306,6 +306,14 @@ def _check_scales(c: PeftAdapterConfig) -> None:
                 f"{least:.4g}, which is 0 in float32; use alpha 0 to switch a module off, "
                 "or a larger alpha"
             )
+
+
+def _magnitude(named: tuple[str, float]) -> float:
+    return abs(named[1])
+
+
+def _value(named: tuple[str, float]) -> float:
+    return named[1]
 
 
 def _check_layer_fields(c: PeftAdapterConfig) -> None:
