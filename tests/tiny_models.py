@@ -73,3 +73,32 @@ def peft_deltas(peft_model) -> dict[str, torch.Tensor]:
             b = module.lora_B["default"].weight.float()
             out[name] = module.scaling["default"] * (b @ a)
     return out
+
+
+def write_lora(path: Path, arch: str = "llama", seed: int = 0, dtype=torch.float32,
+               **config) -> Path:
+    """A PEFT-format adapter dir (adapter_config.json + adapter_model.safetensors) written
+    directly, without building a model: for validation tests that corrupt it. `config`
+    overrides the adapter_config.json fields (r, lora_alpha, target_modules...); the
+    tensors cover target_modules (a list of short names) on every layer at rank r."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from metrale.config import ModelConfig
+
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+           "bias": "none", "use_dora": False, "use_rslora": False, **config}
+    model = ModelConfig.from_hf_dict(hf_config(arch).to_dict())
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(model.num_layers):
+        for module in cfg["target_modules"]:
+            d_in, d_out = model.linear_shape(module)
+            prefix = f"base_model.model.{model.module_path(layer, module)}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(cfg["r"], d_in, generator=gen).to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, cfg["r"], generator=gen).to(dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    save_file(tensors, path / "adapter_model.safetensors")
+    return path

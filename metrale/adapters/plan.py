@@ -5,10 +5,13 @@ scale. Nothing here touches a device or a slot."""
 from __future__ import annotations
 
 import re
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from metrale.adapters.input_limits import brief, probe
+from metrale.adapters.patterns import MatchBudget
 from metrale.adapters.peft_config import ALL_LINEAR, PeftAdapterConfig
 from metrale.adapters.safetensors_file import TensorEntry, read_header
 from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
@@ -66,8 +69,11 @@ def module_universe(model: ModelConfig) -> list[tuple[str, int | None, str | Non
 def resolve_targets(
     peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig
 ) -> tuple[ModuleTarget, ...]:
-    """The (layer, module) pairs PEFT would wrap, with PEFT's rank and scale for each."""
+    """The (layer, module) pairs PEFT would wrap, with PEFT's rank and scale for each.
+    All regex matching shares one MatchBudget, so a pathological pattern costs at
+    most patterns.MATCH_BUDGET_S before an AdapterConfigError."""
     universe = module_universe(model)
+    budget = MatchBudget()
     if isinstance(peft.target_modules, str) and peft.target_modules.lower() == ALL_LINEAR:
         # PEFT expands "all-linear" to every Linear but the output head, by full path.
         linear = tuple(p for p, layer, _ in universe if layer is not None)
@@ -76,7 +82,7 @@ def resolve_targets(
         _refuse_unknown_names(peft.target_modules, universe, model)
     targets = []
     for path, layer, module in universe:
-        if not peft.targets(path):
+        if not peft.targets(path, budget):
             continue
         if layer is None:
             raise UnsupportedAdapterError(
@@ -88,27 +94,29 @@ def resolve_targets(
                 f"{', '.join(pool.target_modules)}; start the engine with {module} in its "
                 "LoRA target modules"
             )
-        rank = peft.rank_for(path)
+        rank = peft.rank_for(path, budget)
         if rank > pool.max_lora_rank:
             raise AdapterMismatchError(
                 f"{path} has rank {rank} > max_lora_rank {pool.max_lora_rank}; "
                 f"start the engine with max_lora_rank >= {peft.max_rank()}"
             )
-        targets.append(ModuleTarget(layer, module, rank, peft.scaling_for(path)))
+        targets.append(ModuleTarget(layer, module, rank, peft.scaling_for(path, budget)))
     if not targets:
         raise AdapterMismatchError(
-            f"target_modules {peft.target_modules!r} matches no module of this "
+            f"target_modules {brief(peft.target_modules)} matches no module of this "
             f"{model.model_type} model"
         )
     return tuple(targets)
 
 
 def _refuse_unknown_names(names, universe, model: ModelConfig) -> None:
-    paths = [p for p, _, _ in universe]
+    # every path and every `.`-suffix of one: PEFT's list rule, as set lookups
+    known = {p[i + 1:] for p, _, _ in universe for i, c in enumerate(p) if c == "."}
+    known.update(p for p, _, _ in universe)
     for name in names:
-        if not any(p == name or p.endswith(f".{name}") for p in paths):
+        if name not in known:
             raise AdapterMismatchError(
-                f"target module {name!r} does not exist in a {model.model_type} model "
+                f"target module {brief(name)} does not exist in a {model.model_type} model "
                 f"(known: {', '.join(LINEAR_MODULES)})"
             )
 
@@ -117,13 +125,17 @@ def plan_adapter(
     adapter_dir: str | Path, name: str, model: ModelConfig, pool: PoolConfig
 ) -> AdapterPlan:
     """Read and check the whole adapter (config, header, every tensor's shape)."""
-    adapter_dir = Path(adapter_dir)
-    if not adapter_dir.is_dir():
+    try:
+        adapter_dir = Path(adapter_dir)
+    except TypeError:
+        raise AdapterConfigError(f"adapter path {brief(adapter_dir)} is not a path") from None
+    found = probe(adapter_dir, AdapterConfigError)
+    if found is None or not stat.S_ISDIR(found.st_mode):
         raise AdapterConfigError(f"{adapter_dir} is not a directory")
     peft = PeftAdapterConfig.from_dir(adapter_dir)
     weights = adapter_dir / "adapter_model.safetensors"
-    if not weights.exists():
-        if (adapter_dir / "adapter_model.bin").exists():
+    if probe(weights, AdapterFileError) is None:
+        if probe(adapter_dir / "adapter_model.bin", AdapterFileError) is not None:
             raise AdapterFileError(
                 f"{adapter_dir} holds a pickled adapter_model.bin, which can run code on "
                 "load; convert it to adapter_model.safetensors (PEFT: "
@@ -155,13 +167,13 @@ def _match_tensors(
         m = _KEY_RE.match(entry.name)
         if m is None:
             raise UnsupportedAdapterError(
-                f"{source}: tensor {entry.name!r} is not a LoRA A/B weight metrale "
+                f"{source}: tensor {brief(entry.name)} is not a LoRA A/B weight metrale "
                 "serves (DoRA magnitudes, embedding LoRA, biases and overlays are refused)"
             )
         target = by_path.get(m["module"])
         if target is None:
             raise AdapterMismatchError(
-                f"{source}: tensor {entry.name!r} is for a module the adapter config "
+                f"{source}: tensor {brief(entry.name)} is for a module the adapter config "
                 "does not target in this model (or a module this model does not have)"
             )
         kind = "A" if m["kind"] == "lora_A" else "B"

@@ -2,29 +2,42 @@
 
 Every size the header claims is checked against shape x dtype and against the
 file's real length before a single data byte is read, so a lying header can
-never make us copy outside a buffer.
+never make us copy outside a buffer. Every field is type-checked as the format's
+Rust reader types it (u64 offsets, usize dims, string metadata); anything else
+is an AdapterFileError, or an AdapterMismatchError for a valid non-float dtype.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from metrale.adapters.input_limits import brief, open_regular, parse_json
 from metrale.errors import AdapterFileError, AdapterMismatchError
 
 # Dtypes a LoRA may arrive in; anything else (ints, fp8, bool) is refused.
 FLOAT_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
 }
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-             "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+# Every dtype the safetensors format defines: a known non-float one is a mismatch
+# (wrong adapter), an unknown name a broken file.
+KNOWN_DTYPES = frozenset({
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16",
+    "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+})
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+# safetensors' own cap (its Rust reader refuses larger headers); a LoRA's is ~100 KB.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_DIMS = 8  # LoRA tensors are 2-D; more dims can only be another kind of file
+_MAX_U64 = (1 << 64) - 1
+_MAX_DIM = (1 << 63) - 1  # torch sizes are int64
+_ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 
 
 @dataclass(frozen=True)
@@ -53,32 +66,54 @@ class SafetensorsHeader:
 
 
 def read_header(path: Path) -> SafetensorsHeader:
-    try:
-        with open(path, "rb") as f:
-            if not os.path.isfile(path):
-                raise AdapterFileError(f"{path} is not a regular file")
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise AdapterFileError(f"{path} is truncated ({size} bytes): not a safetensors file")
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-                raise AdapterFileError(
-                    f"{path}: header length {header_len} does not fit the {size}-byte file; "
-                    "the file is truncated or not safetensors"
-                )
-            raw = f.read(header_len)
-    except OSError as e:
-        raise AdapterFileError(f"cannot read {path}: {e}") from None
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise AdapterFileError(f"{path}: header is not JSON; not a safetensors file") from None
+    """The checked header of a safetensors file: typed refusals only, and never more
+    than 8 + MAX_HEADER_BYTES bytes read whatever the length field claims."""
+    path = Path(path)
+    with open_regular(path, AdapterFileError) as f:
+        try:
+            size = _file_size(f)
+            header_len = _header_length(path, f, size)
+            raw = f.read(header_len)  # header_len <= MAX_HEADER_BYTES: checked above
+        except OSError as e:
+            raise AdapterFileError(f"cannot read {path}: {e}") from None
+    if len(raw) != header_len:
+        raise AdapterFileError(f"{path}: the file shrank while its header was read")
+    header = parse_json(raw, f"{path} (safetensors header)", AdapterFileError)
     if not isinstance(header, dict):
-        raise AdapterFileError(f"{path}: header is not a JSON object")
-    header.pop("__metadata__", None)
+        raise AdapterFileError(
+            f"{path}: header is a JSON {type(header).__name__}, not an object; not a safetensors file"
+        )
+    _check_metadata(path, header.pop("__metadata__", None))
     data_start = 8 + header_len
     data_bytes = size - data_start
     return SafetensorsHeader(path, data_start, data_bytes, check_entries(path, header, data_bytes))
+
+
+def _file_size(f) -> int:
+    return os.fstat(f.fileno()).st_size
+
+
+def _header_length(path: Path, f, size: int) -> int:
+    if size < 8:
+        raise AdapterFileError(f"{path} is truncated ({size} bytes): not a safetensors file")
+    (header_len,) = struct.unpack("<Q", f.read(8))
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+        raise AdapterFileError(
+            f"{path}: header length {header_len} does not fit the {size}-byte file "
+            f"(or exceeds {MAX_HEADER_BYTES} bytes); the file is truncated or not safetensors"
+        )
+    return header_len
+
+
+def _check_metadata(path: Path, meta: Any) -> None:
+    """safetensors' __metadata__ is null or a map of strings to strings."""
+    if meta is None:
+        return
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise AdapterFileError(
+            f"{path}: __metadata__ must map strings to strings, got {brief(meta)}; "
+            "the file is not valid safetensors"
+        )
 
 
 def check_entries(source: object, specs: dict, data_bytes: int) -> dict[str, TensorEntry]:
@@ -86,33 +121,53 @@ def check_entries(source: object, specs: dict, data_bytes: int) -> dict[str, Ten
     data_bytes: a safetensors header, or a peer's manifest in the same form."""
     if not isinstance(specs, dict):
         raise AdapterFileError(f"{source}: tensor table is not a JSON object")
+    if not isinstance(data_bytes, int) or isinstance(data_bytes, bool) or data_bytes < 0:
+        raise AdapterFileError(f"{source}: data section size {brief(data_bytes)} is not a byte count")
     tensors = {name: _entry(source, name, spec, data_bytes) for name, spec in specs.items()}
     _check_coverage(source, tensors, data_bytes)
     return tensors
 
 
+def _uint(value: Any, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit
+
+
+def _malformed(path: object, name: object, what: str) -> AdapterFileError:
+    return AdapterFileError(f"{path}: header entry for {brief(name)} {what}; the file is not "
+                            "valid safetensors")
+
+
 def _entry(path: object, name: str, spec: object, data_bytes: int) -> TensorEntry:
-    try:
-        dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
-        shape = tuple(int(d) for d in shape)
-        begin, end = int(begin), int(end)
-    except (TypeError, KeyError, ValueError):
-        raise AdapterFileError(f"{path}: malformed header entry for {name!r}") from None
-    if dtype not in _ITEMSIZE:
-        raise AdapterFileError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(name, str):
+        raise _malformed(path, name, "has a non-string name")
+    if not isinstance(spec, dict) or any(k not in spec for k in _ENTRY_KEYS):
+        raise _malformed(path, name, "is not an object with dtype, shape and data_offsets")
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in KNOWN_DTYPES:
+        raise AdapterFileError(f"{path}: tensor {brief(name)} has unknown dtype {brief(dtype)}")
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS or not all(
+            _uint(d, _MAX_DIM) for d in shape):
+        raise _malformed(path, name, f"has shape {brief(shape)}; a shape is a list of at most "
+                                     f"{MAX_DIMS} non-negative integers")
+    if (not isinstance(offsets, (list, tuple)) or len(offsets) != 2
+            or not all(_uint(o, _MAX_U64) for o in offsets)):
+        raise _malformed(path, name, f"has data_offsets {brief(offsets)}; they must be "
+                                     "[begin, end], two non-negative integers")
     if dtype not in FLOAT_DTYPES:
         raise AdapterMismatchError(
-            f"{path}: tensor {name!r} is {dtype}; LoRA weights must be F32, F16, BF16 or F64"
+            f"{path}: tensor {brief(name)} is {dtype}; LoRA weights must be F32, F16, BF16 or F64"
         )
-    if any(d < 0 for d in shape) or not 0 <= begin <= end <= data_bytes:
+    begin, end = offsets
+    shape = tuple(shape)
+    if not begin <= end <= data_bytes:
         raise AdapterFileError(
-            f"{path}: tensor {name!r} claims bytes [{begin}, {end}) of a {data_bytes}-byte "
+            f"{path}: tensor {brief(name)} claims bytes [{begin}, {end}) of a {data_bytes}-byte "
             "data section; the file is truncated or its header lies"
         )
     expected = math.prod(shape) * _ITEMSIZE[dtype]
     if end - begin != expected:
         raise AdapterFileError(
-            f"{path}: tensor {name!r} is {dtype}{list(shape)} = {expected} bytes but the "
+            f"{path}: tensor {brief(name)} is {dtype}{list(shape)} = {expected} bytes but the "
             f"header gives it {end - begin}; the header lies about sizes"
         )
     return TensorEntry(name, dtype, shape, begin, end)
@@ -124,7 +179,7 @@ def _check_coverage(path: object, tensors: dict[str, TensorEntry], data_bytes: i
     for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
         if t.begin != cursor:
             raise AdapterFileError(
-                f"{path}: tensor {t.name!r} starts at byte {t.begin}, expected {cursor}; "
+                f"{path}: tensor {brief(t.name)} starts at byte {t.begin}, expected {cursor}; "
                 "tensors overlap or leave gaps"
             )
         cursor = t.end
