@@ -44,16 +44,18 @@ def world(tmp_path_factory):
     return root, refs
 
 
+@torch.no_grad()
 def _reference(model, prompt) -> tuple[list[int], int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=GEN, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    comparable = GEN
-    for i, scores in enumerate(out.scores):
-        top2 = scores[0].float().topk(2).values
-        if float(top2[0] - top2[1]) < MARGIN:
-            comparable = i + 1  # this token may still flip; the ones after it follow it
-            break
+    """Greedy tokens by full forward passes (EOS does not stop it: the engine runs with
+    ignore_eos) and how many of them a near-tie cannot flip."""
+    ids, tokens, comparable = list(prompt), [], GEN
+    for i in range(GEN):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        top2 = logits.topk(2)
+        if comparable == GEN and float(top2.values[0] - top2.values[1]) < MARGIN:
+            comparable = i  # this token may flip, and the ones after it follow it
+        tokens.append(int(top2.indices[0]))
+        ids.append(tokens[-1])
     return tokens, comparable
 
 
@@ -77,7 +79,9 @@ def test_every_token_matches_its_version_under_churn(world, tmp_path):
         else:
             engine.register_adapter(name, root / f"c{c}", reload=reload)
         content[name] = c
+        counts["versions"] += 1
 
+    counts = {"ok": 0, "error": 0, "abort": 0, "refused_ops": 0, "ops": 0, "versions": 0}
     for name in names:
         register(name, reload=False)
 
@@ -85,7 +89,6 @@ def test_every_token_matches_its_version_under_churn(world, tmp_path):
     prompt_of: dict[str, int] = {}
     adapter_of: dict[str, str | None] = {}
     finished: dict = {}
-    counts = {"ok": 0, "error": 0, "abort": 0, "refused_ops": 0, "ops": 0}
     submitted = 0
 
     def note_bindings() -> None:
@@ -105,6 +108,7 @@ def test_every_token_matches_its_version_under_churn(world, tmp_path):
                 c = rng.randrange(N_CONTENTS)
                 engine.swap_lora_slot_from_disk(root / f"c{c}", name, rng.randrange(8))
                 content[name] = c
+                counts["versions"] += 1
             elif op in ("pin", "unpin"):
                 if op == "pin" and sum(i.pinned for i in table.infos()) >= 3:
                     return  # keep cache slots for everyone else
@@ -161,6 +165,8 @@ def test_every_token_matches_its_version_under_churn(world, tmp_path):
         counts["ok"] += 1
     assert counts["ok"] > N_REQUESTS // 2, counts
     assert engine.adapters.num_promotions > 50, counts
+    assert counts["versions"] >= 64, counts
+    print("churn:", counts, "promotions:", engine.adapters.num_promotions)
     # wait for nothing left in flight, then the pool is consistent and idle
     step_until(engine, lambda: engine.adapters.job is None)
     table.check_integrity()

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from metrale.adapters.plan import plan_adapter
+from metrale.adapters.weights_check import check_weights
 from metrale.config import EngineConfig, ModelConfig, parse_dtype
 from metrale.engine.adapters import AdapterManager, PeerOptions
 from metrale.engine.block_manager import BlockManager
@@ -177,11 +178,13 @@ class LLMEngine:
     # --- adapters: the registry's operations ----------------------------------------------
 
     def check_adapter(self, name: str, source: str | Path | AdapterSource) -> AdapterSource:
-        """Validate a disk adapter's files against this engine (thread-safe: the server runs
-        it off the engine thread). A peer's manifest is validated when it lands."""
+        """Validate a disk adapter's files and weights against this engine, once, at
+        registration (thread-safe: the server runs it off the engine thread). A peer's
+        manifest is validated when it lands."""
         source = AdapterSource.of(source)
         if source.path is not None:
-            plan_adapter(source.path, name, self.model_config, self.lora.pool_config)
+            plan = plan_adapter(source.path, name, self.model_config, self.lora.pool_config)
+            check_weights(plan, self.dtype)  # NaN/Inf, or too large for the pool's dtype
         return source
 
     def register_adapter(self, name: str, source: str | Path | AdapterSource, pinned: bool = False,

@@ -52,6 +52,8 @@ class Landing:
         rows wait for commit: their copy from host memory would block on the stream."""
         self._pool.land(self.slot, plan, views, tables=False)
         self._tables = plan
+        if any(v.dtype != self._pool.layout.dtype for v in views):
+            self.check_written(plan)  # finite in the file's dtype, maybe not in the pool's
 
     def write_image(self, entry: TierEntry) -> None:
         """A host-tier slot image (bytes and table rows) in one copy."""
@@ -68,7 +70,9 @@ class Landing:
         """Raw bytes skipped staging's NaN/Inf check: check the slot in place. It was
         zeroed at begin, so one pass over the whole region covers every tensor."""
         if not self._pool.slot_is_finite(self.slot):
-            raise NonFiniteWeightsError(f"{plan.source}: the landed bytes hold NaN or Inf")
+            raise NonFiniteWeightsError(
+                f"{plan.source}: the landed weights hold NaN or Inf in the pool's dtype "
+                f"({self._pool.layout.dtype})")
 
     # --- the end -----------------------------------------------------------------------
 
