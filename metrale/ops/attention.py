@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale.model.context import AttentionMetadata
+from metrale.forward_context import AttentionMetadata
 
 
 def store_kv(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.model.context import LoraBatch
+from metrale.forward_context import LoraBatch
 from metrale.ops.lora_ref import lora_apply_fused_ref
 
 
