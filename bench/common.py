@@ -23,7 +23,7 @@ import torch
 
 from metrale.config import ModelConfig
 from metrale.model.llama import LlamaForCausalLM
-from metrale.model.loader import _copy_in, _our_name
+from metrale.model.loader import copy_weight, param_name
 
 CONFIGS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -68,10 +68,10 @@ def build_pair(name: str, device: str, workdir: Path, dtype=None,
     ours = ours.to_empty(device=device)
     params = dict(ours.named_parameters())
     for key, tensor in hf.state_dict().items():
-        target, shard = _our_name(key)
+        target, shard = param_name(key)
         if target is None or (target == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        _copy_in(params[target], tensor, target, shard, cfg)
+        copy_weight(params[target], tensor, target, shard, cfg)
     ours.to(dtype).eval()
     ours.rotary.build()  # float32 tables
     return Pair(name, model_dir, cfg, ours, hf)

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
+from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from metrale.errors import MetraleError
-from metrale.server.serve import parse_adapter_args, progress
+from metrale.model.default_model import default_model_dir
+from metrale.server.client import add_adapters_parser
+from metrale.server.serve import add_serve_arguments, parse_adapter_args, progress, serve
+
+# Imports inside the commands below pull in torch (seconds) or the server extra; kept there
+# so that `metrale --help` and the `metrale adapters` HTTP client start at once.
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -16,8 +23,6 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.model:
         model = ModelConfig.from_dir(args.model)
     else:
-        from metrale.model.default_model import default_model_dir
-
         model = ModelConfig.from_dir(default_model_dir(progress=progress))
     plan = plan_adapter(args.adapter, "inspect", model, PoolConfig(1, args.max_lora_rank))
     cfg = plan.config
@@ -45,8 +50,6 @@ def _generate(args: argparse.Namespace) -> int:
     adapters = parse_adapter_args(args.adapter)
     use = args.use or [None]
     if args.model is None:
-        from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-
         for name in use:
             if name in DEMO_ADAPTERS and name not in adapters:
                 adapters[name] = str(demo_adapter_dir(name, progress=progress))
@@ -68,14 +71,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from metrale.server.serve import serve
-
     return serve(args)
 
 
 def _peer_serve(args: argparse.Namespace) -> int:
-    import logging
-
     from metrale.config import ModelConfig, parse_dtype
     from metrale.peer.allow import LOOPBACK
     from metrale.peer.store import serve_store
@@ -84,8 +83,6 @@ def _peer_serve(args: argparse.Namespace) -> int:
     if args.model:
         model = ModelConfig.from_dir(args.model)
     else:
-        from metrale.model.default_model import default_model_dir
-
         model = ModelConfig.from_dir(default_model_dir(progress=progress))
     serve_store(args.adapters, model, device=args.device, dtype=parse_dtype(args.dtype),
                 max_lora_rank=args.max_lora_rank, host=args.host, port=args.port,
@@ -142,9 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--allow-client", action="append", metavar="NET",
                     help="address, network or host allowed to lease (repeatable; default loopback)")
     ps.set_defaults(func=_peer_serve)
-
-    from metrale.server.client import add_adapters_parser
-    from metrale.server.serve import add_serve_arguments
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server with runtime adapter management")
     add_serve_arguments(srv)

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from metrale.model.context import AttentionMetadata
+from metrale.forward_context import AttentionMetadata
 from metrale.ops import attention_triton as at
 from metrale.ops.attention import paged_attention_ref
 from tests.test_lora_ops import KERNELS

@@ -17,10 +17,11 @@ import torch
 
 from metrale.ops import lora_ref as ref
 from metrale.ops import lora_triton as lt
+from metrale.ops import triton_utils
 
 
 def _kernels_runnable() -> bool:
-    if lt.triton is None:
+    if triton_utils.triton is None:
         return False
     if torch.cuda.is_available():
         return True
@@ -255,12 +256,19 @@ def test_base_only_batch_is_untouched():
         assert not lt.lora_shrink(x, nan.As[0], ids, nan.ranks[0], out=h).any()
 
 
-@pytest.mark.skipif(lt.triton is None, reason="triton is not installed")
+@pytest.mark.skipif(triton_utils.triton is None, reason="triton is not installed")
 def test_triton_kernels_can_run_here():
     """tests/conftest.py switches the interpreter on before anything imports triton.
     If this fails, something imported triton first, and every kernel test here would
     silently skip instead of running."""
     assert KERNELS
+
+
+@needs_kernels
+def test_interpreter_is_recognised():
+    """The kernels pick exact fp32 dots by this (the interpreter's bf16 tl.dot is wrong)."""
+    kernel = triton_utils.jit_kernel(lt._shrink_kernel, torch.device(DEV))
+    assert triton_utils.is_interpreted(kernel) == (DEV == "cpu")
 
 
 # --- realistic sizes, compiled on a GPU (Llama-3-8B projections, R=16, 32 slots) ---------

@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 
 from metrale.engine.sequence import Sequence
-from metrale.model.context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
+from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
 from metrale.pool.pool import AdapterPool
 

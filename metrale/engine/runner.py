@@ -14,7 +14,7 @@ from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.cuda_graphs import DecodeGraphs
 from metrale.engine.sampler import SampleResult, sample
 from metrale.engine.sequence import Sequence
-from metrale.model.context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
+from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
 from metrale.ops.lora_triton import sort_tokens_by_slot
 from metrale.pool.pool import AdapterPool

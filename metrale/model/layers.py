@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ConfigError, ModelConfig
-from metrale.model.context import get_context
+from metrale.forward_context import get_context
 from metrale.ops import fused_triton as fused
 from metrale.ops.lora import lora_apply
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ModelConfig
-from metrale.model.context import get_context
+from metrale.forward_context import get_context
 from metrale.model.layers import LoraProjection, RMSNorm, RotaryEmbedding
 from metrale.ops.attention import paged_attention, store_kv
 

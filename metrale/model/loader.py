@@ -46,12 +46,12 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     for path in weight_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                target, shard = _our_name(name)
+                target, shard = param_name(name)
                 if target is None or (target == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
                 if target not in params:
                     raise ConfigError(f"{path}: unexpected weight {name} for a {cfg.model_type} model")
-                _copy_in(params[target], f.get_tensor(name), target, shard, cfg)
+                copy_weight(params[target], f.get_tensor(name), target, shard, cfg)
                 loaded.add(f"{target}#{shard}")
     _check_complete(model, params, loaded, cfg)
     model.to(dtype).eval()
@@ -59,7 +59,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     return model
 
 
-def _our_name(hf: str) -> tuple[str | None, int | None]:
+def param_name(hf: str) -> tuple[str | None, int | None]:
+    """(our parameter, shard within it) for a Hugging Face weight name; (None, None) for
+    buffers HF saves that we compute."""
     if hf.endswith("rotary_emb.inv_freq"):
         return None, None
     name = hf.removeprefix("model.")
@@ -69,8 +71,9 @@ def _our_name(hf: str) -> tuple[str | None, int | None]:
     return name, None
 
 
-def _copy_in(param: torch.Tensor, tensor: torch.Tensor, target: str, shard: int | None,
-             cfg: ModelConfig) -> None:
+def copy_weight(param: torch.Tensor, tensor: torch.Tensor, target: str, shard: int | None,
+                cfg: ModelConfig) -> None:
+    """Copy one HF tensor into its parameter (its shard's rows of a fused one)."""
     if shard is not None:
         sizes = ([cfg.q_size, cfg.kv_size, cfg.kv_size] if "qkv_proj" in target
                  else [cfg.intermediate_size] * 2)

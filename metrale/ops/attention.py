@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale.model.context import AttentionMetadata
+from metrale.forward_context import AttentionMetadata
+from metrale.ops.attention_triton import paged_decode, paged_prefill
 
 
 def store_kv(
@@ -29,8 +30,6 @@ def paged_attention(
     """q: [T, H, D] -> out: [T, H, D]; causal within each sequence."""
     if not q.is_cuda:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
-    from metrale.ops.attention_triton import paged_decode, paged_prefill
-
     if meta.is_prefill:
         return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                              meta.cu_query, meta.max_query_len, scale)

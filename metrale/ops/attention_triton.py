@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from metrale.ops.lora_triton import _kernel, _next_pow2, _require_triton, tl, triton
+from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, require_triton, tl, triton
 
 DECODE_BLOCK_N = 64  # keys per tile
 PREFILL_BLOCK_M, PREFILL_BLOCK_N = 64, 64
@@ -174,7 +174,7 @@ def _prefill_kernel(
 
 def _f32_dot(kernel, dtype: torch.dtype) -> bool:
     """fp32 caches use exact fp32 dots; the interpreter's bf16/fp16 tl.dot is unreliable."""
-    return dtype == torch.float32 or type(kernel).__name__ == "InterpretedFunction"
+    return dtype == torch.float32 or is_interpreted(kernel)
 
 
 @functools.cache
@@ -205,7 +205,7 @@ def paged_decode(
 
     k_cache, v_cache: [num_blocks, block_size, KV, D]; block_tables: [B, W] (int32/int64);
     context_lens: [B] >= 1."""
-    _require_triton()
+    require_triton()
     B, H, D = q.shape
     _, bs, KV, _ = k_cache.shape
     if k_cache.stride() != v_cache.stride() or q.stride(2) != 1 or block_tables.stride(1) != 1:
@@ -215,8 +215,8 @@ def paged_decode(
     if B == 0:
         return out
     S = num_splits or decode_splits(B, KV, block_tables.shape[1] * bs, q.device)
-    D_PAD, G_PAD = _next_pow2(max(D, 16)), max(16, _next_pow2(G))  # tl.dot needs >= 16
-    kernel = _kernel(_decode_kernel, q.device)
+    D_PAD, G_PAD = next_pow2(max(D, 16)), max(16, next_pow2(G))  # tl.dot needs >= 16
+    kernel = jit_kernel(_decode_kernel, q.device)
     if S > 1:
         ml = torch.empty(B, H, S, 2, dtype=torch.float32, device=q.device)
         acc = torch.empty(B, H, S, D_PAD, dtype=torch.float32, device=q.device)
@@ -230,9 +230,9 @@ def paged_decode(
         SPLIT=S > 1, F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
     )
     if S > 1:
-        merge = _kernel(_merge_kernel, q.device)
+        merge = jit_kernel(_merge_kernel, q.device)
         merge[(B, H)](ml, acc, out, S, out.stride(0), out.stride(1),
-                      D=D, D_PAD=D_PAD, S_PAD=max(2, _next_pow2(S)), num_warps=2)
+                      D=D, D_PAD=D_PAD, S_PAD=max(2, next_pow2(S)), num_warps=2)
     return out
 
 
@@ -242,7 +242,7 @@ def paged_prefill(
 ) -> torch.Tensor:
     """q: [T, H, D], sequence i's queries are rows cu_query[i]:cu_query[i+1], the last of
     them at position context_lens[i] - 1; causal over its cached context -> [T, H, D]."""
-    _require_triton()
+    require_triton()
     T, H, D = q.shape
     _, bs, KV, _ = k_cache.shape
     B = block_tables.shape[0]
@@ -251,13 +251,13 @@ def paged_prefill(
     out = torch.empty_like(q)
     if T == 0:
         return out
-    kernel = _kernel(_prefill_kernel, q.device)
+    kernel = jit_kernel(_prefill_kernel, q.device)
     grid = (B, H, triton.cdiv(max_query_len, PREFILL_BLOCK_M))
     kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_query, out,
         scale, q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=H // KV, D=D, D_PAD=_next_pow2(max(D, 16)), BLOCK_SIZE=bs,
+        G=H // KV, D=D, D_PAD=next_pow2(max(D, 16)), BLOCK_SIZE=bs,
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
         F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
     )

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from metrale.ops.lora_triton import _kernel, _next_pow2, tl, triton
+from metrale.ops.triton_utils import jit_kernel, next_pow2, tl, triton
 
 ENABLED = os.environ.get("METRALE_FUSED_OPS", "1") != "0" and triton is not None
 
@@ -78,8 +78,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.contiguous()
     y = torch.empty((T, N), dtype=x.dtype, device=x.device)
     if T:
-        block = _next_pow2(N)
-        _kernel(_rmsnorm_kernel, x.device)[(T,)](
+        block = next_pow2(N)
+        jit_kernel(_rmsnorm_kernel, x.device)[(T,)](
             x, weight, y, N, x.stride(0), y.stride(0), eps, BLOCK=block,
             num_warps=8 if block >= 4096 else 4)
     return y
@@ -94,8 +94,8 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     qo = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     ko = torch.empty((T, KV, D), dtype=k.dtype, device=k.device)
     if T:
-        block_h = min(16, _next_pow2(H + KV))
-        _kernel(_rotary_kernel, q.device)[(T, triton.cdiv(H + KV, block_h))](
+        block_h = min(16, next_pow2(H + KV))
+        jit_kernel(_rotary_kernel, q.device)[(T, triton.cdiv(H + KV, block_h))](
             q, k, qo, ko, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             qo.stride(0), ko.stride(0), H, KV, cos.stride(0), HALF=D // 2, BLOCK_H=block_h,
             num_warps=4)

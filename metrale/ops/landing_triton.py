@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.ops.lora_triton import _kernel, _require_triton, tl, triton
+from metrale.ops.triton_utils import jit_kernel, require_triton, tl, triton
 
 BLOCK = 2048  # destination elements per program
 
@@ -55,7 +55,7 @@ def land_views(dst: torch.Tensor, src_base: torch.Tensor,
     """dst: the 1-D pool buffer; src_base: base_of(the views).
     items: (view, dst element offset, rows, cols, transpose) with view [rows, cols], or
     [cols, rows] when transpose (B -> Bt)."""
-    _require_triton()
+    require_triton()
     if not items:
         return
     size = src_base.element_size()
@@ -65,5 +65,5 @@ def land_views(dst: torch.Tensor, src_base: torch.Tensor,
         rows.append((src_off, r, c, 1 if transpose else c, r if transpose else 1, dst_off))
     desc = torch.tensor(rows, dtype=torch.int64).to(dst.device, non_blocking=True)  # [N, 6]
     tiles = triton.cdiv(max(r * c for _, r, c, _, _, _ in rows), BLOCK)
-    kernel = _kernel(_land_kernel, dst.device)
+    kernel = jit_kernel(_land_kernel, dst.device)
     kernel[(len(rows), tiles)](src_base, dst, desc, BLOCK=BLOCK, num_warps=4)

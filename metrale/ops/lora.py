@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from metrale.model.context import LoraBatch
+from metrale.forward_context import LoraBatch
 from metrale.ops.lora_ref import lora_apply_fused_ref
+from metrale.ops.lora_triton import lora_apply_fused
 
 
 def lora_apply(
@@ -21,8 +22,6 @@ def lora_apply(
         return
     As, Bts, slices, scales, ranks = views
     if y.is_cuda:
-        from metrale.ops.lora_triton import lora_apply_fused
-
         lora_apply_fused(y, x, As, Bts, slices, lora.slot_ids, scales, ranks, order=lora.order)
     else:
         lora_apply_fused_ref(y, x, As, Bts, slices, lora.slot_ids, scales, ranks)

@@ -28,19 +28,9 @@ Shrink zero-fills h first: split-K programs add into it atomically (so h is not 
 deterministic across runs) and padded ranks read back as zero.
 """
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU-only install: importing works, calling raises
-
-    class _MissingTriton:
-        constexpr = None  # only used in annotations below
-
-    triton, tl = None, _MissingTriton()
+from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, require_triton, tl
 
 # Launch knobs: first guesses for an H200, to be tuned with bench/lora_kernels.py.
 DECODE_MAX_T = 64  # above this many tokens (and no order given) use the prefill kernels
@@ -168,33 +158,10 @@ def _expand_kernel(
         s = tl.min(tl.where(slot > s, slot, big))
 
 
-_JITTED: dict = {}
-
-
-def _kernel(fn, device: torch.device):
-    """fn jitted on first use. CPU tensors need Triton's interpreter, which must be switched on
-    (TRITON_INTERPRET=1) before triton is first imported: its own library is jitted then."""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("Triton LoRA kernels got CPU tensors: set TRITON_INTERPRET=1 before "
-                           "importing triton, or use metrale.ops.lora_ref on CPU")
-    if fn not in _JITTED:
-        _JITTED[fn] = triton.jit(fn)
-    return _JITTED[fn]
-
-
 def _f32_dot(kernel, dtype: torch.dtype) -> bool:
     """Dot in fp32 (exact "ieee", not tf32) for fp32 pools, and in the interpreter for bf16,
     whose tl.dot on bf16 operands returns garbage (triton 3.9); GPUs keep bf16 tensor cores."""
-    interpreted = type(kernel).__name__ == "InterpretedFunction"
-    return dtype == torch.float32 or (interpreted and dtype == torch.bfloat16)
-
-
-def _require_triton() -> None:
-    if triton is None:
-        raise RuntimeError(
-            "metrale.ops.lora_triton needs the 'triton' package (pip install 'metrale[triton]'); "
-            "without it use metrale.ops.lora_ref"
-        )
+    return dtype == torch.float32 or (is_interpreted(kernel) and dtype == torch.bfloat16)
 
 
 def sort_tokens_by_slot(slot_ids: torch.Tensor) -> torch.Tensor:
@@ -204,10 +171,6 @@ def sort_tokens_by_slot(slot_ids: torch.Tensor) -> torch.Tensor:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _storage_base(t: torch.Tensor) -> torch.Tensor:
@@ -265,12 +228,12 @@ def _align(t: torch.Tensor, values) -> int:
 
 
 def _config(T: int, sorted_: bool, R: int) -> dict:
-    block_r = min(64, max(16, _next_pow2(R)))  # tl.dot needs >= 16; > R only when R < 16
+    block_r = min(64, max(16, next_pow2(R)))  # tl.dot needs >= 16; > R only when R < 16
     if not sorted_:
         return dict(DECODE_CFG, BLOCK_T=1, BLOCK_R=block_r)
     cfg = dict(PREFILL_CFG, BLOCK_R=block_r)
     # fewer rows per program below ~2k tokens: rows of many slots share a program less often
-    cfg["BLOCK_T"] = min(cfg["BLOCK_T"], max(16, _next_pow2(_cdiv(T, 64))))
+    cfg["BLOCK_T"] = min(cfg["BLOCK_T"], max(16, next_pow2(_cdiv(T, 64))))
     return cfg
 
 
@@ -286,10 +249,10 @@ def _shrink(x, As, slot_ids, ranks_list, order, h) -> None:
     desc = _descriptor(x.device, As, [None] * M, [0] * M, rank_fields, [(0, 0)] * M)
     cfg = _config(T, order is not None, R)
     n_kblk, t_blk = _cdiv(IN, cfg["BLOCK_K"]), _cdiv(T, cfg["BLOCK_T"])
-    split = min(n_kblk, _next_pow2(_cdiv(cfg["split_k"], t_blk * M)))
+    split = min(n_kblk, next_pow2(_cdiv(cfg["split_k"], t_blk * M)))
     k_per_split = _cdiv(n_kblk, split) * cfg["BLOCK_K"]
     split = _cdiv(IN, k_per_split)
-    kernel = _kernel(_shrink_kernel, x.device)
+    kernel = jit_kernel(_shrink_kernel, x.device)
     kernel[(t_blk, split, M)](
         x, pool, h, slot_ids, order if order is not None else slot_ids, desc, rank_base,
         T, IN, R, x.stride(0), h.stride(0), k_per_split,
@@ -315,7 +278,7 @@ def _expand(y, h, Bts, y_cols, slot_ids, ranks_list, scales_list, order) -> None
     cfg = _config(T, order is not None, R)
     max_out = max(b.shape[2] for b in Bts)
     grid = (_cdiv(T, cfg["BLOCK_T"]), _cdiv(max_out, cfg["BLOCK_N"]), M)
-    kernel = _kernel(_expand_kernel, y.device)
+    kernel = jit_kernel(_expand_kernel, y.device)
     kernel[grid](
         y, pool, h, slot_ids, order if order is not None else slot_ids, desc, rank_base,
         scale_base, T, R, y.stride(0), h.stride(0),
@@ -338,7 +301,7 @@ def lora_shrink(
     order: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """h: [T, R] float32 = x @ A[slot].T per token (zeros for slot -1 and past ranks[slot])."""
-    _require_triton()
+    require_triton()
     h = out if out is not None else torch.empty(x.shape[0], A.shape[1], dtype=torch.float32,
                                                 device=x.device)
     if h.dtype != torch.float32 or h.shape != (x.shape[0], A.shape[1]) or h.stride(1) != 1:
@@ -353,7 +316,7 @@ def lora_expand(
     scales: torch.Tensor, ranks: torch.Tensor, *, order: torch.Tensor | None = None,
 ) -> None:
     """y += scales[slot] * h @ Bt[slot] in place, for tokens with slot >= 0."""
-    _require_triton()
+    require_triton()
     if y.shape[0]:
         _expand(y, h, [Bt], [0], slot_ids, [ranks], [scales], _order_for(slot_ids, order))
 
@@ -376,7 +339,7 @@ def lora_apply_fused(
     Two launches for the whole group, whatever the number of modules. No host sync: a batch with
     no adapter token still launches, and every program exits after reading its slot ids.
     """
-    _require_triton()
+    require_triton()
     T, M = x.shape[0], len(As)
     if not (len(Bts) == len(out_slices) == len(scales_list) == len(ranks_list) == M):
         raise ValueError("As, Bts, out_slices, scales_list and ranks_list need one entry per module")

@@ -31,6 +31,7 @@ from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.errors import UnknownAdapterError
 from metrale.peer.errors import LeaseNotFoundError, TooManyLeasesError
 from metrale.peer.manifest import DTYPE_NAMES, MANIFEST_VERSION, TensorSpec
+from metrale.peer.nixl_transport import endpoint_for
 from metrale.pool.slots import SlotState
 from metrale.pool.swap import LoraSlots
 
@@ -78,8 +79,6 @@ class AdapterExporter:
         self._sweeper: threading.Thread | None = None
         self.nixl = None
         if "nixl" in self.transports:
-            from metrale.peer.nixl_transport import endpoint_for
-
             self.nixl = endpoint_for(self.pool, self.pool.buffer)  # registers the pool once
 
     def _locked(self, fn: Callable[[], object]) -> object:

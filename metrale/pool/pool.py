@@ -14,6 +14,7 @@ import torch
 
 from metrale.adapters.plan import AdapterPlan
 from metrale.errors import NonFiniteWeightsError
+from metrale.ops.landing_triton import base_of, land_views
 from metrale.pool.layout import SlotLayout
 
 
@@ -137,12 +138,8 @@ class AdapterPool:
         pageable host memory would wait for the stream on the host)."""
         src_base = None
         if self.buffer.is_cuda:
-            from metrale.ops.landing_triton import base_of
-
             src_base = base_of(views)
         if src_base is not None:
-            from metrale.ops.landing_triton import land_views
-
             base, items = slot * self.layout.slot_elems, []
             for landing, src in zip(plan.landings, views):
                 t = landing.target

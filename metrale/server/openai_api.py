@@ -22,7 +22,7 @@ from metrale.engine.outputs import RequestOutput
 from metrale.server.async_engine import AsyncEngine
 from metrale.server.auth import require_user
 from metrale.server.errors import BadRequestError, exception_body
-from metrale.server.protocol import ChatCompletionRequest, CompletionRequest, _Request
+from metrale.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from metrale.server.responses import ChatFormatter, CompletionFormatter, TokenText, sse
 from metrale.server.settings import ServerSettings
 
@@ -41,7 +41,7 @@ def _ctx(request: Request) -> tuple[AsyncEngine, ServerSettings]:
     return request.app.state.engine, request.app.state.settings
 
 
-def resolve_adapter(body: _Request, settings: ServerSettings) -> str | None:
+def resolve_adapter(body: GenerationRequest, settings: ServerSettings) -> str | None:
     explicit = "adapter" in body.model_fields_set
     name = body.adapter if explicit else body.model
     base_ids = (settings.model_id, "base")

@@ -49,7 +49,7 @@ def _valid_unicode(value: Any) -> Any:
     return value
 
 
-class _Request(BaseModel):
+class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -104,7 +104,7 @@ class _Request(BaseModel):
         return engine_name
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool | None = False
@@ -154,7 +154,7 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content or ""}
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False

@@ -14,6 +14,14 @@ import shlex
 import sys
 from pathlib import Path
 
+from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+from metrale.model.default_model import default_model_dir
+from metrale.server.settings import ServerSettings, is_loopback
+
+# The engine, the peer exporter, fastapi and uvicorn are imported where they are used:
+# they cost seconds (torch) or are the optional `server` extra, and the CLI imports this
+# module for its argument parser.
+
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -43,15 +51,11 @@ def build_app(args: argparse.Namespace):
     from metrale.engine.llm import LLM
     from metrale.server.app import create_app
     from metrale.server.async_engine import AsyncEngine
-    from metrale.server.settings import ServerSettings
 
     pinned = parse_adapter_args(args.adapter)
     unpinned: dict[str, Path] = {}
     model = args.model
     if model is None:
-        from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-        from metrale.model.default_model import default_model_dir
-
         model = default_model_dir(progress=progress)
         unpinned = {n: demo_adapter_dir(n, progress=progress) for n in DEMO_ADAPTERS
                     if n not in pinned}
@@ -117,8 +121,6 @@ def _start_exporter(async_engine, args: argparse.Namespace) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from metrale.server.settings import is_loopback
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app, settings, names = build_app(args)

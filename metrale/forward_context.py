@@ -2,6 +2,9 @@
 
 The runner sets it around one forward pass; layers read token slot indices, the
 pool views and attention metadata from here, never adapters by name.
+
+It sits at the top of the package, importing nothing from metrale, because both
+sides of it meet here: the engine writes it, the model and the ops read it.
 """
 
 from __future__ import annotations
@@ -9,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-
-from metrale.pool.pool import AdapterPool
 
 
 @dataclass
@@ -32,11 +34,22 @@ class AttentionMetadata:
     max_context_len: int
 
 
+class LoraViews(Protocol):
+    """What the LoRA ops read from the adapter pool (metrale.pool.pool.AdapterPool).
+
+    A protocol rather than the pool's class: the pool lands adapters with the ops'
+    kernels, so naming it here would make ops and pool import each other."""
+
+    def fused_views(self, layer: int, modules: tuple[str, ...], out_slices: tuple[slice, ...]):
+        """(As, Bts, out_slices, scales, ranks) of the served modules, or None."""
+        ...
+
+
 @dataclass
 class LoraBatch:
     """Which slot each token reads; absent when no token uses an adapter."""
 
-    pool: AdapterPool
+    pool: LoraViews
     slot_ids: torch.Tensor  # [T] int64, -1 = base model only
     order: torch.Tensor | None = None  # [T] tokens sorted by slot, for CUDA prefill kernels
 

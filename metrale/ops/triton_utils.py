@@ -1,0 +1,64 @@
+"""The Triton shim every kernel file (metrale.ops.*_triton) imports: triton itself, or a
+stand-in on installs without it, and the helpers their launch wrappers share.
+
+triton is an optional extra (pip install 'metrale[triton]'): without it the kernel modules
+still import, so the torch paths keep working, and calling a kernel raises.
+
+On CPU, kernels run in Triton's interpreter, which is on only if TRITON_INTERPRET=1 was set
+before triton was first imported (triton jits its own library, tl.min & co, at import).
+Importing this module imports triton, so whoever wants the interpreter sets the variable
+first (tests/conftest.py does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: importing works, calling raises
+
+    class _MissingTriton:
+        constexpr = None  # kernel signatures annotate with tl.constexpr at definition time
+
+    triton, tl = None, _MissingTriton()
+
+try:
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # no triton, or one that moved it: then nothing counts as interpreted
+    InterpretedFunction = None
+
+_JITTED: dict = {}
+
+
+def require_triton() -> None:
+    if triton is None:
+        raise RuntimeError(
+            "metrale's Triton kernels (metrale.ops.*_triton) need the 'triton' package "
+            "(pip install 'metrale[triton]'); without it use the torch paths, e.g. metrale.ops.lora_ref"
+        )
+
+
+def jit_kernel(fn, device: torch.device):
+    """fn jitted on first use, so that importing a kernel module compiles nothing. CPU
+    tensors need the interpreter, and it cannot be switched on once triton is imported."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"Triton kernel {fn.__name__} got CPU tensors: set TRITON_INTERPRET=1 "
+                           "before importing triton, or use the torch reference ops on CPU")
+    if fn not in _JITTED:
+        _JITTED[fn] = triton.jit(fn)
+    return _JITTED[fn]
+
+
+def is_interpreted(kernel) -> bool:
+    """Whether a jit_kernel result runs in the CPU interpreter, whose tl.dot differs from
+    the compiled one (the kernels pick exact fp32 dots there)."""
+    return InterpretedFunction is not None and isinstance(kernel, InterpretedFunction)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1): tl.arange and block sizes need one."""
+    return 1 << max(0, n - 1).bit_length()
