@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
-from tests.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
 

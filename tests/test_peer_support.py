@@ -26,7 +26,7 @@ import torch
 
 from metrale.config import ModelConfig, PoolConfig
 from metrale.pool.swap import LoraSlots
-from tests.tiny_models import make_adapter, make_model, peft_deltas, save_model
+from tests.helpers.tiny_models import make_adapter, make_model, peft_deltas, save_model
 
 REPO = Path(__file__).resolve().parents[1]
 ADAPTERS = {

@@ -15,7 +15,7 @@ import httpx
 import torch
 
 from metrale import LLM, SamplingParams
-from tests.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 REPO = Path(__file__).resolve().parents[1]
 ADAPTERS = ("a", "b", "c", "d", "p")  # p is pinned at start-up where a test says so

@@ -17,7 +17,7 @@ from metrale.config import ModelConfig, PoolConfig
 from metrale.pool.pool import AdapterPool
 from metrale.pool.slots import SlotState
 from metrale.pool.swap import LoraSlots
-from tests.tiny_models import hf_config, make_adapter, make_model
+from tests.helpers.tiny_models import hf_config, make_adapter, make_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "down_proj"]
 
