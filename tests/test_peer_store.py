@@ -24,7 +24,7 @@ from metrale.peer.errors import (
 from metrale.peer.nixl_shim import nixl_available
 from metrale.peer.store import AdapterStore
 from metrale.pool.slots import SlotState
-from tests.test_peer_support import (
+from tests.helpers.peers import (
     adapter_dir,
     assert_matches_disk,
     model_config,

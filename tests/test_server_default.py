@@ -16,7 +16,7 @@ import torch
 
 from metrale.demo_adapters import DEMO_ADAPTERS
 from metrale.model.default_model import MODEL_NAME, cache_root, is_complete
-from tests.test_server_support import ServerProcess
+from tests.helpers.server import ServerProcess
 
 pytestmark = pytest.mark.slow
 

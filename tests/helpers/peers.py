@@ -28,7 +28,7 @@ from metrale.config import ModelConfig, PoolConfig
 from metrale.pool.swap import LoraSlots
 from tests.helpers.tiny_models import make_adapter, make_model, peft_deltas, save_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ADAPTERS = {
     "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
     "b": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear",
