@@ -19,8 +19,8 @@ from metrale.config import ModelConfig, PoolConfig
 from metrale.pool import staging
 from metrale.pool.swap import LoraSlots, read_adapter_data
 from tests.helpers.kernels import KERNELS
+from tests.helpers.pool import snapshot
 from tests.helpers.tiny_models import hf_config, make_adapter, make_model
-from tests.test_swap_refusals import snapshot
 
 
 @pytest.fixture(scope="module")

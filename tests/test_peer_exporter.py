@@ -27,10 +27,10 @@ from tests.helpers.peers import (
     assert_matches_disk,
     new_slots,
     peer_root,
-    snapshot,
     stop,
     wait_for_line,
 )
+from tests.helpers.pool import snapshot
 
 
 class Clock:

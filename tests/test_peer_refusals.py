@@ -21,7 +21,8 @@ from metrale.peer.errors import (
     PeerTransferError,
 )
 from metrale.peer.nixl_shim import nixl_available
-from tests.helpers.peers import FakePeer, adapter_dir, new_slots, snapshot
+from tests.helpers.peers import FakePeer, adapter_dir, new_slots
+from tests.helpers.pool import snapshot
 
 LEASE = "fakelease0001"
 

@@ -30,10 +30,10 @@ from tests.helpers.peers import (
     model_config,
     new_slots,
     peer_root,
-    snapshot,
     start_store,
     stop,
 )
+from tests.helpers.pool import snapshot
 
 TRANSPORTS = ["http", pytest.param("nixl", marks=pytest.mark.skipif(
     not nixl_available(), reason="NIXL not installed (pip install nixl-cu12)"))]
