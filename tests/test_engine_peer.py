@@ -9,10 +9,10 @@ from peft import PeftModel
 
 from metrale import LLM, SamplingParams
 from metrale.peer.errors import PeerNotAllowedError
+from tests.helpers.engine import run_until_done
 from tests.helpers.peers import adapter_dir, peer_root, start_store, stop
 from tests.helpers.reference import hf_greedy
 from tests.helpers.tiny_models import make_model
-from tests.test_engine_swaps import run_until_done
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
