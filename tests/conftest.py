@@ -39,3 +39,18 @@ def adapters(tmp_path_factory):
                      target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])
     return root
 
+
+@pytest.fixture(scope="module")
+def default_model_cache():
+    """METRALE_CACHE_DIR, for one module, set to the recipe-keyed dir of
+    tests/helpers/default_model.py: the default model is converted and the demo adapters
+    trained once per recipe, not once per run. Module scope: the env change ends with the
+    module that asked for it."""
+    from metrale.model.default_model import CACHE_ENV  # metrale: after the triton switch above
+    from tests.helpers.default_model import claim, recipe_cache_dir
+
+    root = recipe_cache_dir()
+    claim(root)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(root))
+        yield root
