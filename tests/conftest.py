@@ -4,6 +4,8 @@ import os
 import pytest
 import torch
 
+from tests.helpers.tiny_models import make_adapter, make_model  # torch only: triton stays unimported
+
 # Triton kernels run in Triton's CPU interpreter off the GPU. The flag must be set
 # before anything imports triton (any metrale module may), so it is set here.
 if not torch.cuda.is_available():
@@ -22,3 +24,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --- fixtures shared by several test modules (a module's own fixture of the same name wins) ---
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Three PEFT adapters a, b, c (rank 4, attention + down_proj) of tiny_models' llama."""
+    root = tmp_path_factory.mktemp("adapters")
+    base = make_model("llama")
+    for i, name in enumerate(("a", "b", "c")):
+        make_adapter(base, root / name, seed=i, r=4, lora_alpha=8,
+                     target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def default_model_cache():
+    """METRALE_CACHE_DIR, for one module, set to the recipe-keyed dir of
+    tests/helpers/default_model.py: the default model is converted and the demo adapters
+    trained once per recipe, not once per run. Module scope: the env change ends with the
+    module that asked for it."""
+    from metrale.model.default_model import CACHE_ENV  # metrale: after the triton switch above
+    from tests.helpers.default_model import claim, recipe_cache_dir
+
+    root = recipe_cache_dir()
+    claim(root)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(root))
+        yield root

@@ -20,7 +20,7 @@ from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import plan_adapter, resolve_targets
 from metrale.adapters.safetensors_file import read_header
 from metrale.config import ModelConfig, PoolConfig
-from tests.tiny_models import hf_config, write_lora
+from tests.helpers.tiny_models import hf_config, write_lora
 
 MODEL = ModelConfig.from_hf_dict(hf_config("llama").to_dict())
 POOL = PoolConfig(max_loras=2, max_lora_rank=16)

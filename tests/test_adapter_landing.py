@@ -8,7 +8,7 @@ import torch
 
 from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
 from metrale.pool.swap import LoraSlots
-from tests.tiny_models import hf_config, make_adapter, make_model, peft_deltas
+from tests.helpers.tiny_models import hf_config, make_adapter, make_model, peft_deltas
 
 CASES = {
     "llama-subset-short": ("llama", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])),

@@ -19,8 +19,8 @@ from metrale import LLM, SamplingParams
 from metrale.errors import AdapterExistsError
 from metrale.pool.staging import StagingBuffers
 from tests.helpers.engine import run_until_done, step_until, step_until_running
-from tests.test_engine_vs_hf import hf_greedy
-from tests.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.reference import hf_greedy
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120, 77, 61, 2, 9, 13, 200]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -16,7 +16,7 @@ from metrale import LLM, SamplingParams
 from metrale.pool.staging import StagingBuffers
 from metrale.pool.swap import LandingEvent
 from tests.helpers.engine import run_until_done, step_until
-from tests.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120, 77, 61, 2, 9, 13, 200]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -160,7 +160,7 @@ def test_async_landings_on_cuda_serve_the_right_adapter(root):
     the first token, whose logits a wrong or half-landed adapter would change grossly."""
     import random
 
-    from tests.tiny_models import make_adapter as mk
+    from tests.helpers.tiny_models import make_adapter as mk
 
     base = make_model("llama", seed=4)
     for i, name in enumerate(("c", "d")):

@@ -15,7 +15,7 @@ import torch
 from metrale.forward_context import AttentionMetadata
 from metrale.ops import attention_triton as at
 from metrale.ops.attention import paged_attention_ref
-from tests.test_lora_ops import KERNELS
+from tests.helpers.kernels import KERNELS
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")

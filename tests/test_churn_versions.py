@@ -15,7 +15,7 @@ import torch
 from metrale import LLM, SamplingParams
 from metrale.errors import MetraleError, PoolFullError, SlotBusyError, UnknownAdapterError
 from tests.helpers.engine import step_until
-from tests.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 N_CONTENTS = 24  # distinct adapter files; every registration or reload is a new version
 N_NAMES = 12

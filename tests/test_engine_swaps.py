@@ -10,8 +10,8 @@ import torch
 from metrale import LLM, SamplingParams
 from metrale.errors import PoolFullError, SlotBusyError, UnknownAdapterError
 from tests.helpers.engine import run_until_done, step_until_running
-from tests.test_engine_vs_hf import hf_greedy
-from tests.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.reference import hf_greedy
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 LONG = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 PROMPT = [5, 17, 99, 3, 42, 8, 120, 77, 61, 2, 9, 13, 200]
@@ -105,7 +105,7 @@ def test_same_name_reload_never_hits_old_kv(root):
     under the old contents must be recomputed and match PEFT with the new ones."""
     from peft import PeftModel
 
-    from tests.tiny_models import make_model as mk
+    from tests.helpers.tiny_models import make_model as mk
 
     llm = _llm(root)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

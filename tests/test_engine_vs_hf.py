@@ -7,25 +7,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from metrale import LLM, SamplingParams
-from tests.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.reference import check, hf_greedy, prompts
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
-
-
-def hf_greedy(model, prompt: list[int], n: int = 10) -> tuple[list[int], torch.Tensor]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)  # [n, V]
-    return out.sequences[0, len(prompt):].tolist(), logprobs
-
-
-def prompts(seed: int, n: int, shared_prefix: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(1, 250) for _ in range(shared_prefix)]
-    return [prefix + [rng.randrange(1, 250) for _ in range(rng.randrange(3, 20))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -52,13 +39,6 @@ def _llm(root, **kw):
     for name in "abcd":
         llm.register_adapter(name, root / name)
     return llm
-
-
-def check(out, ref_tokens, ref_logprobs):
-    assert out.token_ids == ref_tokens
-    got = torch.tensor([lp["logprob"] for lp in out.logprobs])
-    want = ref_logprobs[torch.arange(len(ref_tokens)), torch.tensor(ref_tokens)]
-    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
 def test_base_single_and_batched(setup):

@@ -10,8 +10,8 @@ import torch
 from metrale.config import ModelConfig
 from metrale.model.layers import RMSNorm, RotaryEmbedding
 from metrale.ops import fused_triton as fused
-from tests.test_lora_ops import KERNELS
-from tests.tiny_models import hf_config
+from tests.helpers.kernels import KERNELS
+from tests.helpers.tiny_models import hf_config
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")

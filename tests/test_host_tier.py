@@ -18,9 +18,9 @@ from metrale.adapters.plan import plan_adapter
 from metrale.config import ModelConfig, PoolConfig
 from metrale.pool import staging
 from metrale.pool.swap import LoraSlots, read_adapter_data
-from tests.test_lora_ops import KERNELS
-from tests.test_swap_refusals import snapshot
-from tests.tiny_models import hf_config, make_adapter, make_model
+from tests.helpers.kernels import KERNELS
+from tests.helpers.pool import snapshot
+from tests.helpers.tiny_models import hf_config, make_adapter, make_model
 
 
 @pytest.fixture(scope="module")

@@ -18,22 +18,8 @@ import torch
 from metrale.ops import lora_ref as ref
 from metrale.ops import lora_triton as lt
 from metrale.ops import triton_utils
+from tests.helpers.kernels import KERNELS
 
-
-def _kernels_runnable() -> bool:
-    if triton_utils.triton is None:
-        return False
-    if torch.cuda.is_available():
-        return True
-    try:  # the interpreter is active only if triton's own library was jitted under it
-        import triton.language.standard as std
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:
-        return False
-    return isinstance(std.max, InterpretedFunction)
-
-
-KERNELS = _kernels_runnable()
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -21,16 +21,16 @@ from metrale.peer import AdapterExporter, PeerHTTPServer, promote_from_peer, swa
 from metrale.peer.errors import LeaseNotFoundError, PeerConnectionError
 from metrale.peer.nixl_shim import nixl_available
 from metrale.pool.slots import SlotState
-from tests.test_peer_support import (
+from tests.helpers.peers import (
     REPO,
     adapter_dir,
     assert_matches_disk,
     new_slots,
     peer_root,
-    snapshot,
     stop,
     wait_for_line,
 )
+from tests.helpers.pool import snapshot
 
 
 class Clock:

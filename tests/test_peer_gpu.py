@@ -8,7 +8,7 @@ import torch
 
 from metrale.peer import promote_from_peer
 from metrale.peer.nixl_shim import nixl_available
-from tests.test_peer_support import assert_matches_disk, new_slots, start_store, stop
+from tests.helpers.peers import assert_matches_disk, new_slots, start_store, stop
 
 pytestmark = pytest.mark.gpu
 

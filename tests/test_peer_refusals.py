@@ -21,7 +21,8 @@ from metrale.peer.errors import (
     PeerTransferError,
 )
 from metrale.peer.nixl_shim import nixl_available
-from tests.test_peer_support import FakePeer, adapter_dir, new_slots, snapshot
+from tests.helpers.peers import FakePeer, adapter_dir, new_slots
+from tests.helpers.pool import snapshot
 
 LEASE = "fakelease0001"
 
@@ -207,7 +208,7 @@ def test_broken_stream_refused_within_timeout(mode, error, op, genuine, engine):
 
 def test_the_fake_peer_serves_a_good_adapter(genuine, engine):
     """The control case: the genuine reply lands and matches the disk adapter."""
-    from tests.test_peer_support import assert_matches_disk
+    from tests.helpers.peers import assert_matches_disk
 
     peer = FakePeer(genuine[0], genuine[1])
     try:

@@ -24,16 +24,16 @@ from metrale.peer.errors import (
 from metrale.peer.nixl_shim import nixl_available
 from metrale.peer.store import AdapterStore
 from metrale.pool.slots import SlotState
-from tests.test_peer_support import (
+from tests.helpers.peers import (
     adapter_dir,
     assert_matches_disk,
     model_config,
     new_slots,
     peer_root,
-    snapshot,
     start_store,
     stop,
 )
+from tests.helpers.pool import snapshot
 
 TRANSPORTS = ["http", pytest.param("nixl", marks=pytest.mark.skipif(
     not nixl_available(), reason="NIXL not installed (pip install nixl-cu12)"))]

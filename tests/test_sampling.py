@@ -21,8 +21,8 @@ from metrale.engine.sampling_params import (
 )
 from metrale.engine.sequence import Sequence
 from metrale.errors import SamplingError
-from tests.test_engine_swaps import run_until_done
-from tests.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.engine import run_until_done
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 NAN, INF = math.nan, math.inf
 

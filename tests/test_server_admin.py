@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from metrale.cli import main as cli_main
-from tests.test_server_support import Reference, ServerProcess, make_world, sse_events
+from tests.helpers.server import Reference, ServerProcess, make_world, sse_events
 
 ADMIN = "admin-key"
 PROMPT = "tell me about the sea"

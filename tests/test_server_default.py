@@ -2,8 +2,8 @@
 demo adapters, the banner's curl pasted as is, equal to the offline engine.
 
 Slow (the real 135M model) and skipped until the default model and the demo
-adapters are cached: training them is `python -m metrale.demo_adapters`'s job,
-not this test's."""
+adapters are in the tests' recipe-keyed cache (tests/helpers/default_model.py):
+training them is tests/test_default_model.py's job, not this test's."""
 
 from __future__ import annotations
 
@@ -15,20 +15,16 @@ import pytest
 import torch
 
 from metrale.demo_adapters import DEMO_ADAPTERS
-from metrale.model.default_model import MODEL_NAME, cache_root, is_complete
-from tests.test_server_support import ServerProcess
+from metrale.model.default_model import MODEL_NAME
+from tests.helpers.default_model import is_cached
+from tests.helpers.server import ServerProcess
 
-pytestmark = pytest.mark.slow
-
-
-def _cached() -> bool:
-    root = cache_root()
-    return is_complete(root / "models" / MODEL_NAME) and all(
-        is_complete(root / "adapters" / name) for name in DEMO_ADAPTERS)
+# The default model and demo adapters of the tests' recipe-keyed cache (see conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_model_cache")]
 
 
-@pytest.mark.skipif(not _cached(), reason="default model or demo adapters not cached yet "
-                    "(python -m metrale.demo_adapters builds them)")
+@pytest.mark.skipif(not is_cached(), reason="default model or demo adapters not in the tests' "
+                    "cache yet (tests/test_default_model.py builds them)")
 def test_serve_without_arguments(tmp_path):
     from metrale import LLM, SamplingParams
     from metrale.demo_adapters import demo_adapter_dir

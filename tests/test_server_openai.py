@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_server_support import Reference, ServerProcess, make_world
+from tests.helpers.server import Reference, ServerProcess, make_world
 
 USER, ADMIN = "user-key", "admin-key"
 PROMPT = "tell me about the moon"

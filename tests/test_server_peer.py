@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.test_peer_support import start_store, stop
-from tests.test_server_support import Reference, ServerProcess, free_port, make_world
+from tests.helpers.peers import start_store, stop
+from tests.helpers.server import Reference, ServerProcess, free_port, make_world
 
 PROMPT = "tell me about the moon"
 

@@ -23,8 +23,8 @@ from metrale import LLM
 from metrale.server.app import create_app
 from metrale.server.async_engine import AsyncEngine
 from metrale.server.settings import ServerSettings
-from tests.test_server_support import save_tokenizer
-from tests.tiny_models import make_model, save_model
+from tests.helpers.server import save_tokenizer
+from tests.helpers.tiny_models import make_model, save_model
 
 USER, ADMIN = "user-key", "admin-key"
 AUTH = {"Authorization": f"Bearer {USER}"}

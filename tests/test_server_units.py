@@ -23,7 +23,7 @@ from metrale.server.metrics import ServerMetrics, kv
 from metrale.server.paths import resolve_adapter_path
 from metrale.server.serve import build_app, curl_example
 from metrale.server.settings import ServerSettings, is_loopback
-from tests.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 
 @pytest.fixture(scope="module")

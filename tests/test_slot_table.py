@@ -10,7 +10,7 @@ import torch
 
 from metrale import errors
 from metrale.pool.slots import SlotState, SlotTable
-from tests.test_swap_refusals import _slots, adapters  # noqa: F401  (fixture)
+from tests.helpers.pool import tiny_llama_slots as _slots
 
 
 def fill(table: SlotTable, slot: int, name: str) -> int:
@@ -55,7 +55,7 @@ def test_failed_or_unloaded_slot_is_preferred_over_lru():
     assert t.select_victim() == 2
 
 
-def test_identity_changes_on_every_swap_and_uids_never_repeat(adapters):  # noqa: F811
+def test_identity_changes_on_every_swap_and_uids_never_repeat(adapters):
     slots = _slots()
     seen = set()
     for i in range(6):
@@ -71,7 +71,7 @@ def test_identity_changes_on_every_swap_and_uids_never_repeat(adapters):  # noqa
     assert other.table.info(0).uid not in seen
 
 
-def test_same_name_elsewhere_detaches_old_slot(adapters):  # noqa: F811
+def test_same_name_elsewhere_detaches_old_slot(adapters):
     slots = _slots()
     slots.swap_lora_slot_from_disk(adapters / "a", "a", 0)
     slot0, uid0 = slots.table.acquire("a")  # a sequence still decodes on slot 0
@@ -86,7 +86,7 @@ def test_same_name_elsewhere_detaches_old_slot(adapters):  # noqa: F811
     assert slots.table.select_victim() == 0  # detached before LRU
 
 
-def test_promote_marks_most_recent_and_returns_evicted(adapters):  # noqa: F811
+def test_promote_marks_most_recent_and_returns_evicted(adapters):
     slots = _slots()
     assert slots.promote_lora_slot_from_disk(adapters / "a", "a") == (0, None)
     assert slots.promote_lora_slot_from_disk(adapters / "b", "b") == (1, None)
@@ -206,7 +206,7 @@ def test_release_without_acquire_is_a_bug():
         t.release(0)
 
 
-def test_views_share_one_buffer(adapters):  # noqa: F811
+def test_views_share_one_buffer(adapters):
     slots = _slots()
     pool = slots.pool
     a = pool.lora_a(1, "down_proj")

@@ -3,7 +3,6 @@ a failure after zeroing leaves the slot EMPTY with a fresh identity."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import struct
@@ -13,28 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from metrale import errors
-from metrale.config import ModelConfig, PoolConfig
 from metrale.pool.pool import AdapterPool
 from metrale.pool.slots import SlotState
-from metrale.pool.swap import LoraSlots
-from tests.tiny_models import hf_config, make_adapter, make_model
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "down_proj"]
-
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    base = make_model("llama")
-    for i, name in enumerate(("a", "b", "c")):
-        make_adapter(base, root / name, seed=i, r=4, lora_alpha=8, target_modules=TARGETS)
-    return root
-
-
-def _slots(**pool_kw) -> LoraSlots:
-    cfg = ModelConfig.from_hf_dict(hf_config("llama").to_dict())
-    return LoraSlots(cfg, PoolConfig(**{"max_loras": 3, "max_lora_rank": 8, **pool_kw}),
-                     "cpu", torch.float32)
+from tests.helpers.pool import snapshot
+from tests.helpers.pool import tiny_llama_slots as _slots
 
 
 @pytest.fixture
@@ -44,14 +25,6 @@ def filled(adapters):
     slots.swap_lora_slot_from_disk(adapters / "a", "a", 0)
     slots.swap_lora_slot_from_disk(adapters / "b", "b", 1)
     return slots
-
-
-def snapshot(slots: LoraSlots) -> tuple:
-    pool = slots.pool
-    digest = hashlib.sha256()
-    for t in (pool.buffer, pool.ranks, pool.scales):
-        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest(), slots.table.infos(), dict(slots.table._by_name)
 
 
 def _copy(adapters, tmp_path, name="a"):

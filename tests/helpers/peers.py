@@ -2,14 +2,13 @@
 
 A tiny Llama and three PEFT adapters built once per test process; a real
 `metrale peer serve` subprocess; a fake peer (an in-test HTTP server that says
-whatever a test wants); pool snapshots to prove refusals touched nothing.
+whatever a test wants). Pool snapshots are tests.helpers.pool's.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import hashlib
 import json
 import os
 import select
@@ -26,9 +25,9 @@ import torch
 
 from metrale.config import ModelConfig, PoolConfig
 from metrale.pool.swap import LoraSlots
-from tests.tiny_models import make_adapter, make_model, peft_deltas, save_model
+from tests.helpers.tiny_models import make_adapter, make_model, peft_deltas, save_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ADAPTERS = {
     "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
     "b": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear",
@@ -63,14 +62,6 @@ def new_slots(max_loras: int = 3, rank: int = 8, dtype: torch.dtype = torch.floa
 
 def adapter_dir(name: str) -> Path:
     return peer_root()[0] / "adapters" / name
-
-
-def snapshot(slots: LoraSlots) -> tuple:
-    """Pool bytes, rank/scale tables and every slot's identity."""
-    digest = hashlib.sha256()
-    for t in (slots.pool.buffer, slots.pool.ranks, slots.pool.scales):
-        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest(), slots.table.infos(), dict(slots.table._by_name)
 
 
 def assert_matches_disk(slots: LoraSlots, slot: int, name: str) -> None:

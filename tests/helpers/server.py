@@ -15,9 +15,9 @@ import httpx
 import torch
 
 from metrale import LLM, SamplingParams
-from tests.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ADAPTERS = ("a", "b", "c", "d", "p")  # p is pinned at start-up where a test says so
 WORDS = ("user assistant system hello world the moon tell me about sun sea sky story "
          "a of and is what why how").split()
