@@ -16,7 +16,7 @@ import pytest
 from peft import PeftModel
 
 from metrale import LLM, SamplingParams
-from metrale.errors import AdapterExistsError
+from metrale.errors import AdapterExistsError, InvalidNameError
 from metrale.pool.staging import StagingBuffers
 from tests.helpers.engine import run_until_done, step_until, step_until_running
 from tests.helpers.reference import hf_greedy
@@ -133,3 +133,26 @@ def test_rewrite_that_keeps_size_and_mtime_lands_the_new_contents(root, tmp_path
     assert expected_new != expected_old
     llm.register_adapter("x", adapter, reload=True)
     assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == expected_new
+
+
+def test_landing_a_pinned_name_elsewhere_moves_the_pin(root, refs):
+    """The slot the name left is unnamed: it loses its pin (nobody could unpin it) and is
+    cache space again, never an orphan."""
+    llm = _llm(root)
+    engine, table = llm.engine, llm.engine.lora.table
+    llm.register_adapter("x", root / "old", pinned=True)
+    old = table.slot_of("x")
+    engine.swap_adapter("x", root / "new", 1 - old)
+    assert table.slot_of("x") == 1 - old and table.info(1 - old).pinned
+    assert table.info(old).name is None and not table.info(old).pinned
+    assert table.select_victim() == old
+    assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["new"]
+    table.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["base", "BASE", "model"])
+def test_names_of_the_base_model_are_reserved(root, name):
+    llm = _llm(root)
+    with pytest.raises(InvalidNameError, match="reserved"):
+        llm.register_adapter(name, root / "old")
+    assert llm.engine.registry.names() == []
