@@ -48,7 +48,7 @@ def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
             engine.swap_lora_slot_from_disk(d, "swapbench", slot)
 
         def swap_fresh_plan(d=d):
-            slots._plans.clear()  # parse + validate the files again, as a first landing does
+            slots.clear_plan_cache()  # parse + validate the files again, as a first landing does
             swap(d)
 
         tier = slots.host_tier

@@ -311,6 +311,11 @@ class LoraSlots:
         views = self.pool.stage_views(plan, data)
         return Prepared(lambda landing: landing.write_views(plan, views), identity)
 
+    def clear_plan_cache(self) -> None:
+        """Forget every remembered plan (benchmarks time a first landing with it)."""
+        with self._plans_lock:
+            self._plans.clear()
+
     def plan_from_disk(self, adapter_dir: str | Path, name: str) -> AdapterPlan:
         """plan_adapter, remembered per content identity (metrale.adapters.identity): the
         plan is a pure function of the config, the header and this engine's config, and
