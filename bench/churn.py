@@ -67,6 +67,9 @@ def serve(engine, arrivals, gen: int, device: str, drain_s: float = 30.0) -> dic
         t_step = time.perf_counter()
         outs = engine.step()
         t = time.perf_counter()
+        if not outs:  # nothing ran: every request waits for a promotion in flight
+            engine.wait_for_work(0.002)
+            continue
         first = any(o.request_id not in last for o in outs if o.error is None)
         kind = "promote" if engine.adapters.num_promotions > promos else (
             "prefill" if first else "decode")

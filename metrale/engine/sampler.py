@@ -35,8 +35,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     # One reduction for the batch: the argmax of every greedy row, and the row max,
     # which is finite exactly when the row has no NaN, no +inf and some finite value.
     row_max, argmax = logits.max(dim=-1)  # [B], [B]
-    usable = torch.isfinite(row_max).tolist()
-    tokens = argmax.tolist()
+    usable, tokens = torch.stack((torch.isfinite(row_max).long(), argmax)).tolist()  # one sync
     results: list[SampleResult | None] = [None] * len(seqs)
     for i, seq in enumerate(seqs):
         if not usable[i]:
