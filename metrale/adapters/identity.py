@@ -22,7 +22,7 @@ _MAX_KEYED_BYTES = 1 << 24
 
 @dataclass(frozen=True)
 class AdapterIdentity:
-    path: str  # the resolved directory
+    path: str  # the directory, absolute
     plan_digest: str  # blake2b of adapter_config.json + the safetensors header
     data_stat: tuple[int, ...]  # (dev, inode, size, mtime_ns, ctime_ns) of the weights file
 
@@ -42,11 +42,11 @@ def adapter_identity(adapter_dir: str | Path) -> AdapterIdentity | None:
             if not 0 <= n <= _MAX_KEYED_BYTES or len(config) > _MAX_KEYED_BYTES:
                 return None
             header = f.read(n)
-        resolved = str(d.resolve())
-    except (OSError, RuntimeError):
+        where = str(d.absolute())  # no resolve(): the inode already names the file
+    except OSError:
         return None
     for part in (config, head, header):
         digest.update(len(part).to_bytes(8, "little"))
         digest.update(part)
     stat = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    return AdapterIdentity(resolved, digest.hexdigest(), stat)
+    return AdapterIdentity(where, digest.hexdigest(), stat)

@@ -217,6 +217,8 @@ class PatternTable:
         self.regexes = tuple((i, p, v) for i, (p, v) in enumerate(self.entries) if p.literal is None)
 
     def value_for(self, key: str, default: Any, budget: MatchBudget) -> Any:
+        if not self.entries:  # the common case: no pattern at all
+            return default
         if "\n" in key:  # `$` before a final newline: leave that corner to the patterns
             return next((v for p, v in self.entries if p.suffix_match(key, budget)), default)
         suffixes = [key, *(key[i + 1:] for i, c in enumerate(key) if c == ".")]

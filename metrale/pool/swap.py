@@ -306,7 +306,7 @@ class LoraSlots:
         entry = tier.get(identity) if use_tier and tier is not None and tier.enabled else None
         if entry is not None:
             return Prepared(lambda landing: landing.write_image(entry))
-        plan = self.plan_from_disk(adapter_dir, name)
+        plan = self.plan_from_disk(adapter_dir, name, identity)
         data = read_adapter_data(plan, staging or self.staging)
         views = self.pool.stage_views(plan, data)
         return Prepared(lambda landing: landing.write_views(plan, views), identity)
@@ -316,21 +316,21 @@ class LoraSlots:
         with self._plans_lock:
             self._plans.clear()
 
-    def plan_from_disk(self, adapter_dir: str | Path, name: str) -> AdapterPlan:
+    def plan_from_disk(self, adapter_dir: str | Path, name: str,
+                       identity: AdapterIdentity | None = None) -> AdapterPlan:
         """plan_adapter, remembered per content identity (metrale.adapters.identity): the
         plan is a pure function of the config, the header and this engine's config, and
-        costs ~4 ms of Python on an 8B adapter. The data bytes are still read and checked
-        (NaN/Inf) on every landing."""
-        before = adapter_identity(adapter_dir)
-        key = (before, name)
+        costs several ms of Python on an 8B adapter. The data bytes are still read and
+        checked (NaN/Inf) on every landing. `identity`: the caller's, read just before."""
+        identity = identity or adapter_identity(adapter_dir)
         with self._plans_lock:
-            plan = self._plans.get(key) if before is not None else None
+            plan = self._plans.get((identity, name)) if identity is not None else None
         if plan is not None:
             return plan
         plan = plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
-        if before is not None and adapter_identity(adapter_dir) == before:  # not rewritten meanwhile
+        if identity is not None and adapter_identity(adapter_dir) == identity:  # not rewritten meanwhile
             with self._plans_lock:
                 while len(self._plans) >= _PLAN_CACHE:
                     self._plans.pop(next(iter(self._plans)))
-                self._plans[key] = plan
+                self._plans[(identity, name)] = plan
         return plan
