@@ -169,9 +169,10 @@ def _parse(doc: object, layout: SlotLayout, source: str) -> Manifest:
 @contextmanager
 def refusing_malformed(source: str, what: str) -> Iterator[None]:
     """The last line of defence around code that reads a peer's document: a
-    MetraleError keeps its class (named after the peer), any other exception (a TypeError deep in a
-    config parser, a re.error, a RecursionError...) becomes a PeerManifestError,
-    so a peer can make a landing fail but never crash the caller."""
+    MetraleError keeps its class (its message now names the peer); any other
+    exception (a TypeError deep in a config parser, a re.error, a RecursionError)
+    becomes a PeerManifestError, so a peer can make a landing fail but never
+    crash the caller with an untyped error."""
     try:
         yield
     except MetraleError as e:
@@ -305,9 +306,8 @@ def _peft_patterns(doc: dict) -> Iterator[tuple[str, str]]:
         if isinstance(doc.get(key), str):
             yield key, doc[key]
     layers = doc.get("layers_pattern")
-    for item in [layers] if isinstance(layers, str) else layers if isinstance(layers, list) else []:
-        if isinstance(item, str):
-            yield "layers_pattern", item
+    layers = [layers] if isinstance(layers, str) else layers if isinstance(layers, list) else []
+    yield from (("layers_pattern", p) for p in layers if isinstance(p, str))
     for key in ("rank_pattern", "alpha_pattern"):
         if isinstance(doc.get(key), dict):
             for pattern in doc[key]:
