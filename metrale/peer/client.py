@@ -1,8 +1,12 @@
 """The engine's side of the peer control plane, and the HTTP data plane.
 
-Plain http.client: every connect and every read takes its timeout from the
-operation's Deadline, and no response is read past a byte cap, so a peer that
-stalls, trickles or floods costs at most the configured timeout and memory.
+Plain http.client over a socket that takes every blocking call's timeout from
+the operation's Deadline: connect, each send, and each recv of the status line,
+headers and body (http.client reads through makefile(), which calls the
+socket's recv_into). A per-recv timeout alone is not enough, since a peer that
+sends a byte just before each one expires would never trip it; the deadline
+is one wall-clock budget that no amount of trickling extends. Every reply is
+also read under a byte cap, so a peer that floods costs bounded memory.
 """
 
 from __future__ import annotations
@@ -10,8 +14,11 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
+import socket
 from urllib.parse import quote
 
+from metrale.errors import MetraleError
 from metrale.peer.allow import PeerAddress
 from metrale.peer.deadline import Deadline
 from metrale.peer.errors import (
@@ -26,7 +33,13 @@ from metrale.peer.manifest import MAX_MANIFEST_BYTES
 log = logging.getLogger("metrale.peer")
 
 IO_TIMEOUT_S = 10.0  # one blocking socket call, never more than the deadline's rest
-RELEASE_TIMEOUT_S = 2.0
+# Releasing is best effort (the lease expires anyway), so it gets a short budget of
+# its own: the operation's deadline may be spent already when it runs.
+RELEASE_TIMEOUT_S = 1.0
+# Status line, headers and chunk framing on top of a reply's body; http.client's own
+# limits (100 headers of 64 KiB) would allow 6.5 MiB, and chunked trailers no limit.
+FRAMING_BYTES = 256 << 10
+MAX_REPLY_INT_DIGITS = 20  # JSON integers: 2**63 has 19 digits
 _CHUNK = 1 << 20
 
 
@@ -44,29 +57,28 @@ class PeerClient:
         return self._json("POST", path, {"ttl_s": ttl_s}, f"lease {adapter_id!r}")
 
     def release(self, lease_id: str) -> None:
-        """Best effort with its own short timeout: the lease expires on its own anyway."""
+        """Best effort, under its own short deadline; never raises."""
+        what = f"release lease {lease_id[:16]!r}"
         path = f"/peer/v1/leases/{quote(lease_id, safe='')}"
-        conn = http.client.HTTPConnection(self.addr.ip, self.addr.port, timeout=RELEASE_TIMEOUT_S)
         try:
-            conn.request("DELETE", path, headers={"Host": self._host()})
-            conn.getresponse().read(4096)
-        except (OSError, http.client.HTTPException) as e:
-            log.info("peer %s: releasing lease %s failed (%s); it will expire", self.addr, lease_id, e)
-        finally:
-            conn.close()
+            conn, _ = self._request("DELETE", path, None, what, Deadline(RELEASE_TIMEOUT_S), 4096)
+            conn.close()  # the status line is the answer; the body is not worth waiting for
+        except MetraleError as e:
+            log.info("peer %s: releasing lease %s failed (%s); it will expire", self.addr,
+                     lease_id[:16], e)
 
     def _json(self, method: str, path: str, body: dict | None, what: str) -> dict:
-        conn, resp = self._request(method, path, body, what)
+        conn, resp = self._request(method, path, body, what, self.deadline, MAX_MANIFEST_BYTES)
         try:
-            raw = self._read_capped(conn, resp, MAX_MANIFEST_BYTES, what)
+            raw = self._read_capped(resp, MAX_MANIFEST_BYTES, what)
         finally:
             conn.close()
         try:
-            doc = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            doc = strict_json(raw)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             if resp.status != 200:
                 raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {resp.status}") from None
-            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not JSON") from None
+            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not JSON ({e})") from None
         if resp.status != 200:
             message = _error_message(doc)
             if resp.status == 404:
@@ -83,18 +95,20 @@ class PeerClient:
         stream, a stall or a trickle past the deadline is an error."""
         n = len(out)
         what = "data stream"
-        conn, resp = self._request("GET", path, None, what)
+        # Chunked framing of a real peer costs well under 1/64 of the body.
+        cap = n + n // 64
+        conn, resp = self._request("GET", path, None, what, self.deadline, cap)
         try:
             if resp.status != 200:
                 raise PeerTransferError(f"peer {self.addr}: {what}: HTTP {resp.status}")
             length = resp.getheader("Content-Length")
             if length is not None and length.strip() != str(n):
                 raise PeerTransferError(
-                    f"peer {self.addr}: {what} announces {length} bytes, the manifest {n}"
+                    f"peer {self.addr}: {what} announces {length[:40]!r} bytes, the manifest {n}"
                 )
             got = 0
             while got < n:
-                self._arm(conn, what)
+                self._check_deadline(what)
                 k = resp.readinto(out[got:min(n, got + _CHUNK)])
                 if not k:
                     raise PeerTransferError(
@@ -102,14 +116,10 @@ class PeerClient:
                         "died or closed mid-transfer"
                     )
                 got += k
-            self._arm(conn, what)
-            if resp.read(1):
+            if resp.read1(1):
                 raise PeerTransferError(f"peer {self.addr}: {what} is longer than the {n} bytes announced")
         except TimeoutError:
-            raise PeerTimeoutError(
-                f"peer {self.addr}: {what} stalled; no data within the {self.deadline.total_s:.1f}s "
-                "peer timeout"
-            ) from None
+            raise self._timeout(what) from None
         except (OSError, http.client.HTTPException) as e:
             raise PeerTransferError(f"peer {self.addr}: {what} failed: {type(e).__name__}: {e}") from None
         finally:
@@ -121,9 +131,11 @@ class PeerClient:
         host = f"[{self.addr.host}]" if ":" in self.addr.host else self.addr.host
         return f"{host}:{self.addr.port}"
 
-    def _request(self, method: str, path: str, body: dict | None, what: str):
-        timeout = self.deadline.timeout(f"peer {self.addr}: {what}", IO_TIMEOUT_S)
-        conn = http.client.HTTPConnection(self.addr.ip, self.addr.port, timeout=timeout)
+    def _request(self, method: str, path: str, body: dict | None, what: str,
+                 deadline: Deadline, body_cap: int):
+        """Send the request and read the status line and headers, all under `deadline`."""
+        label = f"peer {self.addr}: {what}"
+        conn = _PeerConnection(self.addr, deadline, label, body_cap + FRAMING_BYTES)
         headers = {"Host": self._host(), "Accept": "application/json"}
         payload = None
         if body is not None:
@@ -131,41 +143,142 @@ class PeerClient:
             headers["Content-Type"] = "application/json"
         try:
             conn.request(method, path, body=payload, headers=headers)
-            self._arm(conn, what)
             return conn, conn.getresponse()
         except TimeoutError:
             conn.close()
-            raise PeerTimeoutError(f"peer {self.addr}: {what}: no reply in time") from None
+            raise self._timeout(what) from None
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             raise PeerConnectionError(
-                f"peer {self.addr} cannot be reached ({what}): {type(e).__name__}: {e}"
+                f"peer {self.addr} cannot be reached ({what}): {type(e).__name__}: {str(e)[:200]}"
             ) from None
+        except BaseException:  # a deadline or byte-cap refusal from the socket
+            conn.close()
+            raise
 
-    def _arm(self, conn: http.client.HTTPConnection, what: str) -> None:
-        """Give the next blocking read only what is left of the deadline."""
-        if conn.sock is not None:
-            conn.sock.settimeout(self.deadline.timeout(f"peer {self.addr}: {what}", IO_TIMEOUT_S))
-
-    def _read_capped(self, conn, resp, cap: int, what: str) -> bytes:
+    def _read_capped(self, resp: http.client.HTTPResponse, cap: int, what: str) -> bytes:
         length = resp.getheader("Content-Length")
-        if length is not None and length.strip().isdigit() and int(length) > cap:
-            raise PeerManifestError(f"peer {self.addr}: {what}: reply of {length} bytes > {cap} cap")
+        if length is not None and _over(length, cap):
+            raise PeerManifestError(f"peer {self.addr}: {what}: reply of {length[:40]} bytes > {cap} cap")
         parts, total = [], 0
         try:
             while True:
-                self._arm(conn, what)
+                self._check_deadline(what)
                 chunk = resp.read1(min(_CHUNK, cap + 1 - total))
                 if not chunk:
-                    return b"".join(parts)
+                    break
                 parts.append(chunk)
                 total += len(chunk)
                 if total > cap:
                     raise PeerManifestError(f"peer {self.addr}: {what}: reply larger than {cap} bytes")
         except TimeoutError:
-            raise PeerTimeoutError(f"peer {self.addr}: {what}: reply stalled") from None
+            raise self._timeout(what) from None
         except (OSError, http.client.HTTPException) as e:
             raise PeerConnectionError(f"peer {self.addr}: {what}: {type(e).__name__}: {e}") from None
+        # http.client ends a fixed-length body quietly at EOF; a truncated reply that
+        # happens to parse must not pass for the whole one.
+        if resp.length:
+            raise PeerConnectionError(
+                f"peer {self.addr}: {what}: the peer closed the connection {resp.length} bytes "
+                "before the end of its reply"
+            )
+        return b"".join(parts)
+
+    def _check_deadline(self, what: str) -> None:
+        self.deadline.timeout(f"peer {self.addr}: {what}")
+
+    def _timeout(self, what: str) -> PeerTimeoutError:
+        return PeerTimeoutError(
+            f"peer {self.addr}: {what}: stalled; no complete reply within the "
+            f"{self.deadline.total_s:.1f}s peer timeout"
+        )
+
+
+class _DeadlineSocket(socket.socket):
+    """A TCP socket whose every blocking call gets only what is left of one
+    Deadline, and that refuses to receive more than `max_bytes` in all."""
+
+    deadline: Deadline
+    label: str
+    max_bytes: int
+    received: int = 0
+
+    def _arm(self) -> None:
+        self.settimeout(self.deadline.timeout(self.label, IO_TIMEOUT_S))
+
+    def _count(self, n: int) -> int:
+        self.received += n
+        if self.received > self.max_bytes:
+            raise PeerTransferError(
+                f"{self.label}: the peer sent more than {self.max_bytes} bytes for one reply"
+            )
+        return n
+
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
+        self._arm()
+        return self._count(super().recv_into(buffer, nbytes, flags))
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        self._arm()
+        data = super().recv(bufsize, flags)
+        self._count(len(data))
+        return data
+
+    def send(self, data, flags: int = 0) -> int:
+        self._arm()
+        return super().send(data, flags)
+
+    def sendall(self, data, flags: int = 0) -> None:
+        self._arm()  # sendall's timeout bounds the whole call, not each piece
+        super().sendall(data, flags)
+
+
+class _PeerConnection(http.client.HTTPConnection):
+    def __init__(self, addr: PeerAddress, deadline: Deadline, label: str, max_bytes: int) -> None:
+        super().__init__(addr.ip, addr.port, timeout=IO_TIMEOUT_S)  # connect() uses the deadline
+        self.deadline, self.label, self.max_bytes = deadline, label, max_bytes
+
+    def connect(self) -> None:
+        raw = socket.create_connection((self.host, self.port),
+                                       self.deadline.timeout(self.label, IO_TIMEOUT_S))
+        sock = _DeadlineSocket(raw.family, raw.type, raw.proto, fileno=raw.detach())
+        sock.deadline, sock.label, sock.max_bytes = self.deadline, self.label, self.max_bytes
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+
+
+def strict_json(raw: bytes | str) -> object:
+    """json.loads without Python's extensions: no NaN/Infinity, no float that
+    overflows to inf, no integer longer than MAX_REPLY_INT_DIGITS digits; nesting
+    too deep for the decoder is a ValueError too. Raises ValueError."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float,
+                          parse_int=_bounded_int)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} overflows")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_REPLY_INT_DIGITS:
+        raise ValueError(f"integer of {len(text)} digits")
+    return int(text)
+
+
+def _over(length: str, cap: int) -> bool:
+    """Content-Length above `cap`, without int() on a peer's 5000-digit string."""
+    text = length.strip().lstrip("0") or "0"
+    return text.isascii() and text.isdigit() and (len(text) > len(str(cap)) or int(text) > cap)
 
 
 def _error_message(doc: object) -> str:
