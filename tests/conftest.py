@@ -54,3 +54,23 @@ def default_model_cache():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CACHE_ENV, str(root))
         yield root
+
+
+@pytest.fixture(scope="module")
+def genuine():
+    """A real lease reply for adapter "a" (from an in-process exporter) and its bytes."""
+    from metrale.peer import AdapterExporter  # metrale: after the triton switch above
+    from metrale.peer.nixl_shim import nixl_available
+    from tests.helpers.peers import LEASE, adapter_dir, new_slots
+
+    source = new_slots(max_loras=1)
+    source.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
+    exporter = AdapterExporter(source, transports=("http", "nixl") if nixl_available() else ("http",))
+    reply = exporter.lease("a")
+    n, chunks = exporter.open_data(reply["lease"]["id"])
+    data = b"".join(bytes(c) for c in chunks)
+    assert len(data) == n
+    exporter.release(reply["lease"]["id"])
+    reply["lease"]["id"] = LEASE
+    reply["manifest"]["transports"]["http"]["data_path"] = f"/peer/v1/leases/{LEASE}/data"
+    return reply, data, exporter  # the exporter keeps its NIXL memory registered

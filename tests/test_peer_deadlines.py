@@ -19,8 +19,8 @@ from metrale import errors
 from metrale.peer import swap_from_peer
 from metrale.peer.client import RELEASE_TIMEOUT_S
 from metrale.peer.errors import PeerManifestError, PeerTimeoutError
-from tests.test_peer_refusals import LEASE, genuine  # noqa: F401  (a fixture)
-from tests.test_peer_support import assert_matches_disk, new_slots, snapshot
+from tests.helpers.peers import LEASE, assert_matches_disk, new_slots
+from tests.helpers.pool import snapshot
 
 TIMEOUT_S = 1.0
 SLACK_S = 1.0

@@ -22,8 +22,7 @@ from metrale.peer.manifest import (
     manifest_plan,
     parse_manifest,
 )
-from tests.test_peer_refusals import genuine  # noqa: F401  (a fixture)
-from tests.test_peer_support import new_slots
+from tests.helpers.peers import new_slots
 
 SOURCE = "peer 127.0.0.1:1 adapter 'a'"
 PEFT_KEYS = ["r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern", "use_rslora",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from metrale import errors
-from metrale.peer import AdapterExporter, promote_from_peer, swap_from_peer
+from metrale.peer import promote_from_peer, swap_from_peer
 from metrale.peer.errors import (
     PeerManifestError,
     PeerNotAllowedError,
@@ -21,26 +21,8 @@ from metrale.peer.errors import (
     PeerTransferError,
 )
 from metrale.peer.nixl_shim import nixl_available
-from tests.helpers.peers import FakePeer, adapter_dir, new_slots
+from tests.helpers.peers import LEASE, FakePeer, adapter_dir, new_slots
 from tests.helpers.pool import snapshot
-
-LEASE = "fakelease0001"
-
-
-@pytest.fixture(scope="module")
-def genuine():
-    """A real lease reply for adapter "a" (from an in-process exporter) and its bytes."""
-    source = new_slots(max_loras=1)
-    source.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
-    exporter = AdapterExporter(source, transports=("http", "nixl") if nixl_available() else ("http",))
-    reply = exporter.lease("a")
-    n, chunks = exporter.open_data(reply["lease"]["id"])
-    data = b"".join(bytes(c) for c in chunks)
-    assert len(data) == n
-    exporter.release(reply["lease"]["id"])
-    reply["lease"]["id"] = LEASE
-    reply["manifest"]["transports"]["http"]["data_path"] = f"/peer/v1/leases/{LEASE}/data"
-    return reply, data, exporter  # the exporter keeps its NIXL memory registered
 
 
 @pytest.fixture

@@ -130,6 +130,9 @@ def stop(proc: subprocess.Popen) -> None:
 # --- a peer that says whatever the test wants ------------------------------------------
 
 
+LEASE = "fakelease0001"  # the lease id fake peers grant
+
+
 class FakePeer:
     """lease -> `lease_reply` (a dict, or raw bytes); data -> `data`, delivered per `mode`:
     full | half-close | half-stall | long | long-unannounced."""
