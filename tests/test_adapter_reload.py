@@ -142,7 +142,7 @@ def test_landing_a_pinned_name_elsewhere_moves_the_pin(root, refs):
     engine, table = llm.engine, llm.engine.lora.table
     llm.register_adapter("x", root / "old", pinned=True)
     old = table.slot_of("x")
-    engine.swap_adapter("x", root / "new", 1 - old)
+    engine.swap_lora_slot_from_disk(root / "new", "x", 1 - old)
     assert table.slot_of("x") == 1 - old and table.info(1 - old).pinned
     assert table.info(old).name is None and not table.info(old).pinned
     assert table.select_victim() == old

@@ -229,15 +229,12 @@ class LLMEngine:
         """Land a registered version now, into `slot` or a victim: (slot, evicted)."""
         return self.adapters.land(version, slot, prepared)
 
-    def swap_adapter(self, name: str, source: str | Path | AdapterSource, slot: int,
-                     prepared: Prepared | None = None) -> None:
-        """Land `source` into `slot` as the current version of `name` (new or reloaded)."""
-        self.adapters.land_new(name, AdapterSource.of(source), slot, prepared)
-
     # --- the seed's four operations: land these bytes as `name` now ----------------------
 
-    def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int) -> None:
-        self.adapters.land_new(name, AdapterSource(path=Path(adapter_dir)), slot)
+    def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int,
+                                 prepared: Prepared | None = None) -> None:
+        """prepared: the files' bytes, read off this thread (the server does)."""
+        self.adapters.land_new(name, AdapterSource(path=Path(adapter_dir)), slot, prepared)
 
     def promote_lora_slot_from_disk(self, adapter_dir: str | Path,
                                     name: str) -> tuple[int, str | None]:

@@ -97,7 +97,7 @@ class AdapterOps:
             self.engine.land(self.registry.changeable(name), slot, prepared)
         else:
             self.registry.check_new(name, reload)
-            self.engine.swap_adapter(name, source, slot, prepared)
+            self.engine.swap_lora_slot_from_disk(source.path, name, slot, prepared)
         return self.view(name)
 
     def set_pinned(self, name: str, pinned: bool, prepared: Prepared | None) -> AdapterView:
