@@ -34,6 +34,14 @@ class PoolFullError(MetraleError):
     """Every cache slot is busy or pinned; retry once a sequence finishes."""
 
 
+class AllSlotsPinnedError(PoolFullError):
+    """Every slot is pinned: waiting cannot help, only an unpin or a bigger pool."""
+
+
+class SlotPinnedError(SlotBusyError):
+    """A swap into a slot whose adapter is pinned; unpin it first."""
+
+
 class UnknownAdapterError(MetraleError):
     """No adapter of that name is registered or resident."""
 

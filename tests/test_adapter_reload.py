@@ -13,10 +13,11 @@ import shutil
 import threading
 
 import pytest
+import torch
 from peft import PeftModel
 
 from metrale import LLM, SamplingParams
-from metrale.errors import AdapterExistsError, InvalidNameError
+from metrale.errors import AdapterExistsError, AllSlotsPinnedError, InvalidNameError, SlotPinnedError
 from metrale.pool.staging import StagingBuffers
 from tests.helpers.engine import run_until_done, step_until, step_until_running
 from tests.helpers.reference import hf_greedy
@@ -156,3 +157,34 @@ def test_names_of_the_base_model_are_reserved(root, name):
     with pytest.raises(InvalidNameError, match="reserved"):
         llm.register_adapter(name, root / "old")
     assert llm.engine.registry.names() == []
+
+
+def test_every_slot_pinned_fails_at_once_naming_the_pins(root):
+    llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
+              num_kv_blocks=128, promotion_timeout_s=3600)
+    engine = llm.engine
+    llm.register_adapter("x", root / "old", pinned=True)
+    llm.register_adapter("y", root / "new", pinned=True)
+    llm.register_adapter("z", root / "old")
+    rid = engine.add_request(PROMPT, GREEDY, "z")
+    done = run_until_done(engine)  # no hour-long wait: it can never land
+    assert isinstance(done[rid].error, AllSlotsPinnedError)
+    assert "all 2 slot(s) are pinned" in str(done[rid].error)
+    engine.lora.table.check_integrity()
+
+
+def test_a_pinned_slot_is_never_swapped_over(root, refs):
+    llm = _llm(root)
+    engine, table = llm.engine, llm.engine.lora.table
+    llm.register_adapter("x", root / "old", pinned=True)
+    slot = table.slot_of("x")
+    before = (engine.lora.pool.slot_region(slot).clone(), table.info(slot))
+    with pytest.raises(SlotPinnedError, match="unpin it first"):
+        engine.swap_lora_slot_from_disk(root / "new", "y", slot)
+    assert torch.equal(engine.lora.pool.slot_region(slot), before[0])
+    assert table.info(slot) == before[1] and engine.registry.get("y") is None
+    engine.pin_adapter("x", False)
+    engine.swap_lora_slot_from_disk(root / "new", "y", slot)
+    assert table.info(slot).name == "y" and not table.info(slot).pinned  # the pin did not move
+    assert llm.generate([PROMPT], GREEDY, ["y"])[0].token_ids == refs["new"]
+    table.check_integrity()

@@ -33,6 +33,7 @@ from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersi
 from metrale.engine.sequence import Sequence
 from metrale.errors import (
     AdapterFileError,
+    AllSlotsPinnedError,
     LandingError,
     MetraleError,
     PoolFullError,
@@ -276,6 +277,12 @@ class AdapterManager:
                 continue
             try:
                 self.slots.require_swappable("promote")
+                self.slots.table.select_victim()
+            except AllSlotsPinnedError as e:  # waiting cannot help: say so now
+                failed += self._fail(name, e)
+                continue
+            except PoolFullError:
+                pass  # stage now; a slot may drain by the time the bytes are ready
             except MetraleError as e:
                 failed += self._fail(name, e)
                 continue
@@ -348,6 +355,10 @@ class AdapterManager:
             return self._fail(name, error)
         try:
             slot = self.slots.table.select_victim()
+        except AllSlotsPinnedError as e:  # pinned meanwhile: no slot will ever drain
+            self.job = None
+            self._close_staged(job)
+            return self._fail(name, e)
         except PoolFullError:
             return []  # keep the staged bytes; wait for a slot to drain
         job.evicted = self.slots.table.info(slot).name

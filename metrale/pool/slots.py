@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from enum import Enum
 
 from metrale.errors import (
+    AllSlotsPinnedError,
     PoolFullError,
     SlotBusyError,
     SlotOutOfRangeError,
+    SlotPinnedError,
     UnknownAdapterError,
 )
 
@@ -91,6 +93,14 @@ class SlotTable:
         self.check_slot(slot)
         return self._slots[slot].ref_count
 
+    def require_replaceable(self, slot: int) -> None:
+        """A swap into `slot` needs it idle and unpinned: a pin never moves to another
+        adapter, and a pinned adapter is only replaced once its pin is lifted."""
+        self.require_idle(slot)
+        if self._slots[slot].pinned:
+            raise SlotPinnedError(
+                f"slot {slot} holds pinned adapter {self._slots[slot].name!r}; unpin it first")
+
     def require_idle(self, slot: int) -> None:
         self.check_slot(slot)
         s = self._slots[slot]
@@ -110,10 +120,14 @@ class SlotTable:
             if not s.pinned and s.ref_count == 0 and s.state is not SlotState.LOADING
         ]
         if not candidates:
-            cache = sum(not s.pinned for s in self._slots)
+            pinned = sum(s.pinned for s in self._slots)
+            if pinned == len(self._slots):
+                raise AllSlotsPinnedError(
+                    f"POOL_FULL: all {pinned} slot(s) are pinned, so no other adapter can ever "
+                    "land; unpin one or raise --max-loras")
             raise PoolFullError(
-                f"POOL_FULL: all {cache} cache slot(s) are busy (ref_count>0); retry"
-            )
+                f"POOL_FULL: all {len(self._slots) - pinned} cache slot(s) are busy (in-flight "
+                f"requests or a landing) and {pinned} are pinned; retry")
 
         def preference(item: tuple[int, _Slot]) -> tuple[int, int, int]:
             i, s = item

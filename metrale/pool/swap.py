@@ -194,7 +194,7 @@ class LoraSlots:
         def run() -> tuple[int, None]:
             self.require_swappable(op)
             validate_adapter_name(name)
-            self.table.require_idle(slot)  # refuse a busy slot before any I/O
+            self.table.require_replaceable(slot)  # refuse a busy or pinned slot before any I/O
             prepared = prepare()
             try:
                 self.land(slot, name, prepared)

@@ -10,6 +10,7 @@ from metrale.engine.sampling_params import InvalidSamplingParamsError
 from metrale.errors import (
     AdapterError,
     AdapterExistsError,
+    AllSlotsPinnedError,
     InvalidNameError,
     LandingError,
     MetraleError,
@@ -20,6 +21,7 @@ from metrale.errors import (
     SamplingError,
     SlotBusyError,
     SlotOutOfRangeError,
+    SlotPinnedError,
     UnknownAdapterError,
 )
 from metrale.peer.errors import PeerNotAllowedError
@@ -71,9 +73,11 @@ _TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
     (NoAdapterPoolError, 400, "invalid_request_error", "no_adapter_pool"),
     (RuntimeSwapsDisabledError, 403, "permission_error", "runtime_swaps_disabled"),
     (UnknownAdapterError, 404, "not_found_error", "model_not_found"),
+    (SlotPinnedError, 409, "conflict_error", "slot_pinned"),
     (SlotBusyError, 409, "conflict_error", "slot_busy"),
     (AdapterExistsError, 409, "conflict_error", "adapter_exists"),
     (AdapterError, 422, "invalid_request_error", "invalid_adapter"),
+    (AllSlotsPinnedError, 503, "service_unavailable_error", "all_slots_pinned"),
     (PoolFullError, 503, "service_unavailable_error", "pool_full"),
     (LandingError, 500, "internal_error", "landing_failed"),
     (SamplingError, 500, "internal_error", "sampling_failed"),
