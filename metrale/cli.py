@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hold adapters in host memory (pinned when CUDA exists) or on the GPU "
                          "(default: %(default)s)")
     ps.add_argument("--dtype", default="float32",
-                    help="storage dtype: float32, bfloat16 or float16; must equal the engines' pool dtype for NIXL (HTTP "
-                         "converts) (default: %(default)s)")
+                    help="storage dtype: float32, bfloat16 or float16; must equal the engines' "
+                         "pool dtype for NIXL (HTTP converts) (default: %(default)s)")
     ps.add_argument("--max-lora-rank", type=int, default=None,
                     help="refuse adapters above this rank (default: the largest rank found)")
     ps.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
