@@ -82,7 +82,8 @@ def add_adapters_parser(sub) -> None:
     """The `adapters` subcommand, added to metrale's CLI by cli.build_parser."""
     p = sub.add_parser("adapters", help="manage the adapters of a running `metrale serve`")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (default: %(default)s)")
+    common.add_argument("--url", default="http://127.0.0.1:8000",
+                        help="the server's base URL (default: %(default)s)")
     common.add_argument("--admin-key", help="the server's admin key (or set METRALE_ADMIN_KEY)")
     actions = p.add_subparsers(dest="action", required=True)
     ls = actions.add_parser("list", parents=[common], help="registered adapters and slots")
