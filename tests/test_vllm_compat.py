@@ -53,3 +53,37 @@ def test_chat_without_a_template_is_refused(llm, monkeypatch):
     monkeypatch.setattr(llm.tokenizer, "chat_template", None)
     with pytest.raises(ChatTemplateError):
         llm.chat(CONV, GREEDY)
+
+
+# --- reset_prefix_cache ---------------------------------------------------------------------
+
+
+def test_reset_prefix_cache_drops_cached_blocks_and_changes_no_output(llm):
+    prompt = list(range(10, 30))  # 5 full blocks of 4
+    runs = [llm.generate([prompt], GREEDY)[0]]
+    runs.append(llm.generate([prompt], GREEDY)[0])
+    assert runs[1].num_cached_tokens > 0
+    assert llm.engine.reset_prefix_cache() > 0
+    runs.append(llm.generate([prompt], GREEDY)[0])
+    assert runs[2].num_cached_tokens == 0
+    assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids
+    assert llm.engine.reset_prefix_cache() > 0  # the third run cached them again
+
+
+def test_reset_keeps_blocks_that_running_requests_hold(llm):
+    from tests.helpers.engine import run_until_done, step_until_running
+
+    engine = llm.engine
+    prompt = list(range(40, 60))
+    long = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate([prompt], long)[0]
+    engine.reset_prefix_cache()
+    rid = engine.add_request(prompt, long)
+    step_until_running(engine, rid)
+    keyed = {b: engine.blocks.key[b] for b in engine.requests[rid].block_table
+             if engine.blocks.key[b] is not None}
+    assert keyed  # the prompt's full blocks
+    engine.reset_prefix_cache()
+    assert {b: engine.blocks.key[b] for b in keyed} == keyed
+    out = run_until_done(engine)[rid]
+    assert out.token_ids == alone.token_ids

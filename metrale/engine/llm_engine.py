@@ -117,6 +117,11 @@ class LLMEngine:
             self._free(seq)
             seq.finish_reason = "abort"
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached prefix blocks no running request holds (vLLM's
+        reset_prefix_cache); returns how many. Engine thread only (server: AsyncEngine.call)."""
+        return self.blocks.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
