@@ -87,3 +87,62 @@ def test_reset_keeps_blocks_that_running_requests_hold(llm):
     assert {b: engine.blocks.key[b] for b in keyed} == keyed
     out = run_until_done(engine)[rid]
     assert out.token_ids == alone.token_ids
+
+
+# --- min_tokens -----------------------------------------------------------------------------
+
+PROMPT = list(range(5, 17))
+
+
+@pytest.fixture(scope="module")
+def early_eos(model_dir, llm, tmp_path_factory):
+    """(LLM, eos id, greedy tokens): the same model with its second greedy token declared
+    EOS in config.json, so that plain greedy decoding ends after two tokens."""
+    import json
+    import shutil
+
+    tokens = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0,
+                                                   ignore_eos=True))[0].token_ids
+    eos = tokens[1]
+    assert eos != tokens[0]
+    path = tmp_path_factory.mktemp("eos") / "model"
+    shutil.copytree(model_dir, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}))
+    return LLM(path, max_loras=1, max_lora_rank=8, max_model_len=256, block_size=4,
+               num_kv_blocks=128), eos, tokens
+
+
+def test_min_tokens_suppresses_eos(early_eos):
+    llm, eos, tokens = early_eos
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert plain.token_ids == tokens[:2] and plain.finish_reason == "stop"
+    held = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, min_tokens=5))[0]
+    assert len(held.token_ids) >= 5 and eos not in held.token_ids[:5]
+    assert held.token_ids[0] == tokens[0]
+    # sampled decoding cannot draw it either
+    sampled = llm.generate([PROMPT] * 4, [SamplingParams(max_tokens=6, temperature=2.0, seed=s,
+                                                         min_tokens=6) for s in range(4)])
+    assert all(len(o.token_ids) == 6 and eos not in o.token_ids for o in sampled)
+
+
+def test_min_tokens_defers_stop_strings(llm):
+    free = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0,
+                                                 ignore_eos=True))[0]
+    first_word = llm.tokenizer.decode(free.token_ids[:1])
+    stopped = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                    stop=(first_word,)))[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) == 1
+    held = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                 stop=(first_word,), min_tokens=3))[0]
+    # the stop string appeared before min_tokens: it no longer counts
+    assert len(held.token_ids) >= 3 and held.text.startswith(first_word)
+
+
+@pytest.mark.parametrize("value", [-1, 9, True, 1.0])
+def test_min_tokens_range(value):
+    from metrale.engine.sampling_params import InvalidSamplingParamsError
+
+    with pytest.raises(InvalidSamplingParamsError) as e:
+        SamplingParams(max_tokens=8, min_tokens=value)
+    assert e.value.param == "min_tokens"
