@@ -10,7 +10,13 @@ from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from metrale.errors import MetraleError
 from metrale.model.default_model import default_model_dir
 from metrale.server.client import add_adapters_parser
-from metrale.server.serve import add_serve_arguments, parse_adapter_args, progress, serve
+from metrale.server.serve import (
+    add_device_arguments,
+    add_serve_arguments,
+    parse_adapter_args,
+    progress,
+    serve,
+)
 
 # Imports inside the commands below pull in torch (seconds) or the server extra; kept there
 # so that `metrale --help` and the `metrale adapters` HTTP client start at once.
@@ -97,26 +103,32 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="check a PEFT adapter against a base model")
     ins.add_argument("adapter", help="PEFT adapter directory")
     ins.add_argument("--model", help="Hugging Face model dir (default: embedded SmolLM2)")
-    ins.add_argument("--max-lora-rank", type=int, default=64)
+    ins.add_argument("--max-lora-rank", type=int, default=64,
+                     help="refuse adapters above this rank (default: %(default)s)")
     ins.set_defaults(func=_inspect)
 
     gen = sub.add_parser("generate", help="generate text, with or without adapters")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the prompt text (required)")
     gen.add_argument("--model", help="Hugging Face model dir (default: embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
                      help="register a PEFT adapter (repeatable)")
     gen.add_argument("--use", action="append", metavar="NAME",
                      help="run the prompt through this adapter ('base' = none); repeatable. "
                           "On the default model the demo adapters 'shout' and 'pirate' need no --adapter")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--max-tokens", type=int, default=64,
+                     help="tokens to generate at most (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature in [0, 2]; 0 = greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling mass in (0, 1] (default: %(default)s)")
+    gen.add_argument("--seed", type=int, help="sampling seed, for reproducible output "
+                                               "(default: none)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-lora-rank", type=int, default=16)
-    gen.add_argument("--max-model-len", type=int, default=2048)
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default=None)
+    gen.add_argument("--max-lora-rank", type=int, default=16,
+                     help="largest LoRA rank a slot holds (default: %(default)s)")
+    gen.add_argument("--max-model-len", type=int, default=2048,
+                     help="most tokens per sequence, prompt plus output (default: %(default)s)")
+    add_device_arguments(gen)
     gen.set_defaults(func=_generate)
 
     peer = sub.add_parser("peer", help="adapter peers: serve a directory of adapters to engines")
@@ -127,15 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--model", help="Hugging Face model dir; only config.json is read "
                                     "(default: embedded SmolLM2)")
     ps.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="hold adapters in host memory (pinned when CUDA exists) or on the GPU")
+                    help="hold adapters in host memory (pinned when CUDA exists) or on the GPU "
+                         "(default: %(default)s)")
     ps.add_argument("--dtype", default="float32",
-                    help="storage dtype; must equal the engines' pool dtype for NIXL (HTTP converts)")
+                    help="storage dtype: float32, bfloat16 or float16; must equal the engines' "
+                         "pool dtype for NIXL (HTTP converts) (default: %(default)s)")
     ps.add_argument("--max-lora-rank", type=int, default=None,
                     help="refuse adapters above this rank (default: the largest rank found)")
-    ps.add_argument("--host", default="127.0.0.1")
-    ps.add_argument("--port", type=int, default=7460, help="0 picks a free port")
+    ps.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    ps.add_argument("--port", type=int, default=7460,
+                    help="port to listen on; 0 picks a free port (default: %(default)s)")
     ps.add_argument("--transport", default="auto", choices=["auto", "nixl", "http"],
-                    help="data planes to offer; auto = NIXL when installed, plus HTTP")
+                    help="data planes to offer: nixl, http, or auto = NIXL when installed, "
+                         "plus HTTP (default: %(default)s)")
     ps.add_argument("--allow-client", action="append", metavar="NET",
                     help="address, network or host allowed to lease (repeatable; default loopback)")
     ps.set_defaults(func=_peer_serve)

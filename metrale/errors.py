@@ -93,6 +93,10 @@ class LandingError(MetraleError):
     """A landing failed after the slot was zeroed; the slot is now EMPTY with a new identity."""
 
 
+class ChatTemplateError(MetraleError):
+    """The model has no chat template, or its template refused the messages."""
+
+
 # --- generation failures (one sequence fails, the batch goes on) ----------------
 
 

@@ -198,3 +198,118 @@ def test_shutdown_fails_running_streams_and_refuses_new_work(async_engine):
             await anext(async_engine.generate([1], LONG))
 
     asyncio.run(scenario())
+
+
+# --- vLLM's extra routes: /version, /tokenize, /detokenize, HEAD, /reset_prefix_cache ------
+
+USER_KEY, ADMIN_KEY = "user-key", "admin-key"
+USER = {"Authorization": f"Bearer {USER_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def vllm_client(tiny, tmp_path_factory):
+    from tests.helpers.server import save_tokenizer
+
+    model = tmp_path_factory.mktemp("vllm") / "model"
+    base = make_model("llama", seed=5)
+    save_model(base, model)
+    save_tokenizer(model, base.config.vocab_size)
+    args = build_parser().parse_args([
+        "serve", "--model", str(model), "--adapter", f"a={tiny / 'jail' / 'a'}",
+        "--max-loras", "1", "--max-lora-rank", "8", "--max-model-len", "256",
+        "--num-kv-blocks", "64", "--api-key", USER_KEY, "--admin-key", ADMIN_KEY])
+    app, _, _ = build_app(args)
+    with TestClient(app) as client:
+        yield client
+
+
+def _complete(client, **body) -> dict:
+    r = client.post("/v1/completions", headers=USER,
+                    json={"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_response_model_names_the_adapter_that_served(vllm_client):
+    assert _complete(vllm_client)["model"] == "model"
+    assert _complete(vllm_client, model="base:a")["model"] == "a"
+    r = vllm_client.post("/v1/lora/active", headers=ADMIN, json={"adapter": "a"})
+    assert r.status_code == 200
+    try:
+        assert _complete(vllm_client)["model"] == "a"
+        assert _complete(vllm_client, model="model")["model"] == "a"  # the default adapter
+        assert _complete(vllm_client, adapter=None)["model"] == "model"
+        r = vllm_client.post("/v1/chat/completions", headers=USER, json={
+            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
+        assert r.json()["model"] == "a"
+    finally:
+        vllm_client.post("/v1/lora/active", headers=ADMIN, json={"adapter": None})
+
+
+def test_version(vllm_client):
+    import metrale
+
+    r = vllm_client.get("/version", headers=USER)
+    assert r.status_code == 200 and r.json() == {"version": metrale.__version__}
+
+
+def test_tokenize_and_detokenize(vllm_client):
+    r = vllm_client.post("/tokenize", headers=USER, json={"model": "a", "prompt": "hello world"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) == 2 and body["max_model_len"] == 256
+    r = vllm_client.post("/detokenize", headers=USER, json={"model": "a", "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": "hello world"}
+    messages = [{"role": "user", "content": "hello"}]
+    r = vllm_client.post("/tokenize", headers=USER, json={"model": "model", "messages": messages})
+    chat = vllm_client.post("/v1/chat/completions", headers=USER,
+                            json={"messages": messages, "max_tokens": 1})
+    assert r.json()["count"] == chat.json()["usage"]["prompt_tokens"]  # what chat bills
+    for path, body, status in (("/tokenize", {"model": "nope", "prompt": "x"}, 404),
+                               ("/tokenize", {"prompt": "x", "messages": messages}, 400),
+                               ("/tokenize", {}, 400),
+                               ("/detokenize", {"tokens": [-1]}, 400)):
+        assert vllm_client.post(path, headers=USER, json=body).status_code == status
+
+
+def test_new_routes_need_the_api_key(vllm_client):
+    for method, path in (("GET", "/version"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                         ("HEAD", "/v1/models"), ("HEAD", "/metrics")):
+        assert vllm_client.request(method, path, json={}).status_code == 401, path
+    assert vllm_client.head("/health").status_code == 200
+    r = vllm_client.post("/reset_prefix_cache", headers=USER)
+    assert r.status_code == 403  # a mutation: the admin key only
+
+
+def test_head_answers_every_get_route(vllm_client):
+    for path in ("/health", "/metrics", "/v1/models", "/version", "/v1/adapters"):
+        r = vllm_client.head(path, headers=USER)
+        assert r.status_code == 200 and r.content == b"", path
+        assert int(r.headers["content-length"]) == len(vllm_client.get(path, headers=USER).content) \
+            or path == "/metrics"  # metrics move between the two calls
+
+
+def test_reset_prefix_cache_route(vllm_client):
+    prompt = list(range(10, 60))  # three full blocks of 16
+    first = _complete(vllm_client, prompt=prompt)
+    second = _complete(vllm_client, prompt=prompt)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    r = vllm_client.post("/reset_prefix_cache", headers=ADMIN)
+    assert r.status_code == 200 and r.json()["dropped_blocks"] > 0
+    third = _complete(vllm_client, prompt=prompt)
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    texts = {c["choices"][0]["text"] for c in (first, second, third)}
+    tokens = {c["usage"]["completion_tokens"] for c in (first, second, third)}
+    assert len(texts) == 1 and tokens == {2}
+
+
+def test_min_tokens_in_request_bodies(vllm_client):
+    out = _complete(vllm_client, max_tokens=4, min_tokens=4)
+    assert out["usage"]["completion_tokens"] == 4
+    r = vllm_client.post("/v1/completions", headers=USER,
+                         json={"prompt": [1, 2], "max_tokens": 2, "min_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    r = vllm_client.post("/v1/chat/completions", headers=USER, json={
+        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "min_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

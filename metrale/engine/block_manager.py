@@ -101,6 +101,22 @@ class BlockManager:
                 self._set_key(seq.block_table[i], key)
                 seq.block_keys[i] = key
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the contents of every cached block no sequence holds; returns how many.
+
+        Held blocks keep their keys: their sequences go on reading them, and a request
+        sharing that prefix while they run may still hit them."""
+        dropped = 0
+        for block in self.free:
+            key = self.key[block]
+            if key is None:
+                continue
+            if self.by_key.get(key) == block:
+                del self.by_key[key]
+            self.key[block] = None
+            dropped += 1
+        return dropped
+
     def _take(self) -> int:
         block = self.free.popleft()
         old = self.key[block]

@@ -9,7 +9,9 @@ from metrale.config import EngineConfig, PoolConfig
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.sampling_params import SamplingParams
-from metrale.errors import MetraleError
+from metrale.errors import ChatTemplateError, MetraleError
+
+Message = dict[str, str]  # {"role": ..., "content": ...}
 
 
 def load_tokenizer(model_dir: Path):
@@ -49,10 +51,31 @@ class LLM:
         self.engine.register_adapter(name, adapter_dir, pinned, reload)
 
     def chat_prompt(self, message: str) -> str:
+        return self._template([{"role": "user", "content": message}])
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             adapters: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {role, content}) or a list of
+        them, each rendered by the chat template with the assistant's turn opened;
+        one RequestOutput per conversation, as generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_prompt_ids(c) for c in conversations]
+        return self.generate(prompts, sampling_params, adapters)
+
+    def chat_prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The token ids apply_chat_template(tokenize=True) gives: the template writes
+        the special tokens (BOS...) itself, so encoding adds none (no double BOS)."""
+        return self.tokenizer.encode(self._template(messages), add_special_tokens=False)
+
+    def _template(self, messages: Sequence[Message]) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise MetraleError("this model has no chat template")
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
+            raise ChatTemplateError("this model has no chat template")
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja raises on roles/orders the template does not accept
+            raise ChatTemplateError(f"the chat template refused these messages: {e}") from e
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

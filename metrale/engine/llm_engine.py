@@ -72,6 +72,7 @@ class LLMEngine:
         eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = tuple(sorted(eos_ids))
         self.max_seq_tokens = min(cfg.max_model_len, self.runner.num_blocks * cfg.block_size)
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self.max_seq_tokens)
 
@@ -92,6 +93,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise MetraleError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, adapter)
+        if params.min_tokens and not params.ignore_eos:
+            seq.suppress_ids = self.eos_ids
         self.adapters.bind(seq)  # raises UnknownAdapterError before anything is queued
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -116,6 +119,11 @@ class LLMEngine:
         if seq is not None:
             self._free(seq)
             seq.finish_reason = "abort"
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached prefix blocks no running request holds (vLLM's
+        reset_prefix_cache); returns how many. Engine thread only (server: AsyncEngine.call)."""
+        return self.blocks.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

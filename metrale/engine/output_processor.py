@@ -29,13 +29,11 @@ class OutputProcessor:
         if lp is not None:
             seq.logprobs.append(lp)
         p = seq.params
-        reason = "stop" if token in self.eos_ids and not p.ignore_eos else None
+        early = len(seq.output_ids) < p.min_tokens
+        reason = "stop" if token in self.eos_ids and not p.ignore_eos and not early else None
         full = self._decode(seq.output_ids)
-        for stop in p.stop:
-            at = full.find(stop)
-            if at >= 0:
-                full, reason = full[:at], "stop"
-                break
+        if p.stop and not early:
+            full, reason = self._apply_stops(seq, full, reason)
         if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_seq_tokens):
             reason = "length"
         prev = seq.text
@@ -44,6 +42,17 @@ class OutputProcessor:
         if reason is not None:
             out.finished, out.finish_reason = True, reason
         return out
+
+    def _apply_stops(self, seq: Sequence, full: str, reason: str | None) -> tuple[str, str | None]:
+        p = seq.params
+        if p.min_tokens and len(seq.output_ids) == p.min_tokens:
+            # the first token that may stop: only stop strings ending in its text count
+            seq.stop_from = len(self._decode(seq.output_ids[:-1]))
+        for stop in p.stop:
+            at = full.find(stop, max(0, seq.stop_from - len(stop) + 1))
+            if at >= 0:
+                return full[:at], "stop"
+        return full, reason
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

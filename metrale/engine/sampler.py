@@ -32,6 +32,7 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     """logits: [B, V] float32 -> one result per sequence, in order."""
+    logits = _suppress(logits, seqs)
     # One reduction for the batch: the argmax of every greedy row, and the row max,
     # which is finite exactly when the row has no NaN, no +inf and some finite value.
     row_max, argmax = logits.max(dim=-1)  # [B], [B]
@@ -52,6 +53,22 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     logprobs = _logprobs(logits, seqs, tokens, wanted)
     return [r if r is not None else SampleResult(tokens[i], logprobs.get(i))
             for i, r in enumerate(results)]
+
+
+def _suppress(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """-inf on each sequence's suppress_ids (EOS) while it is below min_tokens, so that
+    neither greedy nor sampled decoding can end it early. A copy: the caller's logits
+    (a CUDA graph's output buffer) stay as they were."""
+    rows, cols = [], []
+    for i, seq in enumerate(seqs):
+        if seq.suppress_ids and len(seq.output_ids) < seq.params.min_tokens:
+            rows += [i] * len(seq.suppress_ids)
+            cols += seq.suppress_ids
+    if not rows:
+        return logits
+    logits = logits.clone()
+    logits[rows, cols] = float("-inf")
+    return logits
 
 
 def _sample_row(row: torch.Tensor, seq: Sequence) -> int:

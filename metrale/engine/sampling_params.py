@@ -45,6 +45,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many top logprobs per token
+    # vLLM's min_tokens: until this many tokens were generated, EOS is never sampled
+    # and stop strings are not looked for
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         _set = object.__setattr__  # frozen: normalise in place, once
@@ -63,6 +66,7 @@ class SamplingParams:
             _set(self, "seed", _int("seed", self.seed, MIN_SEED, SEED_END - 1))
         if self.logprobs is not None:
             _set(self, "logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        _set(self, "min_tokens", _int("min_tokens", self.min_tokens, 0, self.max_tokens))
         _set(self, "stop", _stop_strings(self.stop))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidSamplingParamsError(

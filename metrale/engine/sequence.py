@@ -41,6 +41,10 @@ class Sequence:
     finish_reason: str | None = None
     error: Exception | None = None
     generator: torch.Generator | None = None
+    # token ids the sampler masks while fewer than params.min_tokens were generated (EOS)
+    suppress_ids: tuple[int, ...] = ()
+    # stop strings are looked for from this text offset on: none may end before min_tokens
+    stop_from: int = 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -4,6 +4,7 @@
 - original: POST /v1/lora/load (swap into a given slot), POST /v1/lora/active
 - native:   GET/POST /v1/adapters, POST /v1/adapters/{name}/promote|swap|pin|unpin,
             DELETE /v1/adapters/{name}
+- vLLM's POST /reset_prefix_cache (not about adapters, but a mutation all the same)
 
 Every mutation needs the admin key (auth.require_admin); client-supplied paths
 must resolve inside --adapter-root (paths.resolve_adapter_path).
@@ -69,6 +70,14 @@ async def vllm_unload(body: UnloadLoraRequest, request: Request) -> PlainTextRes
     engine, _ = _ctx(request)
     await engine.unload(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+@admin.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict:
+    engine, _ = _ctx(request)
+    # on the engine thread, between two steps: the block tables are not shared
+    dropped = await engine.call(engine.engine.reset_prefix_cache)
+    return {"status": "ok", "dropped_blocks": dropped}
 
 
 # --- the original engine's endpoints ---------------------------------------------------------

@@ -72,6 +72,25 @@ class BodyLimit:
         await response({"type": "http"}, _no_receive, send)
 
 
+class HeadAsGet:
+    """HEAD is answered on every GET route (as Starlette's own routes do, FastAPI's not):
+    run the GET, keep its status and headers (Content-Length included), drop the body."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
@@ -148,6 +167,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(admin_api.reads)
     app.include_router(admin_api.admin)
+    app.add_middleware(HeadAsGet)  # innermost: AuthGate still sees, and judges, the HEAD
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics)
     # added last, so outermost: the key is checked before the body is even measured
     app.add_middleware(AuthGate, settings=settings, metrics=metrics, is_admin=_is_admin,

@@ -1,5 +1,6 @@
 """The OpenAI-compatible inference endpoints: /v1/completions,
-/v1/chat/completions (plain and SSE streaming) and /v1/models.
+/v1/chat/completions (plain and SSE streaming), /v1/models, and vLLM's
+/tokenize and /detokenize.
 
 Which adapter answers: an `adapter` field, when present, wins; else `model`
 names it (also as `base:adapter`). The base model's id, or no model at all,
@@ -18,11 +19,19 @@ from typing import TypeVar
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+import metrale
 from metrale.engine.outputs import RequestOutput
+from metrale.errors import UnknownAdapterError
 from metrale.server.async_engine import AsyncEngine
 from metrale.server.auth import require_user
 from metrale.server.errors import BadRequestError, exception_body
-from metrale.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from metrale.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationRequest,
+    TokenizeRequest,
+)
 from metrale.server.responses import ChatFormatter, CompletionFormatter, TokenText, sse
 from metrale.server.settings import ServerSettings
 
@@ -137,13 +146,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     max_tokens = _max_tokens(body.max_tokens, _COMPLETIONS_DEFAULT_MAX_TOKENS, settings)
     params = body.sampling_params(max_tokens, body.logprobs)
     adapter = resolve_adapter(body, settings)
-    fmt = CompletionFormatter(body.model or settings.model_id, TokenText(engine.engine.tokenizer),
+    fmt = CompletionFormatter(adapter or settings.model_id, TokenText(engine.engine.tokenizer),
                               body.logprobs is not None)
     gen = engine.generate(prompt, params, adapter)
     return await _respond(request, gen, fmt, bool(body.stream), body.include_usage)
 
 
-def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> str:
+def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest | TokenizeRequest) -> str:
     tokenizer = engine.engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequestError("this model has no chat template; use /v1/completions", "messages")
@@ -168,10 +177,57 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                              body.api_param("max_tokens"))
     params = body.sampling_params(max_tokens, body.engine_logprobs)
     adapter = resolve_adapter(body, settings)
-    fmt = ChatFormatter(body.model or settings.model_id, TokenText(engine.engine.tokenizer),
+    # `model` names what served the request: the adapter (also a server default one), or
+    # the base model; never the alias the client sent
+    fmt = ChatFormatter(adapter or settings.model_id, TokenText(engine.engine.tokenizer),
                         bool(body.logprobs))
     gen = engine.generate(prompt, params, adapter)
     return await _respond(request, gen, fmt, bool(body.stream), body.include_usage)
+
+
+def _tokenizer(engine: AsyncEngine):
+    tokenizer = engine.engine.tokenizer
+    if tokenizer is None:
+        raise BadRequestError("this model has no tokenizer", "model")
+    return tokenizer
+
+
+async def _check_model(body: TokenizeRequest | DetokenizeRequest, engine: AsyncEngine,
+                       settings: ServerSettings) -> None:
+    """An adapter named as `model` must exist (404 otherwise, as for generation); every
+    adapter shares the base model's tokenizer."""
+    name = body.model
+    if name and name not in (settings.model_id, "base"):
+        adapter = name.rpartition(":")[2]
+        if adapter not in (settings.model_id, "base") and not await engine.is_known(adapter):
+            raise UnknownAdapterError(f"adapter {adapter!r} is not registered")
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    engine, settings = _ctx(request)
+    body.refuse_unsupported()
+    await _check_model(body, engine, settings)
+    # the very ids generation would get: chat messages through the template, then
+    # encoded as the engine encodes a text prompt
+    text = body.prompt if body.messages is None else _chat_prompt(engine, body)
+    tokens = _tokenizer(engine).encode(text)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.engine.max_seq_tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    engine, settings = _ctx(request)
+    await _check_model(body, engine, settings)
+    vocab = engine.engine.model_config.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise BadRequestError(f"token ids must be in [0, {vocab})", "tokens")
+    return {"prompt": _tokenizer(engine).decode(body.tokens)}
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": metrale.__version__}
 
 
 @router.get("/v1/models")

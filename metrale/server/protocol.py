@@ -64,6 +64,7 @@ class GenerationRequest(BaseModel):
     seed: StrictInt | None = None
     max_tokens: StrictInt | None = None
     ignore_eos: StrictBool | None = None  # extension (vLLM)
+    min_tokens: StrictInt | None = None  # extension (vLLM): no EOS or stop before this many
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
@@ -94,6 +95,7 @@ class GenerationRequest(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0, seed=self.seed, stop=tuple(stop),
                 ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
+                min_tokens=self.min_tokens or 0,
             )
         except InvalidSamplingParamsError as e:
             e.param = e.param and self.api_param(e.param)
@@ -189,6 +191,27 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):  # vLLM's /tokenize: a prompt or chat messages
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    _unicode = field_validator("*", mode="before")(_valid_unicode)
+
+    def refuse_unsupported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise BadRequestError("send exactly one of prompt and messages", "prompt")
+
+
+class DetokenizeRequest(BaseModel):  # vLLM's /detokenize
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 class LoadLoraRequest(BaseModel):  # vLLM's /v1/load_lora_adapter

@@ -142,6 +142,16 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """--device and --dtype, shared by `serve` and `generate`."""
+    p.add_argument("--device", default="cpu",
+                   help="torch device to run on: cpu, cuda or cuda:N (default: %(default)s)")
+    # no argparse choices: parse_dtype also takes the aliases fp32, bf16, fp16 and half
+    p.add_argument("--dtype", default=None,
+                   help="weights and KV-cache dtype: float32, bfloat16 or float16 (default: "
+                        "bfloat16 on cuda, float32 on cpu)")
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model dir (default: embedded SmolLM2-135M-Instruct "
                                    "with the demo adapters 'shout' and 'pirate')")
@@ -150,14 +160,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "DIR may be peer://HOST:PORT/ADAPTER_ID")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
                    help="allow loading adapters by path at run time, only inside DIR (repeatable)")
-    p.add_argument("--max-loras", type=int, default=4, help="adapter slots on the device")
-    p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-loras", type=int, default=4,
+                   help="adapter slots on the device; more adapters than slots are promoted "
+                        "on demand (default: %(default)s)")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="largest LoRA rank a slot holds; adapters above it are refused "
+                        "(default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="most tokens per sequence, prompt plus output (default: %(default)s)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV-cache blocks to allocate (default: sized from the free memory)")
+    add_device_arguments(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; beyond loopback, set --api-key and --admin-key "
+                        "(default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--api-key", help="required as 'Authorization: Bearer' on inference "
                                      "endpoints (or set METRALE_API_KEY)")
     p.add_argument("--admin-key", help="required on every adapter-management endpoint "
@@ -169,18 +186,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve /docs, /redoc and /openapi.json without the API key; by "
                         "default they need the key whenever --api-key is set")
     p.add_argument("--no-runtime-swaps", action="store_true",
-                   help="freeze the adapter pool after start-up")
+                   help="freeze the adapter pool after start-up: no loads, swaps or "
+                        "promotions at run time (default: off)")
     p.add_argument("--promotion-timeout", type=float, default=30.0,
-                   help="seconds a request waits for a free adapter slot before POOL_FULL (503)")
+                   help="seconds a request waits for a free adapter slot before POOL_FULL "
+                        "(503) (default: %(default)s)")
     p.add_argument("--max-tokens-limit", type=int, default=2048,
-                   help="refuse requests asking for more max_tokens (400)")
+                   help="refuse requests asking for more max_tokens (400) "
+                        "(default: %(default)s)")
     p.add_argument("--peer-allow", action="append", default=[], metavar="NET",
                    help="hosts/networks adapters may be fetched from, and exported to "
                         "(repeatable; default loopback only)")
     p.add_argument("--peer-transport", default="auto", choices=["auto", "nixl", "http"],
-                   help="peer data plane: NIXL (RDMA/NVLink/UCX) when installed, else HTTP")
+                   help="peer data plane: nixl (RDMA/NVLink/UCX), http, or auto = NIXL when "
+                        "installed, else HTTP (default: %(default)s)")
     p.add_argument("--peer-timeout", type=float, default=30.0,
-                   help="seconds a whole peer landing may take before the slot is left EMPTY")
+                   help="seconds a whole peer landing may take before the slot is left EMPTY "
+                        "(default: %(default)s)")
     p.add_argument("--peer-export-port", type=int, default=None, metavar="PORT",
-                   help="export this server's resident adapters to peers on PORT (0 = any)")
+                   help="export this server's resident adapters to peers on PORT (0 = any "
+                        "free port; default: no export)")
 

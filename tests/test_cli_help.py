@@ -1,0 +1,42 @@
+"""Every flag and positional of every `metrale` subcommand explains itself in --help
+(meaning, default, allowed values), as vLLM users expect of `serve --help`."""
+
+from __future__ import annotations
+
+import argparse
+
+from metrale.cli import build_parser
+
+
+def _parsers(parser: argparse.ArgumentParser, prog: str = "metrale"):
+    yield prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{prog} {name}")
+
+
+def _undocumented(parser: argparse.ArgumentParser) -> list[str]:
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            # each subcommand's one-line help, shown in the parent's --help
+            missing += [c.dest for c in action._choices_actions if not (c.help or "").strip()]
+            continue
+        if not (action.help or "").strip() or action.help == argparse.SUPPRESS:
+            missing.append("/".join(action.option_strings) or action.dest)
+    return missing
+
+
+def test_every_cli_argument_has_help():
+    missing = {prog: m for prog, p in _parsers(build_parser()) if (m := _undocumented(p))}
+    assert not missing, f"arguments without help: {missing}"
+
+
+def test_serve_help_names_defaults_and_choices():
+    serve = dict(_parsers(build_parser()))["metrale serve"]
+    text = serve.format_help()
+    for expected in ("127.0.0.1", "8000", "2048", "bfloat16", "cuda"):
+        assert expected in text
