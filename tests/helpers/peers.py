@@ -88,7 +88,7 @@ def assert_matches_disk(slots: LoraSlots, slot: int, name: str) -> None:
 
 
 def start_store(*extra: str, adapters: Path | None = None, model: Path | None = None,
-                timeout_s: float = 60.0):
+                timeout_s: float = 180.0):  # a bound for a loaded box, not a wait
     """`metrale peer serve` on a free port: (process, base URL)."""
     root = peer_root()[0] if adapters is None or model is None else None
     cmd = [sys.executable, "-m", "metrale", "peer", "serve", "--adapters",

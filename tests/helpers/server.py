@@ -71,7 +71,7 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m metrale serve ...` on a free loopback port, killed at stop()."""
 
-    def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = 90.0) -> None:
+    def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = 180.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
