@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3, help="runs per configuration (median)")
     ap.add_argument("--no-hf", action="store_true", help="metrale only")
+    ap.add_argument("--out", type=Path, help="JSON path (default: results/<date>-cpu-decode.json)")
     args = ap.parse_args()
     llm = LLM(None, max_loras=2, max_lora_rank=16, max_model_len=512,
               enable_prefix_caching=False)
@@ -107,8 +108,8 @@ def main() -> None:
         print(f"{r['batch']:>5} {r['adapter'] or 'base':>8} {r['tokens']:>7} "
               f"{r['tok_s']:>14.1f} {h or float('nan'):>14.1f} {ratio or float('nan'):>6.2f}")
     day = datetime.date.today().isoformat()
-    out = Path(__file__).parent / "results" / f"{day.replace('-', '')}-cpu-decode.json"
-    if out.exists():  # an earlier run of the day is a baseline: keep it
+    out = args.out or Path(__file__).parent / "results" / f"{day.replace('-', '')}-cpu-decode.json"
+    if out.exists() and not args.out:  # an earlier run of the day is a baseline: keep it
         out = out.with_name(f"{out.stem}-{datetime.datetime.now():%H%M%S}.json")
     result = {
         "date": day, "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
