@@ -30,35 +30,39 @@ PROMPT = "Tell me about the moon."
 ADAPTER = "shout"
 
 
-def time_metrale(llm: LLM, batch: int, tokens: int, adapter: str | None) -> tuple[int, float]:
+def time_metrale(llm: LLM, batch: int, tokens: int, adapter: str | None) -> tuple[int, float, float]:
     prompt = llm.chat_prompt(PROMPT)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate([prompt] * batch, [params] * batch, [adapter] * batch)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.token_ids) for o in outs), elapsed
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return sum(len(o.token_ids) for o in outs), elapsed, cpu
 
 
-def time_hf(model, tokenizer, batch: int, tokens: int) -> tuple[int, float]:
+def time_hf(model, tokenizer, batch: int, tokens: int) -> tuple[int, float, float]:
     """Greedy `generate` of `tokens` new tokens for `batch` copies of the prompt (equal
     lengths: no padding); min_new_tokens keeps EOS from ending it early, as ignore_eos."""
     inputs = tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True,
         return_tensors="pt", return_dict=True)
     inputs = {k: v.repeat(batch, 1) for k, v in inputs.items()}  # [batch, prompt]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    elapsed = time.perf_counter() - start
-    return (out.shape[1] - inputs["input_ids"].shape[1]) * batch, elapsed
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return (out.shape[1] - inputs["input_ids"].shape[1]) * batch, elapsed, cpu
 
 
-def row(batch: int, adapter: str | None, runs: list[tuple[int, float]]) -> dict:
+def row(batch: int, adapter: str | None, runs: list[tuple[int, float, float]]) -> dict:
+    """Wall-clock medians, plus CPU-time ones: on a box shared with other work, tokens per
+    CPU second (process time, all threads) move much less with the load than tok/s."""
     tokens = runs[0][0]
-    seconds = statistics.median(s for _, s in runs)
+    seconds = statistics.median(s for _, s, _ in runs)
+    cpu = statistics.median(c for _, _, c in runs)
     return {"batch": batch, "adapter": adapter, "tokens": tokens, "seconds": seconds,
-            "tok_s": tokens / seconds, "tok_s_runs": [n / s for n, s in runs]}
+            "tok_s": tokens / seconds, "tok_s_runs": [n / s for n, s, _ in runs],
+            "cpu_seconds": cpu, "tok_per_cpu_s": tokens / cpu}
 
 
 def main() -> None:
@@ -98,15 +102,19 @@ def main() -> None:
 
     side = []
     print(f"{'batch':>5} {'adapter':>8} {'tokens':>7} {'metrale tok/s':>14} "
-          f"{'HF/PEFT tok/s':>14} {'ratio':>6}")
+          f"{'HF/PEFT tok/s':>14} {'ratio':>6} {'tok/cpu-s ratio':>16}")
+    nan = float("nan")
     for i, r in enumerate(ours):
-        h = theirs[i]["tok_s"] if theirs else None
-        ratio = r["tok_s"] / h if h else None
+        h = theirs[i] if theirs else None
+        ratio = r["tok_s"] / h["tok_s"] if h else None
+        cpu_ratio = r["tok_per_cpu_s"] / h["tok_per_cpu_s"] if h else None
         side.append({"batch": r["batch"], "adapter": r["adapter"], "metrale_tok_s": r["tok_s"],
-                     "hf_tok_s": h, "hf": "peft" if r["adapter"] else "transformers",
-                     "ratio": ratio})
+                     "hf_tok_s": h and h["tok_s"], "hf": "peft" if r["adapter"] else "transformers",
+                     "ratio": ratio, "metrale_tok_per_cpu_s": r["tok_per_cpu_s"],
+                     "hf_tok_per_cpu_s": h and h["tok_per_cpu_s"], "cpu_ratio": cpu_ratio})
         print(f"{r['batch']:>5} {r['adapter'] or 'base':>8} {r['tokens']:>7} "
-              f"{r['tok_s']:>14.1f} {h or float('nan'):>14.1f} {ratio or float('nan'):>6.2f}")
+              f"{r['tok_s']:>14.1f} {h['tok_s'] if h else nan:>14.1f} {ratio or nan:>6.2f} "
+              f"{cpu_ratio or nan:>16.2f}")
     day = datetime.date.today().isoformat()
     out = args.out or Path(__file__).parent / "results" / f"{day.replace('-', '')}-cpu-decode.json"
     if out.exists() and not args.out:  # an earlier run of the day is a baseline: keep it
