@@ -52,6 +52,9 @@ class LoraBatch:
     pool: LoraViews
     slot_ids: torch.Tensor  # [T] int64, -1 = base model only
     order: torch.Tensor | None = None  # [T] tokens sorted by slot, for CUDA prefill kernels
+    # (slot, token slice or index tensor) per slot used, grouped once per batch for the
+    # CPU reference path (metrale.ops.lora_ref.token_groups); None: grouped per call
+    groups: list[tuple[int, torch.Tensor | slice]] | None = None
 
 
 @dataclass

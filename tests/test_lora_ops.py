@@ -358,3 +358,24 @@ def test_gpu_cuda_graph_replays_across_adapter_swap(T):
         want = y0.clone()
         ref.lora_apply_fused_ref(want, x, pool.As, pool.Bts, slices, ids, pool.scales_list)
         assert rel_err(y, want, y0) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ids", [[3, 3, 3, 3], [-1, 2, 2, -1, 5], [1, 4, 1, -1, 4, 1], [-1, -1]])
+def test_ref_with_batch_groups_is_bit_exact(dtype, ids):
+    """The engine's once-per-batch groups (slices for contiguous slots, index tensors
+    otherwise) give exactly what per-call grouping gives."""
+    dims = [(64, 64), (64, 32), (64, 32)]
+    pool = Pool(S=6, R=8, dims=dims, dtype=dtype, device="cpu", seed=len(ids))
+    x, y0, _, slices = fused_io(len(ids), dims, dtype, seed=7)
+    x, y0 = x.cpu(), y0.cpu()
+    slot_ids = torch.tensor(ids)
+    groups = ref.token_groups(ids)
+    assert all(isinstance(idx, slice) for s, idx in groups if ids.count(s) == 1)
+    for ranks in (None, pool.ranks_list):
+        want, got = y0.clone(), y0.clone()
+        ref.lora_apply_fused_ref(want, x, pool.As, pool.Bts, slices, slot_ids,
+                                 pool.scales_list, ranks)
+        ref.lora_apply_fused_ref(got, x, pool.As, pool.Bts, slices, slot_ids,
+                                 pool.scales_list, ranks, groups=groups)
+        assert torch.equal(got, want)

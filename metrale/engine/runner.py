@@ -16,6 +16,7 @@ from metrale.engine.sampler import SampleResult, sample
 from metrale.engine.sequence import Sequence
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
+from metrale.ops.lora_ref import token_groups
 from metrale.ops.lora_triton import sort_tokens_by_slot
 from metrale.pool.pool import AdapterPool
 
@@ -100,7 +101,9 @@ class ModelRunner:
             slot_ids_t = torch.tensor(slot_ids, dtype=torch.int64, device=dev)  # [T]
             # sort once per batch, not per layer: the prefill kernels want slot-sorted tokens
             order = sort_tokens_by_slot(slot_ids_t) if dev.type == "cuda" and is_prefill else None
-            lora = LoraBatch(self.pool, slot_ids_t, order)
+            # the CPU reference groups tokens by slot once here, not in each of its calls
+            groups = token_groups(slot_ids, dev) if dev.type != "cuda" else None
+            lora = LoraBatch(self.pool, slot_ids_t, order, groups)
         with forward_context(ForwardContext(meta, lora)):
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.int64, device=dev),

@@ -41,7 +41,46 @@ def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence."""
+    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence.
+
+    A decode step (one query per sequence) runs as one batched SDPA over the sequences'
+    gathered, padded K/V; anything else attends sequence by sequence."""
+    if not meta.is_prefill and q.shape[0] == meta.context_lens.shape[0]:
+        return paged_decode_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    return paged_attention_per_sequence(q, k_cache, v_cache, meta, scale)
+
+
+def paged_decode_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query per sequence, q: [B, H, D] -> [B, H, D], the query being its sequence's
+    last position (it sees every cached key). One gather of all sequences' blocks into a
+    [B, L, KV, D] tensor padded to the longest context, one SDPA with a padding mask:
+    masked keys weigh exactly 0, so each row equals attending its own context alone."""
+    B, H, D = q.shape
+    block_size, KV = k_cache.shape[1], k_cache.shape[2]
+    max_ctx = int(context_lens.max())
+    n_blocks = -(-max_ctx // block_size)
+    # -1 padding of shorter tables -> block 0: read, then masked away
+    blocks = block_tables[:, :n_blocks].long().clamp_min(0)  # [B, nb]
+    k = k_cache[blocks].flatten(1, 2)[:, :max_ctx]  # [B, L, KV, D]
+    v = v_cache[blocks].flatten(1, 2)[:, :max_ctx]
+    valid = torch.arange(max_ctx, device=q.device) < context_lens.unsqueeze(1)  # [B, L]
+    # GQA without repeating K/V: head h reads kv head h // G, so the G query heads of a
+    # kv head ride as G query rows of that head: q [B, KV, G, D] against k [B, KV, L, D]
+    o = F.scaled_dot_product_attention(
+        q.reshape(B, KV, H // KV, D), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :], scale=scale,
+    )  # [B, KV, G, D]
+    return o.reshape(B, H, D)
+
+
+def paged_attention_per_sequence(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence, one SDPA per sequence."""
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu = meta.cu_query.tolist()

@@ -24,4 +24,5 @@ def lora_apply(
     if y.is_cuda:
         lora_apply_fused(y, x, As, Bts, slices, lora.slot_ids, scales, ranks, order=lora.order)
     else:
-        lora_apply_fused_ref(y, x, As, Bts, slices, lora.slot_ids, scales, ranks)
+        lora_apply_fused_ref(y, x, As, Bts, slices, lora.slot_ids, scales, ranks,
+                             groups=lora.groups)

@@ -8,8 +8,11 @@ and per-slot `scales: [S]` float32. Each token t carries `slot_ids[t]` (-1 = bas
 Zero padding makes the full-R product exact, so the shrink/expand references need no ranks;
 `lora_apply_ref` takes optional `ranks` only to skip work on the CPU path.
 
-Tokens are grouped by slot (one sort per call) so each distinct slot costs one dense matmul,
-instead of gathering a [T, R, in] copy of the weights per token.
+Tokens are grouped by slot so each distinct slot costs one dense matmul, instead of
+gathering a [T, R, in] copy of the weights per token. The engine groups once per batch
+(`token_groups`, passed down through the forward context) rather than once per call: a
+group whose tokens are contiguous is a slice, so the common one-adapter batch reads x and
+adds into y through views, with no gather or scatter.
 """
 
 from __future__ import annotations
@@ -26,6 +29,27 @@ def slot_groups(slot_ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
     for slot, idx in zip(slots.tolist(), order.split(counts.tolist()), strict=True):
         if slot >= 0:
             yield slot, idx  # idx: [n] token indices of this slot
+
+
+TokenIndex = torch.Tensor | slice
+SlotGroups = list[tuple[int, TokenIndex]]
+
+
+def token_groups(slot_ids: Sequence[int], device: torch.device | str = "cpu") -> SlotGroups:
+    """(slot, tokens) per slot used, slot -1 skipped, from the host list of token slots.
+
+    tokens is a slice when the slot's tokens are contiguous, else an int64 index tensor."""
+    where: dict[int, list[int]] = {}
+    for t, slot in enumerate(slot_ids):
+        if slot >= 0:
+            where.setdefault(slot, []).append(t)
+    groups: SlotGroups = []
+    for slot, idx in sorted(where.items()):
+        if idx[-1] - idx[0] + 1 == len(idx):
+            groups.append((slot, slice(idx[0], idx[-1] + 1)))
+        else:
+            groups.append((slot, torch.tensor(idx, dtype=torch.int64, device=device)))
+    return groups
 
 
 def lora_shrink_ref(x: torch.Tensor, A: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
@@ -51,7 +75,7 @@ def _has_adapter_tokens(slot_ids: torch.Tensor) -> bool:
 
 
 def _apply_group(
-    y: torch.Tensor, x_g: torch.Tensor, idx: torch.Tensor, A_s: torch.Tensor,
+    y: torch.Tensor, x_g: torch.Tensor, idx: TokenIndex, A_s: torch.Tensor,
     Bt_s: torch.Tensor, scale: torch.Tensor, rank: int | None,
 ) -> None:
     """One slot's tokens: y[idx] += scale * (x_g @ A_s[:rank].T) @ Bt_s[:rank]."""
@@ -61,7 +85,14 @@ def _apply_group(
         A_s, Bt_s = A_s[:rank], Bt_s[:rank]  # A_s: [r, in], Bt_s: [r, out]
     h = x_g @ A_s.float().T  # h: [n, r]
     delta = (h @ Bt_s.float()) * scale.float()  # delta: [n, out]
-    y[idx] = (y[idx].float() + delta).to(y.dtype)  # y[idx]: [n, out]
+    if isinstance(idx, slice):
+        y_g = y[idx]  # a view: add in place
+        if y.dtype == torch.float32:
+            y_g.add_(delta)
+        else:
+            y_g.copy_(y_g.float() + delta)  # float32 sum, stored in y's dtype
+    else:
+        y[idx] = (y[idx].float() + delta).to(y.dtype)  # y[idx]: [n, out]
 
 
 def lora_apply_ref(
@@ -84,21 +115,25 @@ def lora_apply_ref(
 def lora_apply_fused_ref(
     y: torch.Tensor, x: torch.Tensor, As: Sequence[torch.Tensor], Bts: Sequence[torch.Tensor],
     out_slices: Sequence[slice], slot_ids: torch.Tensor, scales_list: Sequence[torch.Tensor],
-    ranks_list: Sequence[torch.Tensor] | None = None,
+    ranks_list: Sequence[torch.Tensor] | None = None, groups: SlotGroups | None = None,
 ) -> None:
     """Several modules reading the same x (q/k/v, gate/up) adding into slices of one fused y.
 
     y: [T, sum(out_i)]; module i adds into y[:, out_slices[i]] (width Bts[i].shape[2]).
+    groups: `token_groups(slot_ids)` when the caller has it (once per batch), else grouped here.
     """
-    if not _has_adapter_tokens(slot_ids):
-        return
     n = len(As)
     if not (len(Bts) == len(out_slices) == len(scales_list) == n):
         raise ValueError("As, Bts, out_slices and scales_list must have one entry per module")
-    rank_of = [r.tolist() for r in ranks_list] if ranks_list is not None else None
-    for slot, idx in slot_groups(slot_ids):
-        x_g = x[idx].float()  # x_g: [n, in], gathered once for all modules
+    if groups is None:
+        if not _has_adapter_tokens(slot_ids):
+            return
+        groups = list(slot_groups(slot_ids))
+    if not groups:
+        return
+    for slot, idx in groups:
+        x_g = x[idx].float()  # x_g: [n, in], gathered once for all modules (a view for a slice)
         for i in range(n):
             y_i = y[:, out_slices[i]]  # y_i: [T, out_i], a view: writes land in y
-            rank = rank_of[i][slot] if rank_of is not None else None
+            rank = int(ranks_list[i][slot]) if ranks_list is not None else None
             _apply_group(y_i, x_g, idx, As[i][slot], Bts[i][slot], scales_list[i][slot], rank)
