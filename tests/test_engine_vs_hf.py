@@ -89,7 +89,8 @@ def test_prefix_cache_hits_and_misses(setup):
 
 def test_preemption_under_kv_pressure_loses_nothing(setup):
     arch, root, base, peft = setup
-    llm = _llm(root, num_kv_blocks=14, max_num_seqs=6)  # 56 tokens of KV for 6 sequences
+    # promotions inline: which sequences share the KV then depends on nothing but the inputs
+    llm = _llm(root, num_kv_blocks=14, max_num_seqs=6, async_promotions=False)  # 56 tokens of KV
     ps = prompts(3, 6)
     names = ["a", None, "b", "a", None, "c"]
     outs = llm.generate(ps, GREEDY, names)
