@@ -100,3 +100,15 @@ def test_absurd_sampling_values_are_served_or_refused_alone(temperature):
     done = run_until_done(engine)
     assert done[ok].token_ids == hf_greedy(make_model("llama", seed=7), PROMPT, 6)[0]
     assert done[odd].finish_reason == "length"  # below 1e-5: greedy
+
+
+def test_a_peer_off_the_allow_list_is_refused_at_registration():
+    """It could never land: say so at registration, before anything is contacted."""
+    from metrale.peer.errors import PeerNotAllowedError
+
+    root = peer_root()[0]
+    llm = LLM(root / "model", max_loras=1, max_lora_rank=8, block_size=4, max_model_len=64,
+              num_kv_blocks=32)
+    with pytest.raises(PeerNotAllowedError):
+        llm.register_adapter("far", "peer://10.9.9.9:7460/a")  # default allow-list: loopback
+    assert llm.engine.registry.names() == []

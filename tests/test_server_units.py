@@ -313,3 +313,11 @@ def test_min_tokens_in_request_bodies(vllm_client):
     r = vllm_client.post("/v1/chat/completions", headers=USER, json={
         "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "min_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_default_run_gets_an_adapter_root_created_in_the_cache(tmp_path, monkeypatch):
+    from metrale.server.serve import default_adapter_root
+
+    monkeypatch.setenv("METRALE_CACHE_DIR", str(tmp_path / "cache"))
+    root = default_adapter_root()
+    assert root == tmp_path / "cache" / "adapter-root" and root.is_dir()

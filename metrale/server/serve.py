@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
-from metrale.model.default_model import default_model_dir
+from metrale.model.default_model import cache_root, default_model_dir
 from metrale.server.settings import ServerSettings, is_loopback
 
 # The engine, the peer exporter, fastapi and uvicorn are imported where they are used:
@@ -35,6 +35,14 @@ def parse_adapter_args(values: list[str]) -> dict[str, str]:
             raise SystemExit(f"metrale: --adapter expects NAME=DIR, got {item!r}")
         out[name] = path
     return out
+
+
+def default_adapter_root() -> Path:
+    """Where the default run (no --model, no --adapter-root) lets clients load adapters by
+    path from: <metrale cache>/adapter-root, created if missing."""
+    root = cache_root() / "adapter-root"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 def curl_example(base_url: str, model: str, api_key: bool) -> str:
@@ -60,9 +68,14 @@ def build_app(args: argparse.Namespace):
         unpinned = {n: demo_adapter_dir(n, progress=progress) for n in DEMO_ADAPTERS
                     if n not in pinned}
     model_dir = Path(model)
-    for root in args.adapter_root:
-        if not Path(root).is_dir():
-            raise SystemExit(f"metrale: --adapter-root {root!r} is not a directory")
+    adapter_roots = [Path(r) for r in args.adapter_root]
+    if args.model is None and not adapter_roots:  # `make run`: loading by path works out of the box
+        adapter_roots = [default_adapter_root()]
+        print(f"metrale: adapters can be loaded by path from {adapter_roots[0]} "
+              "(--adapter-root DIR to choose)", flush=True)
+    for root in adapter_roots:
+        if not root.is_dir():
+            raise SystemExit(f"metrale: --adapter-root {str(root)!r} is not a directory")
 
     # Runtime swaps are switched off only after the start-up adapters have landed:
     # --no-runtime-swaps freezes the pool as configured, it must not forbid configuring it.
@@ -85,7 +98,7 @@ def build_app(args: argparse.Namespace):
         model_id=model_dir.name, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get("METRALE_API_KEY") or None,
         admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
-        adapter_roots=tuple(Path(r) for r in args.adapter_root),
+        adapter_roots=tuple(adapter_roots),
         max_tokens_limit=args.max_tokens_limit, public_metrics=args.public_metrics,
         public_docs=args.public_docs)
     async_engine = AsyncEngine(engine, on_fatal=_exit_on_engine_failure)
@@ -159,7 +172,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve a PEFT adapter, pinned in a slot from start-up (repeatable); "
                         "DIR may be peer://HOST:PORT/ADAPTER_ID")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
-                   help="allow loading adapters by path at run time, only inside DIR (repeatable)")
+                   help="allow loading adapters by path at run time, only inside DIR (repeatable; "
+                        "default: none, or <metrale cache>/adapter-root when serving the "
+                        "embedded default model)")
     p.add_argument("--max-loras", type=int, default=4,
                    help="adapter slots on the device; more adapters than slots are promoted "
                         "on demand (default: %(default)s)")
