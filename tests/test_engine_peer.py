@@ -62,13 +62,13 @@ def test_seed_peer_operations(store):
     assert out.token_ids == disk.generate(PROMPT, GREEDY, "b")[0].token_ids
 
 
-def test_peer_outside_allow_list_fails_only_its_requests(store):
+def test_peer_outside_allow_list_is_refused_at_registration(store):
     llm = _llm(peer_transport="http", peer_allow=("10.0.0.0/8",))
-    llm.register_adapter("pa", f"peer://{store}/a")
+    with pytest.raises(PeerNotAllowedError):  # it could never land: refused before any contact
+        llm.register_adapter("pa", f"peer://{store}/a")
     engine = llm.engine
-    bad = engine.add_request(PROMPT, GREEDY, "pa")
+    assert engine.registry.names() == []
     ok = engine.add_request(PROMPT, GREEDY, None)
     done = run_until_done(engine)
-    assert isinstance(done[bad].error, PeerNotAllowedError)
     assert done[ok].finish_reason == "length"
     assert all(i.state.value == "EMPTY" and i.uid == 0 for i in engine.slot_info())
