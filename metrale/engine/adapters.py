@@ -294,10 +294,14 @@ class AdapterManager:
     def _stage(self, version: AdapterVersion) -> Prepared | None:
         """Worker: everything that may refuse the adapter, nothing that touches a slot."""
         source = version.source
-        if source.path is not None and self.slots.tier_has(adapter_identity(source.path)):
-            return None  # a tier image is landed on the engine thread (it owns image memory)
         with on_device(self.device), self._on_stream():
-            return self.prepare(version.name, source, self._staging, use_tier=False)
+            if source.peer is not None:
+                return self.prepare(version.name, source, self._staging)
+            identity = adapter_identity(source.path)  # read once: for the tier and the plan
+            if self.slots.tier_has(identity):
+                return None  # a tier image is landed on the engine thread (it owns image memory)
+            return self.slots.prepare_disk(source.path, version.name, self._staging,
+                                           use_tier=False, identity=identity)
 
     def _write(self, landing: Landing, prepared: Prepared) -> torch.cuda.Event | None:
         """Worker: the bytes into the LOADING slot; on CUDA, queued on the side stream."""

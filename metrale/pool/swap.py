@@ -294,14 +294,15 @@ class LoraSlots:
         return identity is not None and tier is not None and tier.enabled and tier.has(identity)
 
     def prepare_disk(self, adapter_dir: str | Path, name: str,
-                     staging: StagingBuffers | None = None, use_tier: bool = True) -> Prepared:
+                     staging: StagingBuffers | None = None, use_tier: bool = True,
+                     identity: AdapterIdentity | None = None) -> Prepared:
         """Host-tier hit: one H2D copy of a slot image landed earlier from these exact
         bytes. Else: validate, read the data section in parallel chunks into pinned
         staging while the chunks go to the device, and check it (NaN/Inf) there.
         `staging`: a worker's own buffers (the default ones belong to the engine thread);
         a worker passes use_tier=False: a tier image must be read on the engine thread, which
-        alone reuses image memory."""
-        identity = adapter_identity(adapter_dir)
+        alone reuses image memory. `identity`: the caller's, read just before."""
+        identity = identity or adapter_identity(adapter_dir)
         tier = self.host_tier
         entry = tier.get(identity) if use_tier and tier is not None and tier.enabled else None
         if entry is not None:
