@@ -139,9 +139,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._between_steps()
-        seqs, is_prefill = self.scheduler.schedule()
-        if seqs:
-            outputs += self.output_processor.process(seqs, self.runner.run(seqs, is_prefill))
+        batch = self.scheduler.schedule()
+        if batch:
+            results = self.runner.run(batch)
+            self.scheduler.computed(batch)
+            outputs += self.output_processor.process(batch.sampling_seqs, results)
         for out in outputs:
             self._finish(out)
         return outputs

@@ -34,7 +34,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes | None] = field(default_factory=list)  # prefix-cache key per block
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last prefill
-    num_computed: int = 0  # tokens whose KV is in the cache
+    num_computed: int = 0  # tokens whose KV is in the cache (the scheduler advances it)
+    num_published: int = 0  # leading full blocks findable in the prefix cache
     # output
     text: str = ""
     logprobs: list[dict] = field(default_factory=list)
