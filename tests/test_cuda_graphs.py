@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
+from metrale.config import SchedulerConfig
 from tests.helpers.reference import check, prompts
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
@@ -45,7 +46,7 @@ def test_static_buffer_path_matches_hf_across_swap(cpu_root):
     root, base, peft = cpu_root
     llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
               num_kv_blocks=64, max_num_seqs=6)
-    graphs = llm.engine.runner.enable_decode_graphs(capture=False)
+    graphs = llm.engine.runner.enable_graphs(capture=False)
     assert graphs.sizes == [1, 2, 4, 6]
     engine = llm.engine
     engine.swap_lora_slot_from_disk(root / "A", "A", 1)
@@ -64,11 +65,31 @@ def test_static_buffer_path_matches_hf_across_swap(cpu_root):
     assert graphs.replays[(1, False)] == 7
 
 
+def test_mixed_step_graph_path_matches_hf(cpu_root):
+    """Prompt chunks beside decodes through the mixed-step static buffers: token padding,
+    sequence rows with no queries, the logits index and the slot-sorted token order."""
+    root, base, peft = cpu_root
+    llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
+              num_kv_blocks=64, max_num_seqs=6, max_num_batched_tokens=64,
+              scheduler=SchedulerConfig(max_prefill_chunk=5))
+    graphs = llm.engine.runner.enable_graphs(capture=False)
+    assert graphs.buckets == [64]
+    llm.engine.swap_lora_slot_from_disk(root / "A", "A", 0)
+    llm.engine.swap_lora_slot_from_disk(root / "B", "B", 1)
+    ps = prompts(9, 4)
+    names = ["A", None, "B", "A"]
+    outs = llm.generate(ps, GREEDY, names)
+    for p, out, name in zip(ps, outs, names):
+        check(out, *hf_greedy(base if name is None else peft[name], p, 8))
+    mixed = sum(n for key, n in graphs.replays.items() if key[0] == "mixed")
+    assert mixed >= 3 and graphs.replays[("mixed", 64, True)] == mixed
+
+
 def test_batches_beyond_the_largest_graph_run_eagerly(cpu_root):
     root, base, _ = cpu_root
     llm = LLM(root / "model", max_loras=1, max_lora_rank=8, block_size=4, max_model_len=64,
               num_kv_blocks=64, max_num_seqs=3)
-    graphs = llm.engine.runner.enable_decode_graphs(capture=False)
+    graphs = llm.engine.runner.enable_graphs(capture=False)
     graphs.sizes, graphs.max_batch = [1, 2], 2  # pretend only sizes 1 and 2 were captured
     ps = prompts(8, 3)
     outs = llm.generate(ps, GREEDY)

@@ -1,9 +1,9 @@
 """ModelRunner: owns the model and its KV cache; turns a scheduled batch into
 flat tensors, runs one forward pass under a forward context, and samples.
 
-On CUDA, decode steps of up to MAX_GRAPH_BATCH sequences replay CUDA graphs
-(metrale.engine.cuda_graphs) unless `enforce_eager`; prefill and bigger batches run
-eagerly. The KV cache holds one block more than the block manager hands out: the
+On CUDA, decode steps of up to MAX_GRAPH_BATCH sequences and mixed steps of up to the
+largest token bucket replay CUDA graphs (metrale.engine.cuda_graphs) unless
+`enforce_eager`; bigger steps run eagerly. The KV cache holds one block more than the block manager hands out: the
 padding block that padded graph rows write into."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
-from metrale.engine.cuda_graphs import DecodeGraphs
+from metrale.engine.cuda_graphs import StepGraphs
 from metrale.engine.sampler import SampleResult, sample
 from metrale.engine.scheduler import ScheduledBatch
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
@@ -35,17 +35,18 @@ class ModelRunner:
         for attn in model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if device.type == "cuda" and not cfg.enforce_eager:
-            self.enable_decode_graphs(capture=True)
+            self.enable_graphs(capture=True)
 
-    def enable_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
+    def enable_graphs(self, capture: bool = True) -> StepGraphs:
         """Build the static decode buffers and capture the graphs (capture=False: run the
         same padded static-buffer path eagerly, for tests off the GPU)."""
         cfg = self.cfg
-        self.graphs = DecodeGraphs(
+        self.graphs = StepGraphs(
             self.model, self.pool, cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size),
-            cfg.block_size, self.pad_block, cfg.max_model_len, self.device, capture=capture)
+            cfg.block_size, self.pad_block, cfg.max_model_len, self.device, capture=capture,
+            max_num_batched_tokens=cfg.max_num_batched_tokens)
         self.graphs.capture()
         return self.graphs
 
@@ -66,10 +67,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SampleResult]:
         """One forward pass over the batch; a result per sampling sequence, in order."""
-        seqs = batch.seqs
-        if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(seqs)):
-            lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
-            logits = self.graphs.run(seqs, lora)  # [B, V]
+        seqs, graphs = batch.seqs, self.graphs
+        lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
+        if graphs is not None and batch.is_decode and graphs.can_run(len(seqs)):
+            logits = graphs.run(seqs, lora)  # [B, V]
+        elif graphs is not None and graphs.can_run_mixed(batch):
+            logits = graphs.run_mixed(batch, lora)  # [sampling B, V]
         else:
             logits = self._run_eager(batch)  # [sampling B, V]
         return sample(logits, batch.sampling_seqs)
