@@ -81,10 +81,15 @@ class _Job:
 
 class AdapterManager:
     def __init__(self, slots: LoraSlots, registry: AdapterRegistry, timeout_s: float,
-                 peer: PeerOptions, async_promotions: bool = True) -> None:
+                 peer: PeerOptions, async_promotions: bool = True,
+                 max_in_flight: int = 2, drain_busy_slots: bool = True) -> None:
         self.slots, self.registry, self.timeout_s, self.peer = slots, registry, timeout_s, peer
+        self.max_in_flight, self.drain_busy_slots = max_in_flight, drain_busy_slots
         self.pending: OrderedDict[str, list[Sequence]] = OrderedDict()
         self.num_promotions = 0
+        self.num_drains = 0  # busy slots detached so that a waiting landing can take them
+        # requests whose adapter was resident on arrival vs those that waited for a landing
+        self.num_ready_on_arrival = self.num_waited_for_adapter = 0
         self.device = slots.staging.device
         self._async = async_promotions and slots.pool is not None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="metrale-land") if self._async else None
@@ -111,12 +116,15 @@ class AdapterManager:
         it for a promotion."""
         if seq.adapter is None:
             seq.slot, seq.adapter_uid, seq.bound = -1, 0, True
+            seq.bound_at = seq.arrival
             return
         self.registry.current(seq.adapter)
         if self.slots.table.slot_of(seq.adapter) is not None:
             seq.slot, seq.adapter_uid = self.slots.table.acquire(seq.adapter)
-            seq.bound = True
+            seq.bound, seq.bound_at = True, seq.arrival
+            self.num_ready_on_arrival += 1
             return
+        self.num_waited_for_adapter += 1
         self.pending.setdefault(seq.adapter, []).append(seq)
 
     def release(self, seq: Sequence) -> None:
@@ -130,9 +138,10 @@ class AdapterManager:
                 del self.pending[seq.adapter]
 
     def _bind_waiters(self, name: str) -> None:
+        now = time.monotonic()
         for seq in self.pending.pop(name, []):
             seq.slot, seq.adapter_uid = self.slots.table.acquire(name)
-            seq.bound = True
+            seq.bound, seq.bound_at = True, now
 
     # --- explicit landings (synchronous) ------------------------------------------------
 
@@ -243,9 +252,36 @@ class AdapterManager:
         """Move promotions on by what happened since the last boundary; returns the
         sequences that failed (their adapter was refused, unloaded, or never got a slot)."""
         failed = self._guarded(self._advance_job)
-        if self.job is None:
+        for _ in range(self.max_in_flight):
+            # a host-tier landing completes inline, so the next name can start at once;
+            # one that reads from disk or a peer stays in flight
+            if self.job is not None or not self.pending:
+                break
+            before = len(self.pending)
             failed += self._guarded(self._start_next)
+            if self.job is None and len(self.pending) == before:
+                break  # nothing could start
+        if self.drain_busy_slots:
+            self._drain_for_waiting()
         return failed + self._expire(now)
+
+    def _drain_for_waiting(self) -> None:
+        """Names waiting for a slot while every slot is busy: stop giving new requests
+        to the busy slot that should free first (detach its adapter), so it drains
+        instead of being fed by new arrivals forever. Later requests for that adapter
+        wait for a landing like any other. At most max_in_flight slots are kept free or
+        draining for the waiting names."""
+        job = self.job
+        waiting = len(self.pending) - (1 if job is not None and job.landing is not None else 0)
+        table = self.slots.table
+        need = min(waiting, self.max_in_flight) - table.num_free_for_landing()
+        for _ in range(need):
+            name = table.drain_candidate()
+            if name is None:
+                return
+            table.detach(name)
+            self.num_drains += 1
+            log.info("draining the slot of %r for %d waiting adapter(s)", name, waiting)
 
     def _guarded(self, advance) -> list[Sequence]:
         """A failure nobody foresaw in one promotion fails that promotion's requests with a

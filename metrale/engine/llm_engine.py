@@ -61,7 +61,9 @@ class LLMEngine:
         self.adapters = AdapterManager(
             self.lora, self.registry, cfg.promotion_timeout_s,
             PeerOptions(cfg.peer_transport, cfg.peer_timeout_s, cfg.peer_allow or None),
-            async_promotions=cfg.async_promotions)
+            async_promotions=cfg.async_promotions,
+            max_in_flight=cfg.scheduler.max_promotions_in_flight,
+            drain_busy_slots=cfg.scheduler.policy != "legacy")
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
                                   self.lora.pool)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size,

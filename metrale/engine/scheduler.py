@@ -152,6 +152,8 @@ class Scheduler:
                     del queues[adapter]
 
     def _start(self, seq: Sequence) -> None:
+        if seq.scheduled_at is None:
+            seq.scheduled_at = time.monotonic()
         self.blocks.allocate(seq)
         seq.num_computed = seq.num_cached_tokens
         seq.status = SeqStatus.RUNNING

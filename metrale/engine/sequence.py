@@ -30,6 +30,8 @@ class Sequence:
     slot: int = -1  # -1 = base model
     adapter_uid: int = 0  # 0 = base model; part of every prefix-cache key
     bound: bool = False
+    bound_at: float | None = None  # when its adapter was resident and bound (monotonic)
+    scheduled_at: float | None = None  # when it was first admitted to run (monotonic)
     # KV
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes | None] = field(default_factory=list)  # prefix-cache key per block

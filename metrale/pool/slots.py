@@ -135,6 +135,21 @@ class SlotTable:
 
         return min(candidates, key=preference)[0]
 
+    def num_free_for_landing(self) -> int:
+        """Slots a landing could take now (select_victim's candidates), plus detached
+        slots still draining their in-flight requests (they will be)."""
+        return sum(1 for s in self._slots if not s.pinned and s.state is SlotState.READY
+                   and (s.ref_count == 0 or s.name is None)) + sum(
+            1 for s in self._slots if s.state is SlotState.EMPTY)
+
+    def drain_candidate(self) -> str | None:
+        """The adapter whose busy slot should be drained for a waiting landing: fewest
+        in-flight requests, then least recently requested; pinned never. None if none."""
+        busy = [(s.ref_count, s.last_used, s.name) for s in self._slots
+                if s.name is not None and not s.pinned and s.ref_count > 0
+                and s.state is SlotState.READY]
+        return min(busy)[2] if busy else None
+
     # --- references -------------------------------------------------------------
 
     def acquire(self, name: str) -> tuple[int, int]:
