@@ -128,7 +128,7 @@ def test_gpu_graphs_survive_swap_and_match_peft(tmp_path):
     graphs = llm.engine.runner.graphs
     assert graphs is not None and eager.engine.runner.graphs is None
     captures = graphs.num_captures
-    assert captures == 2 * len(graphs.sizes)
+    assert captures == 2 * (len(graphs.sizes) + len(graphs.buckets))
     ps = prompts(9, 3)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
     compared = 0
@@ -152,4 +152,44 @@ def test_gpu_graphs_survive_swap_and_match_peft(tmp_path):
             hf_tokens, hf_lp = hf_greedy(model, p, 6)
             compared += assert_greedy_close(out.token_ids, lps, hf_tokens, hf_lp.cpu(), 0.15,
                                             f"peft {who}")
+    assert compared >= 12, "too few tokens compared before bf16 divergence"
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_step_graphs_match_peft(tmp_path):
+    """Prompt chunks beside decodes through captured mixed-step graphs, mixed adapters:
+    the same tokens as transformers + PEFT (bf16 tolerance) and as the eager path."""
+    dims = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                num_key_value_heads=2, num_hidden_layers=3)
+    base = make_model("llama", seed=7, **dims)
+    save_model(base, tmp_path / "model")
+    peft = {n: make_adapter(base, tmp_path / n, seed=50 + i, r=8, lora_alpha=16,
+                            target_modules="all-linear") for i, n in enumerate("AB")}
+    kw = dict(max_loras=2, max_lora_rank=8, block_size=16, max_model_len=256,
+              num_kv_blocks=128, max_num_seqs=8, device="cuda", dtype="bfloat16",
+              max_num_batched_tokens=128, scheduler=SchedulerConfig(max_prefill_chunk=24))
+    llm = LLM(tmp_path / "model", **kw)
+    eager = LLM(tmp_path / "model", enforce_eager=True, **kw)
+    for e in (llm.engine, eager.engine):
+        e.swap_lora_slot_from_disk(tmp_path / "A", "A", 0)
+        e.swap_lora_slot_from_disk(tmp_path / "B", "B", 1)
+    ps = [p * 6 for p in prompts(10, 4)]  # 18-114 tokens: several chunks each
+    names = ["A", None, "B", "A"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate(ps, params, names)
+    ref_outs = eager.generate(ps, params, names)
+    graphs = llm.engine.runner.graphs
+    assert sum(n for key, n in graphs.replays.items() if key[0] == "mixed") >= 3
+    compared = 0
+    for p, out, ref, who in zip(ps, outs, ref_outs, names):
+        lps = [lp["logprob"] for lp in out.logprobs]
+        eager_lp = torch.full((6, 256), -1e9)
+        for i, lp in enumerate(ref.logprobs):
+            for tok, val in lp["top"]:
+                eager_lp[i, tok] = val
+        assert_greedy_close(out.token_ids, lps, ref.token_ids, eager_lp, 0.05, "eager")
+        model = (base if who is None else peft[who]).cuda()
+        hf_tokens, hf_lp = hf_greedy(model, p, 6)
+        compared += assert_greedy_close(out.token_ids, lps, hf_tokens, hf_lp.cpu(), 0.15,
+                                        f"peft {who}")
     assert compared >= 12, "too few tokens compared before bf16 divergence"
