@@ -22,6 +22,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -87,7 +88,11 @@ class AdapterManager:
         self.max_in_flight, self.drain_busy_slots = max_in_flight, drain_busy_slots
         self.pending: OrderedDict[str, list[Sequence]] = OrderedDict()
         self.num_promotions = 0
-        self.num_drains = 0  # busy slots detached so that a waiting landing can take them
+        self.num_drains = 0  # busy slots detached so that a landing can take them
+        self.num_reattached = 0  # drains undone: a request for that adapter came first
+        self._drained: dict[str, tuple[int, int]] = {}  # name -> (slot, uid) being drained
+        # slot -> work left on it (tokens its requests may still compute); the engine sets it
+        self.remaining_work: Callable[[], dict[int, int]] = dict
         # requests whose adapter was resident on arrival vs those that waited for a landing
         self.num_ready_on_arrival = self.num_waited_for_adapter = 0
         self.device = slots.staging.device
@@ -119,6 +124,9 @@ class AdapterManager:
             seq.bound_at = seq.arrival
             return
         self.registry.current(seq.adapter)
+        drained = self._drained.pop(seq.adapter, None)
+        if drained is not None and self.slots.table.reattach(seq.adapter, *drained):
+            self.num_reattached += 1
         if self.slots.table.slot_of(seq.adapter) is not None:
             seq.slot, seq.adapter_uid = self.slots.table.acquire(seq.adapter)
             seq.bound, seq.bound_at = True, seq.arrival
@@ -199,6 +207,7 @@ class AdapterManager:
 
     def detach(self, name: str) -> None:
         """A reload: the old version's slot finishes its in-flight requests, takes no new."""
+        self._drained.pop(name, None)  # never reattach the old version
         self.slots.table.detach(name)
 
     def unload(self, name: str) -> str:
@@ -208,6 +217,7 @@ class AdapterManager:
         slot = table.slot_of(name)
         busy = slot is not None and table.ref_count(slot) > 0
         self.registry.unload(name, slot if busy else None)
+        self._drained.pop(name, None)
         if slot is None:
             return "unloaded"
         if not busy:
@@ -266,22 +276,26 @@ class AdapterManager:
         return failed + self._expire(now)
 
     def _drain_for_waiting(self) -> None:
-        """Names waiting for a slot while every slot is busy: stop giving new requests
-        to the busy slot that should free first (detach its adapter), so it drains
-        instead of being fed by new arrivals forever. Later requests for that adapter
-        wait for a landing like any other. At most max_in_flight slots are kept free or
-        draining for the waiting names."""
+        """Keep up to max_in_flight slots free or draining while adapters wait for one,
+        and one while more adapters are registered than slots (so a request for a cold
+        adapter finds a slot at once): stop giving new requests to the busy slot with the
+        least work left (detach its adapter) so it drains instead of being fed by new
+        arrivals forever. A request for the drained adapter that comes before the slot is
+        taken undoes the drain (bind reattaches it)."""
         job = self.job
         waiting = len(self.pending) - (1 if job is not None and job.landing is not None else 0)
         table = self.slots.table
-        need = min(waiting, self.max_in_flight) - table.num_free_for_landing()
+        reserve = 1 if len(self.registry) > len(table) else 0
+        need = max(min(waiting, self.max_in_flight), reserve) - table.num_free_for_landing()
+        work = self.remaining_work() if need > 0 else {}
         for _ in range(need):
-            name = table.drain_candidate()
+            name = table.drain_candidate(work)
             if name is None:
                 return
-            table.detach(name)
+            slot = table.detach(name)
+            self._drained[name] = (slot, table.info(slot).uid)
             self.num_drains += 1
-            log.info("draining the slot of %r for %d waiting adapter(s)", name, waiting)
+            log.debug("draining the slot of %r (%d adapter(s) waiting)", name, waiting)
 
     def _guarded(self, advance) -> list[Sequence]:
         """A failure nobody foresaw in one promotion fails that promotion's requests with a

@@ -64,6 +64,7 @@ class LLMEngine:
             async_promotions=cfg.async_promotions,
             max_in_flight=cfg.scheduler.max_promotions_in_flight,
             drain_busy_slots=cfg.scheduler.policy != "legacy")
+        self.adapters.remaining_work = self._work_per_slot
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
                                   self.lora.pool)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size,
@@ -183,6 +184,17 @@ class LLMEngine:
         if seq is not None:
             self._free(seq)
             seq.finish_reason = out.finish_reason
+
+    def _work_per_slot(self) -> dict[int, int]:
+        """slot -> the most tokens one of its requests may still compute: how long the
+        slot takes to drain (promotions drain the slot that frees first)."""
+        work: dict[int, int] = {}
+        for s in self.requests.values():
+            if s.bound and s.slot >= 0:
+                left = len(s.prompt_ids) - min(s.num_computed, len(s.prompt_ids)) \
+                    + s.params.max_tokens - len(s.output_ids)
+                work[s.slot] = max(work.get(s.slot, 0), left)
+        return work
 
     def _free(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
