@@ -106,10 +106,10 @@ MIXED_BUDGET = 512  # tokens per step under the mixed policy: the largest CUDA-g
 
 
 def _engine(pair, device: str, policy: str, slots: int, max_model_len: int, tier: int = 0,
-            max_num_seqs: int = 64):
+            max_num_seqs: int = 64, budget: int = MIXED_BUDGET):
     from bench.decode import make_engine
 
-    budget = MIXED_BUDGET if policy == "mixed" else max_num_seqs * max_model_len
+    budget = budget if policy == "mixed" else max_num_seqs * max_model_len
     return make_engine(pair, device, slots, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        host_tier_bytes=tier, scheduler=SchedulerConfig(policy=policy),
                        max_num_batched_tokens=budget)
@@ -150,15 +150,19 @@ def run(pair, adapters_root: Path, device: str, n_adapters: int = 32, slots: int
         for mode in ("promote", "resident"):
             m = out[prefix + mode]
             m["itl_p99_over_p50"] = m["itl_p99_ms"] / m["itl_p50_ms"]
-    out["long_prompt"] = {policy: long_prompt(pair, device, policy) for policy in ("legacy", "mixed")}
+    out["long_prompt"] = {"legacy": long_prompt(pair, device, "legacy")}
+    for budget in (MIXED_BUDGET, 256, 128):  # the step budget bounds the chunk beside decodes
+        out["long_prompt"]["mixed" if budget == MIXED_BUDGET else f"mixed_budget{budget}"] = \
+            long_prompt(pair, device, "mixed", budget=budget)
     return out
 
 
-def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: int = 8192) -> dict:
+def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: int = 8192,
+                budget: int = MIXED_BUDGET) -> dict:
     """32 sequences decode; an 8k-token prompt arrives. The decoders' inter-token times
     from its arrival until each has a token after its first one (so the gaps spanning
     its prefill count), against before it arrived."""
-    engine = _engine(pair, device, policy, 1, prompt_len + 256)
+    engine = _engine(pair, device, policy, 1, prompt_len + 256, budget=budget)
     vocab = pair.config.vocab_size
     rng = random.Random(7)
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -188,7 +192,7 @@ def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: 
                     [rng.randrange(10, vocab - 10) for _ in range(prompt_len)], long_params)
     for rid in [*ids, long_id]:
         engine.abort(rid)
-    res = {"prompt_tokens": prompt_len, "decoders": decoders,
+    res = {"prompt_tokens": prompt_len, "decoders": decoders, "budget_tokens": budget,
            "itl_before_p50_ms": pct(before, 50), "itl_during_p50_ms": pct(during, 50),
            "itl_during_p99_ms": pct(during, 99), "steps_during": len(during) // decoders}
     res["during_p99_over_before_p50"] = res["itl_during_p99_ms"] / res["itl_before_p50_ms"]
