@@ -19,7 +19,7 @@ import torch
 
 from metrale.adapters.plan import plan_adapter
 from metrale.adapters.weights_check import check_weights
-from metrale.config import EngineConfig, ModelConfig, parse_dtype
+from metrale.config import ConfigError, EngineConfig, ModelConfig, parse_dtype
 from metrale.engine.adapters import AdapterManager, PeerOptions
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.output_processor import OutputProcessor, failed_output
@@ -55,6 +55,9 @@ class LLMEngine:
         if model is None:
             model = load_model(model_dir, self.model_config, self.dtype, self.device,
                                cfg.max_model_len)
+        elif model.rotary.max_positions < cfg.max_model_len:  # its tables would be read past
+            raise ConfigError(f"the given model's rotary tables cover {model.rotary.max_positions} "
+                              f"positions, fewer than max_model_len {cfg.max_model_len}")
         self.lora = LoraSlots(self.model_config, cfg.pool, self.device, self.dtype)
         # an adapter named like the base model would shadow it in every API
         self.registry = AdapterRegistry(reserved_names=("base", Path(model_dir).name))
