@@ -276,17 +276,15 @@ class AdapterManager:
         return failed + self._expire(now)
 
     def _drain_for_waiting(self) -> None:
-        """Keep up to max_in_flight slots free or draining while adapters wait for one,
-        and one while more adapters are registered than slots (so a request for a cold
-        adapter finds a slot at once): stop giving new requests to the busy slot with the
-        least work left (detach its adapter) so it drains instead of being fed by new
-        arrivals forever. A request for the drained adapter that comes before the slot is
-        taken undoes the drain (bind reattaches it)."""
+        """Names waiting for a slot while every slot is busy: stop giving new requests to
+        the busy slot with the least work left (detach its adapter), so it drains instead
+        of being fed by new arrivals forever; at most max_in_flight slots are kept free or
+        draining for the waiting names. A request for the drained adapter that comes
+        before the slot is taken undoes the drain (bind reattaches it)."""
         job = self.job
         waiting = len(self.pending) - (1 if job is not None and job.landing is not None else 0)
         table = self.slots.table
-        reserve = 1 if len(self.registry) > len(table) else 0
-        need = max(min(waiting, self.max_in_flight), reserve) - table.num_free_for_landing()
+        need = min(waiting, self.max_in_flight) - table.num_free_for_landing()
         work = self.remaining_work() if need > 0 else {}
         for _ in range(need):
             name = table.drain_candidate(work)
@@ -295,7 +293,6 @@ class AdapterManager:
             slot = table.detach(name)
             self._drained[name] = (slot, table.info(slot).uid)
             self.num_drains += 1
-            log.debug("draining the slot of %r (%d adapter(s) waiting)", name, waiting)
 
     def _guarded(self, advance) -> list[Sequence]:
         """A failure nobody foresaw in one promotion fails that promotion's requests with a

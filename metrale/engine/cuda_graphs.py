@@ -220,30 +220,37 @@ class StepGraphs:
         how many sequences sample (their logits rows come first, in batch order)."""
         self._wait_host_buffer()
         f, tables, bs = self._host_views, self._host_tables, self.block_size
-        at, n_samples = 0, 0
-        f["cu_query"][0] = 0
+        ids, positions, slot_mapping, slot_ids, cu, ctx, last = [], [], [], [], [0], [], []
         for i, (seq, n, sampled) in enumerate(zip(batch.seqs, batch.num_new, batch.samples)):
             start, bt = seq.num_computed, seq.block_table
-            pos = np.arange(start, start + n)
-            table = np.asarray(bt)
-            f["input_ids"][at:at + n] = seq.token_ids[start:start + n]
-            f["positions"][at:at + n] = pos
-            f["slot_mapping"][at:at + n] = table[pos // bs] * bs + pos % bs
-            f["slot_ids"][at:at + n] = seq.slot
-            at += n
-            f["cu_query"][i + 1] = at
-            f["context_lens"][i] = start + n
+            if n == 1:  # a decode row: its newest token
+                ids.append(seq.output_ids[-1] if seq.output_ids and start == len(seq) - 1
+                           else seq.token_ids[start])
+            else:
+                ids += seq.token_ids[start:start + n]
+            span = range(start, start + n)
+            positions += span
+            slot_mapping += [bt[p // bs] * bs + p % bs for p in span]
+            slot_ids += [seq.slot] * n
+            cu.append(cu[-1] + n)
+            ctx.append(start + n)
+            if sampled:
+                last.append(cu[-1] - 1)
             tables[i, :len(bt)] = bt
             tables[i, len(bt):] = self.pad_block
-            if sampled:
-                f["logits_index"][n_samples] = at - 1
-                n_samples += 1
+        at, b, n_samples = cu[-1], len(batch), len(last)
+        f["input_ids"][:at] = ids
+        f["positions"][:at] = positions
+        f["slot_mapping"][:at] = slot_mapping
+        f["slot_ids"][:at] = slot_ids
+        f["cu_query"][:b + 1] = cu
+        f["context_lens"][:b] = ctx
+        f["logits_index"][:n_samples] = last
         # padding: tokens of no sequence (base model, written into the padding block) and
         # sequence rows with no queries
         for name, value in (("input_ids", 0), ("positions", 0), ("slot_ids", -1),
                             ("slot_mapping", self.pad_block * bs)):
             f[name][at:t] = value
-        b = len(batch)
         f["cu_query"][b + 1:] = at
         f["context_lens"][b:] = 1
         tables[b:] = self.pad_block
