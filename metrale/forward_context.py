@@ -32,6 +32,9 @@ class AttentionMetadata:
     cu_query: torch.Tensor  # [B + 1] int32: query token offsets per sequence
     max_query_len: int
     max_context_len: int
+    # varlen steps in a CUDA graph: [N, 2] (sequence, query tile) rows, -1 padded
+    # (metrale.ops.attention_triton.prefill_tiles); None: built from cu_query
+    prefill_tiles: torch.Tensor | None = None
 
 
 class LoraViews(Protocol):

@@ -8,9 +8,9 @@ two variants:
 - lora: the LoRA kernels run and read each row's slot from the static slot_ids buffer;
 - base: no LoRA work at all (a batch with no adapter token must not pay for LoRA).
 
-A mixed graph runs the varlen (prefill) attention kernel over max_num_seqs sequence rows
-with the bucket as its query-length bound: rows past the step's sequences have no
-queries, and tiles past a sequence's queries exit at once. Its LoRA kernels take a token
+A mixed graph runs the varlen (prefill) attention kernel over a tile list sized for the
+bucket (its grid is fixed): the step's query tiles first, then padding tiles that exit
+at once; sequence rows past the step's have no queries. Its LoRA kernels take a token
 order sorted by slot on the host, uploaded with the rest.
 
 Adapter swaps and promotions never invalidate a graph: the pool buffer and its
@@ -34,6 +34,7 @@ from metrale.engine.scheduler import ScheduledBatch
 from metrale.engine.sequence import Sequence
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
+from metrale.ops.attention_triton import max_prefill_tiles, prefill_tiles
 from metrale.pool.pool import AdapterPool
 
 # Batch sizes captured (those <= max_num_seqs, plus max_num_seqs itself up to the cap).
@@ -74,16 +75,19 @@ class StepGraphs:
         self.max_batch, self.width = B, W
         self.max_tokens = max([B, *self.buckets])
         # Every input in one int64 buffer: one H2D copy per step. Layout: the [T] token
-        # fields, the [B] sequence fields, cu_query [B + 1], then block_tables [B, W].
+        # fields, the [B] sequence fields, cu_query [B + 1], the attention's query tiles
+        # [max_tiles, 2], then block_tables [B, W].
         # The kernels read int64 metadata as they read int32.
         T = self.max_tokens
-        n = T * len(_TOKEN_FIELDS) + B * len(_SEQ_FIELDS) + (B + 1) + B * W
+        self.max_tiles = max_prefill_tiles(T, B)
+        n = T * len(_TOKEN_FIELDS) + B * len(_SEQ_FIELDS) + (B + 1) + 2 * self.max_tiles + B * W
         self._dev = torch.zeros(n, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._views, self._host_views, at = {}, {}, 0
-        for names, size in ((_TOKEN_FIELDS, T), (_SEQ_FIELDS, B), (("cu_query",), B + 1)):
+        for names, size in ((_TOKEN_FIELDS, T), (_SEQ_FIELDS, B), (("cu_query",), B + 1),
+                            (("tiles",), 2 * self.max_tiles)):
             for f in names:
                 self._views[f] = self._dev[at:at + size]
                 self._host_views[f] = self._host_np[at:at + size]
@@ -133,6 +137,7 @@ class StepGraphs:
             is_prefill=True, slot_mapping=v["slot_mapping"][:t], context_lens=v["context_lens"],
             block_tables=self._tables, cu_query=v["cu_query"], max_query_len=t,
             max_context_len=self.max_model_len,
+            prefill_tiles=v["tiles"][:2 * max_prefill_tiles(t, B)].view(-1, 2),
         )
         batch = LoraBatch(self.pool, v["slot_ids"][:t], v["order"][:t]) if lora else None
         with forward_context(ForwardContext(meta, batch)):
@@ -256,6 +261,8 @@ class StepGraphs:
         tables[b:] = self.pad_block
         f["logits_index"][n_samples:] = 0
         f["order"][:t] = np.argsort(f["slot_ids"][:t], kind="stable")
+        n_tiles = max_prefill_tiles(t, self.max_batch)
+        f["tiles"][:2 * n_tiles] = np.asarray(prefill_tiles(cu, n_tiles)).reshape(-1)
         return n_samples
 
     def _upload(self) -> None:

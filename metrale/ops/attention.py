@@ -32,7 +32,7 @@ def paged_attention(
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
     if meta.is_prefill:
         return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                             meta.cu_query, meta.max_query_len, scale)
+                             meta.cu_query, meta.max_query_len, scale, meta.prefill_tiles)
     # a decode step has one query per sequence (cu_query is 0..B)
     return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 

@@ -8,9 +8,14 @@ metrale.ops.attention.paged_attention_ref).
   split count depends only on the batch size and the (fixed) block-table width, and the
   kernels read context lengths and block tables from device memory, so a decode step is
   CUDA-graph capturable: no host sync, no Python value derived from tensor contents.
-- prefill: varlen, causal, paged; a program serves one (sequence, query head, query
-  tile) and walks the keys up to its last query's position through the block table.
-  Prefill runs eagerly, so its grid may use max_query_len (a host int the runner knows).
+- varlen (prefill chunks, and mixed steps of chunks and decodes): causal, paged. The
+  grid runs over a tile list, each tile a BLOCK_M run of one sequence's queries, times
+  query heads, times key splits: a program walks its split's slice of the keys up to
+  its last query's position. Split-K lets a short chunk of a long prompt fill the GPU
+  (a 96-query chunk over 8k cached keys is 2 tiles per head without it); the splits are
+  merged as in decode. The tile list has a fixed length (tiles past the step's exit at
+  once) and the split count depends on shapes only, so a mixed step is CUDA-graph
+  capturable when the tile list is given (prefill_tiles); otherwise it is built here.
 
 Block tables may hold any value past a sequence's context (-1, or a padding block):
 only entries for positions < context_lens are read.
@@ -22,11 +27,12 @@ import functools
 
 import torch
 
-from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, require_triton, tl, triton
+from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, require_triton, tl
 
 DECODE_BLOCK_N = 64  # keys per tile
 PREFILL_BLOCK_M, PREFILL_BLOCK_N = 64, 64
 MIN_SPLIT_TOKENS = 256  # never split a context into slices shorter than this
+MIN_SPLIT_PREFILL = 512  # varlen: one key split per this many keys of context capacity
 
 
 def _decode_kernel(
@@ -114,16 +120,18 @@ def _merge_kernel(
 
 
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, cu_ptr, o_ptr,
-    scale, q_st, q_sh, c_sb, c_st, c_sh, tab_st, o_st, o_sh,
+    q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, cu_ptr, tile_ptr, o_ptr, ml_ptr, acc_ptr,
+    scale, num_splits, q_st, q_sh, c_sb, c_st, c_sh, tab_st, o_st, o_sh,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    b, h, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = tl.load(tile_ptr + tile * 2)  # the tile's sequence, -1 past the step's tiles
+    if b < 0:
+        return
+    mb = tl.load(tile_ptr + tile * 2 + 1)  # which BLOCK_M run of its queries
     q0 = tl.load(cu_ptr + b).to(tl.int32)
     n = tl.load(cu_ptr + b + 1).to(tl.int32) - q0  # new tokens of this sequence
-    if mb * BLOCK_M >= n:
-        return
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     r_ok = rows < n
@@ -137,14 +145,18 @@ def _prefill_kernel(
         q = q.to(tl.float32)
     kvh = h // G
     hi = tl.minimum(ctx, ctx - n + (mb + 1) * BLOCK_M)  # keys the tile's last query sees
+    # this split's slice of [0, hi), in whole key tiles
+    chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
+    lo = sp * chunk
+    end = tl.minimum(lo + chunk, hi)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     b64 = b.to(tl.int64)
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(lo, end, BLOCK_N):
         t = n0 + offs_n  # [BN]
-        t_ok = t < hi
+        t_ok = t < end
         blk = tl.load(tab_ptr + b64 * tab_st + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
         row = blk * c_sb + (t % BLOCK_SIZE).to(tl.int64) * c_st + kvh * c_sh
         kv_mask = t_ok[:, None] & d_ok[None, :]
@@ -154,12 +166,14 @@ def _prefill_kernel(
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))  # [BM, BN]
-        # key 0 is visible to every row, so each row's max is finite after the first tile
         visible = t_ok[None, :] & (t[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * scale, float("-inf"))
+        # a row may see no key of this tile (or of this whole split, past its position):
+        # keep its max finite so the weights below stay 0, not NaN
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if F32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -167,9 +181,16 @@ def _prefill_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + tok[:, None] * o_st + h * o_sh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    if SPLIT:  # partials for the merge kernel: ml [T, H, S, 2], acc [T, H, S, D_PAD]
+        H = tl.num_programs(1)
+        base = (tok * H + h) * num_splits + sp  # [BM]
+        tl.store(ml_ptr + base * 2, m_i, mask=r_ok)
+        tl.store(ml_ptr + base * 2 + 1, l_i, mask=r_ok)
+        tl.store(acc_ptr + base[:, None] * D_PAD + d[None, :], acc, mask=r_ok[:, None])
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + tok[:, None] * o_st + h * o_sh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
 def _f32_dot(kernel, dtype: torch.dtype) -> bool:
@@ -236,29 +257,69 @@ def paged_decode(
     return out
 
 
+def prefill_tiles(cu_query: list[int], num_tiles: int | None = None) -> list[tuple[int, int]]:
+    """(sequence, query tile) of every BLOCK_M run of queries, padded with (-1, 0) to
+    num_tiles entries (a CUDA graph's fixed grid)."""
+    tiles = [(i, m) for i, (a, b) in enumerate(zip(cu_query, cu_query[1:]))
+             for m in range(-(-(b - a) // PREFILL_BLOCK_M))]
+    if num_tiles is not None:
+        if len(tiles) > num_tiles:
+            raise ValueError(f"{len(tiles)} query tiles do not fit the {num_tiles} given")
+        tiles += [(-1, 0)] * (num_tiles - len(tiles))
+    return tiles
+
+
+def max_prefill_tiles(num_tokens: int, num_seqs: int) -> int:
+    """The most query tiles num_tokens queries over num_seqs sequences can make."""
+    return -(-num_tokens // PREFILL_BLOCK_M) + num_seqs
+
+
+def prefill_splits(max_context: int) -> int:
+    """Key splits for varlen attention: one per MIN_SPLIT_PREFILL keys of the context
+    capacity, up to 16. Depends on shapes only (graph-safe)."""
+    return max(1, min(16, max_context // MIN_SPLIT_PREFILL))
+
+
 def paged_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, cu_query: torch.Tensor, max_query_len: int, scale: float,
+    tiles: torch.Tensor | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D], sequence i's queries are rows cu_query[i]:cu_query[i+1], the last of
-    them at position context_lens[i] - 1; causal over its cached context -> [T, H, D]."""
+    them at position context_lens[i] - 1; causal over its cached context -> [T, H, D].
+
+    tiles: [N, 2] (sequence, query tile) per program row, -1 padded (prefill_tiles); None
+    builds it from cu_query (a host sync: not under graph capture). max_query_len is then
+    unused. num_splits: key splits (default from the block table's capacity)."""
     require_triton()
     T, H, D = q.shape
     _, bs, KV, _ = k_cache.shape
-    B = block_tables.shape[0]
     if k_cache.stride() != v_cache.stride() or q.stride(2) != 1 or block_tables.stride(1) != 1:
         raise ValueError("k/v caches must share strides; q and block_tables need unit last stride")
     out = torch.empty_like(q)
     if T == 0:
         return out
+    if tiles is None:
+        tiles = torch.tensor(prefill_tiles(cu_query.tolist()), dtype=torch.int32,
+                             device=q.device).reshape(-1, 2)
+    S = num_splits or prefill_splits(block_tables.shape[1] * bs)
+    D_PAD = next_pow2(max(D, 16))
+    if S > 1:
+        ml = torch.empty(T, H, S, 2, dtype=torch.float32, device=q.device)
+        acc = torch.empty(T, H, S, D_PAD, dtype=torch.float32, device=q.device)
+    else:
+        ml = acc = out  # unused
     kernel = jit_kernel(_prefill_kernel, q.device)
-    grid = (B, H, triton.cdiv(max_query_len, PREFILL_BLOCK_M))
-    kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, cu_query, out,
-        scale, q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
+    kernel[(tiles.shape[0], H, S)](
+        q, k_cache, v_cache, block_tables, context_lens, cu_query, tiles, out, ml, acc,
+        scale, S, q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=H // KV, D=D, D_PAD=next_pow2(max(D, 16)), BLOCK_SIZE=bs,
-        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-        F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
+        G=H // KV, D=D, D_PAD=D_PAD, BLOCK_SIZE=bs, BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_N=PREFILL_BLOCK_N, SPLIT=S > 1, F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
     )
+    if S > 1:
+        # rows of no query (padding) hold no partials: merged, they are never read
+        merge = jit_kernel(_merge_kernel, q.device)
+        merge[(T, H)](ml, acc, out, S, out.stride(0), out.stride(1),
+                      D=D, D_PAD=D_PAD, S_PAD=max(2, next_pow2(S)), num_warps=2)
     return out
