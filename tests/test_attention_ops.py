@@ -141,9 +141,9 @@ def test_prefill_matches_reference(case, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("split_keys,block_m", [(None, 64), (64, 16), (128, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_step_chunks_decodes_and_empty_rows(dtype, splits):
+def test_mixed_step_chunks_decodes_and_empty_rows(dtype, split_keys, block_m):
     """One varlen launch as a mixed step makes it: prompt chunks that attend to earlier
     chunks and cached blocks, decode rows (one query each), and sequences with no query
     (a padded CUDA-graph row), over a fixed-length tile list padded with -1 rows, with
@@ -151,11 +151,12 @@ def test_mixed_step_chunks_decodes_and_empty_rows(dtype, splits):
     ctx, new = [40, 1, 23, 9, 200, 1], [7, 1, 1, 0, 70, 0]
     q, k, v, meta = make_case(ctx, new, 4, 2, 16, 4, dtype, seed=13)
     want = dense_oracle(q, k, v, meta, 0.25)
-    tiles = at.prefill_tiles(meta.cu_query.tolist(), at.max_prefill_tiles(sum(new) + 30, len(ctx)))
+    tiles = at.prefill_tiles(meta.cu_query.tolist(),
+                             at.max_prefill_tiles(sum(new) + 30, len(ctx), block_m), block_m)
     assert tiles[-1] == (-1, 0)
     got = at.paged_prefill(q, k, v, meta.block_tables, meta.context_lens, meta.cu_query, 0,
                            0.25, torch.tensor(tiles, dtype=torch.int64, device=q.device),
-                           num_splits=splits)
+                           split_keys=split_keys, block_m=block_m)
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
     ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, 0.25)
     assert rel_err(ref, want) < 1e-5

@@ -34,7 +34,7 @@ from metrale.engine.scheduler import ScheduledBatch
 from metrale.engine.sequence import Sequence
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
-from metrale.ops.attention_triton import max_prefill_tiles, prefill_tiles
+from metrale.ops.attention_triton import max_prefill_tiles, prefill_block_m, prefill_tiles
 from metrale.pool.pool import AdapterPool
 
 # Batch sizes captured (those <= max_num_seqs, plus max_num_seqs itself up to the cap).
@@ -79,7 +79,8 @@ class StepGraphs:
         # [max_tiles, 2], then block_tables [B, W].
         # The kernels read int64 metadata as they read int32.
         T = self.max_tokens
-        self.max_tiles = max_prefill_tiles(T, B)
+        self.max_tiles = max((max_prefill_tiles(t, B, prefill_block_m(t)) for t in self.buckets),
+                             default=0)
         n = T * len(_TOKEN_FIELDS) + B * len(_SEQ_FIELDS) + (B + 1) + 2 * self.max_tiles + B * W
         self._dev = torch.zeros(n, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
@@ -137,7 +138,7 @@ class StepGraphs:
             is_prefill=True, slot_mapping=v["slot_mapping"][:t], context_lens=v["context_lens"],
             block_tables=self._tables, cu_query=v["cu_query"], max_query_len=t,
             max_context_len=self.max_model_len,
-            prefill_tiles=v["tiles"][:2 * max_prefill_tiles(t, B)].view(-1, 2),
+            prefill_tiles=v["tiles"][:2 * max_prefill_tiles(t, B, prefill_block_m(t))].view(-1, 2),
         )
         batch = LoraBatch(self.pool, v["slot_ids"][:t], v["order"][:t]) if lora else None
         with forward_context(ForwardContext(meta, batch)):
@@ -261,8 +262,9 @@ class StepGraphs:
         tables[b:] = self.pad_block
         f["logits_index"][n_samples:] = 0
         f["order"][:t] = np.argsort(f["slot_ids"][:t], kind="stable")
-        n_tiles = max_prefill_tiles(t, self.max_batch)
-        f["tiles"][:2 * n_tiles] = np.asarray(prefill_tiles(cu, n_tiles)).reshape(-1)
+        block_m = prefill_block_m(t)
+        n_tiles = max_prefill_tiles(t, self.max_batch, block_m)
+        f["tiles"][:2 * n_tiles] = np.asarray(prefill_tiles(cu, n_tiles, block_m)).reshape(-1)
         return n_samples
 
     def _upload(self) -> None:

@@ -16,7 +16,7 @@ from metrale.engine.sampler import SampleResult, sample
 from metrale.engine.scheduler import ScheduledBatch
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
-from metrale.ops.attention_triton import prefill_tiles
+from metrale.ops.attention_triton import prefill_block_m, prefill_tiles
 from metrale.ops.lora_ref import token_groups
 from metrale.ops.lora_triton import sort_tokens_by_slot
 from metrale.pool.pool import AdapterPool
@@ -103,8 +103,9 @@ class ModelRunner:
             max_query_len=max(batch.num_new),
             max_context_len=max(ctx),
             # built here once, not by the kernel wrapper in every layer (a host sync each)
-            prefill_tiles=torch.tensor(prefill_tiles(cu), dtype=torch.int32, device=dev)
-            if dev.type == "cuda" and not batch.is_decode else None,
+            prefill_tiles=torch.tensor(
+                prefill_tiles(cu, block_m=prefill_block_m(max(batch.num_new))), dtype=torch.int32,
+                device=dev) if dev.type == "cuda" and not batch.is_decode else None,
         )
         lora = None
         if self.pool is not None and any(s.slot >= 0 for s in batch.seqs):

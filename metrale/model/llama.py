@@ -44,7 +44,7 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         meta = get_context().attn
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, H, D]
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, positions)  # [T, H, D]
         return self.o_proj(o.reshape(T, cfg.q_size))
 
 

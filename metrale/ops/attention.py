@@ -25,14 +25,16 @@ def store_kv(
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence."""
+    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence. positions: [T], each
+    query's position (the varlen kernel's split merge reads it)."""
     if not q.is_cuda:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
     if meta.is_prefill:
         return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                             meta.cu_query, meta.max_query_len, scale, meta.prefill_tiles)
+                             meta.cu_query, meta.max_query_len, scale, meta.prefill_tiles,
+                             positions)
     # a decode step has one query per sequence (cu_query is 0..B)
     return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 

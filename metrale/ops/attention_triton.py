@@ -32,7 +32,8 @@ from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, requ
 DECODE_BLOCK_N = 64  # keys per tile
 PREFILL_BLOCK_M, PREFILL_BLOCK_N = 64, 64
 MIN_SPLIT_TOKENS = 256  # never split a context into slices shorter than this
-MIN_SPLIT_PREFILL = 512  # varlen: one key split per this many keys of context capacity
+MIN_SPLIT_PREFILL = 512  # varlen: keys per split, at least
+MAX_PREFILL_SPLITS = 16
 
 
 def _decode_kernel(
@@ -119,11 +120,37 @@ def _merge_kernel(
              mask=d < D)
 
 
+def _merge_varlen_kernel(
+    ml_ptr, acc_ptr, o_ptr, pos_ptr, num_splits, o_st, o_sh,
+    D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+):
+    """As _merge_kernel, over the splits a query at its position saw: the programs of
+    later splits exited without writing."""
+    t, h = tl.program_id(0), tl.program_id(1)
+    base = (t.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    seen = tl.cdiv(tl.load(pos_ptr + t).to(tl.int32) + 1, SPLIT_KEYS)
+    s = tl.arange(0, S_PAD)
+    s_ok = (s < num_splits) & (s < seen)
+    m = tl.load(ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))  # [S_PAD]
+    l = tl.load(ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
+    d = tl.arange(0, D_PAD)
+    acc = tl.load(acc_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=s_ok[:, None],
+                  other=0.0)  # [S_PAD, D_PAD]
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    total = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)  # [D_PAD]
+    tl.store(o_ptr + t.to(tl.int64) * o_st + h * o_sh + d, out.to(o_ptr.dtype.element_ty),
+             mask=d < D)
+
+
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, cu_ptr, tile_ptr, o_ptr, ml_ptr, acc_ptr,
     scale, num_splits, q_st, q_sh, c_sb, c_st, c_sh, tab_st, o_st, o_sh,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr, SPLIT: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):
     tile, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = tl.load(tile_ptr + tile * 2)  # the tile's sequence, -1 past the step's tiles
@@ -133,6 +160,11 @@ def _prefill_kernel(
     q0 = tl.load(cu_ptr + b).to(tl.int32)
     n = tl.load(cu_ptr + b + 1).to(tl.int32) - q0  # new tokens of this sequence
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
+    hi = tl.minimum(ctx, ctx - n + (mb + 1) * BLOCK_M)  # keys the tile's last query sees
+    lo = sp * SPLIT_KEYS  # this split's slice of the keys: [lo, lo + SPLIT_KEYS)
+    if lo >= hi:
+        return  # past the tile's keys: the merge reads no partials from here
+    end = tl.minimum(lo + SPLIT_KEYS, hi)
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     r_ok = rows < n
     q_pos = ctx - n + rows  # [BM] position of each query; it sees keys 0..q_pos
@@ -144,11 +176,6 @@ def _prefill_kernel(
     if F32_DOT:
         q = q.to(tl.float32)
     kvh = h // G
-    hi = tl.minimum(ctx, ctx - n + (mb + 1) * BLOCK_M)  # keys the tile's last query sees
-    # this split's slice of [0, hi), in whole key tiles
-    chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
-    lo = sp * chunk
-    end = tl.minimum(lo + chunk, hi)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
@@ -257,11 +284,18 @@ def paged_decode(
     return out
 
 
-def prefill_tiles(cu_query: list[int], num_tiles: int | None = None) -> list[tuple[int, int]]:
-    """(sequence, query tile) of every BLOCK_M run of queries, padded with (-1, 0) to
+def prefill_block_m(max_tokens: int) -> int:
+    """Query rows per tile: small for steps of few tokens (mostly decode rows, one query
+    each, and short chunks), large for big prefills (fewer passes over the keys)."""
+    return 16 if max_tokens <= 256 else PREFILL_BLOCK_M
+
+
+def prefill_tiles(cu_query: list[int], num_tiles: int | None = None,
+                  block_m: int = PREFILL_BLOCK_M) -> list[tuple[int, int]]:
+    """(sequence, query tile) of every block_m run of queries, padded with (-1, 0) to
     num_tiles entries (a CUDA graph's fixed grid)."""
     tiles = [(i, m) for i, (a, b) in enumerate(zip(cu_query, cu_query[1:]))
-             for m in range(-(-(b - a) // PREFILL_BLOCK_M))]
+             for m in range(-(-(b - a) // block_m))]
     if num_tiles is not None:
         if len(tiles) > num_tiles:
             raise ValueError(f"{len(tiles)} query tiles do not fit the {num_tiles} given")
@@ -269,28 +303,32 @@ def prefill_tiles(cu_query: list[int], num_tiles: int | None = None) -> list[tup
     return tiles
 
 
-def max_prefill_tiles(num_tokens: int, num_seqs: int) -> int:
+def max_prefill_tiles(num_tokens: int, num_seqs: int, block_m: int = PREFILL_BLOCK_M) -> int:
     """The most query tiles num_tokens queries over num_seqs sequences can make."""
-    return -(-num_tokens // PREFILL_BLOCK_M) + num_seqs
+    return -(-num_tokens // block_m) + num_seqs
 
 
-def prefill_splits(max_context: int) -> int:
-    """Key splits for varlen attention: one per MIN_SPLIT_PREFILL keys of the context
-    capacity, up to 16. Depends on shapes only (graph-safe)."""
-    return max(1, min(16, max_context // MIN_SPLIT_PREFILL))
+def prefill_split_keys(max_context: int) -> int:
+    """Keys per split of varlen attention: MIN_SPLIT_PREFILL, or more so that a context of
+    the table's capacity makes at most MAX_PREFILL_SPLITS. Shapes only (graph-safe)."""
+    per = -(-max_context // MAX_PREFILL_SPLITS)
+    return max(MIN_SPLIT_PREFILL, -(-per // PREFILL_BLOCK_N) * PREFILL_BLOCK_N)
 
 
 def paged_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, cu_query: torch.Tensor, max_query_len: int, scale: float,
-    tiles: torch.Tensor | None = None, num_splits: int | None = None,
+    tiles: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+    split_keys: int | None = None, block_m: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D], sequence i's queries are rows cu_query[i]:cu_query[i+1], the last of
     them at position context_lens[i] - 1; causal over its cached context -> [T, H, D].
 
-    tiles: [N, 2] (sequence, query tile) per program row, -1 padded (prefill_tiles); None
-    builds it from cu_query (a host sync: not under graph capture). max_query_len is then
-    unused. num_splits: key splits (default from the block table's capacity)."""
+    tiles: [N, 2] (sequence, query tile) per program row, -1 padded (prefill_tiles with
+    block_m); None builds it from cu_query (a host sync: not under graph capture).
+    positions: [T] each query's position (the merge of key splits reads it; None: derived
+    on the host). split_keys: keys per split (default from the block table's capacity).
+    block_m: query rows per tile (default prefill_block_m(max_query_len))."""
     require_triton()
     T, H, D = q.shape
     _, bs, KV, _ = k_cache.shape
@@ -299,10 +337,13 @@ def paged_prefill(
     out = torch.empty_like(q)
     if T == 0:
         return out
+    block_m = block_m or prefill_block_m(max_query_len)
     if tiles is None:
-        tiles = torch.tensor(prefill_tiles(cu_query.tolist()), dtype=torch.int32,
+        tiles = torch.tensor(prefill_tiles(cu_query.tolist(), block_m=block_m), dtype=torch.int32,
                              device=q.device).reshape(-1, 2)
-    S = num_splits or prefill_splits(block_tables.shape[1] * bs)
+    max_ctx = block_tables.shape[1] * bs
+    split_keys = split_keys or prefill_split_keys(max_ctx)
+    S = -(-max_ctx // split_keys)
     D_PAD = next_pow2(max(D, 16))
     if S > 1:
         ml = torch.empty(T, H, S, 2, dtype=torch.float32, device=q.device)
@@ -314,12 +355,17 @@ def paged_prefill(
         q, k_cache, v_cache, block_tables, context_lens, cu_query, tiles, out, ml, acc,
         scale, S, q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=H // KV, D=D, D_PAD=D_PAD, BLOCK_SIZE=bs, BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=PREFILL_BLOCK_N, SPLIT=S > 1, F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
+        G=H // KV, D=D, D_PAD=D_PAD, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
+        SPLIT_KEYS=split_keys, SPLIT=S > 1, F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
     )
     if S > 1:
-        # rows of no query (padding) hold no partials: merged, they are never read
-        merge = jit_kernel(_merge_kernel, q.device)
-        merge[(T, H)](ml, acc, out, S, out.stride(0), out.stride(1),
-                      D=D, D_PAD=D_PAD, S_PAD=max(2, next_pow2(S)), num_warps=2)
+        if positions is None:
+            cu, ctx = cu_query.tolist(), context_lens.tolist()
+            positions = torch.tensor([c - (b - a) + j for a, b, c in zip(cu, cu[1:], ctx)
+                                      for j in range(b - a)] + [0] * (T - cu[-1]),
+                                     dtype=torch.int64, device=q.device)
+        merge = jit_kernel(_merge_varlen_kernel, q.device)
+        merge[(T, H)](ml, acc, out, positions, S, out.stride(0), out.stride(1),
+                      D=D, D_PAD=D_PAD, S_PAD=max(2, next_pow2(S)), SPLIT_KEYS=split_keys,
+                      num_warps=2)
     return out
