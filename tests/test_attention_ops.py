@@ -124,6 +124,7 @@ PREFILL_CASES = {  # (context lengths, new tokens per sequence, H, KV, D, block 
     "fresh": ([5, 1, 70], [5, 1, 70], 4, 2, 16, 4),
     "prefix-hit": ([20, 67, 9], [3, 60, 9], 4, 1, 16, 8),  # cached context before the queries
     "mha-pad-d": ([130, 17], [130, 2], 2, 2, 24, 16),
+    "odd-group": ([9, 40], [9, 13], 6, 2, 16, 4),  # G=3: query heads padded to 4 per group
 }
 
 

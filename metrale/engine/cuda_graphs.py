@@ -63,7 +63,7 @@ class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, pool: AdapterPool | None, max_num_seqs: int,
                  max_blocks: int, block_size: int, pad_block: int, max_model_len: int,
                  device: torch.device, capture: bool = True,
-                 max_num_batched_tokens: int = 0) -> None:
+                 max_num_batched_tokens: int = 0, group: int = 1) -> None:
         self.model, self.pool, self.device = model, pool, device
         self.sizes = graph_batch_sizes(max_num_seqs)
         # mixed steps need every sequence row of a step: only when all fit one graph
@@ -79,7 +79,8 @@ class StepGraphs:
         # [max_tiles, 2], then block_tables [B, W].
         # The kernels read int64 metadata as they read int32.
         T = self.max_tokens
-        self.max_tiles = max((max_prefill_tiles(t, B, prefill_block_m(t)) for t in self.buckets),
+        self.group = group  # query heads per KV head (the attention's tile size needs it)
+        self.max_tiles = max((max_prefill_tiles(t, B, self._block_m(t)) for t in self.buckets),
                              default=0)
         n = T * len(_TOKEN_FIELDS) + B * len(_SEQ_FIELDS) + (B + 1) + 2 * self.max_tiles + B * W
         self._dev = torch.zeros(n, dtype=torch.int64, device=device)
@@ -103,6 +104,9 @@ class StepGraphs:
         # (batch size, lora variant) or ("mixed", token bucket, lora variant) -> replays
         self.replays: Counter = Counter()
         self._mempool = None
+
+    def _block_m(self, t: int) -> int:
+        return prefill_block_m(t, self.group)
 
     def variants(self) -> list[bool]:
         return [False, True] if self.pool is not None else [False]
@@ -138,7 +142,7 @@ class StepGraphs:
             is_prefill=True, slot_mapping=v["slot_mapping"][:t], context_lens=v["context_lens"],
             block_tables=self._tables, cu_query=v["cu_query"], max_query_len=t,
             max_context_len=self.max_model_len,
-            prefill_tiles=v["tiles"][:2 * max_prefill_tiles(t, B, prefill_block_m(t))].view(-1, 2),
+            prefill_tiles=v["tiles"][:2 * max_prefill_tiles(t, B, self._block_m(t))].view(-1, 2),
         )
         batch = LoraBatch(self.pool, v["slot_ids"][:t], v["order"][:t]) if lora else None
         with forward_context(ForwardContext(meta, batch)):
@@ -262,7 +266,7 @@ class StepGraphs:
         tables[b:] = self.pad_block
         f["logits_index"][n_samples:] = 0
         f["order"][:t] = np.argsort(f["slot_ids"][:t], kind="stable")
-        block_m = prefill_block_m(t)
+        block_m = self._block_m(t)
         n_tiles = max_prefill_tiles(t, self.max_batch, block_m)
         f["tiles"][:2 * n_tiles] = np.asarray(prefill_tiles(cu, n_tiles, block_m)).reshape(-1)
         return n_samples

@@ -30,6 +30,7 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, pool: AdapterPool | None) -> None:
         self.model, self.model_cfg, self.cfg = model, model_cfg, cfg
         self.device, self.dtype, self.pool = device, dtype, pool
+        self.group = model_cfg.num_heads // model_cfg.num_kv_heads  # query heads per KV head
         self.num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         self.pad_block = self.num_blocks  # never handed out: padded graph rows write here
         shape = (self.num_blocks + 1, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
@@ -47,7 +48,7 @@ class ModelRunner:
         self.graphs = StepGraphs(
             self.model, self.pool, cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size),
             cfg.block_size, self.pad_block, cfg.max_model_len, self.device, capture=capture,
-            max_num_batched_tokens=cfg.max_num_batched_tokens)
+            max_num_batched_tokens=cfg.max_num_batched_tokens, group=self.group)
         self.graphs.capture()
         return self.graphs
 
@@ -104,7 +105,7 @@ class ModelRunner:
             max_context_len=max(ctx),
             # built here once, not by the kernel wrapper in every layer (a host sync each)
             prefill_tiles=torch.tensor(
-                prefill_tiles(cu, block_m=prefill_block_m(max(batch.num_new))), dtype=torch.int32,
+                prefill_tiles(cu, block_m=prefill_block_m(max(batch.num_new), self.group)), dtype=torch.int32,
                 device=dev) if dev.type == "cuda" and not batch.is_decode else None,
         )
         lora = None

@@ -10,8 +10,9 @@ metrale.ops.attention.paged_attention_ref).
   CUDA-graph capturable: no host sync, no Python value derived from tensor contents.
 - varlen (prefill chunks, and mixed steps of chunks and decodes): causal, paged. The
   grid runs over a tile list, each tile a BLOCK_M run of one sequence's queries, times
-  query heads, times key splits: a program walks its split's slice of the keys up to
-  its last query's position. Split-K lets a short chunk of a long prompt fill the GPU
+  KV heads (a program serves the tile's queries for all query heads of its KV head, so
+  K/V are read once per group), times key splits: a program walks its split's slice of
+  the keys up to its last query's position. Split-K lets a short chunk of a long prompt fill the GPU
   (a 96-query chunk over 8k cached keys is 2 tiles per head without it); the splits are
   merged as in decode. The tile list has a fixed length (tiles past the step's exit at
   once) and the split count depends on shapes only, so a mixed step is CUDA-graph
@@ -148,11 +149,13 @@ def _merge_varlen_kernel(
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, cu_ptr, tile_ptr, o_ptr, ml_ptr, acc_ptr,
     scale, num_splits, q_st, q_sh, c_sb, c_st, c_sh, tab_st, o_st, o_sh,
-    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr, SPLIT: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    tile, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # a program: BLOCK_M queries x the G query heads of one KV head (GQA: each K/V tile is
+    # read once for the group), over one split of the keys
+    tile, kvh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = tl.load(tile_ptr + tile * 2)  # the tile's sequence, -1 past the step's tiles
     if b < 0:
         return
@@ -165,20 +168,22 @@ def _prefill_kernel(
     if lo >= hi:
         return  # past the tile's keys: the merge reads no partials from here
     end = tl.minimum(lo + SPLIT_KEYS, hi)
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    r_ok = rows < n
-    q_pos = ctx - n + rows  # [BM] position of each query; it sees keys 0..q_pos
+    r = tl.arange(0, BLOCK_M * G_PAD)  # [R] rows: query r // G_PAD, head r % G_PAD
+    qi = mb * BLOCK_M + r // G_PAD  # [R] query index within the sequence's new tokens
+    g = r % G_PAD
+    r_ok = (qi < n) & (g < G)
+    h = kvh * G + g  # [R] query head
+    q_pos = ctx - n + qi  # [R] position of each query; it sees keys 0..q_pos
     d = tl.arange(0, D_PAD)
     d_ok = d < D
-    tok = (q0 + rows).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * q_st + h * q_sh + d[None, :],
-                mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, D_PAD]
+    tok = (q0 + qi).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * q_st + h[:, None] * q_sh + d[None, :],
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [R, D_PAD]
     if F32_DOT:
         q = q.to(tl.float32)
-    kvh = h // G
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    m_i = tl.full((BLOCK_M * G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M * G_PAD,), tl.float32)
+    acc = tl.zeros((BLOCK_M * G_PAD, D_PAD), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     b64 = b.to(tl.int64)
     for n0 in range(lo, end, BLOCK_N):
@@ -192,7 +197,7 @@ def _prefill_kernel(
         if F32_DOT:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))  # [BM, BN]
+            s = tl.dot(q, tl.trans(k))  # [R, BN]
         visible = t_ok[None, :] & (t[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * scale, float("-inf"))
         # a row may see no key of this tile (or of this whole split, past its position):
@@ -209,14 +214,14 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if SPLIT:  # partials for the merge kernel: ml [T, H, S, 2], acc [T, H, S, D_PAD]
-        H = tl.num_programs(1)
-        base = (tok * H + h) * num_splits + sp  # [BM]
+        H = tl.num_programs(1) * G
+        base = (tok * H + h) * num_splits + sp  # [R]
         tl.store(ml_ptr + base * 2, m_i, mask=r_ok)
         tl.store(ml_ptr + base * 2 + 1, l_i, mask=r_ok)
         tl.store(acc_ptr + base[:, None] * D_PAD + d[None, :], acc, mask=r_ok[:, None])
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_ptr + tok[:, None] * o_st + h * o_sh + d[None, :],
+        tl.store(o_ptr + tok[:, None] * o_st + h[:, None] * o_sh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
@@ -284,10 +289,12 @@ def paged_decode(
     return out
 
 
-def prefill_block_m(max_tokens: int) -> int:
-    """Query rows per tile: small for steps of few tokens (mostly decode rows, one query
-    each, and short chunks), large for big prefills (fewer passes over the keys)."""
-    return 16 if max_tokens <= 256 else PREFILL_BLOCK_M
+def prefill_block_m(max_tokens: int, group: int) -> int:
+    """Queries per tile (each with the `group` query heads of a KV head): 64 or 128
+    rows in all, the fewer for steps of few tokens (mostly decode rows of one query and
+    short chunks), the more for big prefills (fewer passes over the keys)."""
+    rows = 64 if max_tokens <= 256 else 128
+    return max(1, rows // next_pow2(group))
 
 
 def prefill_tiles(cu_query: list[int], num_tiles: int | None = None,
@@ -328,7 +335,7 @@ def paged_prefill(
     block_m); None builds it from cu_query (a host sync: not under graph capture).
     positions: [T] each query's position (the merge of key splits reads it; None: derived
     on the host). split_keys: keys per split (default from the block table's capacity).
-    block_m: query rows per tile (default prefill_block_m(max_query_len))."""
+    block_m: queries per tile (default prefill_block_m(max_query_len, H // KV))."""
     require_triton()
     T, H, D = q.shape
     _, bs, KV, _ = k_cache.shape
@@ -337,7 +344,8 @@ def paged_prefill(
     out = torch.empty_like(q)
     if T == 0:
         return out
-    block_m = block_m or prefill_block_m(max_query_len)
+    G = H // KV
+    block_m = block_m or prefill_block_m(max_query_len, G)
     if tiles is None:
         tiles = torch.tensor(prefill_tiles(cu_query.tolist(), block_m=block_m), dtype=torch.int32,
                              device=q.device).reshape(-1, 2)
@@ -351,12 +359,13 @@ def paged_prefill(
     else:
         ml = acc = out  # unused
     kernel = jit_kernel(_prefill_kernel, q.device)
-    kernel[(tiles.shape[0], H, S)](
+    kernel[(tiles.shape[0], KV, S)](
         q, k_cache, v_cache, block_tables, context_lens, cu_query, tiles, out, ml, acc,
         scale, S, q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=H // KV, D=D, D_PAD=D_PAD, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
-        SPLIT_KEYS=split_keys, SPLIT=S > 1, F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
+        G=G, G_PAD=next_pow2(G), D=D, D_PAD=D_PAD, BLOCK_SIZE=bs, BLOCK_M=block_m,
+        BLOCK_N=PREFILL_BLOCK_N, SPLIT_KEYS=split_keys, SPLIT=S > 1,
+        F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
     )
     if S > 1:
         if positions is None:
