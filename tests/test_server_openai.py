@@ -296,4 +296,12 @@ def test_health_and_metrics(server):
     assert ttft >= 20
     itl = samples("metrale_inter_token_latency_seconds", "_sum")[0].value
     assert 0 < itl < 600
+    # every first token split its wait into adapter landing and queue; with 3 slots for 5
+    # adapters some requests found their adapter resident and some waited for it
+    assert samples("metrale_request_adapter_wait_seconds", "_count")[0].value == ttft
+    assert samples("metrale_request_queue_wait_seconds", "_count")[0].value == ttft
+    residency = {s.labels["residency"]: s.value for s in samples("metrale_adapter_requests",
+                                                                  "_total")}
+    assert residency["ready"] >= 1 and residency["waited"] >= 4, residency
+    assert samples("metrale_adapter_queue_depth") == []  # nothing waits now
     json.dumps(resident)  # labels are plain strings

@@ -19,3 +19,6 @@ class RequestOutput:
     adapter: str | None = None
     num_cached_tokens: int = 0
     error: Exception | None = None
+    # seconds from arrival until its adapter was resident, and from then until it ran
+    adapter_wait_s: float | None = None
+    queue_wait_s: float | None = None

@@ -48,6 +48,7 @@ class AdapterOps:
         self.table = engine.lora.table
         self.registry = engine.registry
         self._waiting_ids: set[str] = set()
+        self._counted: dict[str, int] = {}
 
     # --- requests -------------------------------------------------------------------
 
@@ -130,6 +131,24 @@ class AdapterOps:
         self.metrics.pool_full_waits.inc(len(ids - self._waiting_ids))
         self.metrics.pool_full_waiting.set(len(ids))
         self._waiting_ids = ids
+        self._count("ready", adapters.num_ready_on_arrival)
+        self._count("waited", adapters.num_waited_for_adapter)
+        self.metrics.slot_drains.inc(adapters.num_drains - self._counted.get("drains", 0))
+        self._counted["drains"] = adapters.num_drains
+        depth: dict[str, int] = {}
+        for seq in scheduler.waiting:
+            if seq.adapter is not None:
+                depth[seq.adapter] = depth.get(seq.adapter, 0) + 1
+        for name, waiters in adapters.pending.items():
+            depth[name] = depth.get(name, 0) + len(waiters)
+        self.metrics.adapter_queue.clear()
+        for name, n in depth.items():
+            self.metrics.adapter_queue.labels(name).set(n)
+
+    def _count(self, residency: str, total: int) -> None:
+        """Counters the engine keeps as totals, moved by their increase since last time."""
+        self.metrics.adapter_requests.labels(residency).inc(total - self._counted.get(residency, 0))
+        self._counted[residency] = total
 
     # --- views ------------------------------------------------------------------------
 

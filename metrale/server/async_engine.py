@@ -229,6 +229,10 @@ class AsyncEngine:
                 if stream is not None:
                     if stream.last_token is None:
                         m.ttft.observe(now - stream.arrival)
+                        if out.adapter_wait_s is not None:
+                            m.adapter_wait.observe(out.adapter_wait_s)
+                        if out.queue_wait_s is not None:
+                            m.queue_wait.observe(out.queue_wait_s)
                     else:
                         m.itl.observe(now - stream.last_token)
                     stream.last_token = now

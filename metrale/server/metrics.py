@@ -67,6 +67,24 @@ class ServerMetrics:
             "metrale_inter_token_latency_seconds", "Time between two tokens of one request",
             buckets=_LATENCY_BUCKETS, registry=r)
 
+        self.adapter_wait = Histogram(
+            "metrale_request_adapter_wait_seconds",
+            "Arrival until the request's adapter was resident (0 when it already was)",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram(
+            "metrale_request_queue_wait_seconds",
+            "Adapter resident until the request was first scheduled", buckets=_LATENCY_BUCKETS,
+            registry=r)
+        self.adapter_requests = Counter(
+            "metrale_adapter_requests", "Adapter requests by whether the adapter was resident "
+            "on arrival ('ready') or had to land first ('waited')", ["residency"], registry=r)
+        self.slot_drains = Counter(
+            "metrale_slot_drains", "Busy slots drained so that a waiting adapter could land",
+            registry=r)
+        self.adapter_queue = Gauge(
+            "metrale_adapter_queue_depth", "Requests waiting (not yet running) per adapter",
+            ["adapter"], registry=r)
+
     def set_residency(self, rows: Iterable[tuple[str, str, str]]) -> None:
         """Replace the residency gauge with (adapter, slot, state) rows."""
         self.adapter_resident.clear()
