@@ -14,6 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from metrale.config import SchedulerConfig
 from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from metrale.model.default_model import cache_root, default_model_dir
 from metrale.server.settings import ServerSettings, is_loopback
@@ -83,7 +84,10 @@ def build_app(args: argparse.Namespace):
               device=args.device, dtype=args.dtype, allow_runtime_swaps=True,
               max_model_len=args.max_model_len, promotion_timeout_s=args.promotion_timeout,
               peer_allow=tuple(args.peer_allow), peer_transport=args.peer_transport,
-              peer_timeout_s=args.peer_timeout,
+              peer_timeout_s=args.peer_timeout, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              scheduler=SchedulerConfig(args.scheduler_policy, args.max_prefill_chunk,
+                                        args.max_admission_wait, args.max_promotions_in_flight),
               **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}))
     engine = llm.engine
     for name, path in unpinned.items():
@@ -200,6 +204,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--public-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json without the API key; by "
                         "default they need the key whenever --api-key is set")
+    sched = p.add_argument_group("scheduling")
+    sched.add_argument("--max-num-seqs", type=int, default=32,
+                       help="sequences running at once (default: %(default)s)")
+    sched.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="tokens per engine step, decodes included; longer prompts are "
+                            "prefilled in chunks beside the decodes (default: %(default)s)")
+    sched.add_argument("--max-prefill-chunk", type=int, default=None, metavar="N",
+                       help="most prompt tokens one request prefills per step: smaller chunks "
+                            "keep inter-token latency flat while long prompts arrive (default: "
+                            "the step's budget)")
+    sched.add_argument("--scheduler-policy", default="mixed", choices=["mixed", "legacy"],
+                       help="mixed: decodes and prompt chunks share every step; legacy: a step "
+                            "is either a prefill or a decode (default: %(default)s)")
+    sched.add_argument("--max-admission-wait", type=float, default=1.0, metavar="SECONDS",
+                       help="a request waiting longer is admitted in arrival order, ahead of "
+                            "adapters' round-robin turns (default: %(default)s)")
+    sched.add_argument("--max-promotions-in-flight", type=int, default=2, metavar="N",
+                       help="adapter landings started per step, and busy slots drained at once "
+                            "for waiting adapters (default: %(default)s)")
     p.add_argument("--no-runtime-swaps", action="store_true",
                    help="freeze the adapter pool after start-up: no loads, swaps or "
                         "promotions at run time (default: off)")
