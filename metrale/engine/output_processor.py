@@ -4,6 +4,7 @@ nothing itself: the engine releases the finished requests' KV and slot reference
 
 from __future__ import annotations
 
+from metrale.engine.detokenizer import detokenize_new
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.sampler import SampleResult
 from metrale.engine.sequence import Sequence
@@ -31,11 +32,15 @@ class OutputProcessor:
         p = seq.params
         early = len(seq.output_ids) < p.min_tokens
         reason = "stop" if token in self.eos_ids and not p.ignore_eos and not early else None
-        full = self._decode(seq.output_ids)
-        if p.stop and not early:
-            full, reason = self._apply_stops(seq, full, reason)
         if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_seq_tokens):
             reason = "length"
+        searched = len(seq.detok.text)  # stop strings ending before here were looked for
+        if self.tokenizer is not None:
+            detokenize_new(self.tokenizer, seq.output_ids, seq.detok, final=reason is not None)
+        full = seq.detok.text
+        if p.stop and not early:
+            full, stopped = self._apply_stops(seq, full, searched)
+            reason = stopped or reason
         prev = seq.text
         seq.text = full if reason else _stable_prefix(full, p.stop, prev)
         out = output_of(seq, delta_text=seq.text[len(prev):], delta_ids=[token])
@@ -43,21 +48,18 @@ class OutputProcessor:
             out.finished, out.finish_reason = True, reason
         return out
 
-    def _apply_stops(self, seq: Sequence, full: str, reason: str | None) -> tuple[str, str | None]:
+    def _apply_stops(self, seq: Sequence, full: str, searched: int) -> tuple[str, str | None]:
+        """searched: the text before it was looked through already (a stop string may
+        still end after it), so each token's search costs its own text, not the output's."""
         p = seq.params
         if p.min_tokens and len(seq.output_ids) == p.min_tokens:
             # the first token that may stop: only stop strings ending in its text count
-            seq.stop_from = len(self._decode(seq.output_ids[:-1]))
+            seq.stop_from = searched
         for stop in p.stop:
-            at = full.find(stop, max(0, seq.stop_from - len(stop) + 1))
+            at = full.find(stop, max(0, max(seq.stop_from, searched) - len(stop) + 1))
             if at >= 0:
                 return full[:at], "stop"
-        return full, reason
-
-    def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return full, None
 
 
 def output_of(seq: Sequence, delta_text: str = "", delta_ids: list[int] | None = None) -> RequestOutput:

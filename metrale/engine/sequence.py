@@ -8,6 +8,7 @@ from enum import Enum, auto
 
 import torch
 
+from metrale.engine.detokenizer import DetokenizerState
 from metrale.engine.sampling_params import SamplingParams
 
 
@@ -39,7 +40,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache (the scheduler advances it)
     num_published: int = 0  # leading full blocks findable in the prefix cache
     # output
-    text: str = ""
+    text: str = ""  # what was streamed: detok.text less what a stop string may still cut
+    detok: DetokenizerState = field(default_factory=DetokenizerState)
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     error: Exception | None = None
