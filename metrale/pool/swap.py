@@ -116,15 +116,17 @@ class LoraSlots:
 
     def __init__(
         self, model: ModelConfig, pool: PoolConfig, device: torch.device | str,
-        dtype: torch.dtype,
+        dtype: torch.dtype, base_weights=None,
     ) -> None:
+        """base_weights: (layer, module) -> base W [out, in], read for DoRA's norms
+        (LlamaForCausalLM.lora_base_weights); None: DoRA adapters fail to land."""
         self.model_config, self.pool_config = model, pool
         self.table = SlotTable(pool.max_loras)
         self.listeners: list[Callable[[LandingEvent], None]] = []
         self.pool: AdapterPool | None = None
         self.host_tier: HostTier | None = None
         if pool.max_loras:
-            self.pool = AdapterPool(SlotLayout(model, pool, dtype), device)
+            self.pool = AdapterPool(SlotLayout(model, pool, dtype), device, base_weights)
             if pool.host_tier_bytes:
                 self.host_tier = HostTier(self.pool, pool.host_tier_bytes)
         self.staging = StagingBuffers(torch.device(device))

@@ -60,8 +60,14 @@ def make_adapter(base_model, path: Path, seed: int = 0, **lora_kwargs):
     torch.manual_seed(seed)
     cfg = LoraConfig(init_lora_weights=False, **lora_kwargs)
     peft_model = get_peft_model(copy.deepcopy(base_model), cfg)
+    with torch.no_grad():
+        # PEFT initialises DoRA's magnitude to ||W + sBA||, i.e. gain 1, which would hide
+        # a missing or misplaced gain: move it off 1 as training does
+        for name, p in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
     peft_model.save_pretrained(path, safe_serialization=True)
-    return peft_model
+    return peft_model.eval()
 
 
 def peft_deltas(peft_model) -> dict[str, torch.Tensor]:
