@@ -21,7 +21,7 @@ import torch
 from collections.abc import Mapping
 
 from metrale.adapters.plan import AdapterPlan
-from metrale.errors import NonFiniteWeightsError, UnsupportedAdapterError
+from metrale.errors import NonFiniteWeightsError
 from metrale.ops.landing_triton import base_of, land_views
 from metrale.pool.layout import SlotLayout
 
@@ -42,7 +42,8 @@ class AdapterPool:
     def __init__(self, layout: SlotLayout, device: torch.device | str,
                  base_weights: Mapping[tuple[int, str], torch.Tensor] | None = None) -> None:
         """base_weights: (layer, module) -> the base weight W [out, in] the module's LoRA
-        adds to (read only, for DoRA's norms); None: DoRA adapters are refused at landing."""
+        adds to (read only, for DoRA's norms). None for a pool that runs no model (the
+        peer store: it only exports slot bytes): DoRA gains then stay 1 and are never read."""
         self.layout = layout
         self.device = torch.device(device)
         self.base_weights = base_weights
@@ -215,7 +216,7 @@ class AdapterPool:
         self.doras[slot].copy_(doras)
         self.gains[slot].fill_(1.0)
         cells = doras.nonzero().tolist()  # host tensor: no device sync
-        if cells:
+        if cells and self.base_weights is not None:
             self.compute_gains(slot, [(layer, self.layout.table_modules[m], float(scales[layer, m]),
                                        int(ranks[layer, m])) for layer, m in cells])
 
@@ -223,10 +224,6 @@ class AdapterPool:
         """g = m / ||W + s B A|| per output row (PEFT's DoraLinearLayer: the L2 norm over
         in-features of each row of W + scaling * lora_B @ lora_A, in float32 here) for each
         (layer, module, scale, rank) cell; W + sBA is built GAIN_CHUNK_ELEMS at a time."""
-        if self.base_weights is None:
-            raise UnsupportedAdapterError(
-                "DoRA needs the base weights to compute its norms; this pool was built "
-                "without them")
         bad = []
         for layer, module, scale, rank in cells:
             W = self.base_weights[(layer, module)]  # [out, in]
