@@ -114,3 +114,90 @@ def test_extra_targets_refused_without_flag(tmp_path):
     with pytest.raises(ExtraTargetsRequiredError, match="--lora-extra-targets"):
         llm.register_adapter("emb", tmp_path / "emb")
     llm.register_adapter("dora", tmp_path / "dora")  # DoRA needs no extra memory
+
+
+def test_static_buffer_decode_path(setup):
+    """The CUDA-graph runner's static-buffer path (eager here: capture=False) reads the
+    lm_head slots from its own slot buffer, with padding rows of slot -1."""
+    root, base, peft = setup
+    if not root.name.startswith("llama"):
+        pytest.skip("one architecture is enough for the runner path")
+    llm = _llm(root)
+    graphs = llm.engine.runner.enable_decode_graphs(capture=False)
+    _check_all(llm, base, peft, ["emb_dora", None, "dora"], 4)  # 3 rows padded to 4
+    assert graphs.num_replays > 0
+
+
+# --- on a GPU: compiled kernels and captured CUDA graphs, fp32 ---------------------------
+
+def _hf_greedy_cuda(model, prompt):
+    """PEFT's greedy tokens and [n, V] logprobs on the GPU, by full forwards."""
+    import torch
+
+    ids, rows = list(prompt), []
+    with torch.no_grad():
+        for _ in range(GREEDY.max_tokens):
+            logits = model(torch.tensor([ids], device="cuda")).logits[0, -1].float()  # [V]
+            rows.append(torch.log_softmax(logits, dim=-1).cpu())
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):], torch.stack(rows)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_mixed_kinds_across_swaps_match_peft(tmp_path):
+    """fp32 on CUDA (exact-fp32 dots): the mixed batch through captured graphs, with DoRA and
+    plain adapters swapped through one slot under the same graphs; tokens and logprobs equal
+    PEFT's on the GPU within the CPU tolerance."""
+    import torch
+
+    base, peft = _setup(tmp_path, "qwen2")
+    llm = _llm(tmp_path, device="cuda", dtype="float32", max_loras=4)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    captures = graphs.num_captures
+    on_gpu = {n: m.cuda() for n, m in peft.items()}
+    base = base.cuda()
+
+    def check_all(names, seed):
+        ps = prompts(seed, len(names))
+        for p, out, name in zip(ps, llm.generate(ps, GREEDY, names), names):
+            check(out, *_hf_greedy_cuda(base if name is None else on_gpu[name], p))
+
+    check_all(["dora", "emb", None, "emb_dora", "plain", "dora_rs"], 5)
+    for i, name in enumerate(["plain", "dora", "emb_dora", "plain"]):
+        llm.engine.swap_lora_slot_from_disk(tmp_path / name, f"s{i}", 3)
+        ps = prompts(20 + i, 2)
+        outs = llm.generate(ps, GREEDY, [f"s{i}", None])
+        for p, out, model in zip(ps, outs, [on_gpu[name], base]):
+            check(out, *_hf_greedy_cuda(model, p))
+    assert graphs.num_captures == captures and graphs.num_replays > 0
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_gpu_gains_at_8b_sizes_match_a_whole_matrix_norm():
+    """compute_gains' chunks over a 14336 x 4096 weight equal one whole-matrix norm."""
+    import torch
+
+    from metrale.config import ModelConfig, PoolConfig
+    from metrale.pool.layout import SlotLayout
+    from metrale.pool.pool import AdapterPool
+
+    model = ModelConfig("llama", 128256, 4096, 14336, 1, 32, 8, 128)
+    layout = SlotLayout(model, PoolConfig(2, 16, ("gate_proj",)), torch.float32)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    W = torch.randn(14336, 4096, device="cuda", generator=g) * 0.02
+    pool = AdapterPool(layout, "cuda", {(0, "gate_proj"): W})
+    a = torch.randn(16, 4096, device="cuda", generator=g) * 0.02
+    bt = torch.randn(16, 14336, device="cuda", generator=g) * 0.02
+    m = torch.rand(14336, device="cuda", generator=g) + 0.5
+    pool.lora_a(0, "gate_proj")[1] = a
+    pool.lora_bt(0, "gate_proj")[1] = bt
+    pool.magnitude(0, "gate_proj")[1, 0] = m
+    ranks = torch.zeros(pool.ranks[1].shape, dtype=torch.int32)
+    ranks[0, 0] = 16
+    scales = torch.zeros(ranks.shape)
+    scales[0, 0] = 2.0
+    pool.write_tables(1, ranks, scales, (ranks > 0).int())
+    want = m / torch.linalg.norm(W.double() + 2.0 * (bt.T.double() @ a.double()), dim=1)
+    torch.testing.assert_close(pool.gain(0, "gate_proj")[1].double(), want, rtol=1e-5, atol=0)
