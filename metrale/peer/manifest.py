@@ -5,7 +5,7 @@ Tensors are in the canonical pool layout: A as [r, in], B transposed as
 [r, out], DoRA's magnitude M as [1, out], each contiguous, in the pool dtype. Modules
 are the decoder projections and, when the local pool serves them, embed_tokens and
 lm_head (at layer 0). Version 2 added M and the model-level modules; a version-1 peer
-is refused (its manifests would mean the same, but a v2 exporter's would not to it). The HTTP stream carries them
+is refused either way (it would misread a v2 manifest). The HTTP stream carries them
 concatenated in manifest order; NIXL gets one remote descriptor per tensor.
 
 Nothing in a manifest is trusted: its size and nesting are bounded before any

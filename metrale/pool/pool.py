@@ -14,11 +14,10 @@ W + sBA is never whole) into the float32 `gains` buffer, and the `doras` table f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-
-from collections.abc import Mapping
 
 from metrale.adapters.plan import AdapterPlan
 from metrale.errors import NonFiniteWeightsError
