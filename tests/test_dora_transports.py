@@ -86,3 +86,40 @@ def test_engine_refuses_extra_targets_with_http_4xx():
     from metrale.server.errors import classify
 
     assert classify(ExtraTargetsRequiredError("x"))[0] == 422
+
+
+def test_engine_slot_exported_without_its_config_lands_identically(root):
+    """An engine's READY DoRA + embed/lm_head slot, exported with a config rebuilt from its
+    tables (peft_from_tables: ranks, scales, use_dora), lands in another pool with the same
+    bytes, tables and gains as a disk landing of the same files."""
+    import torch
+
+    from metrale.config import ModelConfig, PoolConfig
+    from metrale.peer import AdapterExporter, PeerHTTPServer, swap_from_peer
+    from metrale.pool.layout import SlotLayout
+    from metrale.pool.swap import LoraSlots
+
+    path = root[0]
+    model = ModelConfig.from_dir(path / "model")
+    pool_cfg = PoolConfig(2, 8, extra_targets=EXTRA)
+    g = torch.Generator().manual_seed(3)
+    layout = SlotLayout(model, pool_cfg, torch.float32)
+    weights = {k: torch.randn(*reversed(model.linear_shape(k[1])), generator=g)
+               for k in layout.module_keys}
+
+    def slots():
+        return LoraSlots(model, pool_cfg, "cpu", torch.float32, weights)
+
+    source, disk, target = slots(), slots(), slots()
+    source.swap_lora_slot_from_disk(path / "adapters" / "embdora", "x", 1)
+    disk.swap_lora_slot_from_disk(path / "adapters" / "embdora", "x", 0)
+    server = PeerHTTPServer(AdapterExporter(source)).start()  # no peft_for: from the tables
+    try:
+        swap_from_peer(target, server.url, "x", "x", 0, transport="http", timeout_s=10)
+    finally:
+        server.close()
+    a, b = target.pool, disk.pool
+    assert torch.equal(a.slot_region(0), b.slot_region(0))
+    for name in ("ranks", "scales", "doras", "gains"):
+        assert torch.equal(getattr(a, name)[0], getattr(b, name)[0]), name
+    assert bool(a.doras[0].any()) and not torch.equal(a.gains[0], torch.ones_like(a.gains[0]))
