@@ -583,3 +583,32 @@ def test_directory_in_place_of_a_file(good):
     (good / "adapter_config.json").unlink()
     (good / "adapter_config.json").mkdir()
     refused(good, CFG)
+
+
+def test_frozen_embedding_copies_are_skipped_not_staged(tmp_path):
+    """PEFT saves the frozen embed_tokens / lm_head weights beside their LoRA
+    (save_embedding_layers): at the base shape they are planned around (only the landed
+    tensors' bytes are read), and what lands is exactly the LoRA tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from metrale.config import EXTRA_TARGETS
+    from metrale.pool.swap import LoraSlots
+
+    d = write_lora(tmp_path / "d", r=4, target_modules=["q_proj", "embed_tokens", "lm_head"])
+    tensors = load_file(d / "adapter_model.safetensors")
+    full = torch.randn(MODEL.vocab_size, MODEL.hidden_size)
+    tensors["base_model.model.model.embed_tokens.base_layer.weight"] = full
+    tensors["base_model.model.lm_head.base_layer.weight"] = full.clone()
+    save_file(tensors, d / "adapter_model.safetensors")
+    pool = PoolConfig(1, 8, extra_targets=EXTRA_TARGETS)
+    p = plan_adapter(d, "d", MODEL, pool)
+    lora_bytes = sum(t.entry.nbytes for t in p.landings)
+    assert p.spans and p.staged_bytes == lora_bytes < p.data_bytes - 2 * full.numel() * 4 + 1
+    slots = LoraSlots(MODEL, pool, "cpu", torch.float32)
+    slots.swap_lora_slot_from_disk(d, "d", 0)
+    a = tensors["base_model.model.model.embed_tokens.lora_embedding_A"]  # [r, vocab]
+    b = tensors["base_model.model.lm_head.lora_B.weight"]  # [vocab, r]
+    assert torch.equal(slots.pool.lora_a(0, "embed_tokens")[0, :4], a)
+    assert torch.equal(slots.pool.lora_bt(0, "lm_head")[0, :4], b.T)
+    q = tensors["base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight"]
+    assert torch.equal(slots.pool.lora_a(2, "q_proj")[0, :4], q)

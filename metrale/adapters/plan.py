@@ -82,10 +82,30 @@ class AdapterPlan:
     targets: tuple[ModuleTarget, ...]
     landings: tuple[TensorLanding, ...]
     data_offset: int = 0
+    # (begin, end) byte ranges of the data section that the landings use, in file order,
+    # when the file also holds bytes nothing lands (PEFT's frozen embedding / head
+    # copies: gigabytes on an 8B model); () = the whole data section is staged
+    spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def dora(self) -> bool:
         return self.config.use_dora
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes a disk landing reads and stages: only the spans when there are any."""
+        return sum(b - a for a, b in self.spans) if self.spans else self.data_bytes
+
+    def staged_begin(self, entry: TensorEntry) -> int:
+        """Where entry's bytes start in the staged buffer (the spans laid end to end)."""
+        if not self.spans:
+            return entry.begin
+        pos = 0
+        for a, b in self.spans:
+            if a <= entry.begin < b:
+                return pos + entry.begin - a
+            pos += b - a
+        raise AssertionError(f"{entry.name} lies outside the plan's spans")
 
 
 def module_universe(model: ModelConfig) -> list[tuple[str, int, str]]:
@@ -182,9 +202,22 @@ def plan_from_tensors(
     data_bytes: int, model: ModelConfig, pool: PoolConfig, data_offset: int = 0,
 ) -> AdapterPlan:
     """Match already size-checked tensors to PEFT's targets (disk and peers alike)."""
+    entries = list(entries)
     targets = resolve_targets(peft, model, pool)
     landings = _match_tensors(source, entries, targets, model, peft.use_dora)
-    return AdapterPlan(name, peft, source, data_bytes, targets, landings, data_offset)
+    spans = _spans(landings) if len(landings) < len(entries) else ()
+    return AdapterPlan(name, peft, source, data_bytes, targets, landings, data_offset, spans)
+
+
+def _spans(landings: tuple[TensorLanding, ...]) -> tuple[tuple[int, int], ...]:
+    """The landed tensors' byte ranges, adjacent ones merged, in file order."""
+    spans: list[list[int]] = []
+    for e in sorted((t.entry for t in landings), key=lambda e: e.begin):
+        if spans and spans[-1][1] == e.begin:
+            spans[-1][1] = e.end
+        else:
+            spans.append([e.begin, e.end])
+    return tuple((a, b) for a, b in spans)
 
 
 def _match_tensors(

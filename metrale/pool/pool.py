@@ -126,13 +126,14 @@ class AdapterPool:
     def stage_views(self, plan: AdapterPlan, data: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of each planned tensor inside the staged data bytes.
 
-        data: [data_bytes] uint8 on the pool's device. Raises NonFiniteWeightsError
+        data: [plan.staged_bytes] uint8 on the pool's device. Raises NonFiniteWeightsError
         before anything is written, so a NaN adapter never reaches a slot."""
         views = []
         for landing in plan.landings:
             e = landing.entry
-            raw = data[e.begin:e.end]
-            if (data.storage_offset() + e.begin) % e.torch_dtype.itemsize:
+            begin = plan.staged_begin(e)  # e.begin unless the plan stages only its spans
+            raw = data[begin:begin + e.nbytes]
+            if (data.storage_offset() + begin) % e.torch_dtype.itemsize:
                 raw = raw.clone()  # a hostile file may misalign a tensor; keep the view legal
             views.append(raw.view(e.torch_dtype).view(e.shape))
         if not views or self._all_finite(data, views):
