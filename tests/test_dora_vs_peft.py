@@ -117,16 +117,20 @@ def test_extra_targets_refused_without_flag(tmp_path):
     llm.register_adapter("dora", tmp_path / "dora")  # DoRA needs no extra memory
 
 
-def test_static_buffer_decode_path(setup):
-    """The CUDA-graph runner's static-buffer path (eager here: capture=False) reads the
-    lm_head slots from its own slot buffer, with padding rows of slot -1."""
+def test_static_buffer_graph_paths(setup):
+    """The CUDA-graph runner's static-buffer paths (eager here: capture=False): decode rows
+    padded with slot -1, and mixed steps (prompt chunks beside decodes) whose logits rows
+    are picked by an index, which must also pick those rows' lm_head LoRA slots."""
+    from metrale.config import SchedulerConfig
+
     root, base, peft = setup
     if not root.name.startswith("llama"):
-        pytest.skip("one architecture is enough for the runner path")
-    llm = _llm(root)
-    graphs = llm.engine.runner.enable_decode_graphs(capture=False)
-    _check_all(llm, base, peft, ["emb_dora", None, "dora"], 4)  # 3 rows padded to 4
-    assert graphs.num_replays > 0
+        pytest.skip("one architecture is enough for the runner paths")
+    llm = _llm(root, max_num_batched_tokens=64, scheduler=SchedulerConfig(max_prefill_chunk=5))
+    graphs = llm.engine.runner.enable_graphs(capture=False)
+    _check_all(llm, base, peft, ["emb_dora", None, "emb", None, "dora", None], 4)
+    mixed = sum(n for key, n in graphs.replays.items() if key[0] == "mixed")
+    assert mixed >= 3 and graphs.num_replays > mixed  # mixed steps and decode steps
 
 
 # --- on a GPU: compiled kernels and captured CUDA graphs, fp32 ---------------------------
