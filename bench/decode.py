@@ -1,10 +1,17 @@
 """Decode throughput: our engine (CUDA graphs) with no adapter, one adapter, 32 distinct
 adapters, against transformers + PEFT mixed-adapter `generate`, and the HBM roofline.
 
-    PYTHONPATH=. python bench/decode.py [--model llama3-8b] [--batch 32 64]
+    PYTHONPATH=. python bench/decode.py [--model llama3-8b] [--batch 32 64] [--mixed]
 
 JSON `decode[<model>]`: per batch size base_tok_s, lora1_tok_s, lora32_tok_s,
 peft_mixed32_tok_s (batch 32 only), hbm_roofline_tok_s, and the inputs of the roofline.
+
+--mixed adds JSON `decode_mixed[<model>]`: adapter kinds mixed per token in one batch of 32
+distinct adapters, on one engine started with --lora-extra-targets embed_tokens,lm_head:
+plain32_tok_s (all plain LoRA), dora8_tok_s (24 plain + 8 DoRA: a quarter DoRA),
+kinds_tok_s (16 plain + 8 DoRA + 8 embed_tokens/lm_head LoRA), the ratios
+dora8_over_plain32 and kinds_over_plain32 (target: >= 0.9), and plain32_noextra_tok_s
+(all plain on an engine without extra-target memory: what the opt-in costs plain batches).
 tok/s = generated tokens / wall time of the decode steps (prefill excluded), engine
 overhead (scheduling, sampling, the per-step host sync) included.
 """
@@ -19,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.adapter_kinds import dora_variant, embedding_variant
 from bench.common import (
     adapter_dir,
     build_pair,
@@ -39,9 +47,11 @@ PROMPT, GEN = 128, 64
 def make_engine(pair, device: str, max_loras: int, max_num_seqs: int = 64, max_model_len: int = 512,
                 host_tier_bytes: int = 0, enforce_eager: bool = False,
                 scheduler: SchedulerConfig | None = None,
-                max_num_batched_tokens: int | None = None) -> LLMEngine:
+                max_num_batched_tokens: int | None = None,
+                lora_extra_targets: tuple[str, ...] = ()) -> LLMEngine:
     blocks = max_num_seqs * max_model_len // 16
     cfg = EngineConfig(
+        lora_extra_targets=lora_extra_targets,
         pool=PoolConfig(max_loras, 16, host_tier_bytes=host_tier_bytes), device=device,
         dtype="bfloat16" if device.startswith("cuda") else "float32",
         max_model_len=max_model_len, block_size=16, num_kv_blocks=blocks,
@@ -132,6 +142,46 @@ def run(pair, adapters_root: Path, peft, device: str, batches=(32, 64), n_adapte
     return out
 
 
+def run_mixed(pair, adapters_root: Path, device: str, batch: int = 32, gen: int = GEN) -> dict:
+    """Plain LoRA only against batches mixing in DoRA and embed_tokens/lm_head adapters
+    (a{i}: plain; d{i}: DoRA variants of a{i}; e{i}: embedding/lm_head variants)."""
+    kinds = adapters_root / "kinds"
+    base_weights = pair.ours.lora_base_weights()
+    for i in range(8):
+        dora_variant(adapter_dir(adapters_root, 16 + i), kinds / f"d{i}", base_weights, seed=i)
+        embedding_variant(adapter_dir(adapters_root, 24 + i), kinds / f"e{i}", pair.config, seed=i)
+    extra = ("embed_tokens", "lm_head")
+    engine = make_engine(pair, device, 49, batch, lora_extra_targets=extra)
+    slot = 0
+    for i in range(32):
+        engine.swap_lora_slot_from_disk(adapter_dir(adapters_root, i), f"a{i}", slot)
+        slot += 1
+    for kind in "de":
+        for i in range(8):
+            engine.swap_lora_slot_from_disk(kinds / f"{kind}{i}", f"{kind}{i}", slot)
+            slot += 1
+    engine_tok_s(engine, [None] * 2, device, gen=4)  # warm-up
+    plain = [f"a{i}" for i in range(32)]
+    dora8 = plain[:24] + [f"d{i}" for i in range(8)]
+    kinds_mix = plain[:16] + [f"d{i}" for i in range(8)] + [f"e{i}" for i in range(8)]
+    pick = lambda names: [names[i % len(names)] for i in range(batch)]  # noqa: E731
+    out = {"batch": batch, "gen": gen}
+    mixes = (("plain32_tok_s", plain), ("dora8_tok_s", dora8), ("kinds_tok_s", kinds_mix))
+    for _, names in mixes:  # warm-up: Triton compiles the DoRA / embedding paths on first use
+        engine_tok_s(engine, pick(names), device, gen=4)
+    for key, names in mixes:
+        out[key] = engine_tok_s(engine, pick(names), device, gen)
+    out["dora8_over_plain32"] = out["dora8_tok_s"] / out["plain32_tok_s"]
+    out["kinds_over_plain32"] = out["kinds_tok_s"] / out["plain32_tok_s"]
+    del engine
+    plain_engine = make_engine(pair, device, 33, batch)
+    for i in range(32):
+        plain_engine.swap_lora_slot_from_disk(adapter_dir(adapters_root, i), f"a{i}", i)
+    engine_tok_s(plain_engine, [None] * 2, device, gen=4)
+    out["plain32_noextra_tok_s"] = engine_tok_s(plain_engine, pick(plain), device, gen)
+    return out
+
+
 def report(name: str, res: dict) -> str:
     rows = []
     for key, row in res.items():
@@ -154,14 +204,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-peft", action="store_true")
+    ap.add_argument("--mixed", action="store_true",
+                    help="also: plain LoRA vs DoRA and embed/lm_head LoRA mixed in one batch")
+    ap.add_argument("--only-mixed", action="store_true", help="only the --mixed runs")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         pair = build_pair(args.model, args.device, Path(tmp))
         peft = make_peft(pair, 32, Path(tmp) / "adapters")
-        res = run(pair, Path(tmp) / "adapters", None if args.no_peft else peft, args.device,
-                  tuple(args.batch))
-    merge_results(results_path(args.device), "decode", args.model, res)
-    print(report(args.model, res))
+        if not args.only_mixed:
+            res = run(pair, Path(tmp) / "adapters", None if args.no_peft else peft, args.device,
+                      tuple(args.batch))
+            merge_results(results_path(args.device), "decode", args.model, res)
+            print(report(args.model, res))
+        if args.mixed or args.only_mixed:
+            mixed = run_mixed(pair, Path(tmp) / "adapters", args.device)
+            merge_results(results_path(args.device), "decode_mixed", args.model, mixed)
+            print(table([{"model": args.model, **mixed}], ["model", *mixed]))
 
 
 if __name__ == "__main__":

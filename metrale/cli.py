@@ -24,17 +24,18 @@ from metrale.server.serve import (
 
 def _inspect(args: argparse.Namespace) -> int:
     from metrale.adapters.plan import plan_adapter
-    from metrale.config import ModelConfig, PoolConfig
+    from metrale.config import EXTRA_TARGETS, ModelConfig, PoolConfig
 
     if args.model:
         model = ModelConfig.from_dir(args.model)
     else:
         model = ModelConfig.from_dir(default_model_dir(progress=progress))
-    plan = plan_adapter(args.adapter, "inspect", model, PoolConfig(1, args.max_lora_rank))
+    plan = plan_adapter(args.adapter, "inspect", model,
+                        PoolConfig(1, args.max_lora_rank, extra_targets=EXTRA_TARGETS))
     cfg = plan.config
     print(f"adapter   {args.adapter}")
     print(f"base      {model.model_type}, {model.num_layers} layers, hidden {model.hidden_size}")
-    print(f"peft      r={cfg.r} alpha={cfg.lora_alpha} rslora={cfg.use_rslora} "
+    print(f"peft      r={cfg.r} alpha={cfg.lora_alpha} rslora={cfg.use_rslora} dora={cfg.use_dora} "
           f"targets={cfg.target_modules!r}")
     print(f"bytes     {plan.data_bytes:,} in {len(plan.landings)} tensors")
     by_module: dict[str, list] = {}

@@ -7,7 +7,7 @@ sizes the adapter slot pool; EngineConfig gathers the engine's knobs.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,11 @@ LINEAR_MODULES: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Model-level LoRA targets whose pool memory is opt-in (lm_head's B alone is
+# max_rank x vocab per slot): PoolConfig.extra_targets / EngineConfig.lora_extra_targets.
+# In every (layer, module) key they sit at layer 0 (they have no layer of their own).
+EXTRA_TARGETS: tuple[str, ...] = ("embed_tokens", "lm_head")
+EXTRA_TARGETS_FLAG = "--lora-extra-targets"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 _DTYPES = {
@@ -92,9 +97,11 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def linear_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of a decoder-layer projection."""
+        """(in_features, out_features) of a decoder-layer projection, or of a model-level
+        target: embed_tokens as PEFT's LoRA sees it (in = vocab: A is [r, vocab]) and lm_head."""
         h, i = self.hidden_size, self.intermediate_size
         shapes = {
+            "embed_tokens": (self.vocab_size, h), "lm_head": (h, self.vocab_size),
             "q_proj": (h, self.q_size), "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size), "o_proj": (self.q_size, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
@@ -104,6 +111,10 @@ class ModelConfig:
     @staticmethod
     def module_path(layer: int, module: str) -> str:
         """The module's name in a transformers model (what PEFT matches against)."""
+        if module == "embed_tokens":
+            return "model.embed_tokens"
+        if module == "lm_head":
+            return "lm_head"
         group = "self_attn" if module in ATTN_MODULES else "mlp"
         return f"model.layers.{layer}.{group}.{module}"
 
@@ -166,8 +177,11 @@ class PoolConfig:
     # Pinned host memory for recently landed adapters as slot images (0 = no host tier);
     # a re-promotion from it is one H2D copy. Each entry takes one slot's bytes.
     host_tier_bytes: int = 0
+    # model-level targets (EXTRA_TARGETS) given pool memory; () = adapters needing them are refused
+    extra_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_targets", check_extra_targets(self.extra_targets))
         if self.host_tier_bytes < 0:
             raise ConfigError(f"host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
         if self.max_loras < 0:
@@ -220,6 +234,21 @@ class SchedulerConfig:
                               f"{self.max_promotions_in_flight}")
 
 
+def check_extra_targets(value) -> tuple[str, ...]:
+    """A validated, canonically ordered tuple of EXTRA_TARGETS names (a comma string too)."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        names = tuple(value)
+    except TypeError:
+        raise ConfigError(f"lora_extra_targets must be a list of names, got {value!r}") from None
+    unknown = [n for n in names if n not in EXTRA_TARGETS]
+    if unknown:
+        raise ConfigError(f"lora_extra_targets {unknown!r} invalid; choose from "
+                          f"{', '.join(EXTRA_TARGETS)}")
+    return tuple(m for m in EXTRA_TARGETS if m in names)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -241,9 +270,19 @@ class EngineConfig:
     peer_transport: str = "auto"  # "nixl" | "http" | "auto" (NIXL when both sides have it)
     # CUDA only: run every decode step eagerly instead of replaying CUDA graphs.
     enforce_eager: bool = False
+    # model-level LoRA targets to size pool memory for (EXTRA_TARGETS); mirrors pool.extra_targets
+    lora_extra_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        extra = check_extra_targets(self.lora_extra_targets)
+        if extra and self.pool.extra_targets and extra != self.pool.extra_targets:
+            raise ConfigError(f"lora_extra_targets {extra} disagrees with pool.extra_targets "
+                              f"{self.pool.extra_targets}; set one of them")
+        extra = extra or self.pool.extra_targets
+        object.__setattr__(self, "lora_extra_targets", extra)
+        if extra != self.pool.extra_targets:
+            object.__setattr__(self, "pool", replace(self.pool, extra_targets=extra))
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -103,3 +103,8 @@ class ChatTemplateError(MetraleError):
 class SamplingError(MetraleError):
     """No token could be drawn for one sequence (its logits were NaN, +inf or all -inf);
     only that sequence fails."""
+
+
+class ExtraTargetsRequiredError(AdapterMismatchError):
+    """The adapter has LoRA on embed_tokens / lm_head, and the engine was started without
+    pool memory for them (lora_extra_targets / --lora-extra-targets)."""

@@ -44,7 +44,7 @@ class LoraViews(Protocol):
     kernels, so naming it here would make ops and pool import each other."""
 
     def fused_views(self, layer: int, modules: tuple[str, ...], out_slices: tuple[slice, ...]):
-        """(As, Bts, out_slices, scales, ranks) of the served modules, or None."""
+        """(As, Bts, out_slices, scales, ranks, doras, gains) of the served modules, or None."""
         ...
 
 

@@ -19,6 +19,7 @@ from metrale.adapters import patterns
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import plan_adapter, resolve_targets
 from metrale.adapters.safetensors_file import read_header
+from metrale.adapters.weights_check import check_weights
 from metrale.config import ModelConfig, PoolConfig
 from tests.helpers.tiny_models import hf_config, write_lora
 
@@ -248,3 +249,71 @@ def test_targets_match_peft(targets, exclude, layers, layers_pattern, rank_patte
             r = rank_pattern.get(get_pattern_key(list(rank_pattern), key), BASE_CONFIG["r"])
             a = alpha_pattern.get(get_pattern_key(list(alpha_pattern), key), BASE_CONFIG["lora_alpha"])
             assert (cfg.rank_for(key), cfg.alpha_for(key)) == (r, a), key
+
+
+# --- DoRA magnitudes and embedding / lm_head tensors: any corruption is a typed refusal ---
+
+EXTRA_POOL = PoolConfig(max_loras=2, max_lora_rank=16, extra_targets=("embed_tokens", "lm_head"))
+DORA_TARGETS = ["q_proj", "down_proj", "embed_tokens", "lm_head"]
+
+
+@pytest.fixture(scope="module")
+def dora_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz") / "dora"
+
+
+def _mutate(tensors, which, how, value):
+    import torch
+
+    name = sorted(tensors)[which % len(tensors)]
+    t = tensors[name]
+    if how == "drop":
+        del tensors[name]
+    elif how == "reshape":
+        tensors[name] = torch.zeros(*[d + value % 3 for d in t.shape[:1]], *t.shape[1:])
+    elif how == "flatten":
+        tensors[name] = t.reshape(-1)
+    elif how == "unsqueeze":
+        tensors[name] = t.unsqueeze(0)
+    elif how == "value":
+        t = t.clone()
+        t.view(-1)[value % t.numel()] = [float("nan"), float("inf"), -float("inf"), 1e30][value % 4]
+        tensors[name] = t
+    elif how == "rename":
+        del tensors[name]
+        new = [name.replace("lora_embedding_", "lora_").replace(".weight", ""),
+               name.replace("lora_A.weight", "lora_embedding_A"),
+               name.replace("lora_magnitude_vector", "lora_magnitude_vector.weight"),
+               name.replace("layers.0", "layers.7"),
+               name + ".extra"][value % 5]
+        tensors[new] = t
+    elif how == "base-copy":
+        tensors["base_model.model.lm_head.base_layer.weight"] = torch.zeros(
+            MODEL.vocab_size + value % 2, MODEL.hidden_size)
+
+
+@FUZZ
+@given(use_dora=st.booleans(), mutations=st.lists(st.tuples(
+    st.integers(0, 100), st.sampled_from(["drop", "reshape", "flatten", "unsqueeze", "value",
+                                          "rename", "base-copy"]), st.integers(0, 100)),
+    max_size=2), bf16=st.booleans())
+def test_dora_and_embedding_tensors(dora_dir, use_dora, mutations, bf16):
+    """plan_adapter + check_weights (what registration runs) on a DoRA / embed_tokens /
+    lm_head adapter with arbitrary tensor damage: success or a MetraleError, never
+    another exception."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    write_lora(dora_dir, r=4, target_modules=DORA_TARGETS, use_dora=use_dora)
+    path = dora_dir / "adapter_model.safetensors"
+    tensors = load_file(path)
+    for which, how, value in mutations:
+        if tensors:
+            _mutate(tensors, which, how, value)
+    save_file(tensors, path)
+
+    def run():
+        plan = plan_adapter(dora_dir, "x", MODEL, EXTRA_POOL)
+        check_weights(plan, torch.bfloat16 if bf16 else torch.float32)
+
+    _only_typed(run)

@@ -92,6 +92,55 @@ def test_good_adapter_plans(good):
     assert all(t.rank == 4 and t.scale == 2.0 for t in p.targets)
 
 
+def test_dora_and_embedding_adapter_plans(tmp_path):
+    """A DoRA adapter on q_proj, embed_tokens and lm_head: every module's A, B and
+    magnitude land, embed_tokens' A is [r, vocab], and the plan says DoRA."""
+    from metrale.config import EXTRA_TARGETS
+
+    d = write_lora(tmp_path / "d", r=4, target_modules=["q_proj", "embed_tokens", "lm_head"],
+                   use_dora=True)
+    p = plan_adapter(d, "d", MODEL, PoolConfig(1, 8, extra_targets=EXTRA_TARGETS))
+    assert p.dora and len(p.targets) == MODEL.num_layers + 2
+    kinds = sorted((t.target.module, t.kind, t.entry.shape) for t in p.landings
+                   if t.target.layer == 0)
+    assert kinds == [
+        ("embed_tokens", "A", (4, MODEL.vocab_size)),
+        ("embed_tokens", "B", (MODEL.hidden_size, 4)),
+        ("embed_tokens", "M", (MODEL.hidden_size,)),
+        ("lm_head", "A", (4, MODEL.hidden_size)),
+        ("lm_head", "B", (MODEL.vocab_size, 4)),
+        ("lm_head", "M", (MODEL.vocab_size,)),
+        ("q_proj", "A", (4, MODEL.hidden_size)),
+        ("q_proj", "B", (MODEL.q_size, 4)),
+        ("q_proj", "M", (MODEL.q_size,)),
+    ]
+
+
+def test_dora_magnitude_overflowing_the_pool_dtype_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = write_lora(tmp_path / "d", use_dora=True)
+    tensors = load_file(d / "adapter_model.safetensors")
+    key = sorted(k for k in tensors if "magnitude" in k)[0]
+    tensors[key][0] = 1e6  # finite in F32, Inf in fp16 (max 65504)
+    save_file(tensors, d / "adapter_model.safetensors")
+    p = plan_adapter(d, "d", MODEL, PoolConfig(1, 8))
+    check_weights(p, torch.float32)
+    with pytest.raises(WeightsOverflowError, match="magnitude"):
+        check_weights(p, torch.float16)
+
+
+@pytest.mark.parametrize("target, error", [
+    ("embed_tokens", errors.ExtraTargetsRequiredError),
+    ("lm_head", errors.ExtraTargetsRequiredError),
+])
+def test_extra_target_without_pool_memory_names_the_flag(tmp_path, target, error):
+    d = write_lora(tmp_path / "d", target_modules=["q_proj", target])
+    with pytest.raises(error, match="--lora-extra-targets"):
+        plan_adapter(d, "d", MODEL, PoolConfig(1, 8))
+    plan_adapter(d, "d", MODEL, PoolConfig(1, 8, extra_targets=(target,)))  # with it: fine
+
+
 # --- regex fields ------------------------------------------------------------------
 
 
@@ -534,3 +583,32 @@ def test_directory_in_place_of_a_file(good):
     (good / "adapter_config.json").unlink()
     (good / "adapter_config.json").mkdir()
     refused(good, CFG)
+
+
+def test_frozen_embedding_copies_are_skipped_not_staged(tmp_path):
+    """PEFT saves the frozen embed_tokens / lm_head weights beside their LoRA
+    (save_embedding_layers): at the base shape they are planned around (only the landed
+    tensors' bytes are read), and what lands is exactly the LoRA tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from metrale.config import EXTRA_TARGETS
+    from metrale.pool.swap import LoraSlots
+
+    d = write_lora(tmp_path / "d", r=4, target_modules=["q_proj", "embed_tokens", "lm_head"])
+    tensors = load_file(d / "adapter_model.safetensors")
+    full = torch.randn(MODEL.vocab_size, MODEL.hidden_size)
+    tensors["base_model.model.model.embed_tokens.base_layer.weight"] = full
+    tensors["base_model.model.lm_head.base_layer.weight"] = full.clone()
+    save_file(tensors, d / "adapter_model.safetensors")
+    pool = PoolConfig(1, 8, extra_targets=EXTRA_TARGETS)
+    p = plan_adapter(d, "d", MODEL, pool)
+    lora_bytes = sum(t.entry.nbytes for t in p.landings)
+    assert p.spans and p.staged_bytes == lora_bytes < p.data_bytes - 2 * full.numel() * 4 + 1
+    slots = LoraSlots(MODEL, pool, "cpu", torch.float32)
+    slots.swap_lora_slot_from_disk(d, "d", 0)
+    a = tensors["base_model.model.model.embed_tokens.lora_embedding_A"]  # [r, vocab]
+    b = tensors["base_model.model.lm_head.lora_B.weight"]  # [vocab, r]
+    assert torch.equal(slots.pool.lora_a(0, "embed_tokens")[0, :4], a)
+    assert torch.equal(slots.pool.lora_bt(0, "lm_head")[0, :4], b.T)
+    q = tensors["base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight"]
+    assert torch.equal(slots.pool.lora_a(2, "q_proj")[0, :4], q)

@@ -40,3 +40,26 @@ def test_serve_help_names_defaults_and_choices():
     text = serve.format_help()
     for expected in ("127.0.0.1", "8000", "2048", "bfloat16", "cuda"):
         assert expected in text
+
+
+def test_serve_lora_extra_targets_flag():
+    """--lora-extra-targets parses a comma list into EngineConfig's canonical tuple and
+    refuses unknown names at parse time, naming the choices."""
+    import pytest
+
+    from metrale.config import ConfigError, EngineConfig, PoolConfig
+
+    serve = dict(_parsers(build_parser()))["metrale serve"]
+    assert "embed_tokens" in serve.format_help() and "lm_head" in serve.format_help()
+    args = serve.parse_args(["--lora-extra-targets", "lm_head,embed_tokens"])
+    assert args.lora_extra_targets == ("embed_tokens", "lm_head")
+    assert serve.parse_args([]).lora_extra_targets == ()
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--lora-extra-targets", "wte"])
+    cfg = EngineConfig(lora_extra_targets=("lm_head",))
+    assert cfg.pool.extra_targets == ("lm_head",)
+    with pytest.raises(ConfigError, match="choose from"):
+        EngineConfig(lora_extra_targets=("q_proj",))
+    with pytest.raises(ConfigError, match="disagrees"):
+        EngineConfig(pool=PoolConfig(extra_targets=("lm_head",)),
+                     lora_extra_targets=("embed_tokens",))

@@ -136,7 +136,8 @@ NAMED = {
     "polynomial-pattern": _peft(target_modules=".*.*.*.*.*.*.*x"),
     "pattern-flood": _peft(rank_pattern={f"p{i}": 2 for i in range(5000)}),
     "version-true": lambda m: m.update(version=True),
-    "version-float": lambda m: m.update(version=1.0),
+    "version-float": lambda m: m.update(version=2.0),
+    "version-1-peer": lambda m: m.update(version=1),
     "uid-float": lambda m: m.update(uid=1.5),
     "generation-huge": lambda m: m.update(generation=2**70),
     "tensors-dict": lambda m: m.update(tensors={"0": 1}),
@@ -147,6 +148,19 @@ NAMED = {
     "shape-floats": _tensor0(shape=[4.0, 64.0]),
     "shape-bools": _tensor0(shape=[True, True]),
     "nbytes-nan": _tensor0(nbytes=float("nan")),
+    # DoRA magnitudes and model-level modules (manifest version 2)
+    "magnitude-two-rows": lambda m: m["tensors"].append(
+        {**m["tensors"][1], "kind": "M", "shape": [2, m["tensors"][1]["shape"][1]]}),
+    "magnitude-wrong-width": lambda m: m["tensors"].append(
+        {**m["tensors"][1], "kind": "M", "shape": [1, 3], "nbytes": 12}),
+    "magnitude-without-dora": lambda m: m["tensors"].append(
+        {**m["tensors"][1], "kind": "M", "shape": [1, m["tensors"][1]["shape"][1]],
+         "nbytes": 4 * m["tensors"][1]["shape"][1]}),
+    "dora-without-magnitude": _peft(use_dora=True),
+    "dora-not-bool": _peft(use_dora="yes"),
+    "kind-unknown": _tensor0(kind="C"),
+    "lm-head-not-in-pool": _tensor0(module="lm_head"),
+    "embed-layer-1": _tensor0(module="embed_tokens", layer=1),
     "transports-list": lambda m: m.update(transports=[]),
     "http-string": lambda m: m["transports"].update(http="/peer/v1/leases/x/data"),
     "nixl-string": lambda m: m["transports"].update(nixl="x"),

@@ -82,7 +82,8 @@ MANIFESTS = {
     "dtype-vs-sizes": (_set("dtype", "F16"), PeerManifestError),
     "bad-version": (_set("version", 99), PeerManifestError),
     "another-adapter": (_set("adapter_id", "b"), PeerManifestError),
-    "peft-dora": (lambda m: m["peft"].update(use_dora=True), errors.UnsupportedAdapterError),
+    # DoRA is served, but a DoRA config needs every module's magnitude tensor
+    "peft-dora-no-magnitudes": (lambda m: m["peft"].update(use_dora=True), errors.AdapterFileError),
     "peft-rank-disagrees": (lambda m: m["peft"].update(  # the exporter lists every path's rank
         rank_pattern={k: 2 for k in m["peft"]["rank_pattern"]}), errors.AdapterMismatchError),
     "peft-missing": (_set("peft", None), PeerManifestError),

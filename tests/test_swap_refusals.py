@@ -67,17 +67,42 @@ def _lie_about_size(path):
     f.write_bytes(raw[:8] + new + raw[8 + n:])
 
 
+def _add_magnitudes(tensors, bad_shape=False, value=1.0):
+    """A DoRA magnitude for every module with a lora_B ([out]); the first one corrupted."""
+    for i, k in enumerate(sorted(k for k in list(tensors) if k.endswith("lora_B.weight"))):
+        out = tensors[k].shape[0]
+        m = torch.full((out + (1 if bad_shape and i == 0 else 0),), 1.0)
+        if i == 0 and value != 1.0:
+            m[3] = value
+        tensors[k.replace("lora_B.weight", "lora_magnitude_vector")] = m
+
+
 # Each case turns a good adapter dir into a bad one; the error class is asserted.
 BAD_ADAPTERS = {
     "rank-over-max": (lambda p: _edit_tensors(p, lambda t: None) or _edit_config(
         p, rank_pattern={"q_proj": 9}), errors.AdapterMismatchError),
     "unknown-target": (lambda p: _edit_config(p, target_modules=["q_proj", "c_attn"]),
                        errors.AdapterMismatchError),
+    # served, but only by an engine started with pool memory for them (this one was not)
     "embedding-lora": (lambda p: _edit_config(p, target_modules=["q_proj", "embed_tokens"]),
-                       errors.UnsupportedAdapterError),
+                       errors.ExtraTargetsRequiredError),
     "lm-head-lora": (lambda p: _edit_config(p, target_modules=["lm_head"]),
-                     errors.UnsupportedAdapterError),
-    "dora": (lambda p: _edit_config(p, use_dora=True), errors.UnsupportedAdapterError),
+                     errors.ExtraTargetsRequiredError),
+    # DoRA without its magnitudes: PEFT could not load it either
+    "dora-missing-magnitude": (lambda p: _edit_config(p, use_dora=True), errors.AdapterFileError),
+    "dora-magnitude-shape": (lambda p: (_edit_config(p, use_dora=True), _edit_tensors(
+        p, lambda t: _add_magnitudes(t, bad_shape=True))), errors.AdapterMismatchError),
+    "dora-magnitude-nan": (lambda p: (_edit_config(p, use_dora=True), _edit_tensors(
+        p, lambda t: _add_magnitudes(t, value=float("nan")))), errors.NonFiniteWeightsError),
+    "dora-magnitude-inf": (lambda p: (_edit_config(p, use_dora=True), _edit_tensors(
+        p, lambda t: _add_magnitudes(t, value=float("inf")))), errors.NonFiniteWeightsError),
+    "dora-not-bool": (lambda p: _edit_config(p, use_dora="yes"), errors.AdapterConfigError),
+    # new tokens: PEFT's copy of a resized embedding (vocab 256 -> 260)
+    "new-tokens": (lambda p: _edit_tensors(p, lambda t: t.__setitem__(
+        "base_model.model.model.embed_tokens.base_layer.weight", torch.randn(260, 64))),
+        errors.UnsupportedAdapterError),
+    "trainable-token-indices": (lambda p: _edit_config(p, trainable_token_indices=[3, 4]),
+                                errors.UnsupportedAdapterError),
     "bias": (lambda p: _edit_config(p, bias="all"), errors.UnsupportedAdapterError),
     "modules-to-save": (lambda p: _edit_config(p, modules_to_save=["lm_head"]),
                         errors.UnsupportedAdapterError),
@@ -107,9 +132,10 @@ BAD_ADAPTERS = {
     "extra-tensor": (lambda p: _edit_tensors(p, lambda t: t.__setitem__(
         "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight", torch.randn(4, 64))),
         errors.AdapterMismatchError),
+    # a magnitude in an adapter whose config does not say use_dora
     "dora-magnitude-tensor": (lambda p: _edit_tensors(p, lambda t: t.__setitem__(
         "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", torch.ones(64))),
-        errors.UnsupportedAdapterError),
+        errors.AdapterMismatchError),
 }
 
 

@@ -143,6 +143,7 @@ class PeftAdapterConfig:
             layers_pattern=_names_or_regex("layers_pattern", d.get("layers_pattern")),
             exclude_modules=_names_or_regex("exclude_modules", d.get("exclude_modules")),
             modules_to_save=None,  # _refuse_unserved let only an empty one through
+            use_dora=_flag(d, "use_dora"),
             fan_in_fan_out=_flag(d, "fan_in_fan_out"),
             peft_type=_peft_type(d.get("peft_type")),
             raw=dict(d),
@@ -266,9 +267,12 @@ def _check_served(c: PeftAdapterConfig) -> None:
         raise UnsupportedAdapterError(
             f"peft_type {brief(c.peft_type)} is not served; metrale serves LoRA adapters only"
         )
-    if c.use_dora is not False or c.bias != "none" or c.modules_to_save:
+    if not isinstance(c.use_dora, bool):
+        raise AdapterConfigError(f"use_dora must be true or false, got {brief(c.use_dora)}")
+    if c.bias != "none" or c.modules_to_save:
         raise UnsupportedAdapterError(
-            "DoRA, LoRA biases and modules_to_save are not served; retrain without them"
+            "LoRA biases and modules_to_save (full-weight overlays, a full-size copy per slot) "
+            "are not served; retrain without them"
         )
 
 
@@ -477,8 +481,6 @@ _BIASES = ("none", "all", "lora_only")
 
 def _refuse_unserved(d: dict[str, Any]) -> None:
     """PEFT features whose tensors metrale would silently drop: refuse them by name."""
-    if _flag(d, "use_dora"):
-        raise UnsupportedAdapterError("DoRA adapters (use_dora=true) are not served yet")
     bias = d.get("bias")
     if bias is not None and bias not in _BIASES:
         raise AdapterConfigError(f"bias must be one of {', '.join(_BIASES)}, got {brief(bias)}")
@@ -489,10 +491,11 @@ def _refuse_unserved(d: dict[str, Any]) -> None:
     if _flag(d, "use_qalora"):
         raise UnsupportedAdapterError("QALoRA (use_qalora=true) is not served")
     _refuse_nonempty(d, "modules_to_save", _NAME_SET_TYPES,
-                     "modules_to_save={} (full-weight overlays) is not served; "
-                     "retrain without modules_to_save")
+                     "modules_to_save={} (full-weight overlays: a full-size copy of each "
+                     "module per slot) is not served; retrain without modules_to_save")
     _refuse_nonempty(d, "trainable_token_indices", (list, tuple, dict),
-                     "trainable_token_indices={} (new tokens) is not served")
+                     "trainable_token_indices={} (new tokens: full embedding rows per slot) "
+                     "is not served")
     _refuse_nonempty(d, "target_parameters", _LIST_TYPES,
                      "target_parameters={} (MoE expert/router deltas) is not served")
     _refuse_nonempty(d, "layer_replication", _LIST_TYPES, "layer_replication={} is not served")

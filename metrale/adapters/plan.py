@@ -14,19 +14,37 @@ from metrale.adapters.input_limits import brief, probe
 from metrale.adapters.patterns import MatchBudget
 from metrale.adapters.peft_config import ALL_LINEAR, PeftAdapterConfig
 from metrale.adapters.safetensors_file import TensorEntry, read_header
-from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
+from metrale.config import (
+    EXTRA_TARGETS,
+    EXTRA_TARGETS_FLAG,
+    LINEAR_MODULES,
+    ModelConfig,
+    PoolConfig,
+)
 from metrale.errors import (
     AdapterConfigError,
     AdapterFileError,
     AdapterMismatchError,
+    ExtraTargetsRequiredError,
     UnsupportedAdapterError,
 )
 
-# Modules PEFT can target in a Llama-family model that metrale does not serve yet.
-UNSERVED_MODULES = ("model.embed_tokens", "lm_head")
+# PEFT's tensor names: lora_A/B of a Linear, lora_embedding_A/B of an Embedding (no
+# ".weight": they are Parameters), and DoRA's lora_magnitude_vector (saved without
+# ".weight" by current PEFT, with it by some older versions). An optional adapter-name infix.
 _KEY_RE = re.compile(
     r"^base_model\.model\.(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[A-Za-z0-9_-]+)?\.weight$"
 )
+_PARAM_RE = re.compile(
+    r"^base_model\.model\.(?P<module>.+)\.(?P<kind>lora_embedding_A|lora_embedding_B|"
+    r"lora_magnitude_vector)(?:\.[A-Za-z0-9_-]+)?(?:\.weight)?$"
+)
+# PEFT's save_pretrained writes the frozen base weight of a targeted embed_tokens / lm_head
+# (save_embedding_layers="auto"); at the base model's shape it is the base, and is skipped.
+_BASE_RE = re.compile(r"^base_model\.model\.(?P<module>model\.embed_tokens|lm_head)"
+                      r"\.base_layer\.weight$")
+_KINDS = {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding_B": "B",
+          "lora_magnitude_vector": "M"}
 
 
 @dataclass(frozen=True)
@@ -39,11 +57,17 @@ class ModuleTarget:
 
 @dataclass(frozen=True)
 class TensorLanding:
-    """One file tensor and where it goes: A -> A[slot, :rank, :], B -> Bt[slot, :rank, :]."""
+    """One file tensor and where it goes: A -> A[slot, :rank, :], B -> Bt[slot, :rank, :],
+    M (DoRA magnitude, [out]) -> the module's M region."""
 
     target: ModuleTarget
-    kind: str  # "A" | "B"
+    kind: str  # "A" | "B" | "M"
     entry: TensorEntry
+
+    @property
+    def rows(self) -> int:
+        """Rows of its region it fills: the rank for A and B, 1 for M."""
+        return 1 if self.kind == "M" else self.target.rank
 
 
 @dataclass(frozen=True)
@@ -58,12 +82,36 @@ class AdapterPlan:
     targets: tuple[ModuleTarget, ...]
     landings: tuple[TensorLanding, ...]
     data_offset: int = 0
+    # (begin, end) byte ranges of the data section that the landings use, in file order,
+    # when the file also holds bytes nothing lands (PEFT's frozen embedding / head
+    # copies: gigabytes on an 8B model); () = the whole data section is staged
+    spans: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def dora(self) -> bool:
+        return self.config.use_dora
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes a disk landing reads and stages: only the spans when there are any."""
+        return sum(b - a for a, b in self.spans) if self.spans else self.data_bytes
+
+    def staged_begin(self, entry: TensorEntry) -> int:
+        """Where entry's bytes start in the staged buffer (the spans laid end to end)."""
+        if not self.spans:
+            return entry.begin
+        pos = 0
+        for a, b in self.spans:
+            if a <= entry.begin < b:
+                return pos + entry.begin - a
+            pos += b - a
+        raise AssertionError(f"{entry.name} lies outside the plan's spans")
 
 
-def module_universe(model: ModelConfig) -> list[tuple[str, int | None, str | None]]:
-    """(path, layer, module) of everything PEFT could target; layer None = unserved."""
+def module_universe(model: ModelConfig) -> list[tuple[str, int, str]]:
+    """(path, layer, module) of everything PEFT could target; model-level ones at layer 0."""
     paths = [(model.module_path(i, m), i, m) for i in range(model.num_layers) for m in LINEAR_MODULES]
-    return paths + [(p, None, None) for p in UNSERVED_MODULES]
+    return paths + [(model.module_path(0, m), 0, m) for m in EXTRA_TARGETS]
 
 
 def resolve_targets(
@@ -76,7 +124,7 @@ def resolve_targets(
     budget = MatchBudget()
     if isinstance(peft.target_modules, str) and peft.target_modules.lower() == ALL_LINEAR:
         # PEFT expands "all-linear" to every Linear but the output head, by full path.
-        linear = tuple(p for p, layer, _ in universe if layer is not None)
+        linear = tuple(p for p, _, m in universe if m not in EXTRA_TARGETS)
         peft = replace(peft, target_modules=linear)
     elif not isinstance(peft.target_modules, str):
         _refuse_unknown_names(peft.target_modules, universe, model)
@@ -84,11 +132,13 @@ def resolve_targets(
     for path, layer, module in universe:
         if not peft.targets(path, budget):
             continue
-        if layer is None:
-            raise UnsupportedAdapterError(
-                f"the adapter targets {path}; embedding / lm_head LoRA is not served yet"
+        if module in EXTRA_TARGETS and module not in pool.extra_targets:
+            raise ExtraTargetsRequiredError(
+                f"the adapter has LoRA on {path}, and this engine has no pool memory for "
+                f"{module}: start it with {EXTRA_TARGETS_FLAG} {module} (Python: "
+                f"LLM(..., lora_extra_targets=(\"{module}\",)))"
             )
-        if module not in pool.target_modules:
+        if module not in pool.target_modules and module not in EXTRA_TARGETS:
             raise AdapterMismatchError(
                 f"the adapter targets {module} but the pool serves only "
                 f"{', '.join(pool.target_modules)}; start the engine with {module} in its "
@@ -117,7 +167,7 @@ def _refuse_unknown_names(names, universe, model: ModelConfig) -> None:
         if name not in known:
             raise AdapterMismatchError(
                 f"target module {brief(name)} does not exist in a {model.model_type} model "
-                f"(known: {', '.join(LINEAR_MODULES)})"
+                f"(known: {', '.join(LINEAR_MODULES + EXTRA_TARGETS)})"
             )
 
 
@@ -152,23 +202,38 @@ def plan_from_tensors(
     data_bytes: int, model: ModelConfig, pool: PoolConfig, data_offset: int = 0,
 ) -> AdapterPlan:
     """Match already size-checked tensors to PEFT's targets (disk and peers alike)."""
+    entries = list(entries)
     targets = resolve_targets(peft, model, pool)
-    landings = _match_tensors(source, entries, targets, model)
-    return AdapterPlan(name, peft, source, data_bytes, targets, landings, data_offset)
+    landings = _match_tensors(source, entries, targets, model, peft.use_dora)
+    spans = _spans(landings) if len(landings) < len(entries) else ()
+    return AdapterPlan(name, peft, source, data_bytes, targets, landings, data_offset, spans)
+
+
+def _spans(landings: tuple[TensorLanding, ...]) -> tuple[tuple[int, int], ...]:
+    """The landed tensors' byte ranges, adjacent ones merged, in file order."""
+    spans: list[list[int]] = []
+    for e in sorted((t.entry for t in landings), key=lambda e: e.begin):
+        if spans and spans[-1][1] == e.begin:
+            spans[-1][1] = e.end
+        else:
+            spans.append([e.begin, e.end])
+    return tuple((a, b) for a, b in spans)
 
 
 def _match_tensors(
     source: str, entries: Iterable[TensorEntry], targets: tuple[ModuleTarget, ...],
-    model: ModelConfig,
+    model: ModelConfig, dora: bool = False,
 ) -> tuple[TensorLanding, ...]:
     by_path = {model.module_path(t.layer, t.module): t for t in targets}
     landings: dict[tuple[str, str], TensorLanding] = {}
     for entry in entries:
-        m = _KEY_RE.match(entry.name)
+        if _frozen_base_copy(source, entry, model):
+            continue
+        m = _KEY_RE.match(entry.name) or _PARAM_RE.match(entry.name)
         if m is None:
             raise UnsupportedAdapterError(
-                f"{source}: tensor {brief(entry.name)} is not a LoRA A/B weight metrale "
-                "serves (DoRA magnitudes, embedding LoRA, biases and overlays are refused)"
+                f"{source}: tensor {brief(entry.name)} is not a LoRA A/B, embedding or DoRA "
+                "magnitude weight metrale serves (biases and full-weight overlays are refused)"
             )
         target = by_path.get(m["module"])
         if target is None:
@@ -176,9 +241,20 @@ def _match_tensors(
                 f"{source}: tensor {brief(entry.name)} is for a module the adapter config "
                 "does not target in this model (or a module this model does not have)"
             )
-        kind = "A" if m["kind"] == "lora_A" else "B"
+        kind = _KINDS[m["kind"]]
+        if (target.module == "embed_tokens") != m["kind"].startswith("lora_embedding") \
+                and kind != "M":
+            raise AdapterMismatchError(
+                f"{source}: tensor {brief(entry.name)}: PEFT stores an embedding's LoRA as "
+                "lora_embedding_A/B and a linear's as lora_A/B.weight; this one is neither"
+            )
+        if kind == "M" and not dora:
+            raise AdapterMismatchError(
+                f"{source}: tensor {brief(entry.name)} is a DoRA magnitude, but the adapter "
+                "config does not set use_dora=true"
+            )
         d_in, d_out = model.linear_shape(target.module)
-        expected = (target.rank, d_in) if kind == "A" else (d_out, target.rank)
+        expected = {"A": (target.rank, d_in), "B": (d_out, target.rank), "M": (d_out,)}[kind]
         if entry.shape != expected:
             raise AdapterMismatchError(
                 f"{source}: {entry.name} has shape {list(entry.shape)}, expected "
@@ -188,13 +264,30 @@ def _match_tensors(
         if (m["module"], kind) in landings:
             raise AdapterFileError(f"{source}: two tensors for {m['module']} {m['kind']}")
         landings[(m["module"], kind)] = TensorLanding(target, kind, entry)
-    missing = [
-        f"{path}.{k}" for path in by_path for k in ("lora_A", "lora_B")
-        if (path, k[-1]) not in landings
-    ]
+    names = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector"}
+    kinds = ("A", "B", "M") if dora else ("A", "B")
+    missing = [f"{path}.{names[k]}" for path in by_path for k in kinds if (path, k) not in landings]
     if missing:
         raise AdapterFileError(
             f"{source}: targeted modules have no weights: {', '.join(missing[:4])}"
             + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            + (" (a DoRA adapter needs every module's lora_magnitude_vector)" if dora else "")
         )
     return tuple(landings.values())
+
+
+def _frozen_base_copy(source: str, entry: TensorEntry, model: ModelConfig) -> bool:
+    """True for PEFT's copy of a frozen embed_tokens / lm_head weight at the base model's
+    shape (skipped: the engine serves its own base weights). Any other shape means new
+    tokens (a resized vocabulary), which needs a full-size copy per slot: refused."""
+    m = _BASE_RE.match(entry.name)
+    if m is None:
+        return False
+    if entry.shape != (model.vocab_size, model.hidden_size):
+        raise UnsupportedAdapterError(
+            f"{source}: tensor {brief(entry.name)} has shape {list(entry.shape)}, not the base "
+            f"model's [{model.vocab_size}, {model.hidden_size}]: the adapter adds new tokens "
+            "(a resized vocabulary), which would need a full embedding copy per slot and is "
+            "not served; retrain without resizing the vocabulary"
+        )
+    return True

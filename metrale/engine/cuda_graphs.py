@@ -147,7 +147,8 @@ class StepGraphs:
         batch = LoraBatch(self.pool, v["slot_ids"][:t], v["order"][:t]) if lora else None
         with forward_context(ForwardContext(meta, batch)):
             hidden = self.model(v["input_ids"][:t], v["positions"][:t])  # [t, hidden]
-            return self.model.compute_logits(hidden[v["logits_index"][:B]])  # [B, V] float32
+            rows = v["logits_index"][:B]  # [B]; also picks the rows' lm_head LoRA slots
+            return self.model.compute_logits(hidden[rows], rows)  # [B, V] float32
 
     @torch.inference_mode()
     def capture(self) -> None:

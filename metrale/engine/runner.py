@@ -124,4 +124,4 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.int64, device=dev),
             )  # [T, hidden]
             last_t = torch.tensor(last, dtype=torch.int64, device=dev)
-            return self.model.compute_logits(hidden[last_t])  # [B', V]
+            return self.model.compute_logits(hidden[last_t], last_t)  # [B', V] (last_t: lm_head LoRA)

@@ -91,7 +91,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class LoraProjection(nn.Module):
     """A (possibly fused) linear projection plus the per-token LoRA delta of
-    the modules it fuses: y = x W^T + b + sum_m scale_m (x A_m^T) Bt_m."""
+    the modules it fuses: y = x W^T + b + sum_m scale_m (x A_m^T) Bt_m; for a token of a
+    DoRA slot, module m's columns are g_m * (x W_m^T + scale_m (x A_m^T) Bt_m) + b_m (the ops
+    take the bias back out of y, so the base matmul stays one fused addmm)."""
 
     def __init__(self, layer: int, modules: tuple[str, ...], in_features: int,
                  out_features: tuple[int, ...], bias: bool = False) -> None:
@@ -107,5 +109,5 @@ class LoraProjection(nn.Module):
         y = F.linear(x, self.weight, self.bias)  # [T, out]
         lora = get_context().lora
         if lora is not None:
-            lora_apply(y, x, lora, self.layer, self.modules_, self.out_slices)
+            lora_apply(y, x, lora, self.layer, self.modules_, self.out_slices, self.bias)
         return y

@@ -14,6 +14,7 @@ from metrale.config import ModelConfig
 from metrale.forward_context import get_context
 from metrale.model.layers import LoraProjection, RMSNorm, RotaryEmbedding
 from metrale.ops.attention import paged_attention, store_kv
+from metrale.ops.lora import lora_embed, lora_logits
 
 
 class Attention(nn.Module):
@@ -89,15 +90,52 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden: [T, hidden]"""
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        lora = get_context().lora
+        if lora is not None:
+            lora_embed(h, input_ids, lora)  # embed_tokens LoRA, when the pool serves it
         for layer in self.layers:
             h = layer(positions, h)
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits: [N, vocab] float32"""
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits: [N, vocab] float32. rows: [N] indices of these rows
+        among the forward's tokens, for their lm_head LoRA slots (None: row i is token i)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)  # [N, V]
+        lora = get_context().lora
+        if lora is not None:
+            lora_logits(logits, hidden, lora, rows)  # lm_head LoRA, when the pool serves it
+        return logits.float()
+
+    def lora_base_weights(self) -> BaseWeights:
+        """(layer, module) -> the base weight W [out, in] its LoRA adds to (DoRA's norms)."""
+        return BaseWeights(self)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers]
+
+
+class BaseWeights:
+    """A read-only view of the model's base weights by (layer, module), looked up at each
+    access (so weights replaced after start-up are the ones read). embed_tokens is
+    PEFT's DoRA view of the embedding, E^T [hidden, vocab]; a tied lm_head is E."""
+
+    _PROJ = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
+             "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", 0),
+             "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
+             "down_proj": ("mlp", "down_proj", 0)}
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self._model = model
+
+    def __getitem__(self, key: tuple[int, str]) -> torch.Tensor:
+        layer, module = key
+        model = self._model
+        if module == "embed_tokens":
+            return model.embed_tokens.weight.T  # [hidden, vocab]
+        if module == "lm_head":
+            return (model.embed_tokens if model.lm_head is None else model.lm_head).weight
+        part, name, i = self._PROJ[module]
+        proj = getattr(getattr(model.layers[layer], part), name)
+        return proj.weight[proj.out_slices[i]]  # [out_m, in]

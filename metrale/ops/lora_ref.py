@@ -8,6 +8,14 @@ and per-slot `scales: [S]` float32. Each token t carries `slot_ids[t]` (-1 = bas
 Zero padding makes the full-R product exact, so the shrink/expand references need no ranks;
 `lora_apply_ref` takes optional `ranks` only to skip work on the CPU path.
 
+DoRA (PEFT's use_dora) scales base and delta together, per output row, for tokens of a slot
+whose `doras[s]` flag is set, with the gain row `gains[s]` ([out] float32, m / ||W + sBA||):
+  y[t] = gains[s] * (y[t] - bias + scales[s] * (x[t] @ A[s].T) @ Bt[s]) + bias
+(y holds x W^T + bias on entry). Tokens of other slots get exactly the plain update.
+
+Embedding LoRA (PEFT's lora_embedding_A/B) has no shrink matmul: h[t] = A[s][:, ids[t]],
+a gather of one column per token (`lora_embed_ref`); the expand is the same.
+
 Tokens are grouped by slot so each distinct slot costs one dense matmul, instead of
 gathering a [T, R, in] copy of the weights per token. The engine groups once per batch
 (`token_groups`, passed down through the forward context) rather than once per call: a
@@ -77,22 +85,44 @@ def _has_adapter_tokens(slot_ids: torch.Tensor) -> bool:
 def _apply_group(
     y: torch.Tensor, x_g: torch.Tensor, idx: TokenIndex, A_s: torch.Tensor,
     Bt_s: torch.Tensor, scale: torch.Tensor, rank: int | None,
+    gain: torch.Tensor | None = None, bias: torch.Tensor | None = None,
 ) -> None:
-    """One slot's tokens: y[idx] += scale * (x_g @ A_s[:rank].T) @ Bt_s[:rank]."""
+    """One slot's tokens: y[idx] += scale * (x_g @ A_s[:rank].T) @ Bt_s[:rank]
+    (DoRA, gain given: y[idx] = gain * (y[idx] - bias + that delta) + bias)."""
     if rank is not None:
         if rank == 0:
             return  # module not targeted by this adapter
-        A_s, Bt_s = A_s[:rank], Bt_s[:rank]  # A_s: [r, in], Bt_s: [r, out]
+        A_s = A_s[:rank]  # A_s: [r, in]
     h = x_g @ A_s.float().T  # h: [n, r]
+    _add_group(y, idx, h, Bt_s, scale, rank, gain, bias)
+
+
+def _add_group(
+    y: torch.Tensor, idx: TokenIndex, h: torch.Tensor, Bt_s: torch.Tensor, scale: torch.Tensor,
+    rank: int | None, gain: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+) -> None:
+    """The expand of one slot's tokens, h: [n, r] float32 -> y[idx] (see _apply_group)."""
+    if rank is not None:
+        Bt_s = Bt_s[:rank]  # Bt_s: [r, out]
     delta = (h @ Bt_s.float()) * scale.float()  # delta: [n, out]
-    if isinstance(idx, slice):
-        y_g = y[idx]  # a view: add in place
-        if y.dtype == torch.float32:
-            y_g.add_(delta)
+    if gain is None:
+        if isinstance(idx, slice):
+            y_g = y[idx]  # a view: add in place
+            if y.dtype == torch.float32:
+                y_g.add_(delta)
+            else:
+                y_g.copy_(y_g.float() + delta)  # float32 sum, stored in y's dtype
         else:
-            y_g.copy_(y_g.float() + delta)  # float32 sum, stored in y's dtype
-    else:
-        y[idx] = (y[idx].float() + delta).to(y.dtype)  # y[idx]: [n, out]
+            y[idx] = (y[idx].float() + delta).to(y.dtype)  # y[idx]: [n, out]
+        return
+    base = y[idx].float()  # [n, out]: x W^T + bias
+    b = bias.float() if bias is not None else None  # [out]
+    if b is not None:
+        base = base - b
+    out = gain.float() * (base + delta)  # [out] * [n, out]
+    if b is not None:
+        out = out + b
+    y[idx] = out.to(y.dtype)
 
 
 def lora_apply_ref(
@@ -116,11 +146,15 @@ def lora_apply_fused_ref(
     y: torch.Tensor, x: torch.Tensor, As: Sequence[torch.Tensor], Bts: Sequence[torch.Tensor],
     out_slices: Sequence[slice], slot_ids: torch.Tensor, scales_list: Sequence[torch.Tensor],
     ranks_list: Sequence[torch.Tensor] | None = None, groups: SlotGroups | None = None,
+    doras_list: Sequence[torch.Tensor] | None = None,
+    gains_list: Sequence[torch.Tensor] | None = None, bias: torch.Tensor | None = None,
 ) -> None:
     """Several modules reading the same x (q/k/v, gate/up) adding into slices of one fused y.
 
     y: [T, sum(out_i)]; module i adds into y[:, out_slices[i]] (width Bts[i].shape[2]).
     groups: `token_groups(slot_ids)` when the caller has it (once per batch), else grouped here.
+    doras_list / gains_list ([S] int, [S, out_i] float32 per module): DoRA as in the module
+    docstring for slots flagged in doras_list; bias: [sum(out_i)], the bias y already holds.
     """
     n = len(As)
     if not (len(Bts) == len(out_slices) == len(scales_list) == n):
@@ -136,4 +170,37 @@ def lora_apply_fused_ref(
         for i in range(n):
             y_i = y[:, out_slices[i]]  # y_i: [T, out_i], a view: writes land in y
             rank = int(ranks_list[i][slot]) if ranks_list is not None else None
-            _apply_group(y_i, x_g, idx, As[i][slot], Bts[i][slot], scales_list[i][slot], rank)
+            gain, b = _dora_of(i, slot, doras_list, gains_list, bias, out_slices)
+            _apply_group(y_i, x_g, idx, As[i][slot], Bts[i][slot], scales_list[i][slot], rank,
+                         gain, b)
+
+
+def _dora_of(i, slot, doras_list, gains_list, bias, out_slices):
+    """(gain [out_i], bias slice [out_i] or None) of module i for a DoRA slot, else (None, None)."""
+    if doras_list is None or not int(doras_list[i][slot]):
+        return None, None
+    return gains_list[i][slot], None if bias is None else bias[out_slices[i]]
+
+
+def lora_embed_ref(
+    y: torch.Tensor, ids: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
+    slot_ids: torch.Tensor, scales: torch.Tensor, ranks: torch.Tensor | None = None,
+    doras: torch.Tensor | None = None, gains: torch.Tensor | None = None,
+    groups: SlotGroups | None = None,
+) -> None:
+    """Embedding LoRA in place: y[t] += scales[s] * A[s][:, ids[t]] @ Bt[s] (DoRA slots:
+    y[t] = gains[s] * (y[t] + that)), PEFT's lora_embedding_A/B for ids [T] of slot s.
+
+    y: [T, hidden] (the base embeddings), A: [S, R, vocab], Bt: [S, R, hidden]."""
+    if groups is None:
+        if not _has_adapter_tokens(slot_ids):
+            return
+        groups = list(slot_groups(slot_ids))
+    for slot, idx in groups:
+        rank = int(ranks[slot]) if ranks is not None else None
+        if rank == 0:
+            continue
+        A_s = A[slot] if rank is None else A[slot, :rank]  # [r, vocab]
+        h = A_s[:, ids[idx]].T.float()  # [n, r]: one column of A per token
+        gain = gains[slot] if doras is not None and int(doras[slot]) else None
+        _add_group(y, idx, h, Bt[slot], scales[slot], rank, gain)

@@ -26,6 +26,12 @@ Two token mappings, chosen per call:
 Tokens with slot -1 are never read or written (shrink leaves their h rows zero).
 Shrink zero-fills h first: split-K programs add into it atomically (so h is not bit-for-bit
 deterministic across runs) and padded ranks read back as zero.
+
+DoRA is an epilogue of expand: for a slot whose per-module `doras` flag is set, the program
+loads the gain row g (float32) and stores g * (y - bias + s * acc) + bias instead of
+y + s * acc. The flag is one scalar load per (program, slot); plain-LoRA slots take the old
+branch, so they pay no extra memory traffic. Embedding LoRA reuses expand after a torch
+gather of A's columns (`lora_embed`).
 """
 
 import torch
@@ -42,6 +48,8 @@ PREFILL_CFG = dict(BLOCK_T=32, BLOCK_K=128, BLOCK_N=256, shrink_warps=4, expand_
 # The per-module descriptor row (int64, 12 columns, numbered in the kernels):
 # 0 a_off  1 a_slot_stride  2 a_row_stride  3 b_off  4 b_slot_stride  5 b_row_stride
 # 6 out_dim  7 y_col  8 rank_off  9 rank_stride  10 scale_off  11 scale_stride
+# 12 dora_off  13 dora_stride  14 gain_off  15 gain_slot_stride
+_DESC_COLS = 16
 
 
 def _shrink_kernel(
@@ -58,7 +66,7 @@ def _shrink_kernel(
     else:
         tok = rows.to(tl.int64)
     slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1).to(tl.int32)  # [BT]
-    d = desc_ptr + m * 12
+    d = desc_ptr + m * 16
     # offsets read from memory carry no alignment facts: without these hints, no vector loads
     a_base = pool_ptr + tl.multiple_of(tl.load(d + 0), ALIGN)
     a_slot_stride = tl.multiple_of(tl.load(d + 1), ALIGN)
@@ -102,12 +110,13 @@ def _shrink_kernel(
 
 def _expand_kernel(
     y_ptr, pool_ptr, h_ptr, slot_ptr, order_ptr, desc_ptr, rank_ptr, scale_ptr,
+    dora_ptr, gain_ptr, bias_ptr,
     T, R, y_stride, h_stride,
-    SORTED: tl.constexpr, F32_DOT: tl.constexpr, ALIGN: tl.constexpr,
+    SORTED: tl.constexpr, F32_DOT: tl.constexpr, ALIGN: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_t, pid_n, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    d = desc_ptr + m * 12
+    d = desc_ptr + m * 16
     # offsets and dims read from memory carry no alignment facts; without these hints (for
     # the masks too) the compiler issues 2-byte loads and stores
     out_dim = tl.multiple_of(tl.load(d + 6), ALIGN)
@@ -121,6 +130,8 @@ def _expand_kernel(
     y_col = tl.multiple_of(tl.load(d + 7), ALIGN)
     rank_tab, rank_stride = rank_ptr + tl.load(d + 8), tl.load(d + 9)
     scale_tab, scale_stride = scale_ptr + tl.load(d + 10), tl.load(d + 11)
+    dora_tab, dora_stride = dora_ptr + tl.load(d + 12), tl.load(d + 13)
+    gain_base, gain_stride = gain_ptr + tl.load(d + 14), tl.load(d + 15)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     row_ok = rows < T
     if SORTED:
@@ -154,7 +165,18 @@ def _expand_kernel(
             y_ptrs = y_ptr + tok[:, None] * y_stride + y_col + n[None, :]  # [BT, BN]
             y_mask = sel[:, None] & n_ok[None, :]
             y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, (y_old + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+            if tl.load(dora_tab + s * dora_stride) != 0:
+                # DoRA: g * (x W^T + s * delta) + bias; y_old holds x W^T + bias
+                g = tl.load(gain_base + s.to(tl.int64) * gain_stride + n, mask=n_ok,
+                            other=1.0)  # [BN] float32
+                if HAS_BIAS:
+                    b = tl.load(bias_ptr + y_col + n, mask=n_ok, other=0.0).to(tl.float32)
+                    y_new = g[None, :] * (y_old - b[None, :] + scale * acc) + b[None, :]
+                else:
+                    y_new = g[None, :] * (y_old + scale * acc)
+            else:
+                y_new = y_old + scale * acc
+            tl.store(y_ptrs, y_new.to(y_ptr.dtype.element_ty), mask=y_mask)
         s = tl.min(tl.where(slot > s, slot, big))
 
 
@@ -204,14 +226,19 @@ def _tables(tabs, dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple[int, int
 _DESCS: dict = {}
 
 
-def _descriptor(device, As, Bts, y_cols, rank_fields, scale_fields) -> torch.Tensor:
-    """[M, 12] int64 on device, cached per layout (the values never depend on slot contents)."""
+def _descriptor(device, As, Bts, y_cols, rank_fields, scale_fields, dora_fields=None,
+                gain_fields=None) -> torch.Tensor:
+    """[M, 16] int64 on device, cached per layout (the values never depend on slot contents)."""
     rows = []
-    for a, b, col, rf, sf in zip(As, Bts, y_cols, rank_fields, scale_fields, strict=True):
+    M = len(As)
+    dora_fields = dora_fields or [(0, 0)] * M
+    gain_fields = gain_fields or [(0, 0)] * M
+    for a, b, col, rf, sf, df, gf in zip(As, Bts, y_cols, rank_fields, scale_fields,
+                                         dora_fields, gain_fields, strict=True):
         a_f = (a.storage_offset(), a.stride(0), a.stride(1)) if a is not None else (0, 0, 0)
         b_f = (b.storage_offset(), b.stride(0), b.stride(1), b.shape[2]) if b is not None \
             else (0, 0, 0, 0)
-        rows.append((*a_f, *b_f, col, *rf, *sf))
+        rows.append((*a_f, *b_f, col, *rf, *sf, *df, *gf))
     key = (str(device), tuple(rows))
     desc = _DESCS.get(key)
     if desc is None:  # a host->device copy: must not happen inside CUDA graph capture
@@ -263,8 +290,36 @@ def _shrink(x, As, slot_ids, ranks_list, order, h) -> None:
     )
 
 
-def _expand(y, h, Bts, y_cols, slot_ids, ranks_list, scales_list, order) -> None:
-    """y[:, y_cols[m]:+out_m] += scale * h[:, m*R:(m+1)*R] @ Bts[m][slot] for every module m."""
+_NO_DORA: dict = {}
+
+
+def _no_dora(S: int, device, M: int):
+    """Zero DoRA flags and unit gains for S slots (cached: no allocation per call)."""
+    key = (str(device), S)
+    if key not in _NO_DORA:
+        _NO_DORA[key] = (torch.zeros(S, dtype=torch.int32, device=device),
+                         torch.ones(S, 1, dtype=torch.float32, device=device))
+    flags, gains = _NO_DORA[key]
+    return [flags] * M, [gains] * M
+
+
+def _gain_tables(gains_list, S: int, device) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """(base, per-module (element offset, slot stride)) of the [S, out_m] float32 gain rows."""
+    if _shares_storage(gains_list, torch.float32) and all(
+            g.dim() == 2 and g.stride(1) == 1 for g in gains_list):
+        return _storage_base(gains_list[0]), [(g.storage_offset(), g.stride(0)) for g in gains_list]
+    flat = torch.cat([g.float().reshape(-1) for g in gains_list])  # copied on every call
+    fields, off = [], 0
+    for g in gains_list:
+        fields.append((off, g.shape[1]))
+        off += g.numel()
+    return flat, fields
+
+
+def _expand(y, h, Bts, y_cols, slot_ids, ranks_list, scales_list, order,
+            doras_list=None, gains_list=None, bias=None) -> None:
+    """y[:, y_cols[m]:+out_m] += scale * h[:, m*R:(m+1)*R] @ Bts[m][slot] for every module m
+    (DoRA slots, flagged in doras_list: the gain epilogue, bias the one y already holds)."""
     T, M, R = y.shape[0], len(Bts), Bts[0].shape[1]
     if y.stride(1) != 1 or h.stride(1) != 1 or h.shape != (T, M * R):
         raise ValueError(f"y needs unit last stride and h must be [T, {M * R}] (got {h.shape})")
@@ -274,15 +329,24 @@ def _expand(y, h, Bts, y_cols, slot_ids, ranks_list, scales_list, order) -> None
     pool = _pool_base(Bts)
     rank_base, rank_fields = _tables(ranks_list, torch.int32)
     scale_base, scale_fields = _tables(scales_list, torch.float32)
-    desc = _descriptor(y.device, [None] * M, Bts, y_cols, rank_fields, scale_fields)
+    if doras_list is None:  # no DoRA anywhere: every flag reads a zero, no gain is read
+        doras_list, gains_list = _no_dora(Bts[0].shape[0], y.device, M)
+    for b, g in zip(Bts, gains_list, strict=True):
+        if g.shape[0] != b.shape[0] or g.shape[1] < 1:
+            raise ValueError(f"gains {tuple(g.shape)} do not match Bt {tuple(b.shape)}")
+    dora_base, dora_fields = _tables(doras_list, torch.int32)
+    gain_base, gain_fields = _gain_tables(gains_list, Bts[0].shape[0], y.device)
+    desc = _descriptor(y.device, [None] * M, Bts, y_cols, rank_fields, scale_fields,
+                       dora_fields, gain_fields)
     cfg = _config(T, order is not None, R)
     max_out = max(b.shape[2] for b in Bts)
     grid = (_cdiv(T, cfg["BLOCK_T"]), _cdiv(max_out, cfg["BLOCK_N"]), M)
     kernel = jit_kernel(_expand_kernel, y.device)
     kernel[grid](
         y, pool, h, slot_ids, order if order is not None else slot_ids, desc, rank_base,
-        scale_base, T, R, y.stride(0), h.stride(0),
-        SORTED=order is not None, F32_DOT=_f32_dot(kernel, pool.dtype),
+        scale_base, dora_base, gain_base, bias if bias is not None else y,
+        T, R, y.stride(0), h.stride(0),
+        SORTED=order is not None, F32_DOT=_f32_dot(kernel, pool.dtype), HAS_BIAS=bias is not None,
         ALIGN=min(_align(pool, [v for b in Bts for v in (b.storage_offset(), *b.stride()[:2])]),
                   _align(y, [y.stride(0), *y_cols, *(b.shape[2] for b in Bts)])),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
@@ -330,9 +394,26 @@ def lora_apply(
                      order=order)
 
 
+def lora_embed(
+    y: torch.Tensor, ids: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
+    slot_ids: torch.Tensor, scales: torch.Tensor, ranks: torch.Tensor,
+    doras: torch.Tensor | None = None, gains: torch.Tensor | None = None, *,
+    order: torch.Tensor | None = None,
+) -> None:
+    """lora_embed_ref's semantics: the shrink is a gather of A's columns (torch, on the
+    device, no sync), the expand this file's kernel with its DoRA epilogue."""
+    require_triton()
+    if y.shape[0] == 0:
+        return
+    h = A[slot_ids.clamp(min=0), :, ids].float().contiguous()  # [T, R]; rows of slot -1 unread
+    _expand(y, h, [Bt], [0], slot_ids, [ranks], [scales], _order_for(slot_ids, order),
+            None if doras is None else [doras], None if gains is None else [gains])
+
+
 def lora_apply_fused(
     y: torch.Tensor, x: torch.Tensor, As, Bts, out_slices, slot_ids: torch.Tensor,
     scales_list, ranks_list, *, order: torch.Tensor | None = None,
+    doras_list=None, gains_list=None, bias: torch.Tensor | None = None,
 ) -> None:
     """lora_apply_fused_ref's semantics: modules sharing x (q/k/v, gate/up) add into slices of y.
 
@@ -354,4 +435,6 @@ def lora_apply_fused(
     order = _order_for(slot_ids, order)
     h = torch.empty(T, M * As[0].shape[1], dtype=torch.float32, device=x.device)  # [T, M*R]
     _shrink(x, list(As), slot_ids, list(ranks_list), order, h)
-    _expand(y, h, list(Bts), y_cols, slot_ids, list(ranks_list), list(scales_list), order)
+    _expand(y, h, list(Bts), y_cols, slot_ids, list(ranks_list), list(scales_list), order,
+            None if doras_list is None else list(doras_list),
+            None if gains_list is None else list(gains_list), bias)

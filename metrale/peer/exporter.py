@@ -137,11 +137,12 @@ class AdapterExporter:
                 raise TooManyLeasesError(
                     f"{len(self._leases)} leases are open (max {self.max_leases}); retry later"
                 )
-        slot, info, ranks, scales = self._call(lambda: self._take(adapter_id))
+        slot, info, ranks, scales, doras = self._call(lambda: self._take(adapter_id))
         try:
             lease_id = secrets.token_urlsafe(18)
-            specs, views = self._tensors(slot, ranks)
-            manifest = self._manifest(adapter_id, info, ranks, scales, specs, views, lease_id)
+            specs, views = self._tensors(slot, ranks, doras)
+            manifest = self._manifest(adapter_id, info, ranks, scales, doras, specs, views,
+                                      lease_id)
         except BaseException:
             self._call(lambda: self.slots.table.release(slot))
             raise
@@ -198,31 +199,34 @@ class AdapterExporter:
         if table.slot_of(adapter_id) is None:
             raise UnknownAdapterError(f"adapter {adapter_id!r} is not resident here")
         slot, _ = table.acquire(adapter_id)
-        return slot, table.info(slot), self.pool.ranks[slot].cpu(), self.pool.scales[slot].cpu()
+        return (slot, table.info(slot), *self.pool.host_tables(slot))
 
     def _drop(self, lease: _Lease) -> None:
         self._call(lambda: self.slots.table.release(lease.slot))
 
-    def _tensors(self, slot: int, ranks: torch.Tensor) -> tuple[list[TensorSpec], list[torch.Tensor]]:
+    def _tensors(self, slot: int, ranks: torch.Tensor,
+                 doras: torch.Tensor) -> tuple[list[TensorSpec], list[torch.Tensor]]:
         layout, itemsize = self.pool.layout, self.pool.layout.itemsize
         specs, views = [], []
-        for layer in range(layout.model.num_layers):
-            for m, module in enumerate(layout.pool.target_modules):
-                r = int(ranks[layer, m])
-                if r == 0:
-                    continue
-                for kind, full in (("A", self.pool.lora_a(layer, module)),
-                                   ("B", self.pool.lora_bt(layer, module))):
-                    view = full[slot, :r]  # [r, in] or [r, out], contiguous
-                    specs.append(TensorSpec(layer, module, kind, r, view.shape[1],
-                                            view.numel() * itemsize))
-                    views.append(view)
+        for layer, module in layout.module_keys:
+            m = layout.module_index(module)
+            r = int(ranks[layer, m])
+            if r == 0:
+                continue
+            parts = [("A", self.pool.lora_a(layer, module)[slot, :r]),  # [r, in], contiguous
+                     ("B", self.pool.lora_bt(layer, module)[slot, :r])]  # [r, out]
+            if int(doras[layer, m]):
+                parts.append(("M", self.pool.magnitude(layer, module)[slot]))  # [1, out]
+            for kind, view in parts:
+                specs.append(TensorSpec(layer, module, kind, view.shape[0], view.shape[1],
+                                        view.numel() * itemsize))
+                views.append(view)
         return specs, views
 
-    def _manifest(self, adapter_id, info, ranks, scales, specs, views, lease_id) -> dict:
+    def _manifest(self, adapter_id, info, ranks, scales, doras, specs, views, lease_id) -> dict:
         peft = self._peft_for(info.name)
         peft_dict = peft.to_dict() if peft is not None else peft_from_tables(
-            self.pool.layout, ranks, scales)
+            self.pool.layout, ranks, scales, doras)
         transports: dict = {}
         if "http" in self.transports:
             transports["http"] = {"data_path": f"/peer/v1/leases/{lease_id}/data"}
@@ -255,20 +259,23 @@ class AdapterExporter:
                 self._drop(lease)
 
 
-def peft_from_tables(layout, ranks: torch.Tensor, scales: torch.Tensor) -> dict:
+def peft_from_tables(layout, ranks: torch.Tensor, scales: torch.Tensor,
+                     doras: torch.Tensor | None = None) -> dict:
     """A PEFT config that reproduces a landed slot exactly: every targeted module by
-    full path, with its rank and an alpha that gives back the table's scale."""
-    targets, rank_pattern, alpha_pattern = [], {}, {}
-    for layer in range(layout.model.num_layers):
-        for m, module in enumerate(layout.pool.target_modules):
-            r = int(ranks[layer, m])
-            if r:
-                path = layout.model.module_path(layer, module)
-                targets.append(path)
-                rank_pattern[re.escape(path)] = r
-                # scale is float32; scale * r is exact in float64, so alpha / r gives it back
-                alpha_pattern[re.escape(path)] = float(scales[layer, m]) * r
+    full path, with its rank and an alpha that gives back the table's scale (and
+    use_dora when the slot's modules carry DoRA: PEFT's use_dora is all or nothing)."""
+    targets, rank_pattern, alpha_pattern, dora = [], {}, {}, False
+    for layer, module in layout.module_keys:
+        m = layout.module_index(module)
+        r = int(ranks[layer, m])
+        if r:
+            path = layout.model.module_path(layer, module)
+            targets.append(path)
+            rank_pattern[re.escape(path)] = r
+            # scale is float32; scale * r is exact in float64, so alpha / r gives it back
+            alpha_pattern[re.escape(path)] = float(scales[layer, m]) * r
+            dora = dora or (doras is not None and bool(doras[layer, m]))
     top = max(rank_pattern.values(), default=1)
     return {"peft_type": "LORA", "r": top, "lora_alpha": float(top), "target_modules": targets,
             "use_rslora": False, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
-            "bias": "none"}
+            "bias": "none", "use_dora": dora}

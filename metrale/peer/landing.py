@@ -211,7 +211,7 @@ class _PeerFetch:
             t = landing.target
             region = layout.region(t.layer, t.module, landing.kind)
             remote = remote_by_key[(t.layer, t.module, landing.kind)]
-            nbytes = t.rank * region.cols * layout.itemsize
+            nbytes = landing.rows * region.cols * layout.itemsize  # rank rows; 1 for M
             if remote[1] != nbytes:  # checked before any slot is zeroed
                 raise PeerManifestError(
                     f"{self.source}: NIXL descriptor of {remote[1]} bytes for layer {t.layer} "

@@ -2,7 +2,10 @@
 reading of it on the engine side.
 
 Tensors are in the canonical pool layout: A as [r, in], B transposed as
-[r, out], each contiguous, in the pool dtype. The HTTP stream carries them
+[r, out], DoRA's magnitude M as [1, out], each contiguous, in the pool dtype. Modules
+are the decoder projections and, when the local pool serves them, embed_tokens and
+lm_head (at layer 0). Version 2 added M and the model-level modules; a version-1 peer
+is refused either way (it would misread a v2 manifest). The HTTP stream carries them
 concatenated in manifest order; NIXL gets one remote descriptor per tensor.
 
 Nothing in a manifest is trusted: its size and nesting are bounded before any
@@ -30,12 +33,12 @@ import torch
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import AdapterPlan, plan_from_tensors
 from metrale.adapters.safetensors_file import FLOAT_DTYPES, check_entries
-from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
-from metrale.errors import AdapterMismatchError, MetraleError
+from metrale.config import EXTRA_TARGETS, EXTRA_TARGETS_FLAG, LINEAR_MODULES, ModelConfig, PoolConfig
+from metrale.errors import AdapterMismatchError, ExtraTargetsRequiredError, MetraleError
 from metrale.peer.errors import PeerManifestError
 from metrale.pool.layout import SlotLayout
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 MAX_MANIFEST_BYTES = 8 << 20  # far above any real model's tensor list
 MAX_METADATA_BYTES = 1 << 20
 MAX_JSON_DEPTH = 16  # a manifest nests 5 deep; the bound keeps every walk off the stack limit
@@ -56,7 +59,7 @@ Desc = tuple[int, int, int]
 class TensorSpec:
     layer: int
     module: str
-    kind: str  # "A": [r, in]; "B": Bt, [r, out]
+    kind: str  # "A": [r, in]; "B": Bt, [r, out]; "M": DoRA magnitude, [1, out]
     rows: int  # the rank
     cols: int
     nbytes: int
@@ -230,7 +233,7 @@ def check_json_bounds(doc: object, source: str, max_bytes: int = MAX_MANIFEST_BY
 
 def _tensors(items: object, layout: SlotLayout, itemsize: int, source: str) -> tuple[TensorSpec, ...]:
     model = layout.model
-    limit = 2 * model.num_layers * len(layout.pool.target_modules)  # regions in one local slot
+    limit = len(layout.regions)  # regions in one local slot
     if not isinstance(items, list) or not items:
         raise PeerManifestError(f"{source}: manifest tensors must be a non-empty list")
     if len(items) > limit:
@@ -244,18 +247,26 @@ def _tensors(items: object, layout: SlotLayout, itemsize: int, source: str) -> t
             raise PeerManifestError(f"{what} is not an object")
         layer = _int(item, "layer", what, 0, model.num_layers - 1)
         module, kind = item.get("module"), item.get("kind")
-        if module not in LINEAR_MODULES:
+        if module not in LINEAR_MODULES and module not in EXTRA_TARGETS:
             raise AdapterMismatchError(
                 f"{what}: module {_short(module)} is not a projection of this model "
-                f"(known: {', '.join(LINEAR_MODULES)})"
+                f"(known: {', '.join(LINEAR_MODULES + EXTRA_TARGETS)})"
             )
-        if kind not in ("A", "B"):
-            raise PeerManifestError(f"{what}: kind {_short(kind)} is not 'A' or 'B'")
+        if module in EXTRA_TARGETS and module not in layout.pool.extra_targets:
+            raise ExtraTargetsRequiredError(
+                f"{what}: the adapter has LoRA on {module}, and this engine has no pool memory "
+                f"for it: start it with {EXTRA_TARGETS_FLAG} {module}")
+        if module in EXTRA_TARGETS and layer != 0:
+            raise PeerManifestError(f"{what}: {module} is model-level; its layer must be 0")
+        if kind not in ("A", "B", "M"):
+            raise PeerManifestError(f"{what}: kind {_short(kind)} is not 'A', 'B' or 'M'")
         shape = item.get("shape")
         if (not isinstance(shape, list) or len(shape) != 2
                 or any(type(d) is not int or d <= 0 for d in shape)):
             raise PeerManifestError(f"{what}: shape {_short(shape)} is not [rank, dim]")
         rows, cols = shape
+        if kind == "M" and rows != 1:
+            raise PeerManifestError(f"{what}: a DoRA magnitude is [1, out], not {_short(shape)}")
         if rows > layout.max_rank:
             raise AdapterMismatchError(
                 f"{what}: {module} has rank {rows} > max_lora_rank {layout.max_rank}; start "
@@ -282,7 +293,7 @@ def _tensors(items: object, layout: SlotLayout, itemsize: int, source: str) -> t
 def _peft_config(doc: dict, layout: SlotLayout, source: str) -> PeftAdapterConfig:
     # One entry per module path is what a full per-module config needs (the
     # exporter's own rank_pattern); anything longer only costs matching time.
-    limit = 2 * layout.model.num_layers * len(LINEAR_MODULES)
+    limit = 2 * layout.model.num_layers * len(LINEAR_MODULES) + 2 * len(EXTRA_TARGETS)
     for key, value in doc.items():
         if isinstance(value, (list, dict)) and len(value) > limit:
             raise PeerManifestError(
@@ -420,7 +431,13 @@ def _nixl(doc: object, tensors: tuple[TensorSpec, ...], source: str) -> NixlInfo
 
 
 def tensor_name(model: ModelConfig, t: TensorSpec) -> str:
-    return f"base_model.model.{model.module_path(t.layer, t.module)}.lora_{t.kind}.weight"
+    """The PEFT name of a manifest tensor (what plan_from_tensors matches)."""
+    path = f"base_model.model.{model.module_path(t.layer, t.module)}"
+    if t.kind == "M":
+        return f"{path}.lora_magnitude_vector"
+    if t.module == "embed_tokens":
+        return f"{path}.lora_embedding_{t.kind}"
+    return f"{path}.lora_{t.kind}.weight"
 
 
 def manifest_plan(manifest: Manifest, name: str, peft: PeftAdapterConfig, model: ModelConfig,
@@ -431,7 +448,7 @@ def manifest_plan(manifest: Manifest, name: str, peft: PeftAdapterConfig, model:
     with refusing_malformed(source, "manifest or PEFT config"):
         specs, cursor = {}, 0
         for t in manifest.tensors:
-            shape = [t.rows, t.cols] if t.kind == "A" else [t.cols, t.rows]
+            shape = {"A": [t.rows, t.cols], "B": [t.cols, t.rows], "M": [t.cols]}[t.kind]
             specs[tensor_name(model, t)] = {"dtype": manifest.dtype, "shape": shape,
                                             "data_offsets": [cursor, cursor + t.nbytes]}
             cursor += t.nbytes

@@ -20,7 +20,7 @@ import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import resolve_targets
-from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
+from metrale.config import EXTRA_TARGETS, LINEAR_MODULES, ModelConfig, PoolConfig
 from metrale.errors import AdapterConfigError, AdapterError
 from metrale.peer.errors import NixlUnavailableError
 from metrale.peer.exporter import AdapterExporter
@@ -53,7 +53,8 @@ class AdapterStore:
         self.paths = discover_adapters(adapters_dir)
         self.configs: dict[str, PeftAdapterConfig] = {}
         modules, top_rank = set(), 1
-        probe = PoolConfig(1, max_lora_rank or _UNBOUNDED_RANK, LINEAR_MODULES)
+        probe = PoolConfig(1, max_lora_rank or _UNBOUNDED_RANK, LINEAR_MODULES,
+                           extra_targets=EXTRA_TARGETS)
         for name, path in self.paths.items():
             with _naming(path):
                 cfg = PeftAdapterConfig.from_dir(path)
@@ -63,7 +64,9 @@ class AdapterStore:
             top_rank = max(top_rank, *(t.rank for t in targets))
         # Sized to what the adapters need: the manifest lists tensors, so engines
         # never depend on the store's own max rank or module set.
-        pool = PoolConfig(len(self.paths), max_lora_rank or top_rank, tuple(modules))
+        pool = PoolConfig(len(self.paths), max_lora_rank or top_rank,
+                          tuple(m for m in modules if m in LINEAR_MODULES) or LINEAR_MODULES[:1],
+                          extra_targets=tuple(m for m in modules if m in EXTRA_TARGETS))
         self.slots = LoraSlots(model, pool, device, dtype)
         for slot, (name, path) in enumerate(self.paths.items()):
             with _naming(path):

@@ -1,9 +1,10 @@
 """Host tier: an LRU of recently landed adapters, kept as slot images.
 
 An entry is the whole slot region exactly as the pool holds it (pool dtype, rank-major,
-rank padding and untargeted modules zero) plus the slot's rank and scale rows, in pinned
-memory. Re-promoting it is one H2D copy of the image and two tiny table copies: no file
-read, no parse, no NaN scan, no conversion.
+rank padding and untargeted modules zero) plus the slot's rank, scale and DoRA rows, in
+pinned memory. Re-promoting it is one H2D copy of the image and three tiny table copies: no
+file read, no parse, no NaN scan, no conversion (a DoRA image's gains are recomputed on the
+device from its bytes, as at its first landing).
 
 Keys are AdapterIdentity (metrale.adapters.identity): a digest of the config and the
 header plus the weights file's inode and ctime, so any rewrite of either file changes the
@@ -39,6 +40,7 @@ class TierEntry:
     image: torch.Tensor  # [slot_elems] pool dtype, host (pinned with CUDA)
     ranks: torch.Tensor  # [layers, modules] int32, host
     scales: torch.Tensor  # [layers, modules] float32, host
+    doras: torch.Tensor  # [layers, modules] int32, host: 1 where DoRA's gain applies
     ready: torch.cuda.Event | None  # the D2H copy that fills image; None: already done
 
 
@@ -95,6 +97,7 @@ class HostTier:
         image = self._arena[index]
         ranks = torch.empty(pool.ranks[slot].shape, dtype=torch.int32, pin_memory=self._cuda)
         scales = torch.empty(pool.scales[slot].shape, dtype=torch.float32, pin_memory=self._cuda)
+        doras = torch.empty(pool.doras[slot].shape, dtype=torch.int32, pin_memory=self._cuda)
         ready = None
         if self._cuda:
             side = self._stream
@@ -103,6 +106,7 @@ class HostTier:
                 image.copy_(pool.slot_region(slot), non_blocking=True)
                 ranks.copy_(pool.ranks[slot], non_blocking=True)
                 scales.copy_(pool.scales[slot], non_blocking=True)
+                doras.copy_(pool.doras[slot], non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(side)
             self._pending[slot] = ready
@@ -110,8 +114,9 @@ class HostTier:
             image.copy_(pool.slot_region(slot))
             ranks.copy_(pool.ranks[slot])
             scales.copy_(pool.scales[slot])
+            doras.copy_(pool.doras[slot])
         with self._lock:
-            self._entries[key] = TierEntry(index, image, ranks, scales, ready)
+            self._entries[key] = TierEntry(index, image, ranks, scales, doras, ready)
 
     def before_write(self, slot: int) -> None:
         """Order the next write into slot after a fill copy still reading it (device-side)."""
@@ -126,5 +131,4 @@ class HostTier:
             entry.ready = None
         pool = self.pool
         pool.slot_region(slot).copy_(entry.image, non_blocking=self._cuda)
-        pool.ranks[slot].copy_(entry.ranks, non_blocking=self._cuda)
-        pool.scales[slot].copy_(entry.scales, non_blocking=self._cuda)
+        pool.write_tables(slot, entry.ranks, entry.scales, entry.doras)

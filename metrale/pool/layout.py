@@ -4,6 +4,15 @@ Rank-major storage: A as [max_rank, in] and B transposed as [max_rank, out], so 
 rank-r tensor of any module lands as one contiguous run of r * dim elements at
 the start of its region (one copy per tensor from disk, one descriptor per
 tensor from a peer).
+
+DoRA: every module also has an "M" region, [1, out], for PEFT's lora_magnitude_vector m
+(zero unless a DoRA adapter landed). The per-row gain g = m / ||W + s B A|| the kernels
+multiply by is not slot bytes: it is computed on the device at landing (AdapterPool) into
+a float32 buffer laid out by `gain_offsets`.
+
+Model-level targets (PoolConfig.extra_targets: embed_tokens, lm_head) get regions only
+when configured; in every (layer, module) key they sit at layer 0. embed_tokens is laid
+out as PEFT's LoRA sees it: A = lora_embedding_A [r, vocab], Bt = lora_embedding_B^T [r, hidden].
 """
 
 from __future__ import annotations
@@ -39,19 +48,38 @@ class SlotLayout:
     dtype: torch.dtype
     regions: dict[tuple[int, str, str], TensorRegion] = field(init=False, repr=False)
     slot_elems: int = field(init=False)
+    # (layer, module) -> (offset, out) in the float32 DoRA gain buffer's slot row
+    gain_offsets: dict[tuple[int, str], tuple[int, int]] = field(init=False, repr=False)
+    gain_elems: int = field(init=False)
 
     def __post_init__(self) -> None:
         align = max(1, _ALIGN_BYTES // self.itemsize)
-        regions, cursor = {}, 0
-        for layer in range(self.model.num_layers):
-            for module in self.pool.target_modules:
-                d_in, d_out = self.model.linear_shape(module)
-                for kind, cols in (("A", d_in), ("B", d_out)):
-                    region = TensorRegion(layer, module, kind, cursor, self.pool.max_lora_rank, cols)
-                    regions[(layer, module, kind)] = region
-                    cursor += -(-region.numel // align) * align
+        regions, cursor, gains, g_cursor = {}, 0, {}, 0
+        for layer, module in self.module_keys:
+            d_in, d_out = self.model.linear_shape(module)
+            for kind, rows, cols in (("A", self.max_rank, d_in), ("B", self.max_rank, d_out),
+                                     ("M", 1, d_out)):
+                region = TensorRegion(layer, module, kind, cursor, rows, cols)
+                regions[(layer, module, kind)] = region
+                cursor += -(-region.numel // align) * align
+            gains[(layer, module)] = (g_cursor, d_out)
+            g_cursor += -(-d_out // 4) * 4  # 16-byte aligned rows for the kernels' loads
         object.__setattr__(self, "regions", regions)
         object.__setattr__(self, "slot_elems", cursor)
+        object.__setattr__(self, "gain_offsets", gains)
+        object.__setattr__(self, "gain_elems", g_cursor)
+
+    @property
+    def table_modules(self) -> tuple[str, ...]:
+        """Columns of the per-slot [layers, modules] rank/scale/DoRA tables: the decoder
+        targets, then the model-level ones (their row is layer 0)."""
+        return self.pool.target_modules + self.pool.extra_targets
+
+    @property
+    def module_keys(self) -> tuple[tuple[int, str], ...]:
+        """Every (layer, module) with pool memory, in slot order."""
+        keys = [(layer, m) for layer in range(self.model.num_layers) for m in self.pool.target_modules]
+        return tuple(keys) + tuple((0, m) for m in self.pool.extra_targets)
 
     @property
     def itemsize(self) -> int:
@@ -73,5 +101,5 @@ class SlotLayout:
         return self.regions[(layer, module, kind)]
 
     def module_index(self, module: str) -> int:
-        """Column of `module` in the per-slot [layers, modules] rank/scale tables."""
-        return self.pool.target_modules.index(module)
+        """Column of `module` in the per-slot [layers, modules] rank/scale/DoRA tables."""
+        return self.table_modules.index(module)

@@ -4,10 +4,17 @@ kernels read. It owns tensors and copies; the SlotTable owns policy.
 
 Addresses never change after construction: a swap rewrites contents only, so
 CUDA graphs captured over these views stay valid.
+
+DoRA (PEFT's use_dora): y = g * (x W^T + s x A^T B^T) + bias with g = m / ||W + s B A||
+per output row. g depends only on the slot's bytes and the base weight, so it is computed
+once per landing (`compute_gains`, on the device, a chunk of output rows at a time so
+W + sBA is never whole) into the float32 `gains` buffer, and the `doras` table flags the
+(slot, layer, module) cells whose kernels must apply it. Other cells keep g = 1, flag 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,15 +33,27 @@ class ByteRange:
     nbytes: int
 
 
+# Output rows of W + s B A materialised at a time by compute_gains (x in features each).
+GAIN_CHUNK_ELEMS = 1 << 22
+
+
 class AdapterPool:
-    def __init__(self, layout: SlotLayout, device: torch.device | str) -> None:
+    def __init__(self, layout: SlotLayout, device: torch.device | str,
+                 base_weights: Mapping[tuple[int, str], torch.Tensor] | None = None) -> None:
+        """base_weights: (layer, module) -> the base weight W [out, in] the module's LoRA
+        adds to (read only, for DoRA's norms). None for a pool that runs no model (the
+        peer store: it only exports slot bytes): DoRA gains then stay 1 and are never read."""
         self.layout = layout
         self.device = torch.device(device)
-        S, L, M = layout.max_loras, layout.model.num_layers, len(layout.pool.target_modules)
+        self.base_weights = base_weights
+        S, L, M = layout.max_loras, layout.model.num_layers, len(layout.table_modules)
         # pool: [S * slot_elems]; slot s occupies [s * slot_elems, (s+1) * slot_elems)
         self.buffer = torch.zeros(S * layout.slot_elems, dtype=layout.dtype, device=self.device)
         self.ranks = torch.zeros(S, L, M, dtype=torch.int32, device=self.device)
         self.scales = torch.zeros(S, L, M, dtype=torch.float32, device=self.device)
+        self.doras = torch.zeros(S, L, M, dtype=torch.int32, device=self.device)  # 1: apply g
+        # gains: [S, gain_elems] float32, DoRA's g per output row; 1 where no DoRA landed
+        self.gains = torch.ones(S, layout.gain_elems, dtype=torch.float32, device=self.device)
         self._views = {key: self._view(r) for key, r in layout.regions.items()}
         self._fused: dict = {}
 
@@ -53,13 +72,22 @@ class AdapterPool:
         """Bt: [S, max_rank, out]"""
         return self._views[(layer, module, "B")]
 
+    def magnitude(self, layer: int, module: str) -> torch.Tensor:
+        """DoRA's m: [S, 1, out] (in the pool dtype, as the slot's other bytes)."""
+        return self._views[(layer, module, "M")]
+
+    def gain(self, layer: int, module: str) -> torch.Tensor:
+        """DoRA's g = m / ||W + s B A||: [S, out] float32, 1 where the cell is not DoRA."""
+        off, out = self.layout.gain_offsets[(layer, module)]
+        return self.gains[:, off:off + out]
+
     def fused_views(self, layer: int, modules: tuple[str, ...], out_slices: tuple[slice, ...]):
-        """(As, Bts, out_slices, scales, ranks) of the served modules among a fused
-        projection's, or None if the pool serves none; built once per projection."""
+        """(As, Bts, out_slices, scales, ranks, doras, gains) of the served modules among a
+        fused projection's, or None if the pool serves none; built once per projection."""
         key = (layer, modules)
         if key not in self._fused:
             picked = [(m, s) for m, s in zip(modules, out_slices)
-                      if m in self.layout.pool.target_modules]
+                      if (layer, m) in self.layout.gain_offsets]
             idx = [self.layout.module_index(m) for m, _ in picked]
             self._fused[key] = (
                 [self.lora_a(layer, m) for m, _ in picked],  # each [S, R, in]
@@ -67,6 +95,8 @@ class AdapterPool:
                 [s for _, s in picked],
                 [self.scales[:, layer, i] for i in idx],  # each [S]
                 [self.ranks[:, layer, i] for i in idx],  # each [S]
+                [self.doras[:, layer, i] for i in idx],  # each [S]
+                [self.gain(layer, m) for m, _ in picked],  # each [S, out_m]
             ) if picked else None
         return self._fused[key]
 
@@ -82,9 +112,10 @@ class AdapterPool:
         for landing in plan.landings:
             t = landing.target
             region = layout.region(t.layer, t.module, landing.kind)
-            if not 0 < t.rank <= region.rows:
-                raise AssertionError(f"planned rank {t.rank} outside the region of {region.rows} rows")
-            ranges.append(ByteRange(base + region.offset * itemsize, t.rank * region.cols * itemsize))
+            rows = landing.rows
+            if not 0 < rows <= region.rows:
+                raise AssertionError(f"planned rows {rows} outside the region of {region.rows} rows")
+            ranges.append(ByteRange(base + region.offset * itemsize, rows * region.cols * itemsize))
         return ranges
 
     def slot_is_finite(self, slot: int) -> bool:
@@ -95,13 +126,14 @@ class AdapterPool:
     def stage_views(self, plan: AdapterPlan, data: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of each planned tensor inside the staged data bytes.
 
-        data: [data_bytes] uint8 on the pool's device. Raises NonFiniteWeightsError
+        data: [plan.staged_bytes] uint8 on the pool's device. Raises NonFiniteWeightsError
         before anything is written, so a NaN adapter never reaches a slot."""
         views = []
         for landing in plan.landings:
             e = landing.entry
-            raw = data[e.begin:e.end]
-            if (data.storage_offset() + e.begin) % e.torch_dtype.itemsize:
+            begin = plan.staged_begin(e)  # e.begin unless the plan stages only its spans
+            raw = data[begin:begin + e.nbytes]
+            if (data.storage_offset() + begin) % e.torch_dtype.itemsize:
                 raw = raw.clone()  # a hostile file may misalign a tensor; keep the view legal
             views.append(raw.view(e.torch_dtype).view(e.shape))
         if not views or self._all_finite(data, views):
@@ -128,6 +160,8 @@ class AdapterPool:
         self.slot_region(slot).zero_()
         self.ranks[slot].zero_()
         self.scales[slot].zero_()
+        self.doras[slot].zero_()
+        self.gains[slot].fill_(1.0)
 
     def land(self, slot: int, plan: AdapterPlan, views: list[torch.Tensor],
              tables: bool = True) -> None:
@@ -144,12 +178,15 @@ class AdapterPool:
             for landing, src in zip(plan.landings, views):
                 t = landing.target
                 region = self.layout.region(t.layer, t.module, landing.kind)
-                items.append((src, base + region.offset, t.rank, region.cols, landing.kind == "B"))
+                items.append((src, base + region.offset, landing.rows, region.cols,
+                              landing.kind == "B"))
             land_views(self.buffer, src_base, items)
         else:
             for landing, src in zip(plan.landings, views):
                 t = landing.target
-                if landing.kind == "A":
+                if landing.kind == "M":
+                    self.magnitude(t.layer, t.module)[slot, 0].copy_(src)  # [out]
+                elif landing.kind == "A":
                     self.lora_a(t.layer, t.module)[slot, :t.rank].copy_(src)  # [r, in]
                 else:
                     self.lora_bt(t.layer, t.module)[slot, :t.rank].copy_(src.t())  # [r, out]
@@ -157,18 +194,60 @@ class AdapterPool:
             self.set_tables(slot, plan)
 
     def set_tables(self, slot: int, plan: AdapterPlan) -> None:
+        """The rank/scale/DoRA rows of a landed plan, then (DoRA) its gains."""
         ranks = torch.zeros(self.ranks[slot].shape, dtype=torch.int32)  # [L, M]
         scales = torch.zeros(self.scales[slot].shape, dtype=torch.float32)
+        doras = torch.zeros(self.doras[slot].shape, dtype=torch.int32)
         if plan.targets:  # one indexed write each, not one per module (448 on an 8B)
             rows = [(t.layer, self.layout.module_index(t.module), t.rank, t.scale)
                     for t in plan.targets]
             layer, module, rank, scale = (list(c) for c in zip(*rows))
             ranks[layer, module] = torch.tensor(rank, dtype=torch.int32)
             scales[layer, module] = torch.tensor(scale, dtype=torch.float32)
+            doras[layer, module] = int(plan.dora)
+        self.write_tables(slot, ranks, scales, doras)
+
+    def write_tables(self, slot: int, ranks: torch.Tensor, scales: torch.Tensor,
+                     doras: torch.Tensor) -> None:
+        """Host rows [L, M] into the slot's tables; DoRA cells get their gains computed
+        from the slot's bytes (so call it after the bytes landed)."""
         self.ranks[slot].copy_(ranks)
         self.scales[slot].copy_(scales)
+        self.doras[slot].copy_(doras)
+        self.gains[slot].fill_(1.0)
+        cells = doras.nonzero().tolist()  # host tensor: no device sync
+        if cells and self.base_weights is not None:
+            self.compute_gains(slot, [(layer, self.layout.table_modules[m], float(scales[layer, m]),
+                                       int(ranks[layer, m])) for layer, m in cells])
+
+    def compute_gains(self, slot: int, cells: list[tuple[int, str, float, int]]) -> None:
+        """g = m / ||W + s B A|| per output row (PEFT's DoraLinearLayer: the L2 norm over
+        in-features of each row of W + scaling * lora_B @ lora_A, in float32 here) for each
+        (layer, module, scale, rank) cell; W + sBA is built GAIN_CHUNK_ELEMS at a time."""
+        bad = []
+        for layer, module, scale, rank in cells:
+            W = self.base_weights[(layer, module)]  # [out, in]
+            a = self.lora_a(layer, module)[slot, :rank].float()  # [r, in]
+            bt = self.lora_bt(layer, module)[slot, :rank].float()  # [r, out]
+            m = self.magnitude(layer, module)[slot, 0].float()  # [out]
+            g = self.gain(layer, module)[slot]  # [out] float32, a view: written in place
+            out, d_in = W.shape
+            step = max(1, GAIN_CHUNK_ELEMS // max(d_in, 1))
+            for lo in range(0, out, step):
+                hi = min(out, lo + step)
+                rows = W[lo:hi].float() + scale * (bt[:, lo:hi].T @ a)  # [c, in]
+                g[lo:hi] = m[lo:hi] / torch.linalg.vector_norm(rows, dim=1)  # [c]
+            bad.append(g.isfinite().all())
+        if bad and not bool(torch.stack(bad).all()):
+            raise NonFiniteWeightsError(
+                "a DoRA gain m / ||W + s B A|| is not finite (a row of W + s B A has norm 0, "
+                "or the magnitudes overflow)")
 
     # --- read-back (tests, peers) --------------------------------------------------
+
+    def host_tables(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ranks, scales, doras) rows [L, M] of slot, on the host."""
+        return self.ranks[slot].cpu(), self.scales[slot].cpu(), self.doras[slot].cpu()
 
     def delta(self, slot: int, layer: int, module: str) -> torch.Tensor:
         """scale * B @ A as the kernels see it: [out, in] float32."""

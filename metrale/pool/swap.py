@@ -37,7 +37,7 @@ from metrale.pool.landing import Landing, LandingResult
 from metrale.pool.layout import SlotLayout
 from metrale.pool.pool import AdapterPool
 from metrale.pool.slots import SlotInfo, SlotTable
-from metrale.pool.staging import ShortReadError, StagingBuffers
+from metrale.pool.staging import ShortReadError, StagingBuffers, read_chunks
 
 log = logging.getLogger("metrale.pool")
 _PLAN_CACHE = 256
@@ -57,6 +57,12 @@ def read_adapter_data(plan: AdapterPlan, staging: StagingBuffers) -> torch.Tenso
     """The file's data section, read in parallel chunks into `staging` (on its device:
     [data_bytes] uint8); a file that changed or shrank since it was planned is refused."""
     try:
+        if plan.spans:  # only the landed tensors' bytes: skip PEFT's frozen-weight copies
+            host, pos = staging.host(plan.staged_bytes), 0
+            for a, b in plan.spans:
+                read_chunks(plan.source, plan.data_offset + a, host[pos:pos + b - a], None)
+                pos += b - a
+            return staging.to_device(host)
         return staging.read_file(plan.source, plan.data_offset, plan.data_bytes)
     except OSError as e:
         raise _read_error(plan, e) from None
@@ -116,15 +122,17 @@ class LoraSlots:
 
     def __init__(
         self, model: ModelConfig, pool: PoolConfig, device: torch.device | str,
-        dtype: torch.dtype,
+        dtype: torch.dtype, base_weights=None,
     ) -> None:
+        """base_weights: (layer, module) -> base W [out, in], read for DoRA's norms
+        (LlamaForCausalLM.lora_base_weights); None: DoRA adapters fail to land."""
         self.model_config, self.pool_config = model, pool
         self.table = SlotTable(pool.max_loras)
         self.listeners: list[Callable[[LandingEvent], None]] = []
         self.pool: AdapterPool | None = None
         self.host_tier: HostTier | None = None
         if pool.max_loras:
-            self.pool = AdapterPool(SlotLayout(model, pool, dtype), device)
+            self.pool = AdapterPool(SlotLayout(model, pool, dtype), device, base_weights)
             if pool.host_tier_bytes:
                 self.host_tier = HostTier(self.pool, pool.host_tier_bytes)
         self.staging = StagingBuffers(torch.device(device))

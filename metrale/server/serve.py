@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from metrale.config import SchedulerConfig
+from metrale.config import ConfigError, SchedulerConfig, check_extra_targets
 from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from metrale.model.default_model import cache_root, default_model_dir
 from metrale.server.settings import ServerSettings, is_loopback
@@ -84,8 +84,8 @@ def build_app(args: argparse.Namespace):
               device=args.device, dtype=args.dtype, allow_runtime_swaps=True,
               max_model_len=args.max_model_len, promotion_timeout_s=args.promotion_timeout,
               peer_allow=tuple(args.peer_allow), peer_transport=args.peer_transport,
-              peer_timeout_s=args.peer_timeout, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
+              peer_timeout_s=args.peer_timeout, lora_extra_targets=args.lora_extra_targets,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               scheduler=SchedulerConfig(args.scheduler_policy, args.max_prefill_chunk,
                                         args.max_admission_wait, args.max_promotions_in_flight),
               **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}))
@@ -185,6 +185,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=16,
                    help="largest LoRA rank a slot holds; adapters above it are refused "
                         "(default: %(default)s)")
+    p.add_argument("--lora-extra-targets", type=_extra_targets, default=(), metavar="LIST",
+                   help="comma-separated model-level LoRA targets to reserve slot memory for: "
+                        "embed_tokens, lm_head (lm_head costs max-lora-rank x vocab per slot); "
+                        "adapters with LoRA on them are refused without it (default: none)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="most tokens per sequence, prompt plus output (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
@@ -245,3 +249,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="export this server's resident adapters to peers on PORT (0 = any "
                         "free port; default: no export)")
 
+
+
+def _extra_targets(text: str) -> tuple[str, ...]:
+    """--lora-extra-targets: a comma list of EXTRA_TARGETS names, checked at parse time."""
+    try:
+        return check_extra_targets(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -60,8 +60,14 @@ def make_adapter(base_model, path: Path, seed: int = 0, **lora_kwargs):
     torch.manual_seed(seed)
     cfg = LoraConfig(init_lora_weights=False, **lora_kwargs)
     peft_model = get_peft_model(copy.deepcopy(base_model), cfg)
+    with torch.no_grad():
+        # PEFT initialises DoRA's magnitude to ||W + sBA||, i.e. gain 1, which would hide
+        # a missing or misplaced gain: move it off 1 as training does
+        for name, p in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
     peft_model.save_pretrained(path, safe_serialization=True)
-    return peft_model
+    return peft_model.eval()
 
 
 def peft_deltas(peft_model) -> dict[str, torch.Tensor]:
@@ -80,7 +86,9 @@ def write_lora(path: Path, arch: str = "llama", seed: int = 0, dtype=torch.float
     """A PEFT-format adapter dir (adapter_config.json + adapter_model.safetensors) written
     directly, without building a model: for validation tests that corrupt it. `config`
     overrides the adapter_config.json fields (r, lora_alpha, target_modules...); the
-    tensors cover target_modules (a list of short names) on every layer at rank r."""
+    tensors cover target_modules (a list of short names) on every layer at rank r, with
+    PEFT's names for embed_tokens (lora_embedding_A/B) and lm_head, and each module's
+    lora_magnitude_vector when use_dora is set."""
     import json
 
     from safetensors.torch import save_file
@@ -94,10 +102,18 @@ def write_lora(path: Path, arch: str = "llama", seed: int = 0, dtype=torch.float
     tensors = {}
     for layer in range(model.num_layers):
         for module in cfg["target_modules"]:
+            if module in ("embed_tokens", "lm_head") and layer:
+                continue  # model-level: once
             d_in, d_out = model.linear_shape(module)
             prefix = f"base_model.model.{model.module_path(layer, module)}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(cfg["r"], d_in, generator=gen).to(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, cfg["r"], generator=gen).to(dtype)
+            a, b = ((f"{prefix}.lora_embedding_A", f"{prefix}.lora_embedding_B")
+                    if module == "embed_tokens" else
+                    (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"))
+            tensors[a] = torch.randn(cfg["r"], d_in, generator=gen).to(dtype)
+            tensors[b] = torch.randn(d_out, cfg["r"], generator=gen).to(dtype)
+            if cfg.get("use_dora"):
+                tensors[f"{prefix}.lora_magnitude_vector"] = (
+                    torch.rand(d_out, generator=gen) + 0.5).to(dtype)
     path.mkdir(parents=True, exist_ok=True)
     (path / "adapter_config.json").write_text(json.dumps(cfg))
     save_file(tensors, path / "adapter_model.safetensors")
