@@ -17,6 +17,16 @@ from bench.common import build_pair
 from metrale.engine.sampling_params import SamplingParams
 
 
+def _median_step_ms(engine, n: int) -> float:
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return sorted(ts)[n // 2]
+
+
 def main() -> None:
     dev = "cuda"
     with tempfile.TemporaryDirectory() as tmp:
@@ -30,18 +40,10 @@ def main() -> None:
         for _ in range(5):
             eng.step()
         torch.cuda.synchronize()
-        ts = []
-        for _ in range(20):
-            t = time.perf_counter(); eng.step(); torch.cuda.synchronize(); ts.append((time.perf_counter() - t) * 1e3)
-        print("decode step ms", sorted(ts)[10])
+        print("decode step ms", _median_step_ms(eng, 20))
         eng.add_request([rng.randrange(10, vocab - 10) for _ in range(8192)],
                         SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        ts = []
-        for _ in range(30):
-            t = time.perf_counter(); eng.step(); torch.cuda.synchronize(); ts.append((time.perf_counter() - t) * 1e3)
-        print("mixed step ms", sorted(ts)[15], "replays", dict(eng.runner.graphs.replays))
-        t = time.perf_counter(); eng.step(); t1 = time.perf_counter(); torch.cuda.synchronize(); t2 = time.perf_counter()
-        print(f"host part {1e3*(t1-t):.2f} ms, wait {1e3*(t2-t1):.2f} ms")
+        print("mixed step ms", _median_step_ms(eng, 30), "replays", dict(eng.runner.graphs.replays))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 eng.step()
