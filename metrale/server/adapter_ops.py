@@ -130,6 +130,17 @@ class AdapterOps:
         self.metrics.pool_full_waits.inc(len(ids - self._waiting_ids))
         self.metrics.pool_full_waiting.set(len(ids))
         self._waiting_ids = ids
+        self._vllm_gauges(scheduler, adapters)
+
+    def _vllm_gauges(self, scheduler, adapters) -> None:
+        """Running = adapters of scheduled sequences; waiting = adapters of queued ones, those
+        waiting for a promotion included (both sets kept apart, as vLLM reports them)."""
+        running = [s.adapter for s in scheduler.running if s.adapter]
+        waiting = [s.adapter for s in scheduler.waiting if s.adapter]  # pending ones too
+        blocks = self.engine.blocks
+        used = 1.0 - blocks.num_free / blocks.num_blocks if blocks.num_blocks else 0.0
+        self.metrics.set_vllm(running, waiting, self.engine.lora.pool_config.max_loras,
+                              len(scheduler.running), len(scheduler.waiting), used)
 
     # --- views ------------------------------------------------------------------------
 
