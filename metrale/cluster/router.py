@@ -1,0 +1,81 @@
+"""AdapterAffinityRouter: Ray Serve's public RequestRouter API over ranking.rank.
+
+Replicas report routing stats (stats.py) every `stats_period_s`; between two reports
+the router keeps its own exact count of what it sent where (on_request_routed /
+on_request_completed), so a burst is balanced before the next report arrives, and
+an adapter it just sent somewhere counts as landing there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from metrale.cluster.config import RouterConfig
+from metrale.cluster.ranking import ReplicaView, rank
+
+
+def request_adapter(pending: PendingRequest | None) -> str | None:
+    """The adapter the request names: the `adapter` keyword of EngineReplica.generate."""
+    if pending is None:
+        return None
+    return pending.kwargs.get("adapter") or None
+
+
+SENT_TTL_S = 5.0  # longer than a stats period: by then the replica reports it READY
+
+
+class AdapterAffinityRouter(RequestRouter):
+    def initialize_state(self, epsilon: float = 0.25, spread_queue: int = 8, **_) -> None:
+        self.config = RouterConfig(epsilon=epsilon, spread_queue=spread_queue)
+        self._inflight: dict[str, Counter] = defaultdict(Counter)  # replica -> adapter -> n
+        self._requests: dict[str, tuple[str, str]] = {}  # internal id -> (replica, adapter)
+        # replica -> adapter -> when last sent there: "landing" until stats catch up
+        self._sent: dict[str, dict[str, float]] = defaultdict(dict)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        adapter = request_adapter(pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        views = [self.view(r) for r in candidate_replicas]
+        return [[by_id[rid]] for rid in rank(adapter, views, self.config)]
+
+    def view(self, replica: RunningReplica) -> ReplicaView:
+        rid = replica.replica_id.unique_id
+        stats = replica.routing_stats or {}
+        mine = self._inflight.get(rid, Counter())
+        adapter_load = Counter(stats.get("adapter_load", {}))
+        for name, n in mine.items():
+            adapter_load[name] = max(adapter_load[name], n)
+        ready = frozenset(stats.get("ready", ()))
+        now = time.monotonic()
+        sent = {a for a, t in self._sent.get(rid, {}).items() if now - t < SENT_TTL_S}
+        return ReplicaView(
+            replica_id=rid, load=max(int(stats.get("load", 0)), sum(mine.values())),
+            ready=ready, warm=frozenset(stats.get("warm", ())) | (sent - ready),
+            adapter_load=dict(adapter_load), idle_slots=int(stats.get("idle_slots", 0)))
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        adapter = request_adapter(pending_request) or ""
+        rid = replica_id.unique_id
+        self._inflight[rid][adapter] += 1
+        self._requests[pending_request.metadata.internal_request_id] = (rid, adapter)
+        if adapter:
+            self._sent[rid][adapter] = time.monotonic()
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        rid, adapter = self._requests.pop(internal_request_id, (None, None))
+        if rid is not None:
+            self._inflight[rid][adapter] -= 1
+            if self._inflight[rid][adapter] <= 0:
+                del self._inflight[rid][adapter]
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        rid = replica_id.unique_id
+        self._inflight.pop(rid, None)
+        self._sent.pop(rid, None)
+        self._requests = {k: v for k, v in self._requests.items() if v[0] != rid}
