@@ -101,7 +101,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPUs of the local Ray started without --ray-address (default: all)")
     g.add_argument("--replica-threads", type=int, default=1, metavar="N",
                    help="torch threads (and Ray CPUs) per CPU replica (default: %(default)s)")
-    g.add_argument("--router-epsilon", type=float, default=0.25,
+    g.add_argument("--router-epsilon", type=float, default=0.5,
                    help="adapter affinity may load a replica up to (1+epsilon) x the mean "
                         "(default: %(default)s)")
     g.add_argument("--router-spread-queue", type=int, default=8, metavar="N",

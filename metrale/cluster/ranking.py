@@ -4,7 +4,9 @@ Pure: the router (router.py) and the simulation (bench/cluster_sim.py) both call
 `rank`, tests call it without Ray. Tiers, best first:
   1. the adapter is READY there and the replica is within the load bound;
   2. the adapter is landing there (or in its host tier), within the bound;
-  3. everything else, least loaded first (an idle slot breaks ties: no eviction).
+  3. within the bound, a replica that can land it now (a free or idle slot: no wait
+     for a busy slot to drain), least loaded first;
+  4. everything else, least loaded first.
 The bound: no replica takes more than ceil((1 + epsilon) x mean load) requests for
 affinity's sake (the mean counts the request being placed), so a hot adapter cannot
 pile onto the one replica that holds it ("prefer loaded" hotspots). Spreading: once
@@ -28,7 +30,7 @@ class ReplicaView:
     ready: frozenset[str] = frozenset()  # adapters READY in a slot
     warm: frozenset[str] = frozenset()  # adapters landing there or in its host tier
     adapter_load: Mapping[str, int] = field(default_factory=dict)  # in flight, per adapter
-    idle_slots: int = 0  # slots a promotion could take without evicting
+    idle_slots: int = 0  # slots a promotion could take now (EMPTY, or READY with no requests)
 
 
 def load_bound(views: Sequence[ReplicaView], epsilon: float) -> int:
@@ -51,7 +53,10 @@ def rank(adapter: str | None, views: Sequence[ReplicaView], cfg: RouterConfig) -
     # among holders, the one with fewest of this adapter's requests, then least loaded
     ready.sort(key=lambda v: (v.adapter_load.get(adapter, 0), v.load, v.replica_id))
     taken = {v.replica_id for v in ready + warm}
-    rest = [v for v in by_load if v.replica_id not in taken]
+    cold = [v for v in within if v.replica_id not in taken]
+    cold.sort(key=lambda v: (v.idle_slots == 0, v.load, v.replica_id))
+    taken |= {v.replica_id for v in cold}
+    rest = cold + [v for v in by_load if v.replica_id not in taken]
     holders = ready + warm
     if holders and cfg.spread_queue and rest and rest[0].load + 1 <= bound and all(
             v.adapter_load.get(adapter, 0) >= cfg.spread_queue for v in holders):

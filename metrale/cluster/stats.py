@@ -15,6 +15,7 @@ def routing_stats(engine: LLMEngine) -> dict:
         state = info.state.value
         if state == "READY" and info.name is not None and table.slot_of(info.name) == info.slot:
             ready.append(info.name)
+            idle += info.ref_count == 0 and not info.pinned  # a promotion may take it now
         elif state == "LOADING" and info.name is not None:
             landing.append(info.name)
         elif state == "EMPTY":
