@@ -44,6 +44,7 @@ class ReplicaSpec:
     peer_timeout_s: float = 30.0
     host: str = "127.0.0.1"  # where the replica's own HTTP and peer servers listen
     torch_threads: int = 1
+    stage_from_peers: bool = True  # off: every landing reads disk (the baseline runs)
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -52,10 +53,17 @@ class ReplicaSpec:
             raise ValueError("torch_threads must be >= 1")
 
 
+ROUTERS = ("metrale", "ray_default")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
+    """routing: "metrale" (AdapterAffinityRouter) or "ray_default" (Ray Serve's own
+    multiplexed routing, the adapter as the multiplexed model id: the baseline)."""
+
     replicas: int
     router: RouterConfig = field(default_factory=RouterConfig)
+    routing: str = "metrale"
     stats_period_s: float = 1.0  # how often Ray asks replicas for routing stats
     sync_timeout_s: float = 60.0  # a registry change waits this long for every replica
     retries: int = 3  # a request whose replica died is resent up to this many times
@@ -66,5 +74,7 @@ class ClusterConfig:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if not self.stats_period_s > 0 or not self.sync_timeout_s > 0:
             raise ValueError("stats_period_s and sync_timeout_s must be positive")
+        if self.routing not in ROUTERS:
+            raise ValueError(f"routing {self.routing!r}: choose from {ROUTERS}")
         if self.retries < 0 or self.max_ongoing_requests < 1:
             raise ValueError("retries must be >= 0 and max_ongoing_requests >= 1")

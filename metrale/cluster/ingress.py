@@ -131,8 +131,11 @@ class ClusterEngine:
         tokens cannot be replayed faithfully and fails with 503."""
         delivered = 0
         for attempt in range(self.cluster.retries + 1):
-            stream = self.handle.options(stream=True).generate.remote(prompt, params,
-                                                                      adapter=adapter)
+            options = {"stream": True}
+            if adapter is not None and self.cluster.routing == "ray_default":
+                options["multiplexed_model_id"] = adapter  # what Ray's own router reads
+            stream = self.handle.options(**options).generate.remote(prompt, params,
+                                                                    adapter=adapter)
             try:
                 async for replica_id, out in stream:
                     if isinstance(out, BaseException):
@@ -239,15 +242,16 @@ class ClusterEngine:
         members = await self.registry.members.remote()
         staging = await asyncio.gather(*(self._get(m.url, "/internal/staging") for m in members),
                                        return_exceptions=True)
-        return {
-            "served": {a: dict(c) for a, c in self.served.items()},
-            "retried": self.retried,
-            "replicas": {m.replica_id: {"url": m.url, "peer": m.peer_addr, "applied": m.applied,
-                                        "resident": m.resident, "errors": m.errors,
-                                        "staging": [] if isinstance(s, BaseException)
-                                        else s["records"]}
-                         for m, s in zip(members, staging)},
-        }
+        def replica(m, s) -> dict:
+            ok = not isinstance(s, BaseException)
+            return {"url": m.url, "peer": m.peer_addr, "applied": m.applied,
+                    "resident": m.resident, "errors": m.errors,
+                    "staging": s["records"] if ok else [],
+                    "adapter_requests": s["adapter_requests"] if ok else None,
+                    "adapter_hits": s["adapter_hits"] if ok else None}
+
+        return {"served": {a: dict(c) for a, c in self.served.items()}, "retried": self.retried,
+                "replicas": {m.replica_id: replica(m, s) for m, s in zip(members, staging)}}
 
     # --- helpers ----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from ray.serve.config import RequestRouterConfig
 from metrale.cluster.config import ClusterConfig, ReplicaSpec
 from metrale.cluster.ingress import ClusterIngress
 from metrale.cluster.registry import RegistryActor
-from metrale.cluster.replica import EngineReplica
+from metrale.cluster.replica import EngineReplica, multiplexed_replica
 
 APP_NAME = "metrale"
 NAMESPACE = "metrale"
@@ -38,12 +38,14 @@ def deploy(spec: ReplicaSpec, cluster: ClusterConfig, settings_kwargs: dict,
         get_if_exists=True, num_cpus=0, max_concurrency=1000)
     registry = registry_actor.remote(reserved_names=("base", Path(spec.model).name))
     ray.get(registry.members.remote())  # up and named before any replica looks it up
-    replicas = serve.deployment(
-        EngineReplica, name="EngineReplica", num_replicas=cluster.replicas,
-        max_ongoing_requests=cluster.max_ongoing_requests,
-        ray_actor_options=replica_resources or {"num_cpus": 1},
-        health_check_period_s=2.0, health_check_timeout_s=30.0,
-        request_router_config=RequestRouterConfig(
+    common = dict(name="EngineReplica", num_replicas=cluster.replicas,
+                  max_ongoing_requests=cluster.max_ongoing_requests,
+                  ray_actor_options=replica_resources or {"num_cpus": 1},
+                  health_check_period_s=2.0, health_check_timeout_s=30.0)
+    if cluster.routing == "ray_default":  # the baseline: Ray's own multiplexed routing
+        replicas = serve.deployment(multiplexed_replica(spec.max_loras), **common)
+    else:
+        replicas = serve.deployment(EngineReplica, **common, request_router_config=RequestRouterConfig(
             request_router_class="metrale.cluster.router:AdapterAffinityRouter",
             request_router_kwargs={"epsilon": cluster.router.epsilon,
                                    "spread_queue": cluster.router.spread_queue},

@@ -71,6 +71,7 @@ class EngineReplica:
                                           client_allow=spec.peer_allow or LOOPBACK).start()
         self.peer_addr = self.peer_server.url.removeprefix("http://")
         self.stager = PeerStager(self.engine, self._holders, spec.peer_timeout_s)
+        self.arrivals = self.hits = 0  # adapter requests, and those whose adapter was READY
         self.url = self._start_http()
         registry = ray.get_actor(spec.registry_name, namespace=spec.registry_namespace)
         self.sync = RegistrySync(self.engine, lambda applied, resident, errors: registry.poll.remote(
@@ -117,9 +118,12 @@ class EngineReplica:
         and ends the stream, so its class and message cross Ray untouched."""
         try:
             # the fast check is a racy read of the slot map, only a hint: ensure() re-checks
-            if adapter is not None and self._holders(adapter) and \
-                    self.engine.engine.lora.table.slot_of(adapter) is None:
-                await asyncio.to_thread(self.stager.ensure, adapter)
+            if adapter is not None:
+                resident = self.engine.engine.lora.table.slot_of(adapter) is not None
+                self.arrivals += 1
+                self.hits += resident
+                if not resident and self.spec.stage_from_peers and self._holders(adapter):
+                    await asyncio.to_thread(self.stager.ensure, adapter)
             async for out in self.engine.generate(prompt, params, adapter):
                 yield self.replica_id, out
         except MetraleError as e:
@@ -158,7 +162,8 @@ class EngineReplica:
 
         @internal.get("/internal/staging")
         async def staging(request: Request) -> dict:
-            return {"replica": self.replica_id,
+            return {"replica": self.replica_id, "adapter_requests": self.arrivals,
+                    "adapter_hits": self.hits,
                     "records": [r.__dict__ for r in self.stager.records]}
 
         app.include_router(internal)
@@ -176,3 +181,21 @@ class EngineReplica:
             self.peer_server.close()
         except Exception:
             pass
+
+
+def multiplexed_replica(max_models: int) -> type:
+    """EngineReplica as Ray Serve's multiplexing sees a model server: each adapter is a
+    multiplexed model id, in a per-replica LRU of max_models (the baseline routing)."""
+
+    class MultiplexedEngineReplica(EngineReplica):
+        @serve.multiplexed(max_num_models_per_replica=max_models)
+        async def load_adapter(self, model_id: str) -> str:
+            return model_id  # the engine lands it on demand; Ray only tracks the id
+
+        async def generate(self, prompt, params, adapter=None):
+            if adapter is not None:
+                await self.load_adapter(adapter)
+            async for item in super().generate(prompt, params, adapter):
+                yield item
+
+    return MultiplexedEngineReplica
