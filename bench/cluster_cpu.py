@@ -75,6 +75,7 @@ def one_run(routing: str, model_dir: Path, adapters_root: Path, names: list[str]
     cdf = [sum(weights[:k + 1]) / sum(weights) for k in range(len(names))]
     jobs = [names[bisect.bisect_left(cdf, rng.random())] for _ in range(args.requests)]
     ttfts: list[float] = []
+    failures: list[str] = []
     lock = threading.Lock()
 
     def worker(mine: list[str]) -> None:
@@ -83,13 +84,15 @@ def one_run(routing: str, model_dir: Path, adapters_root: Path, names: list[str]
             with httpx.stream("POST", f"{url}/v1/completions", timeout=600, json={
                     "model": adapter, "prompt": "Tell me about the moon.", "stream": True,
                     "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}) as r:
+                first = None
                 for line in r.iter_lines():
-                    if line.startswith("data: ") and '"text"' in line:
-                        with lock:
-                            ttfts.append(time.perf_counter() - start)
-                        break
-                for _ in r.iter_lines():
-                    pass
+                    if first is None and line.startswith("data: ") and '"text"' in line:
+                        first = time.perf_counter() - start
+                with lock:
+                    if r.status_code != 200 or first is None:
+                        failures.append(f"{r.status_code}: {r.read()[:300]!r}")
+                    else:
+                        ttfts.append(first)
 
     threads = [threading.Thread(target=worker, args=(jobs[i::args.clients],))
                for i in range(args.clients)]
@@ -111,6 +114,7 @@ def one_run(routing: str, model_dir: Path, adapters_root: Path, names: list[str]
             "ttft_p50_ms": ttfts[len(ttfts) // 2] * 1e3,
             "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1e3,
             "peer_landings": peer, "served": stats["served"], "wall_s": wall,
+            "failures": len(failures), "first_failure": failures[0] if failures else None,
             "req_s": len(jobs) / wall, "ray": ray.__version__}
 
 
@@ -143,7 +147,8 @@ def main() -> None:
             r = rows[-1]
             print(f"{routing:12s} hit {r['hit_rate']:.3f}  ttft p50 {r['ttft_p50_ms']:.0f} ms  "
                   f"p99 {r['ttft_p99_ms']:.0f} ms  peer landings {r['peer_landings']}  "
-                  f"{r['req_s']:.2f} req/s", flush=True)
+                  f"{r['req_s']:.2f} req/s  failures {r['failures']} {r['first_failure'] or ''}",
+                  flush=True)
     finally:
         ray.shutdown()
         shutil.rmtree(ray_dir, ignore_errors=True)

@@ -33,22 +33,31 @@ def test_landing_beats_cold_and_ready_beats_landing():
 
 def test_holder_over_the_bound_is_passed_over():
     # mean with this request = (9 + 0 + 0 + 1) / 3 = 3.33; bound ceil(1.25 * 3.33) = 5
-    views = [v("hot", 9, ready={"x"}), v("r1", 0), v("r2", 0)]
+    views = [v("hot", 9, ready={"x"}), v("r1", 0, idle=1), v("r2", 0, idle=1)]
     assert load_bound(views, CFG.epsilon) == 5
     order = rank("x", views, CFG)
     assert order[0] in ("r1", "r2") and order[-1] == "hot"
 
 
+def test_over_the_bound_holder_beats_waiting_for_a_busy_slot():
+    """Every replica within the bound would have to wait for a busy slot to drain (a whole
+    request's time); the holder runs it now, one more row in its batch."""
+    views = [v("hot", 9, ready={"x"}), v("r1", 0), v("r2", 0)]
+    assert rank("x", views, CFG)[0] == "hot"
+    assert rank("x", views, RouterConfig(epsilon=0.25, spread_queue=4,
+                                         stall_over_bound=False))[0] in ("r1", "r2")
+
+
 def test_epsilon_sets_how_far_affinity_may_load():
-    views = [v("hot", 4, ready={"x"}), v("r1", 1)]
+    views = [v("hot", 4, ready={"x"}), v("r1", 1, idle=1)]
     assert rank("x", views, RouterConfig(epsilon=1.0, spread_queue=0))[0] == "hot"  # bound 6
     assert rank("x", views, RouterConfig(epsilon=0.0, spread_queue=0))[0] == "r1"  # bound 3
 
 
 def test_hot_adapter_spreads_when_every_holder_has_its_queue():
-    views = [v("r0", 4, ready={"x"}, adapter_load={"x": 4}), v("r1", 3), v("r2", 5)]
+    views = [v("r0", 4, ready={"x"}, adapter_load={"x": 4}), v("r1", 3, idle=1), v("r2", 5)]
     assert rank("x", views, CFG)[0] == "r1"
-    calm = [v("r0", 3, ready={"x"}, adapter_load={"x": 3}), v("r1", 3), v("r2", 5)]
+    calm = [v("r0", 3, ready={"x"}, adapter_load={"x": 3}), v("r1", 3, idle=1), v("r2", 5)]
     assert rank("x", calm, CFG)[0] == "r0"
     assert rank("x", views, RouterConfig(spread_queue=0))[0] == "r0"  # never spread
 

@@ -12,10 +12,13 @@ class RouterConfig:
     beyond that the request goes to the least loaded replica, wherever its adapter is.
     spread_queue: when every replica holding an adapter already has this many of its
     requests in flight, the next one goes to another replica (that replica lands it,
-    from a neighbour), so a hot adapter spreads as its queue grows. 0 = never spread."""
+    from a neighbour), so a hot adapter spreads as its queue grows. 0 = never spread.
+    stall_over_bound: when no replica within the bound has a slot free now (a cold one
+    would wait for a busy slot to drain), a holder over the bound goes before it."""
 
     epsilon: float = 0.5  # bench/cluster_sim.py: 0.25 loses hits, 1.0 loses balance (> 1.25)
     spread_queue: int = 8
+    stall_over_bound: bool = True
 
     def __post_init__(self) -> None:
         if not self.epsilon >= 0:

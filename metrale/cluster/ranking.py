@@ -6,7 +6,8 @@ Pure: the router (router.py) and the simulation (bench/cluster_sim.py) both call
   2. the adapter is landing there (or in its host tier), within the bound;
   3. within the bound, a replica that can land it now (a free or idle slot: no wait
      for a busy slot to drain), least loaded first;
-  4. everything else, least loaded first.
+  4. a holder over the bound, when no replica within it has a slot free now
+     (RouterConfig.stall_over_bound); then everything else, least loaded first.
 The bound: no replica takes more than ceil((1 + epsilon) x mean load) requests for
 affinity's sake (the mean counts the request being placed), so a hot adapter cannot
 pile onto the one replica that holds it ("prefer loaded" hotspots). Spreading: once
@@ -55,8 +56,16 @@ def rank(adapter: str | None, views: Sequence[ReplicaView], cfg: RouterConfig) -
     taken = {v.replica_id for v in ready + warm}
     cold = [v for v in within if v.replica_id not in taken]
     cold.sort(key=lambda v: (v.idle_slots == 0, v.load, v.replica_id))
-    taken |= {v.replica_id for v in cold}
-    rest = cold + [v for v in by_load if v.replica_id not in taken]
+    free = [v for v in cold if v.idle_slots]
+    taken |= {v.replica_id for v in free}
+    # No replica within the bound can land it without waiting for a busy slot to drain
+    # (a whole request's time): then a holder, even over the bound, runs it at once in
+    # its batch, which costs one more row in a step.
+    over = [v for v in by_load if v.replica_id not in taken and adapter in v.ready]
+    if not cfg.stall_over_bound:
+        over = []
+    taken |= {v.replica_id for v in over}
+    rest = free + over + [v for v in by_load if v.replica_id not in taken]
     holders = ready + warm
     if holders and cfg.spread_queue and rest and rest[0].load + 1 <= bound and all(
             v.adapter_load.get(adapter, 0) >= cfg.spread_queue for v in holders):

@@ -24,7 +24,9 @@ def request_adapter(pending: PendingRequest | None) -> str | None:
     return pending.kwargs.get("adapter") or None
 
 
-SENT_TTL_S = 5.0  # longer than a stats period: by then the replica reports it READY
+# What we sent is "landing there" until a report newer than this many seconds arrives;
+# a report covers what was sent well before it (landed: READY; evicted since: gone).
+SENT_TTL_S = 1.0
 
 
 class AdapterAffinityRouter(RequestRouter):
@@ -34,6 +36,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._requests: dict[str, tuple[str, str]] = {}  # internal id -> (replica, adapter)
         # replica -> adapter -> when last sent there: "landing" until stats catch up
         self._sent: dict[str, dict[str, float]] = defaultdict(dict)
+        self._stats_seen: dict[str, dict] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -52,10 +55,14 @@ class AdapterAffinityRouter(RequestRouter):
             adapter_load[name] = max(adapter_load[name], n)
         ready = frozenset(stats.get("ready", ()))
         now = time.monotonic()
-        sent = {a for a, t in self._sent.get(rid, {}).items() if now - t < SENT_TTL_S}
+        sent = self._sent[rid]
+        if stats is not self._stats_seen.get(rid):  # a fresh report: it knows what we sent
+            self._stats_seen[rid] = stats         # before it, landed or not (then: evicted)
+            for adapter in [a for a, t in sent.items() if now - t > SENT_TTL_S]:
+                del sent[adapter]
         return ReplicaView(
             replica_id=rid, load=max(int(stats.get("load", 0)), sum(mine.values())),
-            ready=ready, warm=frozenset(stats.get("warm", ())) | (sent - ready),
+            ready=ready, warm=frozenset(stats.get("warm", ())) | (set(sent) - ready),
             adapter_load=dict(adapter_load), idle_slots=int(stats.get("idle_slots", 0)))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
@@ -78,4 +85,5 @@ class AdapterAffinityRouter(RequestRouter):
         rid = replica_id.unique_id
         self._inflight.pop(rid, None)
         self._sent.pop(rid, None)
+        self._stats_seen.pop(rid, None)
         self._requests = {k: v for k, v in self._requests.items() if v[0] != rid}

@@ -23,6 +23,7 @@ def routing_stats(engine: LLMEngine) -> dict:
     promoting = engine.adapters.promoting()
     if promoting:
         landing.append(promoting)
+    landing += [name for name, seqs in engine.adapters.pending.items() if seqs]  # next in line
     scheduler = engine.scheduler
     per_adapter = Counter(s.adapter for s in list(scheduler.running) + list(scheduler.waiting)
                           if s.adapter)
