@@ -212,6 +212,25 @@ def test_unload_drains_everywhere(cluster):
     wait_for("c drained from every replica", gone_everywhere)
 
 
+def test_pin_and_reload_apply_to_every_replica(cluster):
+    cluster.register("p")
+    r = httpx.post(f"{cluster.url}/v1/adapters/p/pin", timeout=BOUND_S)
+    assert r.status_code == 200, r.text
+    for rid, rep in r.json()["adapter"]["replicas"].items():
+        assert rep["pinned"] and rep["state"] == "READY", rid  # landed everywhere, pinned
+    # vLLM's in-place reload: every replica serves the new files (d's) from now on
+    r = httpx.post(f"{cluster.url}/v1/load_lora_adapter", timeout=BOUND_S,
+                   json={"lora_name": "p", "lora_path": "d", "load_inplace": True})
+    assert r.status_code == 200, r.text
+    want = cluster.ref.text(PROMPTS[1], "d", 8)
+    for rep in cluster.replicas().values():
+        out = cluster.complete(PROMPTS[1], "p", url=rep["url"])
+        assert out.json()["choices"][0]["text"] == want
+    assert cluster.complete(PROMPTS[1], "p").json()["choices"][0]["text"] == want
+    r = httpx.post(f"{cluster.url}/v1/adapters/p/unpin", timeout=BOUND_S)
+    assert not any(rep["pinned"] for rep in r.json()["adapter"]["replicas"].values())
+
+
 def _kill(replica_id: str) -> None:
     (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                if a["name"].startswith("SERVE_REPLICA::") and replica_id in a["name"]]
