@@ -118,6 +118,10 @@ def test_outputs_equal_transformers_peft_through_the_ingress(cluster):
     # the shared server's errors and auth come along: an unknown adapter is a typed 404
     r = cluster.complete(PROMPTS[0], "nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    models = httpx.get(f"{cluster.url}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == ["model", "a"]
+    r = httpx.post(f"{cluster.url}/reset_prefix_cache", timeout=60)  # on every replica
+    assert r.status_code == 200 and isinstance(r.json()["dropped_blocks"], int)
 
 
 def test_registered_at_the_ingress_served_by_both_replicas(cluster):
@@ -247,6 +251,7 @@ def test_killing_a_replica_loses_no_retryable_request(cluster):
         results[i] = cluster.complete(prompt, model, n=24)
 
     n = 300
+    before = set(cluster.replicas())
     served_before = dict(cluster.stats()["served"].get("a", {}))
     with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=BOUND_S,
                       json={"model": "a", "prompt": PROMPTS[0], "max_tokens": n,
@@ -276,4 +281,10 @@ def test_killing_a_replica_loses_no_retryable_request(cluster):
         cluster.ref.text(PROMPTS[0], "a", 8)
     wait_for("a replacement replica joined",
              lambda: len(cluster.replicas()) == 2 and victim not in cluster.replicas())
+    # it joined with the cluster's adapters: the registry's whole state, on its first poll
+    (new,) = [rep for rid, rep in cluster.replicas().items() if rid not in before]
+    wait_for("the replacement applied the registry", lambda: {
+        a["name"] for a in httpx.get(f"{new['url']}/v1/adapters", timeout=30,
+                                     headers={"Authorization": f"Bearer {KEY}"}).json()["adapters"]
+    } >= {"a", "b", "p"})
     print("requests resent after the kill:", cluster.stats()["retried"])

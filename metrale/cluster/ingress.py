@@ -279,7 +279,11 @@ class ClusterEngine:
     async def _post(self, url: str, path: str, body: dict | None = None) -> dict:
         r = await self._http.post(url + path, json=body)
         if r.status_code >= 400:  # a replica's refusal: the same typed error JSON
-            raise ReplicaRefusal(r.status_code, r.json().get("error", {}).get("message", r.text))
+            try:
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = r.text[:500]
+            raise ReplicaRefusal(r.status_code, message)
         return r.json()
 
 
