@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 import ray
+import torch
+from fastapi import APIRouter, Depends
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
@@ -33,8 +35,11 @@ from metrale.engine.llm import load_tokenizer
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.sampling_params import GREEDY_EPS, SamplingParams
 from metrale.errors import UnknownAdapterError
+from metrale.server.app import create_app
+from metrale.server.auth import require_user
 from metrale.server.errors import EngineUnavailableError, ServerError
 from metrale.server.metrics import ServerMetrics
+from metrale.server.settings import ServerSettings
 
 log = logging.getLogger("metrale.cluster")
 _REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
@@ -311,17 +316,12 @@ class ClusterIngress:
 
     def __init__(self, replicas: DeploymentHandle, spec: ReplicaSpec, cluster: ClusterConfig,
                  settings_kwargs: dict) -> None:
+        torch.set_num_threads(1)  # the ingress only tokenizes: keep torch off the replicas' cores
         self.registry = ray.get_actor(spec.registry_name, namespace=spec.registry_namespace)
         self.cluster_engine = ClusterEngine(replicas, self.registry, spec, cluster)
         self.settings_kwargs = settings_kwargs
 
     async def __serve_build_asgi_app__(self):
-        from fastapi import APIRouter, Depends
-
-        from metrale.server.app import create_app
-        from metrale.server.auth import require_user
-        from metrale.server.settings import ServerSettings
-
         await self.cluster_engine.setup()
         settings = ServerSettings(started=time.time(), **self.settings_kwargs)
         app = create_app(self.cluster_engine, settings)

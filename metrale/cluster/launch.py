@@ -20,8 +20,8 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from metrale.cluster.config import ClusterConfig, ReplicaSpec
-from metrale.cluster.ingress import ClusterIngress
+from metrale.cluster.config import ClusterConfig, ReplicaSpec, RouterConfig
+from metrale.cluster.ingress import ClusterIngress, unwrap
 from metrale.cluster.registry import RegistryActor
 from metrale.cluster.replica import EngineReplica, multiplexed_replica
 
@@ -97,8 +97,6 @@ def serve_cluster(args: argparse.Namespace) -> int:
         peer_allow=tuple(args.peer_allow), peer_transport=args.peer_transport,
         peer_timeout_s=args.peer_timeout, host="127.0.0.1" if local else "0.0.0.0",
         torch_threads=args.replica_threads)
-    from metrale.cluster.config import RouterConfig
-
     cluster = ClusterConfig(replicas=args.replicas,
                             router=RouterConfig(args.router_epsilon, args.router_spread_queue))
     settings_kwargs = dict(
@@ -126,8 +124,6 @@ def register_startup(spec: ReplicaSpec, adapters: dict[str, tuple[str, bool]],
                      timeout_s: float = 300.0) -> None:
     """Start-up adapters (name -> (dir, pinned)), trusted like --adapter on one server
     (no --adapter-root confinement): validated on one replica, then cluster-wide."""
-    from metrale.cluster.ingress import unwrap
-
     replicas = serve.get_deployment_handle("EngineReplica", APP_NAME)
     registry = ray.get_actor(spec.registry_name, namespace=spec.registry_namespace)
     for name, (path, pinned) in adapters.items():

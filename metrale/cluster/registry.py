@@ -17,6 +17,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion
 from metrale.errors import MetraleError
 
@@ -120,6 +122,7 @@ class RegistryActor:
     """The ClusterRegistry as an async Ray actor (one per cluster, named, detached)."""
 
     def __init__(self, reserved_names: tuple[str, ...] = ()) -> None:
+        torch.set_num_threads(1)  # it only keeps state: keep torch off the replicas' cores
         self.registry = ClusterRegistry(reserved_names)
         self._changed = asyncio.Event()
 

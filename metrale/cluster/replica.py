@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 import ray
 import torch
+import uvicorn
 from fastapi import APIRouter, Depends, Request
 from ray import serve
 
@@ -28,8 +29,17 @@ from metrale.cluster.config import ReplicaSpec
 from metrale.cluster.staging import PeerStager
 from metrale.cluster.stats import routing_stats
 from metrale.cluster.sync import RegistrySync
+from metrale.engine.llm import LLM
 from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import MetraleError
+from metrale.peer.allow import LOOPBACK
+from metrale.peer.exporter import AdapterExporter
+from metrale.peer.http_server import PeerHTTPServer
+from metrale.peer.store import resolve_transports
+from metrale.server.app import create_app
+from metrale.server.async_engine import AsyncEngine
+from metrale.server.auth import require_admin
+from metrale.server.settings import ServerSettings
 
 log = logging.getLogger("metrale.cluster")
 
@@ -44,13 +54,6 @@ def _bind(host: str) -> socket.socket:
 class EngineReplica:
     def __init__(self, spec: ReplicaSpec) -> None:
         torch.set_num_threads(spec.torch_threads)  # replicas share the host's cores
-        from metrale.engine.llm import LLM
-        from metrale.peer.allow import LOOPBACK
-        from metrale.peer.exporter import AdapterExporter
-        from metrale.peer.http_server import PeerHTTPServer
-        from metrale.peer.store import resolve_transports
-        from metrale.server.async_engine import AsyncEngine
-
         self.spec = spec
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -141,12 +144,6 @@ class EngineReplica:
     # --- this replica's own HTTP server -------------------------------------------------
 
     def _start_http(self) -> str:
-        import uvicorn
-
-        from metrale.server.app import create_app
-        from metrale.server.auth import require_admin
-        from metrale.server.settings import ServerSettings
-
         settings = ServerSettings(model_id=self.model_id, host=self.spec.host,
                                   api_key=self.spec.internal_key, admin_key=self.spec.internal_key)
         app = create_app(self.engine, settings)
