@@ -110,3 +110,33 @@ def test_registry_desired_state_and_lagging_replicas():
     assert "a" not in reg.desired()
     with pytest.raises(UnknownAdapterError):
         reg.set_pinned("a", True)
+
+
+def test_router_counts_what_it_sent_until_a_fresh_report():
+    """The Ray router's own bookkeeping, without a cluster: in-flight counts between
+    reports, and an adapter it just sent somewhere counts as landing there until a
+    report newer than that arrives."""
+    pytest.importorskip("ray.serve")
+    from types import SimpleNamespace
+
+    from metrale.cluster import router as router_mod
+
+    now = [100.0]
+    r = object.__new__(router_mod.AdapterAffinityRouter)  # its state only: no Ray router
+    r.initialize_state(epsilon=0.5, spread_queue=8, clock=lambda: now[0])
+
+    def replica(rid, stats):
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid), routing_stats=stats)
+
+    def pending(adapter, rid_):
+        return SimpleNamespace(kwargs={"adapter": adapter},
+                               metadata=SimpleNamespace(internal_request_id=rid_))
+
+    a = replica("A", {"ready": [], "load": 0, "idle_slots": 1})
+    r.on_request_routed(pending("x", "q1"), a.replica_id, None)
+    view = r.view(a)
+    assert view.load == 1 and "x" in view.warm and view.adapter_load["x"] == 1
+    r.on_request_completed(a.replica_id, "q1")
+    assert r.view(a).load == 0 and "x" in r.view(a).warm  # the same report: still landing
+    now[0] += 2 * router_mod.SENT_TTL_S  # a report well after the send: x not READY = evicted
+    assert "x" not in r.view(replica("A", {"ready": [], "load": 0})).warm

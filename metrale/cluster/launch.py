@@ -48,7 +48,8 @@ def deploy(spec: ReplicaSpec, cluster: ClusterConfig, settings_kwargs: dict,
         replicas = serve.deployment(EngineReplica, **common, request_router_config=RequestRouterConfig(
             request_router_class="metrale.cluster.router:AdapterAffinityRouter",
             request_router_kwargs={"epsilon": cluster.router.epsilon,
-                                   "spread_queue": cluster.router.spread_queue},
+                                   "spread_queue": cluster.router.spread_queue,
+                                   "stall_over_bound": cluster.router.stall_over_bound},
             request_routing_stats_period_s=cluster.stats_period_s,
             request_routing_stats_timeout_s=max(cluster.stats_period_s, 5.0)))
     ingress = serve.deployment(serve.ingress()(ClusterIngress), name="ClusterIngress",

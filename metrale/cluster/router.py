@@ -30,8 +30,12 @@ SENT_TTL_S = 1.0
 
 
 class AdapterAffinityRouter(RequestRouter):
-    def initialize_state(self, epsilon: float = 0.25, spread_queue: int = 8, **_) -> None:
-        self.config = RouterConfig(epsilon=epsilon, spread_queue=spread_queue)
+    def initialize_state(self, epsilon: float = RouterConfig.epsilon,
+                         spread_queue: int = RouterConfig.spread_queue,
+                         stall_over_bound: bool = RouterConfig.stall_over_bound,
+                         clock=time.monotonic, **_) -> None:
+        self.config = RouterConfig(epsilon, spread_queue, stall_over_bound)
+        self._clock = clock
         self._inflight: dict[str, Counter] = defaultdict(Counter)  # replica -> adapter -> n
         self._requests: dict[str, tuple[str, str]] = {}  # internal id -> (replica, adapter)
         # replica -> adapter -> when last sent there: "landing" until stats catch up
@@ -54,7 +58,7 @@ class AdapterAffinityRouter(RequestRouter):
         for name, n in mine.items():
             adapter_load[name] = max(adapter_load[name], n)
         ready = frozenset(stats.get("ready", ()))
-        now = time.monotonic()
+        now = self._clock()
         sent = self._sent[rid]
         if stats is not self._stats_seen.get(rid):  # a fresh report: it knows what we sent
             self._stats_seen[rid] = stats         # before it, landed or not (then: evicted)
@@ -71,7 +75,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._inflight[rid][adapter] += 1
         self._requests[pending_request.metadata.internal_request_id] = (rid, adapter)
         if adapter:
-            self._sent[rid][adapter] = time.monotonic()
+            self._sent[rid][adapter] = self._clock()
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         rid, adapter = self._requests.pop(internal_request_id, (None, None))
