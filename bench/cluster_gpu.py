@@ -65,8 +65,9 @@ def main() -> None:
     model_dir, adapters = write_checkpoint(args.model, args.device, root, args.adapters)
     names = [f"a{i}" for i in range(args.adapters)]
     gpu = args.device == "cuda"
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
     ray.init(num_cpus=8 if gpu else 2, num_gpus=2 if gpu else 0, include_dashboard=False,
-             namespace="metrale-bench", _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+             namespace="metrale-bench", _temp_dir=ray_dir)
     rows, errors = [], []
     spec = ReplicaSpec(model=str(model_dir), registry_name="bench-gpu-registry",
                        registry_namespace="metrale-bench", internal_key="bench",
@@ -117,6 +118,7 @@ def main() -> None:
         finally:
             ray.shutdown()
             shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(ray_dir, ignore_errors=True)
     warm = rows[1:] or rows  # the first pair pays one-time costs (NIXL registration, plans)
     summary = {
         "disk_ms_median": statistics.median(r["disk_ms"] for r in warm) if warm else None,
