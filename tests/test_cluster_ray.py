@@ -220,6 +220,7 @@ def test_pin_and_reload_apply_to_every_replica(cluster):
     cluster.register("p")
     r = httpx.post(f"{cluster.url}/v1/adapters/p/pin", timeout=BOUND_S)
     assert r.status_code == 200, r.text
+    assert r.json()["adapter"]["errors"] == {}  # every replica applied it
     for rid, rep in r.json()["adapter"]["replicas"].items():
         assert rep["pinned"] and rep["state"] == "READY", rid  # landed everywhere, pinned
     # vLLM's in-place reload: every replica serves the new files (d's) from now on

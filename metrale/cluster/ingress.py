@@ -19,7 +19,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -57,6 +57,7 @@ class ClusterAdapterView:
     replicas: dict[str, dict] = field(default_factory=dict)  # replica id -> its AdapterView
     slot: int | None = None  # per replica only; kept for the shared views' shape
     uid: int | None = None
+    errors: dict[str, str] = field(default_factory=dict)  # replica id -> why it did not apply
 
     @property
     def state(self) -> str:
@@ -78,7 +79,7 @@ class ClusterAdapterView:
     def as_dict(self) -> dict:
         return {"name": self.name, "path": self.path, "pinned": self.pinned,
                 "version": self.version, "state": self.state, "ref_count": self.ref_count,
-                "unloading": self.unloading, "replicas": self.replicas}
+                "unloading": self.unloading, "replicas": self.replicas, "errors": self.errors}
 
 
 class IngressModel:
@@ -173,13 +174,11 @@ class ClusterEngine:
         unwrap(await self.registry.check_new.remote(name, reload))  # before any I/O
         source = unwrap(await self.handle.validate.remote(name, str(path)))  # once
         version = unwrap(await self.registry.register.remote(name, source, pinned, reload))
-        await self._applied(version, name)
-        return await self.view(name)
+        return await self.view(name, await self._applied(version, name))
 
     async def pin(self, name: str, pinned: bool = True) -> ClusterAdapterView:
         version = unwrap(await self.registry.set_pinned.remote(name, pinned))
-        await self._applied(version, name)
-        return await self.view(name)
+        return await self.view(name, await self._applied(version, name))
 
     async def unload(self, name: str) -> str:
         version = unwrap(await self.registry.unload.remote(name))
@@ -232,14 +231,16 @@ class ClusterEngine:
                 per_name[name]))
         return {"adapters": views, "slots": slots}
 
-    async def view(self, name: str) -> ClusterAdapterView:
+    async def view(self, name: str, errors: dict[str, str] | None = None) -> ClusterAdapterView:
+        """errors: replicas that could not apply the change (e.g. every slot pinned there):
+        the change stands in the registry, and those replicas retry it on the next change."""
         for v in (await self.snapshot())["adapters"]:
             if v.name == name:
-                return v
+                return replace(v, errors=errors or {})
         version = await self.registry.get.remote(name)
         return ClusterAdapterView(name, str(version.source) if version else None,
                                   bool(version and version.pinned),
-                                  version.version if version else None)
+                                  version.version if version else None, errors=errors or {})
 
     async def stats(self) -> dict:
         """The ingress's own record, for operators and tests: who served what, retries,
@@ -260,15 +261,17 @@ class ClusterEngine:
 
     # --- helpers ----------------------------------------------------------------------
 
-    async def _applied(self, version: int, name: str) -> None:
+    async def _applied(self, version: int, name: str) -> dict[str, str]:
+        """Wait for every live replica to apply `version`; {replica: error} of those that
+        could not (or did not within sync_timeout_s)."""
         lagging = await self.registry.wait_applied.remote(version, self.cluster.sync_timeout_s)
-        if lagging:
-            log.warning("registry change %d (%r) not applied by %s within %.0fs", version, name,
-                        lagging, self.cluster.sync_timeout_s)
+        errors = {rid: f"not applied within {self.cluster.sync_timeout_s:.0f}s" for rid in lagging}
         for m in await self.registry.members.remote():
             if name in m.errors:
-                log.warning("replica %s could not apply %r: %s", m.replica_id, name,
-                            m.errors[name])
+                errors[m.replica_id] = m.errors[name]
+        for rid, error in errors.items():
+            log.warning("replica %s: change %d of %r: %s", rid, version, name, error)
+        return errors
 
     async def fan_out(self, method: str, path: str, sum_key: str) -> int:
         total = 0
