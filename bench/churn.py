@@ -1,12 +1,16 @@
 """Serving under adapter churn: more adapters than slots, Zipf popularity, Poisson
-arrivals; TTFT and inter-token latency with continuous promotions vs all resident.
+arrivals; TTFT and inter-token latency with continuous promotions vs all resident, for
+the scheduler's policies side by side, plus a long prompt arriving among decodes.
 
     PYTHONPATH=. python bench/churn.py [--model llama3.2-1b] [--seconds 8]
 
-Both runs replay the same arrival trace (times, prompts, adapters) against one engine
+Every run replays the same arrival trace (times, prompts, adapters) against one engine
 loop on this thread. "promote": max_loras < adapters, the host tier holds every adapter
 after its first landing (so most promotions are one H2D copy). "resident": one slot per
-adapter, all landed before the run. JSON `churn[<model>]`.
+adapter, all landed before the run. Keys `promote` / `resident`: the default ("mixed")
+policy; `legacy_promote` / `legacy_resident`: the policy before chunked prefill (a step
+is a prefill or a decode, FIFO, no slot draining). `long_prompt[<policy>]`: the decoders'
+ITL while an 8k-token prompt is prefilled beside them. JSON `churn[<model>]`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.common import adapter_dir, build_pair, make_peft, merge_results, pct, results_path, table
-from metrale.config import PoolConfig
+from metrale.config import PoolConfig, SchedulerConfig
 from metrale.engine.sampling_params import SamplingParams
 from metrale.pool.layout import SlotLayout
 
@@ -90,6 +94,7 @@ def serve(engine, arrivals, gen: int, device: str, drain_s: float = 30.0) -> dic
                                        reverse=True)[:10],
         "gc_gen2": gc.get_stats()[2]["collections"] - gc0,
         "requests": len(arrivals), "completed": len(ttft),
+        "output_tok_s": (len(ttft) + len(itl)) / (time.perf_counter() - start),
         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
         "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
         "promotions": engine.adapters.num_promotions - promotions0,
@@ -97,44 +102,123 @@ def serve(engine, arrivals, gen: int, device: str, drain_s: float = 30.0) -> dic
     }
 
 
-def run(pair, adapters_root: Path, device: str, n_adapters: int = 32, slots: int = 8,
-        seconds: float = 8.0, rate: float = 150.0, gen: int = 32, host_tier: bool = True) -> dict:
+MIXED_BUDGET = 512  # tokens per step under the mixed policy: the largest CUDA-graph bucket
+
+
+def _engine(pair, device: str, policy: str, slots: int, max_model_len: int, tier: int = 0,
+            max_num_seqs: int = 64, budget: int = MIXED_BUDGET):
     from bench.decode import make_engine
 
+    budget = budget if policy == "mixed" else max_num_seqs * max_model_len
+    return make_engine(pair, device, slots, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                       host_tier_bytes=tier, scheduler=SchedulerConfig(policy=policy),
+                       max_num_batched_tokens=budget)
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def run(pair, adapters_root: Path, device: str, n_adapters: int = 32, slots: int = 8,
+        seconds: float = 8.0, rate: float = 150.0, gen: int = 32, host_tier: bool = True) -> dict:
     arrivals = trace(n_adapters, seconds, rate, pair.config.vocab_size)
     out = {"adapters": n_adapters, "slots": slots, "seconds": seconds, "rate_per_s": rate,
-           "gen": gen, "host_tier": host_tier}
-    for mode in ("promote", "resident"):
-        n_slots = slots if mode == "promote" else n_adapters
-        dtype = next(pair.ours.parameters()).dtype
-        slot_bytes = SlotLayout(pair.config, PoolConfig(1, 16), dtype).slot_bytes
-        tier = n_adapters * slot_bytes if mode == "promote" and host_tier else 0
-        engine = make_engine(pair, device, n_slots, max_num_seqs=64, max_model_len=256,
-                             host_tier_bytes=tier)
-        for a in range(n_adapters):
-            engine.register_adapter(f"a{a}", adapter_dir(adapters_root, a))
-            if mode == "resident":
-                engine.swap_lora_slot_from_disk(adapter_dir(adapters_root, a), f"a{a}", a)
-        serve(engine, trace(n_adapters, 1.0, rate, pair.config.vocab_size, seed=1), gen, device)
-        out[mode] = serve(engine, arrivals, gen, device)
-        del engine
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-    p, r = out["promote"], out["resident"]
-    out["itl_p99_ratio"] = p["itl_p99_ms"] / r["itl_p99_ms"]
+           "gen": gen, "host_tier": host_tier, "mixed_budget_tokens": MIXED_BUDGET}
+    dtype = next(pair.ours.parameters()).dtype
+    slot_bytes = SlotLayout(pair.config, PoolConfig(1, 16), dtype).slot_bytes
+    for policy, prefix in (("legacy", "legacy_"), ("mixed", "")):
+        for mode in ("promote", "resident"):
+            n_slots = slots if mode == "promote" else n_adapters
+            tier = n_adapters * slot_bytes if mode == "promote" and host_tier else 0
+            engine = _engine(pair, device, policy, n_slots, 256, tier)
+            for a in range(n_adapters):
+                engine.register_adapter(f"a{a}", adapter_dir(adapters_root, a))
+                if mode == "resident":
+                    engine.swap_lora_slot_from_disk(adapter_dir(adapters_root, a), f"a{a}", a)
+            serve(engine, trace(n_adapters, 1.0, rate, pair.config.vocab_size, seed=1), gen, device)
+            res = serve(engine, arrivals, gen, device)
+            res["slot_drains"] = engine.adapters.num_drains
+            out[prefix + mode] = res
+            del engine
+            _free(device)
+    for prefix in ("legacy_", ""):
+        p, r = out[prefix + "promote"], out[prefix + "resident"]
+        out[prefix + "itl_p99_ratio"] = p["itl_p99_ms"] / r["itl_p99_ms"]
+        out[prefix + "ttft_p99_promote_over_resident"] = p["ttft_p99_ms"] / r["ttft_p99_ms"]
+        for mode in ("promote", "resident"):
+            m = out[prefix + mode]
+            m["itl_p99_over_p50"] = m["itl_p99_ms"] / m["itl_p50_ms"]
+    out["long_prompt"] = {"legacy": long_prompt(pair, device, "legacy")}
+    for budget in (MIXED_BUDGET, 256, 128):  # the step budget bounds the chunk beside decodes
+        out["long_prompt"]["mixed" if budget == MIXED_BUDGET else f"mixed_budget{budget}"] = \
+            long_prompt(pair, device, "mixed", budget=budget)
     return out
 
 
+def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: int = 8192,
+                budget: int = MIXED_BUDGET) -> dict:
+    """32 sequences decode; an 8k-token prompt arrives. The decoders' inter-token times
+    from its arrival until each has a token after its first one (so the gaps spanning
+    its prefill count), against before it arrived."""
+    engine = _engine(pair, device, policy, 1, prompt_len + 256, budget=budget)
+    vocab = pair.config.vocab_size
+    rng = random.Random(7)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    ids = [engine.add_request([rng.randrange(10, vocab - 10) for _ in range(64)], params)
+           for _ in range(decoders)]
+    last: dict[str, float] = {}
+    before, during = [], []
+    long_id, steps_before, first_at = None, 0, None
+    after_first: set[str] = set()  # decoders with a token after the long prompt's first
+    while len(after_first) < decoders:
+        outs = engine.step()
+        t = time.perf_counter()
+        for o in outs:
+            if o.request_id == long_id:
+                first_at = first_at or t
+                continue
+            if o.request_id in last:
+                (during if long_id is not None else before).append((t - last[o.request_id]) * 1e3)
+            last[o.request_id] = t
+            if first_at is not None and t > first_at:
+                after_first.add(o.request_id)
+        if long_id is None and len(last) == decoders:
+            steps_before += 1
+            if steps_before == 40:
+                long_params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+                long_id = engine.add_request(
+                    [rng.randrange(10, vocab - 10) for _ in range(prompt_len)], long_params)
+    for rid in [*ids, long_id]:
+        engine.abort(rid)
+    res = {"prompt_tokens": prompt_len, "decoders": decoders, "budget_tokens": budget,
+           "itl_before_p50_ms": pct(before, 50), "itl_during_p50_ms": pct(during, 50),
+           "itl_during_p99_ms": pct(during, 99), "steps_during": len(during) // decoders}
+    res["during_p99_over_before_p50"] = res["itl_during_p99_ms"] / res["itl_before_p50_ms"]
+    del engine
+    _free(device)
+    return res
+
+
 def report(name: str, res: dict) -> str:
-    rows = [{"model": name, "mode": m, **res[m]} for m in ("promote", "resident") if m in res]
-    cols = ["model", "mode", "requests", "completed", "promotions", "tier_hits", "ttft_p50_ms",
-            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
-    lines = [table(rows, cols), f"itl p99 promote/resident: {res.get('itl_p99_ratio', 0):.3g}"]
-    for m in ("promote", "resident"):
+    modes = ("legacy_promote", "legacy_resident", "promote", "resident")
+    rows = [{"model": name, "mode": m, **res[m]} for m in modes if m in res]
+    cols = ["model", "mode", "requests", "completed", "output_tok_s", "promotions", "slot_drains",
+            "ttft_p50_ms",
+            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_p99_over_p50"]
+    lines = [table(rows, cols)]
+    for prefix in ("legacy_", ""):
+        if prefix + "itl_p99_ratio" in res:
+            lines.append(f"{prefix or 'mixed_'}: itl p99 promote/resident "
+                         f"{res[prefix + 'itl_p99_ratio']:.3g}, ttft p99 promote/resident "
+                         f"{res[prefix + 'ttft_p99_promote_over_resident']:.3g}")
+    for m in modes:
         if m in res:
             lines.append(f"{m} steps: {res[m]['steps']} slow: {res[m]['slow_steps_over_50ms']} "
                          f"gc2: {res[m]['gc_gen2']}")
+    for policy, r in res.get("long_prompt", {}).items():
+        lines.append(f"long prompt ({policy}): {r}")
     return "\n".join(lines)
 
 

@@ -52,7 +52,7 @@ class Pair:
 
 
 def build_pair(name: str, device: str, workdir: Path, dtype=None,
-               max_positions: int = 4096) -> Pair:
+               max_positions: int = 16384) -> Pair:
     import transformers
 
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)

@@ -29,7 +29,7 @@ from bench.common import (
     sync,
     table,
 )
-from metrale.config import EngineConfig, PoolConfig
+from metrale.config import EngineConfig, PoolConfig, SchedulerConfig
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import SamplingParams
 
@@ -37,14 +37,17 @@ PROMPT, GEN = 128, 64
 
 
 def make_engine(pair, device: str, max_loras: int, max_num_seqs: int = 64, max_model_len: int = 512,
-                host_tier_bytes: int = 0, enforce_eager: bool = False) -> LLMEngine:
+                host_tier_bytes: int = 0, enforce_eager: bool = False,
+                scheduler: SchedulerConfig | None = None,
+                max_num_batched_tokens: int | None = None) -> LLMEngine:
     blocks = max_num_seqs * max_model_len // 16
     cfg = EngineConfig(
         pool=PoolConfig(max_loras, 16, host_tier_bytes=host_tier_bytes), device=device,
         dtype="bfloat16" if device.startswith("cuda") else "float32",
         max_model_len=max_model_len, block_size=16, num_kv_blocks=blocks,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs * PROMPT,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or max_num_seqs * PROMPT,
         enable_prefix_caching=False, enforce_eager=enforce_eager,
+        scheduler=scheduler or SchedulerConfig(),
     )
     return LLMEngine(pair.model_dir, cfg, model=pair.ours)
 

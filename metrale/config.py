@@ -185,6 +185,41 @@ class PoolConfig:
         object.__setattr__(self, "target_modules", ordered)
 
 
+SCHEDULER_POLICIES = ("mixed", "legacy")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How a step is composed and who is admitted (metrale.engine.scheduler).
+
+    policy "mixed": every step runs all running decodes, then prefill chunks of partial and
+    newly admitted prompts up to the engine's max_num_batched_tokens. "legacy": a step is
+    either a prefill of newly admitted whole prompts or a decode of every running sequence
+    (the policy before chunked prefill; kept as the benchmarks' baseline)."""
+
+    policy: str = "mixed"
+    # The most prompt tokens one sequence prefills in a step (None: the step's budget);
+    # smaller chunks bound how long a long prompt delays the decodes sharing its steps.
+    max_prefill_chunk: int | None = None
+    # A waiting request older than this is admitted in arrival order, whatever its
+    # adapter: per-adapter round-robin never starves anyone past it.
+    max_admission_wait_s: float = 1.0
+    # Adapter promotions in flight at once (staged, landing, or draining a slot for one).
+    max_promotions_in_flight: int = 2
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULER_POLICIES:
+            raise ConfigError(f"scheduler policy must be one of {', '.join(SCHEDULER_POLICIES)}, "
+                              f"got {self.policy!r}")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
+            raise ConfigError(f"max_prefill_chunk must be positive, got {self.max_prefill_chunk}")
+        if not self.max_admission_wait_s >= 0:  # also refuses NaN
+            raise ConfigError(f"max_admission_wait_s must be >= 0, got {self.max_admission_wait_s}")
+        if self.max_promotions_in_flight < 1:
+            raise ConfigError("max_promotions_in_flight must be >= 1, got "
+                              f"{self.max_promotions_in_flight}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -194,7 +229,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from memory at start-up
     max_num_seqs: int = 32
+    # tokens per step, decodes included (a longer prompt is prefilled in chunks)
     max_num_batched_tokens: int = 2048
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     enable_prefix_caching: bool = True
     promotion_timeout_s: float = 30.0
     # on-demand disk promotions read and land off the engine thread (decoding goes on)
@@ -210,6 +247,10 @@ class EngineConfig:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence decodes one token per step")
         if self.peer_transport not in ("auto", "nixl", "http"):
             raise ConfigError(f"peer_transport must be auto, nixl or http, got {self.peer_transport!r}")
         object.__setattr__(self, "peer_allow", tuple(self.peer_allow))

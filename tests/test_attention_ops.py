@@ -141,6 +141,22 @@ def test_prefill_matches_reference(case, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_chunks_decodes_and_empty_rows(dtype):
+    """One varlen launch as a mixed step makes it: prompt chunks that attend to earlier
+    chunks and cached blocks, decode rows (one query each), and sequences with no query
+    (a padded CUDA-graph row), with max_query_len a bucket's upper bound, not the max."""
+    ctx, new = [40, 1, 23, 9, 70, 1], [7, 1, 1, 0, 64, 0]
+    q, k, v, meta = make_case(ctx, new, 4, 2, 16, 4, dtype, seed=13)
+    want = dense_oracle(q, k, v, meta, 0.25)
+    got = at.paged_prefill(q, k, v, meta.block_tables, meta.context_lens, meta.cu_query,
+                           128, 0.25)
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, 0.25)
+    assert rel_err(ref, want) < 1e-5
+
+
+@needs_kernels
 def test_outputs_fully_written():
     """Every output element is written: poison the allocator's memory, then compare."""
     q, k, v, meta = make_case([4, 33], [1, 1], 4, 2, 16, 4, torch.float32, seed=5)

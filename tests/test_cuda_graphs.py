@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
+from metrale.config import SchedulerConfig
 from tests.helpers.reference import check, prompts
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
@@ -45,7 +46,7 @@ def test_static_buffer_path_matches_hf_across_swap(cpu_root):
     root, base, peft = cpu_root
     llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
               num_kv_blocks=64, max_num_seqs=6)
-    graphs = llm.engine.runner.enable_decode_graphs(capture=False)
+    graphs = llm.engine.runner.enable_graphs(capture=False)
     assert graphs.sizes == [1, 2, 4, 6]
     engine = llm.engine
     engine.swap_lora_slot_from_disk(root / "A", "A", 1)
@@ -64,11 +65,31 @@ def test_static_buffer_path_matches_hf_across_swap(cpu_root):
     assert graphs.replays[(1, False)] == 7
 
 
+def test_mixed_step_graph_path_matches_hf(cpu_root):
+    """Prompt chunks beside decodes through the mixed-step static buffers: token padding,
+    sequence rows with no queries, the logits index and the slot-sorted token order."""
+    root, base, peft = cpu_root
+    llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
+              num_kv_blocks=64, max_num_seqs=6, max_num_batched_tokens=64,
+              scheduler=SchedulerConfig(max_prefill_chunk=5))
+    graphs = llm.engine.runner.enable_graphs(capture=False)
+    assert graphs.buckets == [64]
+    llm.engine.swap_lora_slot_from_disk(root / "A", "A", 0)
+    llm.engine.swap_lora_slot_from_disk(root / "B", "B", 1)
+    ps = prompts(9, 4)
+    names = ["A", None, "B", "A"]
+    outs = llm.generate(ps, GREEDY, names)
+    for p, out, name in zip(ps, outs, names):
+        check(out, *hf_greedy(base if name is None else peft[name], p, 8))
+    mixed = sum(n for key, n in graphs.replays.items() if key[0] == "mixed")
+    assert mixed >= 3 and graphs.replays[("mixed", 64, True)] == mixed
+
+
 def test_batches_beyond_the_largest_graph_run_eagerly(cpu_root):
     root, base, _ = cpu_root
     llm = LLM(root / "model", max_loras=1, max_lora_rank=8, block_size=4, max_model_len=64,
               num_kv_blocks=64, max_num_seqs=3)
-    graphs = llm.engine.runner.enable_decode_graphs(capture=False)
+    graphs = llm.engine.runner.enable_graphs(capture=False)
     graphs.sizes, graphs.max_batch = [1, 2], 2  # pretend only sizes 1 and 2 were captured
     ps = prompts(8, 3)
     outs = llm.generate(ps, GREEDY)
@@ -107,7 +128,7 @@ def test_gpu_graphs_survive_swap_and_match_peft(tmp_path):
     graphs = llm.engine.runner.graphs
     assert graphs is not None and eager.engine.runner.graphs is None
     captures = graphs.num_captures
-    assert captures == 2 * len(graphs.sizes)
+    assert captures == 2 * (len(graphs.sizes) + len(graphs.buckets))
     ps = prompts(9, 3)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
     compared = 0
@@ -131,4 +152,44 @@ def test_gpu_graphs_survive_swap_and_match_peft(tmp_path):
             hf_tokens, hf_lp = hf_greedy(model, p, 6)
             compared += assert_greedy_close(out.token_ids, lps, hf_tokens, hf_lp.cpu(), 0.15,
                                             f"peft {who}")
+    assert compared >= 12, "too few tokens compared before bf16 divergence"
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_step_graphs_match_peft(tmp_path):
+    """Prompt chunks beside decodes through captured mixed-step graphs, mixed adapters:
+    the same tokens as transformers + PEFT (bf16 tolerance) and as the eager path."""
+    dims = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                num_key_value_heads=2, num_hidden_layers=3)
+    base = make_model("llama", seed=7, **dims)
+    save_model(base, tmp_path / "model")
+    peft = {n: make_adapter(base, tmp_path / n, seed=50 + i, r=8, lora_alpha=16,
+                            target_modules="all-linear") for i, n in enumerate("AB")}
+    kw = dict(max_loras=2, max_lora_rank=8, block_size=16, max_model_len=256,
+              num_kv_blocks=128, max_num_seqs=8, device="cuda", dtype="bfloat16",
+              max_num_batched_tokens=128, scheduler=SchedulerConfig(max_prefill_chunk=24))
+    llm = LLM(tmp_path / "model", **kw)
+    eager = LLM(tmp_path / "model", enforce_eager=True, **kw)
+    for e in (llm.engine, eager.engine):
+        e.swap_lora_slot_from_disk(tmp_path / "A", "A", 0)
+        e.swap_lora_slot_from_disk(tmp_path / "B", "B", 1)
+    ps = [p * 6 for p in prompts(10, 4)]  # 18-114 tokens: several chunks each
+    names = ["A", None, "B", "A"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate(ps, params, names)
+    ref_outs = eager.generate(ps, params, names)
+    graphs = llm.engine.runner.graphs
+    assert sum(n for key, n in graphs.replays.items() if key[0] == "mixed") >= 3
+    compared = 0
+    for p, out, ref, who in zip(ps, outs, ref_outs, names):
+        lps = [lp["logprob"] for lp in out.logprobs]
+        eager_lp = torch.full((6, 256), -1e9)
+        for i, lp in enumerate(ref.logprobs):
+            for tok, val in lp["top"]:
+                eager_lp[i, tok] = val
+        assert_greedy_close(out.token_ids, lps, ref.token_ids, eager_lp, 0.05, "eager")
+        model = (base if who is None else peft[who]).cuda()
+        hf_tokens, hf_lp = hf_greedy(model, p, 6)
+        compared += assert_greedy_close(out.token_ids, lps, hf_tokens, hf_lp.cpu(), 0.15,
+                                        f"peft {who}")
     assert compared >= 12, "too few tokens compared before bf16 divergence"

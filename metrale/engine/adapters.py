@@ -22,6 +22,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -81,10 +82,19 @@ class _Job:
 
 class AdapterManager:
     def __init__(self, slots: LoraSlots, registry: AdapterRegistry, timeout_s: float,
-                 peer: PeerOptions, async_promotions: bool = True) -> None:
+                 peer: PeerOptions, async_promotions: bool = True,
+                 max_in_flight: int = 2, drain_busy_slots: bool = True) -> None:
         self.slots, self.registry, self.timeout_s, self.peer = slots, registry, timeout_s, peer
+        self.max_in_flight, self.drain_busy_slots = max_in_flight, drain_busy_slots
         self.pending: OrderedDict[str, list[Sequence]] = OrderedDict()
         self.num_promotions = 0
+        self.num_drains = 0  # busy slots detached so that a landing can take them
+        self.num_reattached = 0  # drains undone: a request for that adapter came first
+        self._drained: dict[str, tuple[int, int]] = {}  # name -> (slot, uid) being drained
+        # slot -> work left on it (tokens its requests may still compute); the engine sets it
+        self.remaining_work: Callable[[], dict[int, int]] = dict
+        # requests whose adapter was resident on arrival vs those that waited for a landing
+        self.num_ready_on_arrival = self.num_waited_for_adapter = 0
         self.device = slots.staging.device
         self._async = async_promotions and slots.pool is not None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="metrale-land") if self._async else None
@@ -111,12 +121,18 @@ class AdapterManager:
         it for a promotion."""
         if seq.adapter is None:
             seq.slot, seq.adapter_uid, seq.bound = -1, 0, True
+            seq.bound_at = seq.arrival
             return
         self.registry.current(seq.adapter)
+        drained = self._drained.pop(seq.adapter, None)
+        if drained is not None and self.slots.table.reattach(seq.adapter, *drained):
+            self.num_reattached += 1
         if self.slots.table.slot_of(seq.adapter) is not None:
             seq.slot, seq.adapter_uid = self.slots.table.acquire(seq.adapter)
-            seq.bound = True
+            seq.bound, seq.bound_at = True, seq.arrival
+            self.num_ready_on_arrival += 1
             return
+        self.num_waited_for_adapter += 1
         self.pending.setdefault(seq.adapter, []).append(seq)
 
     def release(self, seq: Sequence) -> None:
@@ -130,9 +146,10 @@ class AdapterManager:
                 del self.pending[seq.adapter]
 
     def _bind_waiters(self, name: str) -> None:
+        now = time.monotonic()
         for seq in self.pending.pop(name, []):
             seq.slot, seq.adapter_uid = self.slots.table.acquire(name)
-            seq.bound = True
+            seq.bound, seq.bound_at = True, now
 
     # --- explicit landings (synchronous) ------------------------------------------------
 
@@ -193,6 +210,7 @@ class AdapterManager:
 
     def detach(self, name: str) -> None:
         """A reload: the old version's slot finishes its in-flight requests, takes no new."""
+        self._drained.pop(name, None)  # never reattach the old version
         self.slots.table.detach(name)
 
     def unload(self, name: str) -> str:
@@ -202,6 +220,7 @@ class AdapterManager:
         slot = table.slot_of(name)
         busy = slot is not None and table.ref_count(slot) > 0
         self.registry.unload(name, slot if busy else None)
+        self._drained.pop(name, None)
         if slot is None:
             return "unloaded"
         if not busy:
@@ -246,9 +265,40 @@ class AdapterManager:
         """Move promotions on by what happened since the last boundary; returns the
         sequences that failed (their adapter was refused, unloaded, or never got a slot)."""
         failed = self._guarded(self._advance_job)
-        if self.job is None:
+        for _ in range(self.max_in_flight):
+            # a host-tier landing completes inline, so the next name can start at once;
+            # one that reads from disk or a peer stays in flight
+            if self.job is not None or not self.pending:
+                break
+            before = len(self.pending)
             failed += self._guarded(self._start_next)
+            if self.job is None and len(self.pending) == before:
+                break  # nothing could start
+        if self.drain_busy_slots:
+            self._drain_for_waiting()
         return failed + self._expire(now)
+
+    def _drain_for_waiting(self) -> None:
+        """Keep up to max_in_flight slots free or draining while adapters wait for one,
+        and one while more adapters are registered than slots (so a request for a cold
+        adapter finds a slot at once): stop giving new requests to the busy slot with the
+        least work left (detach its adapter) so it drains instead of being fed by new
+        arrivals forever. A request for the drained adapter that comes before the slot is
+        taken undoes the drain (bind reattaches it)."""
+        job = self.job
+        waiting = len(self.pending) - (1 if job is not None and job.landing is not None else 0)
+        table = self.slots.table
+        reserve = 1 if len(self.registry) > len(table) else 0
+        need = max(min(waiting, self.max_in_flight), reserve) - table.num_free_for_landing()
+        work = self.remaining_work() if need > 0 else {}
+        for _ in range(need):
+            name = table.drain_candidate(work)
+            if name is None:
+                return
+            slot = table.detach(name)
+            self._drained[name] = (slot, table.info(slot).uid)
+            self.num_drains += 1
+            log.debug("draining the slot of %r (%d adapter(s) waiting)", name, waiting)
 
     def _guarded(self, advance) -> list[Sequence]:
         """A failure nobody foresaw in one promotion fails that promotion's requests with a

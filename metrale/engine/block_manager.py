@@ -3,6 +3,9 @@
 A full block's key is a hash chain over (adapter uid, its tokens, the previous
 block's key): KV computed under one adapter landing is never reused under
 another, and a same-name reload (new uid) never hits the old contents.
+A block becomes findable only once a step has computed its KV (`publish`): a prompt
+prefilled in chunks allocates all its blocks up front, and a request admitted in
+between must not hit a block whose KV is not there yet.
 Freed blocks keep their key until reallocated, so a later request can still hit.
 """
 
@@ -62,11 +65,10 @@ class BlockManager:
             if block is None:
                 hitting = False
                 block = self._take()
-                if key is not None:
-                    self._set_key(block, key)
             else:
                 self.hits += 1
                 seq.num_cached_tokens += bs
+                seq.num_published += 1
                 if self.ref[block] == 0:
                     self.free.remove(block)
             self.ref[block] += 1
@@ -81,12 +83,26 @@ class BlockManager:
         seq.block_table = []
         seq.block_keys = []
         seq.num_cached_tokens = 0
+        seq.num_published = 0
+
+    def publish(self, seq: Sequence) -> None:
+        """Make seq's full blocks whose KV is computed findable by later requests."""
+        if not self.prefix_caching:
+            return
+        done = min(seq.num_computed // self.block_size, len(seq.block_keys))
+        for i in range(seq.num_published, done):
+            key = seq.block_keys[i]
+            if key is None:
+                break  # a chain is only as findable as its first unkeyed block
+            self._set_key(seq.block_table[i], key)
+            seq.num_published = i + 1
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of seq's newest token (its last token)."""
         return len(seq.block_table) * self.block_size >= len(seq) or self.num_free > 0
 
     def append(self, seq: Sequence) -> None:
+        """A block for seq's newest token if it needs one (a decode step)."""
         if len(seq.block_table) * self.block_size < len(seq):
             block = self._take()
             self.ref[block] = 1
@@ -97,9 +113,8 @@ class BlockManager:
             i = len(seq) // self.block_size - 1
             prev = seq.block_keys[i - 1] if i > 0 else b""
             if prev is not None and seq.block_keys[i] is None:
-                key = block_key(prev, seq.adapter_uid, seq.token_ids[i * self.block_size:])
-                self._set_key(seq.block_table[i], key)
-                seq.block_keys[i] = key
+                # published once the step that computes the newest token's KV has run
+                seq.block_keys[i] = block_key(prev, seq.adapter_uid, seq.token_ids[i * self.block_size:])
 
     def reset_prefix_cache(self) -> int:
         """Forget the contents of every cached block no sequence holds; returns how many.

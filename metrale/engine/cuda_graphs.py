@@ -1,10 +1,17 @@
-"""Decode steps replayed from CUDA graphs.
+"""Steps replayed from CUDA graphs: decode steps, and mixed steps (prompt chunks beside
+decodes) of up to the largest token bucket.
 
-One graph per (batch size, variant), captured once at start-up over static input
-buffers; a step copies its inputs into those buffers (one host->device copy) and
-replays the smallest graph that fits, padding the batch. Variants:
+Graphs are captured once at start-up over static input buffers; a step copies its inputs
+into those buffers (one host->device copy) and replays the smallest graph that fits,
+padding it. Decode graphs are keyed by batch size, mixed graphs by token bucket; each in
+two variants:
 - lora: the LoRA kernels run and read each row's slot from the static slot_ids buffer;
 - base: no LoRA work at all (a batch with no adapter token must not pay for LoRA).
+
+A mixed graph runs the varlen (prefill) attention kernel over max_num_seqs sequence rows
+with the bucket as its query-length bound: rows past the step's sequences have no
+queries, and tiles past a sequence's queries exit at once. Its LoRA kernels take a token
+order sorted by slot on the host, uploaded with the rest.
 
 Adapter swaps and promotions never invalidate a graph: the pool buffer and its
 rank/scale tables are fixed device addresses that landings rewrite in place, and the
@@ -20,8 +27,10 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 
+import numpy as np
 import torch
 
+from metrale.engine.scheduler import ScheduledBatch
 from metrale.engine.sequence import Sequence
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
@@ -32,7 +41,10 @@ from metrale.pool.pool import AdapterPool
 # they sort tokens by slot, which is untested under capture; bigger batches run eagerly.
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MAX_GRAPH_BATCH = 64
-_FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "slot_ids")
+# Token buckets of mixed steps (those <= max_num_batched_tokens); bigger steps run eagerly.
+MIXED_TOKEN_BUCKETS = (64, 128, 256, 512)
+_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "slot_ids", "order")
+_SEQ_FIELDS = ("context_lens", "logits_index")
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -42,31 +54,49 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
+def mixed_token_buckets(max_num_batched_tokens: int) -> list[int]:
+    return [t for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens]
+
+
+class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, pool: AdapterPool | None, max_num_seqs: int,
                  max_blocks: int, block_size: int, pad_block: int, max_model_len: int,
-                 device: torch.device, capture: bool = True) -> None:
+                 device: torch.device, capture: bool = True,
+                 max_num_batched_tokens: int = 0) -> None:
         self.model, self.pool, self.device = model, pool, device
         self.sizes = graph_batch_sizes(max_num_seqs)
+        # mixed steps need every sequence row of a step: only when all fit one graph
+        self.buckets = mixed_token_buckets(max_num_batched_tokens) \
+            if max_num_seqs <= MAX_GRAPH_BATCH else []
         self.block_size, self.pad_block = block_size, pad_block
         self.max_model_len = max_model_len
         B, W = self.sizes[-1], max_blocks
         self.max_batch, self.width = B, W
-        # Every input in one int64 buffer: one H2D copy per step. Layout: five [B] fields,
-        # then block_tables [B, W]. The kernels read int64 metadata as they read int32.
-        n = B * (len(_FIELDS) + W)
+        self.max_tokens = max([B, *self.buckets])
+        # Every input in one int64 buffer: one H2D copy per step. Layout: the [T] token
+        # fields, the [B] sequence fields, cu_query [B + 1], then block_tables [B, W].
+        # The kernels read int64 metadata as they read int32.
+        T = self.max_tokens
+        n = T * len(_TOKEN_FIELDS) + B * len(_SEQ_FIELDS) + (B + 1) + B * W
         self._dev = torch.zeros(n, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()
-        self._views = {f: self._dev[i * B:(i + 1) * B] for i, f in enumerate(_FIELDS)}
-        self._tables = self._dev[len(_FIELDS) * B:].view(B, W)  # [B, W]
-        self._cu = torch.arange(B + 1, dtype=torch.int32, device=device)  # decode: 1 query/seq
+        self._views, self._host_views, at = {}, {}, 0
+        for names, size in ((_TOKEN_FIELDS, T), (_SEQ_FIELDS, B), (("cu_query",), B + 1)):
+            for f in names:
+                self._views[f] = self._dev[at:at + size]
+                self._host_views[f] = self._host_np[at:at + size]
+                at += size
+        self._tables = self._dev[at:].view(B, W)  # [B, W]
+        self._host_tables = self._host_np[at:].reshape(B, W)
+        self._decode_cu = torch.arange(B + 1, dtype=torch.int32, device=device)  # 1 query/seq
         self._copied: torch.cuda.Event | None = None
         self.capture_enabled = capture
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self.num_captures = 0
-        self.replays: Counter = Counter()  # (batch size, lora variant) -> replays
+        # (batch size, lora variant) or ("mixed", token bucket, lora variant) -> replays
+        self.replays: Counter = Counter()
         self._mempool = None
 
     def variants(self) -> list[bool]:
@@ -79,13 +109,17 @@ class DecodeGraphs:
     def can_run(self, batch: int) -> bool:
         return batch <= self.max_batch
 
-    # --- the forward pass a graph holds ------------------------------------------------
+    def can_run_mixed(self, batch: ScheduledBatch) -> bool:
+        return bool(self.buckets) and len(batch) <= self.max_batch \
+            and batch.num_tokens <= self.buckets[-1]
+
+    # --- the forward passes a graph holds ----------------------------------------------
 
     def _forward(self, b: int, lora: bool) -> torch.Tensor:
         v = self._views
         meta = AttentionMetadata(
             is_prefill=False, slot_mapping=v["slot_mapping"][:b], context_lens=v["context_lens"][:b],
-            block_tables=self._tables[:b], cu_query=self._cu[:b + 1], max_query_len=1,
+            block_tables=self._tables[:b], cu_query=self._decode_cu[:b + 1], max_query_len=1,
             max_context_len=self.max_model_len,  # an upper bound: decode kernels never read it
         )
         batch = LoraBatch(self.pool, v["slot_ids"][:b]) if lora else None
@@ -93,9 +127,21 @@ class DecodeGraphs:
             hidden = self.model(v["input_ids"][:b], v["positions"][:b])  # [b, hidden]
             return self.model.compute_logits(hidden)  # [b, V] float32
 
+    def _forward_mixed(self, t: int, lora: bool) -> torch.Tensor:
+        v, B = self._views, self.max_batch
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=v["slot_mapping"][:t], context_lens=v["context_lens"],
+            block_tables=self._tables, cu_query=v["cu_query"], max_query_len=t,
+            max_context_len=self.max_model_len,
+        )
+        batch = LoraBatch(self.pool, v["slot_ids"][:t], v["order"][:t]) if lora else None
+        with forward_context(ForwardContext(meta, batch)):
+            hidden = self.model(v["input_ids"][:t], v["positions"][:t])  # [t, hidden]
+            return self.model.compute_logits(hidden[v["logits_index"][:B]])  # [B, V] float32
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (size, variant), largest first so smaller graphs reuse its memory."""
+        """Capture every graph, largest first so smaller graphs reuse its memory."""
         self._fill([], self.max_batch)
         self._upload()
         if not self.capture_enabled:
@@ -103,16 +149,18 @@ class DecodeGraphs:
         self._mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        for b in reversed(self.sizes):
+        forwards = [(("mixed", t), self._forward_mixed, t) for t in reversed(self.buckets)]
+        forwards += [((b,), self._forward, b) for b in reversed(self.sizes)]
+        for key, forward, size in forwards:
             for lora in self.variants():
                 with torch.cuda.stream(side):  # warm-up: Triton compiles, LoRA descriptors cached
                     for _ in range(2):
-                        self._forward(b, lora)
+                        forward(size, lora)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._mempool):
-                    out = self._forward(b, lora)
-                self.graphs[(b, lora)] = (graph, out)
+                    out = forward(size, lora)
+                self.graphs[(*key, lora)] = (graph, out)
                 self.num_captures += 1
         torch.cuda.synchronize(self.device)
 
@@ -125,20 +173,31 @@ class DecodeGraphs:
         lora = lora and self.pool is not None
         self._fill(seqs, b)
         self._upload()
-        self.replays[(b, lora)] += 1
-        if not self.capture_enabled:
-            return self._forward(b, lora)[:n]
-        graph, out = self.graphs[(b, lora)]
-        graph.replay()
-        return out[:n]
+        return self._replay((b, lora), lambda: self._forward(b, lora))[:n]
 
-    def _fill(self, seqs: list[Sequence], b: int) -> None:
+    def run_mixed(self, batch: ScheduledBatch, lora: bool) -> torch.Tensor:
+        """Logits [sampling sequences, V] of one mixed step."""
+        t = self.buckets[bisect.bisect_left(self.buckets, batch.num_tokens)]
+        lora = lora and self.pool is not None
+        n_samples = self._fill_mixed(batch, t)
+        self._upload()
+        return self._replay(("mixed", t, lora), lambda: self._forward_mixed(t, lora))[:n_samples]
+
+    def _replay(self, key: tuple, eager) -> torch.Tensor:
+        self.replays[key] += 1
+        if not self.capture_enabled:
+            return eager()
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out
+
+    def _wait_host_buffer(self) -> None:
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy must have read the host buffer
-        B, W, bs = self.max_batch, self.width, self.block_size
-        h = self._host_np
-        f = {name: h[i * B:(i + 1) * B] for i, name in enumerate(_FIELDS)}
-        tables = h[len(_FIELDS) * B:].reshape(B, W)
+
+    def _fill(self, seqs: list[Sequence], b: int) -> None:
+        self._wait_host_buffer()
+        f, tables, bs = self._host_views, self._host_tables, self.block_size
         for i, seq in enumerate(seqs):
             pos = len(seq) - 1
             bt = seq.block_table
@@ -156,9 +215,44 @@ class DecodeGraphs:
             f[name][n:b] = value
         tables[n:b] = self.pad_block
 
+    def _fill_mixed(self, batch: ScheduledBatch, t: int) -> int:
+        """The step's tokens into rows [0, t) and its sequences into rows [0, B); returns
+        how many sequences sample (their logits rows come first, in batch order)."""
+        self._wait_host_buffer()
+        f, tables, bs = self._host_views, self._host_tables, self.block_size
+        at, n_samples = 0, 0
+        f["cu_query"][0] = 0
+        for i, (seq, n, sampled) in enumerate(zip(batch.seqs, batch.num_new, batch.samples)):
+            start, bt = seq.num_computed, seq.block_table
+            pos = np.arange(start, start + n)
+            table = np.asarray(bt)
+            f["input_ids"][at:at + n] = seq.token_ids[start:start + n]
+            f["positions"][at:at + n] = pos
+            f["slot_mapping"][at:at + n] = table[pos // bs] * bs + pos % bs
+            f["slot_ids"][at:at + n] = seq.slot
+            at += n
+            f["cu_query"][i + 1] = at
+            f["context_lens"][i] = start + n
+            tables[i, :len(bt)] = bt
+            tables[i, len(bt):] = self.pad_block
+            if sampled:
+                f["logits_index"][n_samples] = at - 1
+                n_samples += 1
+        # padding: tokens of no sequence (base model, written into the padding block) and
+        # sequence rows with no queries
+        for name, value in (("input_ids", 0), ("positions", 0), ("slot_ids", -1),
+                            ("slot_mapping", self.pad_block * bs)):
+            f[name][at:t] = value
+        b = len(batch)
+        f["cu_query"][b + 1:] = at
+        f["context_lens"][b:] = 1
+        tables[b:] = self.pad_block
+        f["logits_index"][n_samples:] = 0
+        f["order"][:t] = np.argsort(f["slot_ids"][:t], kind="stable")
+        return n_samples
+
     def _upload(self) -> None:
         self._dev.copy_(self._host, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-

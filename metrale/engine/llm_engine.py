@@ -19,7 +19,7 @@ import torch
 
 from metrale.adapters.plan import plan_adapter
 from metrale.adapters.weights_check import check_weights
-from metrale.config import EngineConfig, ModelConfig, parse_dtype
+from metrale.config import ConfigError, EngineConfig, ModelConfig, parse_dtype
 from metrale.engine.adapters import AdapterManager, PeerOptions
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.output_processor import OutputProcessor, failed_output
@@ -55,13 +55,19 @@ class LLMEngine:
         if model is None:
             model = load_model(model_dir, self.model_config, self.dtype, self.device,
                                cfg.max_model_len)
+        elif model.rotary.max_positions < cfg.max_model_len:  # its tables would be read past
+            raise ConfigError(f"the given model's rotary tables cover {model.rotary.max_positions} "
+                              f"positions, fewer than max_model_len {cfg.max_model_len}")
         self.lora = LoraSlots(self.model_config, cfg.pool, self.device, self.dtype)
         # an adapter named like the base model would shadow it in every API
         self.registry = AdapterRegistry(reserved_names=("base", Path(model_dir).name))
         self.adapters = AdapterManager(
             self.lora, self.registry, cfg.promotion_timeout_s,
             PeerOptions(cfg.peer_transport, cfg.peer_timeout_s, cfg.peer_allow or None),
-            async_promotions=cfg.async_promotions)
+            async_promotions=cfg.async_promotions,
+            max_in_flight=cfg.scheduler.max_promotions_in_flight,
+            drain_busy_slots=cfg.scheduler.policy != "legacy")
+        self.adapters.remaining_work = self._work_per_slot
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
                                   self.lora.pool)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size,
@@ -139,9 +145,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._between_steps()
-        seqs, is_prefill = self.scheduler.schedule()
-        if seqs:
-            outputs += self.output_processor.process(seqs, self.runner.run(seqs, is_prefill))
+        batch = self.scheduler.schedule()
+        if batch:
+            results = self.runner.run(batch)
+            self.scheduler.computed(batch)
+            outputs += self.output_processor.process(batch.sampling_seqs, results)
         for out in outputs:
             self._finish(out)
         return outputs
@@ -179,6 +187,17 @@ class LLMEngine:
         if seq is not None:
             self._free(seq)
             seq.finish_reason = out.finish_reason
+
+    def _work_per_slot(self) -> dict[int, int]:
+        """slot -> the most tokens one of its requests may still compute: how long the
+        slot takes to drain (promotions drain the slot that frees first)."""
+        work: dict[int, int] = {}
+        for s in self.requests.values():
+            if s.bound and s.slot >= 0:
+                left = len(s.prompt_ids) - min(s.num_computed, len(s.prompt_ids)) \
+                    + s.params.max_tokens - len(s.output_ids)
+                work[s.slot] = max(work.get(s.slot, 0), left)
+        return work
 
     def _free(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

@@ -14,9 +14,9 @@ class OutputProcessor:
         self.tokenizer, self.eos_ids, self.max_seq_tokens = tokenizer, eos_ids, max_seq_tokens
 
     def process(self, seqs: list[Sequence], results: list[SampleResult]) -> list[RequestOutput]:
+        """seqs: the step's sampling sequences, one result each."""
         outputs = []
-        for seq, result in zip(seqs, results):
-            seq.num_computed = len(seq)  # the step computed KV for every token it was given
+        for seq, result in zip(seqs, results, strict=True):
             if result.error is not None:  # a bad row fails its own sequence, never the batch
                 seq.error = result.error
                 outputs.append(failed_output(seq))

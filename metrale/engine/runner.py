@@ -1,19 +1,19 @@
 """ModelRunner: owns the model and its KV cache; turns a scheduled batch into
 flat tensors, runs one forward pass under a forward context, and samples.
 
-On CUDA, decode steps of up to MAX_GRAPH_BATCH sequences replay CUDA graphs
-(metrale.engine.cuda_graphs) unless `enforce_eager`; prefill and bigger batches run
-eagerly. The KV cache holds one block more than the block manager hands out: the
-padding block that padded graph rows write into."""
+On CUDA, decode steps of up to MAX_GRAPH_BATCH sequences and mixed steps of up to the
+largest token bucket replay CUDA graphs (metrale.engine.cuda_graphs) unless
+`enforce_eager`; bigger steps run eagerly. The KV cache holds one block more than the
+block manager hands out: the padding block that padded graph rows write into."""
 
 from __future__ import annotations
 
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
-from metrale.engine.cuda_graphs import DecodeGraphs
+from metrale.engine.cuda_graphs import StepGraphs
 from metrale.engine.sampler import SampleResult, sample
-from metrale.engine.sequence import Sequence
+from metrale.engine.scheduler import ScheduledBatch
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
 from metrale.ops.lora_ref import token_groups
@@ -35,17 +35,18 @@ class ModelRunner:
         for attn in model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if device.type == "cuda" and not cfg.enforce_eager:
-            self.enable_decode_graphs(capture=True)
+            self.enable_graphs(capture=True)
 
-    def enable_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
+    def enable_graphs(self, capture: bool = True) -> StepGraphs:
         """Build the static decode buffers and capture the graphs (capture=False: run the
         same padded static-buffer path eagerly, for tests off the GPU)."""
         cfg = self.cfg
-        self.graphs = DecodeGraphs(
+        self.graphs = StepGraphs(
             self.model, self.pool, cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size),
-            cfg.block_size, self.pad_block, cfg.max_model_len, self.device, capture=capture)
+            cfg.block_size, self.pad_block, cfg.max_model_len, self.device, capture=capture,
+            max_num_batched_tokens=cfg.max_num_batched_tokens)
         self.graphs.capture()
         return self.graphs
 
@@ -64,50 +65,57 @@ class ModelRunner:
         return max(min(wanted, budget // self._block_bytes()), 1)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[SampleResult]:
-        if not is_prefill and self.graphs is not None and self.graphs.can_run(len(seqs)):
-            lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
-            logits = self.graphs.run(seqs, lora)  # [B, V]
+    def run(self, batch: ScheduledBatch) -> list[SampleResult]:
+        """One forward pass over the batch; a result per sampling sequence, in order."""
+        seqs, graphs = batch.seqs, self.graphs
+        lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
+        if graphs is not None and batch.is_decode and graphs.can_run(len(seqs)):
+            logits = graphs.run(seqs, lora)  # [B, V]
+        elif graphs is not None and graphs.can_run_mixed(batch):
+            logits = graphs.run_mixed(batch, lora)  # [sampling B, V]
         else:
-            logits = self._run_eager(seqs, is_prefill)
-        return sample(logits, seqs)
+            logits = self._run_eager(batch)  # [sampling B, V]
+        return sample(logits, batch.sampling_seqs)
 
-    def _run_eager(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        ids, positions, slot_mapping, cu, slot_ids = [], [], [], [0], []
+    def _run_eager(self, batch: ScheduledBatch) -> torch.Tensor:
+        ids, positions, slot_mapping, cu, slot_ids, ctx = [], [], [], [0], [], []
         bs = self.cfg.block_size
-        for seq in seqs:
-            tokens = seq.token_ids
-            start = seq.num_computed if is_prefill else len(seq) - 1
-            ids += tokens[start:]
-            for pos in range(start, len(seq)):
+        for seq, n in zip(batch.seqs, batch.num_new):
+            start, end = seq.num_computed, seq.num_computed + n
+            ids += seq.token_ids[start:end]
+            table = seq.block_table
+            for pos in range(start, end):
                 positions.append(pos)
-                slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
-            cu.append(cu[-1] + len(seq) - start)
-            slot_ids += [seq.slot] * (len(seq) - start)
-        width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+                slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            cu.append(cu[-1] + n)
+            ctx.append(end)
+            slot_ids += [seq.slot] * n
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
         dev = self.device
         meta = AttentionMetadata(
-            is_prefill=is_prefill,
+            is_prefill=not batch.is_decode,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             cu_query=torch.tensor(cu, dtype=torch.int32, device=dev),
-            max_query_len=max(b - a for a, b in zip(cu, cu[1:])),
-            max_context_len=max(len(s) for s in seqs),
+            max_query_len=max(batch.num_new),
+            max_context_len=max(ctx),
         )
         lora = None
-        if self.pool is not None and any(s.slot >= 0 for s in seqs):
+        if self.pool is not None and any(s.slot >= 0 for s in batch.seqs):
             slot_ids_t = torch.tensor(slot_ids, dtype=torch.int64, device=dev)  # [T]
             # sort once per batch, not per layer: the prefill kernels want slot-sorted tokens
-            order = sort_tokens_by_slot(slot_ids_t) if dev.type == "cuda" and is_prefill else None
+            order = sort_tokens_by_slot(slot_ids_t) if dev.type == "cuda" and meta.is_prefill else None
             # the CPU reference groups tokens by slot once here, not in each of its calls
             groups = token_groups(slot_ids, dev) if dev.type != "cuda" else None
             lora = LoraBatch(self.pool, slot_ids_t, order, groups)
+        # the last token of each sampling sequence
+        last = [end - 1 for end, sampled in zip(cu[1:], batch.samples) if sampled]
         with forward_context(ForwardContext(meta, lora)):
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev),
             )  # [T, hidden]
-            last = torch.tensor(cu[1:], device=dev) - 1  # [B] last token of each sequence
-            return self.model.compute_logits(hidden[last])  # [B, V]
+            last_t = torch.tensor(last, dtype=torch.int64, device=dev)
+            return self.model.compute_logits(hidden[last_t])  # [B', V]

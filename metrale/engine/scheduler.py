@@ -1,20 +1,72 @@
-"""Continuous batching: each step is either a prefill of newly admitted
-sequences or a decode of every running one. When KV blocks run out, the most
-recently admitted sequence is preempted (its KV freed, recomputed later) so
-the rest always make progress."""
+"""Continuous batching with a token budget per step.
+
+Policy "mixed" (the default): every step runs each running sequence's next tokens, its
+one decode token first, then the next chunk of prompts being prefilled, then newly
+admitted prompts, until max_num_batched_tokens is spent. A long prompt is prefilled over
+several steps while the others keep decoding, so no decode waits behind a prefill.
+
+Admission is adapter-aware: only requests whose adapter is resident (bound to a slot)
+or that use the base model can run; among those, adapters take turns (round-robin, each
+adapter's requests in arrival order) so one hot adapter cannot fill every step, and a
+request that waited longer than max_admission_wait_s goes first, in arrival order.
+A request short of KV blocks stops admission: nothing smaller jumps it.
+
+When KV blocks run out, the most recently admitted sequence is preempted (its KV
+freed, recomputed later) so the rest always make progress.
+
+Policy "legacy": a step is either a prefill of admitted whole prompts or a decode of
+every running sequence, FIFO (the benchmarks' baseline).
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from metrale.config import EngineConfig
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.sequence import SeqStatus, Sequence
 
 
+@dataclass
+class ScheduledBatch:
+    """One step's work: seqs[i] computes its next num_new[i] tokens (KV positions
+    seq.num_computed .. + num_new[i]); a sequence whose tokens are then all computed
+    samples its next token."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)  # fixed when scheduled
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(n)
+        self.samples.append(seq.num_computed + n == len(seq))
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence, each sampling: a CUDA-graph decode step."""
+        return all(n == 1 for n in self.num_new) and all(self.samples)
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        return [s for s, sampled in zip(self.seqs, self.samples) if sampled]
+
+
 class Scheduler:
     def __init__(self, cfg: EngineConfig, blocks: BlockManager) -> None:
         self.cfg, self.blocks = cfg, blocks
+        self.policy = cfg.scheduler
+        self.max_chunk = cfg.scheduler.max_prefill_chunk or cfg.max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -25,44 +77,117 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences of the next step and whether it is a prefill."""
-        batch, tokens = [], 0
+    def schedule(self) -> ScheduledBatch:
+        if self.policy.policy == "legacy":
+            return self._schedule_legacy()
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.cfg.max_num_batched_tokens)
+        self._admit(batch, budget)
+        return batch
+
+    def computed(self, batch: ScheduledBatch) -> None:
+        """After the step ran: its tokens' KV is in the cache, and the full blocks it
+        completed may now serve other requests from the prefix cache."""
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed += n
+            self.blocks.publish(seq)
+
+    # --- mixed ----------------------------------------------------------------------------
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        # decodes first (one token each, always within the budget: it is >= max_num_seqs),
+        # then partial prefills, each in admission order
+        for seq in sorted(self.running, key=lambda s: len(s) - s.num_computed > 1):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted below, for an older sequence's decode
+            n = min(len(seq) - seq.num_computed, budget, self.max_chunk)
+            if n == 0:
+                continue
+            if not self._make_room(seq):
+                continue
+            batch.add(seq, n)
+            budget -= n
+        return budget
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """KV room for seq's newest token, preempting the newest sequences if needed;
+        False when seq itself had to go. A victim is never already in this step's batch:
+        decodes are scheduled in admission order and the victim is the newest running
+        sequence, and prefill chunks never need a block (admission allocated them)."""
+        while not self.blocks.can_append(seq):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.append(seq)
+        return True
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        for seq in self._admission_order(time.monotonic()):
+            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+                return
+            if not self.blocks.can_allocate(seq):
+                return  # no later request takes the blocks this one waits for
+            self._start(seq)
+            n = min(len(seq) - seq.num_computed, budget, self.max_chunk)
+            batch.add(seq, n)
+            budget -= n
+
+    def _admission_order(self, now: float) -> Iterator[Sequence]:
+        """Runnable waiting requests: the overdue in arrival order, then the others
+        round-robin across adapters (each adapter's in arrival order, adapters in order
+        of their oldest request)."""
+        bound_limit = self.policy.max_admission_wait_s
+        runnable = [s for s in self.waiting if s.bound]
+        yield from (s for s in runnable if now - s.arrival > bound_limit)
+        queues: OrderedDict[str | None, deque[Sequence]] = OrderedDict()
+        for s in runnable:
+            if now - s.arrival <= bound_limit:
+                queues.setdefault(s.adapter, deque()).append(s)
+        while queues:
+            for adapter in list(queues):
+                q = queues[adapter]
+                yield q.popleft()
+                if not q:
+                    del queues[adapter]
+
+    def _start(self, seq: Sequence) -> None:
+        if seq.scheduled_at is None:
+            seq.scheduled_at = time.monotonic()
+        self.blocks.allocate(seq)
+        seq.num_computed = seq.num_cached_tokens
+        seq.status = SeqStatus.RUNNING
+        self.waiting.remove(seq)
+        self.running.append(seq)
+
+    # --- legacy -----------------------------------------------------------------------------
+
+    def _schedule_legacy(self) -> ScheduledBatch:
+        batch, tokens = ScheduledBatch(), 0
         for seq in list(self.waiting):
             if not seq.bound:
                 continue  # its adapter is still being promoted; others go ahead
-            if len(self.running) + len(batch) >= self.cfg.max_num_seqs:
+            if len(self.running) >= self.cfg.max_num_seqs:
                 break
             if tokens + len(seq) > self.cfg.max_num_batched_tokens and batch:
                 break
             if not self.blocks.can_allocate(seq):
                 break  # FIFO: a later, smaller request must not starve this one
-            self.blocks.allocate(seq)
-            seq.num_computed = seq.num_cached_tokens
-            seq.status = SeqStatus.RUNNING
-            self.waiting.remove(seq)
-            batch.append(seq)
-            tokens += len(seq) - seq.num_cached_tokens
+            self._start(seq)
+            batch.add(seq, len(seq) - seq.num_computed)
+            tokens += len(seq) - seq.num_computed
         if batch:
-            self.running.extend(batch)
-            return batch, True
+            return batch
+        for seq in list(self.running):
+            if seq.status is SeqStatus.RUNNING and self._make_room(seq):
+                batch.add(seq, 1)
+        return batch
 
-        while self.running:
-            seq = self.running.popleft()
-            while not self.blocks.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
-                    break
-            else:
-                self.blocks.append(seq)
-                batch.append(seq)
-        self.running.extendleft(reversed(batch))
-        return batch, False
+    # --- leaving ----------------------------------------------------------------------------
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self.running.remove(seq)
         self.blocks.free_seq(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0

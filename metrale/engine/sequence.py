@@ -30,11 +30,14 @@ class Sequence:
     slot: int = -1  # -1 = base model
     adapter_uid: int = 0  # 0 = base model; part of every prefix-cache key
     bound: bool = False
+    bound_at: float | None = None  # when its adapter was resident and bound (monotonic)
+    scheduled_at: float | None = None  # when it was first admitted to run (monotonic)
     # KV
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes | None] = field(default_factory=list)  # prefix-cache key per block
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last prefill
-    num_computed: int = 0  # tokens whose KV is in the cache
+    num_computed: int = 0  # tokens whose KV is in the cache (the scheduler advances it)
+    num_published: int = 0  # leading full blocks findable in the prefix cache
     # output
     text: str = ""
     logprobs: list[dict] = field(default_factory=list)

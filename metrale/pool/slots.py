@@ -9,6 +9,7 @@ the prefix cache and metrics key on it. `generation` counts landings per slot.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -134,6 +135,34 @@ class SlotTable:
             return (0 if not s.ever_filled else 1 if s.name is None else 2, s.last_used, i)
 
         return min(candidates, key=preference)[0]
+
+    def num_free_for_landing(self) -> int:
+        """Slots a landing could take now (select_victim's candidates), plus detached
+        slots still draining their in-flight requests (they will be)."""
+        return sum(1 for s in self._slots if not s.pinned and s.state is SlotState.READY
+                   and (s.ref_count == 0 or s.name is None)) + sum(
+            1 for s in self._slots if s.state is SlotState.EMPTY)
+
+    def drain_candidate(self, remaining_work: Mapping[int, int]) -> str | None:
+        """The adapter whose busy slot should be drained for a landing: the least work
+        left on it (remaining_work[slot], tokens), then fewest in-flight requests, then least
+        recently requested; pinned never. None if no slot qualifies."""
+        busy = [(remaining_work.get(i, 0), s.ref_count, s.last_used, s.name)
+                for i, s in enumerate(self._slots)
+                if s.name is not None and not s.pinned and s.ref_count > 0
+                and s.state is SlotState.READY]
+        return min(busy)[3] if busy else None
+
+    def reattach(self, name: str, slot: int, uid: int) -> bool:
+        """Undo a drain: `name` routes to `slot` again if the slot still holds the landing
+        `uid` (READY, unnamed) and `name` is nowhere else. False when it moved on."""
+        s = self._slots[slot]
+        if name in self._by_name or s.name is not None or s.uid != uid \
+                or s.state is not SlotState.READY:
+            return False
+        s.name = name
+        self._by_name[name] = slot
+        return True
 
     # --- references -------------------------------------------------------------
 
