@@ -103,6 +103,10 @@ def test_registry_desired_state_and_lagging_replicas():
     v2 = reg.register("a", src, pinned=True, reload=True)
     assert reg.desired()["a"].pinned and reg.desired()["a"].version > 0
     assert sorted(reg.lagging(v2)) == ["r0", "r1"]
+    now[0] += 4
+    reg.beat("r1")  # busy applying a change: no poll, but alive
+    now[0] += 4
+    assert reg.lagging(v2) == ["r1"]  # r0 quiet for 8 s counts as dead, r1 beat 4 s ago
     now[0] += 60  # r1 stopped polling (died): it no longer holds changes back
     reg.report("r0", v2, "127.0.0.1:1", "http://r0", {}, {})
     assert reg.lagging(v2) == []

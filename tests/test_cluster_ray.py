@@ -280,10 +280,13 @@ def test_killing_a_replica_loses_no_retryable_request(cluster):
     # the cluster keeps serving, and Serve brings the replica count back
     assert cluster.complete(PROMPTS[0], "a").json()["choices"][0]["text"] == \
         cluster.ref.text(PROMPTS[0], "a", 8)
-    wait_for("a replacement replica joined",
-             lambda: len(cluster.replicas()) == 2 and victim not in cluster.replicas())
+    def replacement():
+        reps = cluster.replicas()
+        fresh = [rep for rid, rep in reps.items() if rid not in before]
+        return fresh[0] if fresh and victim not in reps else None
+
+    new = wait_for("a replacement replica joined", replacement)
     # it joined with the cluster's adapters: the registry's whole state, on its first poll
-    (new,) = [rep for rid, rep in cluster.replicas().items() if rid not in before]
     wait_for("the replacement applied the registry", lambda: {
         a["name"] for a in httpx.get(f"{new['url']}/v1/adapters", timeout=30,
                                      headers={"Authorization": f"Bearer {KEY}"}).json()["adapters"]

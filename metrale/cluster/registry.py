@@ -105,6 +105,12 @@ class ClusterRegistry:
         m.applied, m.peer_addr, m.url = applied, peer_addr, url
         m.resident, m.errors, m.last_seen = dict(resident), dict(errors), self._clock()
 
+    def beat(self, replica_id: str) -> None:
+        """Alive, though busy applying a change (a pinned landing can take a while)."""
+        m = self.members.get(replica_id)
+        if m is not None:
+            m.last_seen = self._clock()
+
     def leave(self, replica_id: str) -> None:
         self.members.pop(replica_id, None)
 
@@ -175,6 +181,9 @@ class RegistryActor:
             except TimeoutError:
                 pass
         return lagging
+
+    async def beat(self, replica_id: str) -> None:
+        self.registry.beat(replica_id)
 
     async def members(self) -> list[Member]:
         return self.registry.live()

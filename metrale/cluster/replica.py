@@ -77,8 +77,11 @@ class EngineReplica:
         self.arrivals = self.hits = 0  # adapter requests, and those whose adapter was READY
         self.url = self._start_http()
         registry = ray.get_actor(spec.registry_name, namespace=spec.registry_namespace)
-        self.sync = RegistrySync(self.engine, lambda applied, resident, errors: registry.poll.remote(
-            self.replica_id, applied, self.peer_addr, self.url, resident, errors), self.replica_id)
+        self.sync = RegistrySync(
+            self.engine,
+            lambda applied, resident, errors: registry.poll.remote(
+                self.replica_id, applied, self.peer_addr, self.url, resident, errors),
+            lambda: registry.beat.remote(self.replica_id), self.replica_id)
         self._sync_thread = threading.Thread(target=asyncio.run, args=(self.sync.run(),),
                                              name="metrale-cluster-sync", daemon=True)
         self._sync_thread.start()

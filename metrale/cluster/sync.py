@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from metrale.cluster.registry import Desired
+from metrale.cluster.registry import POLL_S, Desired
 from metrale.errors import MetraleError, UnknownAdapterError
 from metrale.server.async_engine import AsyncEngine
 
@@ -21,10 +21,13 @@ log = logging.getLogger("metrale.cluster")
 
 
 class RegistrySync:
-    def __init__(self, engine: AsyncEngine, poll: Callable, replica_id: str) -> None:
-        """poll(replica_id, applied, resident, errors) -> awaitable of
-        (state_version, desired, others): the registry actor's poll, bound."""
-        self.engine, self._poll, self.replica_id = engine, poll, replica_id
+    def __init__(self, engine: AsyncEngine, poll: Callable, beat: Callable,
+                 replica_id: str) -> None:
+        """poll(applied, resident, errors) -> awaitable of (state_version, desired, others):
+        the registry actor's poll, bound to this replica; beat() -> awaitable: its
+        heartbeat, sent while a long reconcile keeps the next poll from happening (the
+        registry would count the replica dead and stop waiting for it)."""
+        self.engine, self._poll, self._beat, self.replica_id = engine, poll, beat, replica_id
         self.applied_version = -1
         self.applied: dict[str, Desired] = {}
         self.errors: dict[str, str] = {}
@@ -34,7 +37,16 @@ class RegistrySync:
     def stop(self) -> None:
         self._stop = True
 
+    async def _beat_loop(self) -> None:
+        while not self._stop:
+            try:
+                await self._beat()
+            except Exception:  # the registry restarting: the next poll reports anyway
+                pass
+            await asyncio.sleep(POLL_S)
+
     async def run(self) -> None:
+        beats = asyncio.create_task(self._beat_loop())  # noqa: F841 - lives as long as run()
         while not self._stop:
             try:
                 resident = await self.engine.call(self._resident)
