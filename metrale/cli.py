@@ -78,7 +78,36 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None or args.ray_address is not None:
+        from metrale.cluster.launch import serve_cluster  # needs the `cluster` extra (Ray)
+
+        if args.replicas is None:
+            args.replicas = 1
+        return serve_cluster(args)
     return serve(args)
+
+
+# --- cluster (Ray Serve): `metrale serve --replicas N [--ray-address ADDR]` ------------------
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster (Ray Serve; the `cluster` extra)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N engine replicas on Ray Serve behind one ingress at --host/--port "
+                        "(one GPU each with --device cuda; default: one engine, no Ray)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="attach to a running Ray cluster (e.g. 'auto' or ray://head:10001) "
+                        "instead of starting a local one")
+    g.add_argument("--ray-num-cpus", type=int, default=None, metavar="N",
+                   help="CPUs of the local Ray started without --ray-address (default: all)")
+    g.add_argument("--replica-threads", type=int, default=1, metavar="N",
+                   help="torch threads (and Ray CPUs) per CPU replica (default: %(default)s)")
+    g.add_argument("--router-epsilon", type=float, default=0.5,
+                   help="adapter affinity may load a replica up to (1+epsilon) x the mean "
+                        "(default: %(default)s)")
+    g.add_argument("--router-spread-queue", type=int, default=8, metavar="N",
+                   help="spread an adapter to another replica once each holder has N of its "
+                        "requests in flight; 0 = never (default: %(default)s)")
 
 
 def _peer_serve(args: argparse.Namespace) -> int:
@@ -159,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server with runtime adapter management")
     add_serve_arguments(srv)
+    add_cluster_arguments(srv)
     srv.set_defaults(func=_serve)
     add_adapters_parser(sub)  # `metrale adapters ...`: a client of a running server
     return p

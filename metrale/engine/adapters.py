@@ -154,9 +154,12 @@ class AdapterManager:
     # --- explicit landings (synchronous) ------------------------------------------------
 
     def land(self, version: AdapterVersion, slot: int | None = None,
-             prepared: Prepared | None = None) -> tuple[int, str | None]:
+             prepared: Prepared | None = None,
+             origin: AdapterSource | None = None) -> tuple[int, str | None]:
         """Land a registered version into `slot` (None: a victim). `prepared`: bytes
-        already read off the engine thread; they are closed here."""
+        already read off the engine thread; they are closed here. `origin`: where those
+        bytes came from when not the version's own source (a cluster replica staging the
+        version from a neighbour's slot), so metrics and logs name the real source."""
         if not self.registry.is_current(version):
             if prepared is not None:
                 prepared.close()
@@ -167,7 +170,7 @@ class AdapterManager:
         def prepare() -> Prepared:
             return prepared if prepared is not None else self.prepare(name, source)
 
-        slot, evicted = self._land_with(name, source, slot, prepare)
+        slot, evicted = self._land_with(name, origin or source, slot, prepare)
         self._landed(version, slot)
         return slot, evicted
 

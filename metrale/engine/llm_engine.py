@@ -256,9 +256,11 @@ class LLMEngine:
         return self.registry.set_pinned(name, pinned)
 
     def land(self, version: AdapterVersion, slot: int | None = None,
-             prepared: Prepared | None = None) -> tuple[int, str | None]:
-        """Land a registered version now, into `slot` or a victim: (slot, evicted)."""
-        return self.adapters.land(version, slot, prepared)
+             prepared: Prepared | None = None,
+             origin: AdapterSource | None = None) -> tuple[int, str | None]:
+        """Land a registered version now, into `slot` or a victim: (slot, evicted).
+        origin: where `prepared` was read from, when not the version's source."""
+        return self.adapters.land(version, slot, prepared, origin)
 
     # --- the seed's four operations: land these bytes as `name` now ----------------------
 

@@ -135,20 +135,29 @@ class AdapterOps:
         self._count("waited", adapters.num_waited_for_adapter)
         self.metrics.slot_drains.inc(adapters.num_drains - self._counted.get("drains", 0))
         self._counted["drains"] = adapters.num_drains
-        depth: dict[str, int] = {}
+        depth: dict[str, int] = {}  # the queue holds those waiting for a landing too
         for seq in scheduler.waiting:
             if seq.adapter is not None:
                 depth[seq.adapter] = depth.get(seq.adapter, 0) + 1
-        for name, waiters in adapters.pending.items():
-            depth[name] = depth.get(name, 0) + len(waiters)
         self.metrics.adapter_queue.clear()
         for name, n in depth.items():
             self.metrics.adapter_queue.labels(name).set(n)
+        self._vllm_gauges(scheduler, adapters)
 
     def _count(self, residency: str, total: int) -> None:
         """Counters the engine keeps as totals, moved by their increase since last time."""
         self.metrics.adapter_requests.labels(residency).inc(total - self._counted.get(residency, 0))
         self._counted[residency] = total
+
+    def _vllm_gauges(self, scheduler, adapters) -> None:
+        """Running = adapters of scheduled sequences; waiting = adapters of queued ones, those
+        waiting for a promotion included (both sets kept apart, as vLLM reports them)."""
+        running = [s.adapter for s in scheduler.running if s.adapter]
+        waiting = [s.adapter for s in scheduler.waiting if s.adapter]  # pending ones too
+        blocks = self.engine.blocks
+        used = 1.0 - blocks.num_free / blocks.num_blocks if blocks.num_blocks else 0.0
+        self.metrics.set_vllm(running, waiting, self.engine.lora.pool_config.max_loras,
+                              len(scheduler.running), len(scheduler.waiting), used)
 
     # --- views ------------------------------------------------------------------------
 

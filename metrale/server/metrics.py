@@ -84,6 +84,28 @@ class ServerMetrics:
         self.adapter_queue = Gauge(
             "metrale_adapter_queue_depth", "Requests waiting (not yet running) per adapter",
             ["adapter"], registry=r)
+        # vLLM's names, so routers written for vLLM (Gateway API Inference Extension, llm-d)
+        # read metrale unchanged. lora_requests_info keeps one series: the current sets.
+        self.vllm_lora_info = Gauge(
+            "vllm:lora_requests_info", "Running and waiting adapters (vLLM-compatible; the value "
+            "is the time of the last update)",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests running (vLLM name)",
+                                  registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting (vLLM name)",
+                                  registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1 (vLLM name)",
+                                   registry=r)
+
+    def set_vllm(self, running: Iterable[str], waiting: Iterable[str], max_lora: int,
+                 num_running: int, num_waiting: int, kv_usage: float) -> None:
+        """The vLLM-named gauges: adapter sets as comma-joined sorted names (vLLM's format)."""
+        self.vllm_lora_info.clear()
+        self.vllm_lora_info.labels(",".join(sorted(set(running))), ",".join(sorted(set(waiting))),
+                                   str(max_lora)).set_to_current_time()
+        self.vllm_running.set(num_running)
+        self.vllm_waiting.set(num_waiting)
+        self.vllm_kv_usage.set(kv_usage)
 
     def set_residency(self, rows: Iterable[tuple[str, str, str]]) -> None:
         """Replace the residency gauge with (adapter, slot, state) rows."""

@@ -1,0 +1,417 @@
+"""A discrete-event simulation of metrale replicas behind four routers.
+
+    python bench/cluster_sim.py                       # 1,000 adapters, 8 replicas x 8 slots
+    python bench/cluster_sim.py --seconds 20 --rate 300   # a shorter or lighter run
+
+Each replica is modelled as metrale runs: continuous batching of up to --batch
+sequences; a request runs only once its adapter is READY in one of --slots slots;
+a slot with running sequences is never a victim (EMPTY first, then least recently
+used idle); one landing at a time, FIFO by the oldest waiting request, landing while
+the batch runs (the async promotion worker). Service times come from measured runs
+(bench/results/*-h200.json, Llama-3-8B bf16 on an H200): the decode step at batch
+32 and 64 with 32 adapters (linear in between), a warm-disk landing
+(swap.llama3-8b.bf16.disk_warm_ms) and a landing from a neighbour over NVLink
+(swap.llama3-8b-peer.peer_nvlink_ms). A prefill costs its prompt tokens at the
+step's marginal per-row cost (an approximation, the same for every router).
+
+Routers (each sees every replica's exact queue; the bound on a replica is
+Ray Serve's max_ongoing_requests):
+- round_robin:   the next replica with room;
+- ray_multiplex: Ray Serve's documented multiplexed routing: replicas holding the
+                 model id first, else those with the fewest models; power of two
+                 choices among them; the replica's models are its slots (LRU);
+- prefer_loaded: always a replica holding the adapter if any has room (least loaded);
+- metrale:       metrale.cluster.ranking.rank (affinity + bounded load + spreading),
+                 and a replica lacking an adapter a neighbour holds lands it from there.
+
+Loads: Zipf(alpha) over the adapters (0.8 and 1.1), and "shift": Zipf 1.1 whose hot
+set is re-drawn every --shift-s seconds. Reported: adapter hit rate (the adapter was
+READY on the chosen replica when the request arrived), promotions per second, p50/p99
+TTFT, and load imbalance (max/mean of requests per replica).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime
+import heapq
+import itertools
+import json
+import platform
+import random
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from metrale.cluster.config import RouterConfig  # noqa: E402
+from metrale.cluster.ranking import ReplicaView, rank  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+POLICIES = ("round_robin", "ray_multiplex", "prefer_loaded", "metrale")
+
+
+# --- measured service times -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServiceTimes:
+    step_fixed_s: float  # a decode step's cost at batch 0 (extrapolated)
+    step_per_row_s: float  # each running sequence adds this
+    land_disk_s: float
+    land_peer_s: float
+    source: str
+
+    def step(self, rows: int, prefill_tokens: int) -> float:
+        return self.step_fixed_s + self.step_per_row_s * (rows + prefill_tokens)
+
+
+def measured_times(results: Path = RESULTS) -> ServiceTimes:
+    """From the newest H200 result that has both the decode and the peer landing runs."""
+    for path in sorted(results.glob("*-h200.json"), reverse=True):
+        data = json.loads(path.read_text())
+        try:
+            dec = data["decode"]["llama3-8b"]
+            t32 = 32 / dec["batch32"]["lora32_tok_s"]
+            t64 = 64 / dec["batch64"]["lora32_tok_s"]
+            disk = data["swap"]["llama3-8b"]["bf16"]["disk_warm_ms"] / 1e3
+            peer = data["swap"]["llama3-8b-peer"]["peer_nvlink_ms"] / 1e3
+        except KeyError:
+            continue
+        per_row = (t64 - t32) / 32
+        return ServiceTimes(t32 - 32 * per_row, per_row, disk, peer,
+                            f"{path.name}: decode.llama3-8b batch32/64 lora32_tok_s, "
+                            "swap.llama3-8b.bf16.disk_warm_ms, swap.llama3-8b-peer.peer_nvlink_ms")
+    raise SystemExit("no bench/results/*-h200.json with decode.llama3-8b and swap.llama3-8b-peer")
+
+
+# --- the replica model -----------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    id: int
+    adapter: int
+    arrival: float
+    tokens: int
+    prompt: int
+    hit: bool = False
+    first_token: float | None = None
+
+
+@dataclass
+class Slot:
+    adapter: int | None = None
+    refs: int = 0
+    last_used: float = -1.0
+    ready: bool = False
+
+
+@dataclass
+class Replica:
+    index: int
+    slots: list[Slot]
+    batch: int
+    queues: dict[int, deque] = field(default_factory=dict)  # adapter -> waiting requests
+    waiting: int = 0
+    running: dict[int, list[Request]] = field(default_factory=dict)  # finish step -> requests
+    num_running: int = 0
+    step_no: int = 0
+    busy_until: float = -1.0  # a step or an idle wake-up is scheduled until then
+    landing: tuple[int, int, float] | None = None  # (adapter, slot, done at)
+    served: int = 0
+    promotions: int = 0
+    adapter_load: dict[int, int] = field(default_factory=dict)
+
+    def slot_of(self, adapter: int) -> int | None:
+        for i, s in enumerate(self.slots):
+            if s.adapter == adapter and s.ready:
+                return i
+        return None
+
+    def ready_set(self) -> frozenset[int]:
+        return frozenset(s.adapter for s in self.slots if s.ready and s.adapter is not None)
+
+    @property
+    def load(self) -> int:
+        return self.waiting + self.num_running
+
+
+class Cluster:
+    def __init__(self, policy: str, n: int, slots: int, batch: int, max_ongoing: int,
+                 times: ServiceTimes, router: RouterConfig, seed: int) -> None:
+        self.policy, self.times, self.router, self.max_ongoing = policy, times, router, max_ongoing
+        self.replicas = [Replica(i, [Slot() for _ in range(slots)], batch) for i in range(n)]
+        self.rng = random.Random(seed)
+        self.events: list = []
+        self._tie = itertools.count()
+        self.rr = 0
+        self.backlog: deque[Request] = deque()  # routed nowhere yet: every replica full
+        self.done: list[Request] = []
+        self.now = 0.0
+
+    # --- events ---------------------------------------------------------------------
+
+    def at(self, t: float, kind: str, arg) -> None:
+        heapq.heappush(self.events, (t, next(self._tie), kind, arg))
+
+    def wake(self, r: Replica, now: float) -> None:
+        # mid-step: the step's end looks at the queue; idle or only waiting for a
+        # landing: step now (a resident adapter's request must not wait for the landing)
+        if r.busy_until < now or (r.num_running == 0 and r.busy_until != now):
+            r.busy_until = now
+            self.at(now, "step", r.index)
+
+    # --- routing --------------------------------------------------------------------
+
+    def route(self, req: Request, now: float) -> None:
+        open_ = [r for r in self.replicas if r.load < self.max_ongoing]
+        if not open_:
+            self.backlog.append(req)
+            return
+        target = getattr(self, f"_route_{self.policy}")(req.adapter, open_)
+        req.hit = target.slot_of(req.adapter) is not None
+        target.queues.setdefault(req.adapter, deque()).append(req)
+        target.waiting += 1
+        target.served += 1
+        target.adapter_load[req.adapter] = target.adapter_load.get(req.adapter, 0) + 1
+        self.wake(target, now)
+
+    def _route_round_robin(self, adapter: int, open_: list[Replica]) -> Replica:
+        while True:
+            r = self.replicas[self.rr % len(self.replicas)]
+            self.rr += 1
+            if r in open_:
+                return r
+
+    def _two_choices(self, candidates: list[Replica]) -> Replica:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self.rng.sample(candidates, 2)
+        return a if a.load <= b.load else b
+
+    def _route_ray_multiplex(self, adapter: int, open_: list[Replica]) -> Replica:
+        holders = [r for r in open_ if adapter in r.ready_set()]
+        if holders:
+            return self._two_choices(holders)
+        fewest = min(len(r.ready_set()) for r in open_)
+        return self._two_choices([r for r in open_ if len(r.ready_set()) == fewest])
+
+    def _route_prefer_loaded(self, adapter: int, open_: list[Replica]) -> Replica:
+        holders = [r for r in open_ if adapter in r.ready_set()]
+        return min(holders or open_, key=lambda r: (r.load, r.index))
+
+    def _route_metrale(self, adapter: int, open_: list[Replica]) -> Replica:
+        views = [ReplicaView(
+            str(r.index), r.load, frozenset(str(a) for a in r.ready_set()),
+            frozenset(() if r.landing is None else (str(r.landing[0]),)) |
+            frozenset(str(a) for a, q in r.queues.items() if q),
+            {str(adapter): r.adapter_load.get(adapter, 0)},
+            sum(1 for s in r.slots if s.adapter is None or (s.ready and s.refs == 0)))
+            for r in self.replicas]
+        by_index = {str(r.index): r for r in open_}
+        for rid in rank(str(adapter), views, self.router):
+            if rid in by_index:
+                return by_index[rid]
+        raise AssertionError("open_ is never empty here")
+
+    # --- one replica step -------------------------------------------------------------
+
+    def step(self, r: Replica, now: float) -> None:
+        # finished sequences release their slot
+        for req in r.running.pop(r.step_no, []):
+            r.num_running -= 1
+            slot = r.slots[self._resident_slot(r, req.adapter)]
+            slot.refs -= 1
+            r.adapter_load[req.adapter] -= 1
+            self.done.append(req)
+        # a landing commits at a step boundary
+        if r.landing is not None and r.landing[2] <= now:
+            adapter, i, _ = r.landing
+            r.slots[i].ready, r.landing = True, None
+        if r.landing is None:
+            self._start_landing(r, now)
+        admitted = self._admit(r, now)
+        if r.num_running:
+            duration = self.times.step(r.num_running, sum(q.prompt for q in admitted))
+            end = now + duration
+            for q in admitted:
+                q.first_token = end
+            r.step_no += 1
+            r.busy_until = end
+            self.at(end, "step", r.index)
+        elif r.landing is not None:
+            r.busy_until = r.landing[2]
+            self.at(r.landing[2], "step", r.index)
+        else:
+            r.busy_until = -1.0  # idle until the next arrival
+        while self.backlog and any(x.load < self.max_ongoing for x in self.replicas):
+            self.route(self.backlog.popleft(), now)
+
+    @staticmethod
+    def _resident_slot(r: Replica, adapter: int) -> int:
+        return next(i for i, s in enumerate(r.slots) if s.adapter == adapter)
+
+    def _start_landing(self, r: Replica, now: float) -> None:
+        cold = [(q[0].arrival, a) for a, q in r.queues.items()
+                if q and not any(s.adapter == a for s in r.slots)]
+        if not cold:
+            return
+        _, adapter = min(cold)
+        victims = [i for i, s in enumerate(r.slots) if s.adapter is None]
+        if not victims:
+            idle = [i for i, s in enumerate(r.slots) if s.refs == 0 and s.ready]
+            if not idle:
+                return  # POOL_FULL: wait for a slot to drain
+            victims = [min(idle, key=lambda i: r.slots[i].last_used)]
+        i = victims[0]
+        peer = self.policy == "metrale" and any(
+            adapter in x.ready_set() for x in self.replicas if x is not r)
+        took = self.times.land_peer_s if peer else self.times.land_disk_s
+        r.slots[i] = Slot(adapter, 0, now, False)
+        r.landing = (adapter, i, now + took)
+        r.promotions += 1
+
+    def _admit(self, r: Replica, now: float) -> list[Request]:
+        admitted = []
+        ready = {s.adapter: s for s in r.slots if s.ready and s.adapter is not None}
+        heads = [(q[0].arrival, a) for a, q in r.queues.items() if q and a in ready]
+        heapq.heapify(heads)
+        while heads and r.num_running < r.batch:
+            _, a = heapq.heappop(heads)
+            q = r.queues[a]
+            req = q.popleft()
+            if not q:
+                del r.queues[a]
+            else:
+                heapq.heappush(heads, (q[0].arrival, a))
+            slot = ready[a]
+            slot.refs += 1
+            slot.last_used = now
+            r.waiting -= 1
+            r.num_running += 1
+            r.running.setdefault(r.step_no + req.tokens, []).append(req)
+            admitted.append(req)
+        return admitted
+
+    # --- a whole run ------------------------------------------------------------------
+
+    def run(self, arrivals: list[Request]) -> None:
+        for req in arrivals:
+            self.at(req.arrival, "arrive", req)
+        while self.events:
+            now, _, kind, arg = heapq.heappop(self.events)
+            self.now = now
+            if kind == "arrive":
+                self.route(arg, now)
+            else:
+                r = self.replicas[arg]
+                if r.busy_until == now:
+                    self.step(r, now)
+
+
+# --- loads --------------------------------------------------------------------------------
+
+
+def zipf_cdf(n: int, alpha: float) -> list[float]:
+    weights = [1.0 / (k + 1) ** alpha for k in range(n)]
+    total, acc, cdf = sum(weights), 0.0, []
+    for w in weights:
+        acc += w
+        cdf.append(acc / total)
+    return cdf
+
+
+def arrivals(n_adapters: int, alpha: float, rate: float, seconds: float, shift_s: float | None,
+             seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    cdf = zipf_cdf(n_adapters, alpha)
+    order = list(range(n_adapters))
+    rng.shuffle(order)
+    t, out, next_shift = 0.0, [], shift_s
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return out
+        if shift_s is not None and t >= next_shift:
+            rng.shuffle(order)  # a new hot set
+            next_shift += shift_s
+        rank_ = min(bisect.bisect_left(cdf, rng.random()), n_adapters - 1)
+        out.append(Request(len(out), order[rank_], t, rng.randint(32, 96), 128))
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p / 100 * len(values)))]
+
+
+def simulate(policy: str, load: list[Request], args, times: ServiceTimes) -> dict:
+    cluster = Cluster(policy, args.replicas, args.slots, args.batch, args.max_ongoing, times,
+                      RouterConfig(args.epsilon, args.spread_queue), args.seed)
+    cluster.run([Request(r.id, r.adapter, r.arrival, r.tokens, r.prompt) for r in load])
+    done = cluster.done
+    ttft = [r.first_token - r.arrival for r in done if r.first_token is not None]
+    served = [r.served for r in cluster.replicas]
+    return {
+        "policy": policy, "completed": len(done), "offered": len(load),
+        "hit_rate": sum(r.hit for r in done) / max(1, len(done)),
+        "promotions_per_s": sum(r.promotions for r in cluster.replicas) / args.seconds,
+        "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+        "imbalance": max(served) / (sum(served) / len(served)),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--adapters", type=int, default=1000)
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--batch", type=int, default=64, help="running sequences per replica")
+    p.add_argument("--max-ongoing", type=int, default=96,
+                   help="Ray Serve's max_ongoing_requests per replica (every router)")
+    p.add_argument("--rates", type=float, nargs="+", default=[100.0, 200.0],
+                   help="requests per second, cluster-wide (100: ~1/3 of the batch capacity, "
+                        "200: promotions near the one-landing-at-a-time limit)")
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--shift-s", type=float, default=10.0, help="hot-set period of the shift load")
+    p.add_argument("--epsilon", type=float, default=RouterConfig.epsilon)
+    p.add_argument("--spread-queue", type=int, default=RouterConfig.spread_queue)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results)")
+    args = p.parse_args()
+    times = measured_times()
+    loads = {"zipf0.8": (0.8, None), "zipf1.1": (1.1, None), "shift1.1": (1.1, args.shift_s)}
+    rows = []
+    for rate, (name, (alpha, shift)) in itertools.product(args.rates, loads.items()):
+        load = arrivals(args.adapters, alpha, rate, args.seconds, shift, args.seed)
+        for policy in POLICIES:
+            row = {"rate": rate, "load": name, **simulate(policy, load, args, times)}
+            rows.append(row)
+            print(f"{rate:5.0f}/s {name:9s} {policy:14s} hit {row['hit_rate']:.3f}  prom/s "
+                  f"{row['promotions_per_s']:7.1f}  ttft p50 {row['ttft_p50_ms']:8.1f} ms  "
+                  f"p99 {row['ttft_p99_ms']:8.1f} ms  imbalance {row['imbalance']:.2f}", flush=True)
+    cols = ["rate", "load", "policy", "hit_rate", "promotions_per_s", "ttft_p50_ms", "ttft_p99_ms",
+            "imbalance", "completed"]
+    print()
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c])
+                               for c in cols) + " |")
+    out = args.out or RESULTS / f"{datetime.date.today():%Y%m%d}-cluster-sim.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "date": f"{datetime.date.today()}", "machine": platform.machine(),
+        "command": "python " + " ".join(sys.argv), "service_times": times.__dict__,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "rows": rows}, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

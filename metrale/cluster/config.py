@@ -1,0 +1,83 @@
+"""Frozen settings of the cluster layer, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """epsilon: affinity may load a replica up to (1 + epsilon) x the mean load (counted
+    with the request being routed, rounded up: consistent hashing with bounded loads);
+    beyond that the request goes to the least loaded replica, wherever its adapter is.
+    spread_queue: when every replica holding an adapter already has this many of its
+    requests in flight, the next one goes to another replica (that replica lands it,
+    from a neighbour), so a hot adapter spreads as its queue grows. 0 = never spread.
+    stall_over_bound: when no replica within the bound has a slot free now (a cold one
+    would wait for a busy slot to drain), a holder over the bound goes before it."""
+
+    epsilon: float = 0.5  # bench/cluster_sim.py: 0.25 loses hits, 1.0 loses balance (> 1.25)
+    spread_queue: int = 8
+    stall_over_bound: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.epsilon >= 0:
+            raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+        if self.spread_queue < 0:
+            raise ValueError(f"spread_queue must be >= 0, got {self.spread_queue}")
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every engine replica is built from (sent to each replica by Ray)."""
+
+    model: str  # a Hugging Face model dir, visible at the same path on every node
+    registry_name: str  # the ClusterRegistry actor's name
+    registry_namespace: str
+    internal_key: str  # guards each replica's own HTTP server (the ingress holds it)
+    device: str = "cpu"
+    dtype: str | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_model_len: int = 2048
+    num_kv_blocks: int | None = None
+    promotion_timeout_s: float = 30.0
+    peer_allow: tuple[str, ...] = ()  # () = loopback only
+    peer_transport: str = "auto"
+    peer_timeout_s: float = 30.0
+    host: str = "127.0.0.1"  # where the replica's own HTTP and peer servers listen
+    torch_threads: int = 1
+    stage_from_peers: bool = True  # off: every landing reads disk (the baseline runs)
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError("a cluster replica needs adapter slots (max_loras >= 1)")
+        if self.torch_threads < 1:
+            raise ValueError("torch_threads must be >= 1")
+
+
+ROUTERS = ("metrale", "ray_default")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """routing: "metrale" (AdapterAffinityRouter) or "ray_default" (Ray Serve's own
+    multiplexed routing, the adapter as the multiplexed model id: the baseline)."""
+
+    replicas: int
+    router: RouterConfig = field(default_factory=RouterConfig)
+    routing: str = "metrale"
+    stats_period_s: float = 1.0  # how often Ray asks replicas for routing stats
+    sync_timeout_s: float = 60.0  # a registry change waits this long for every replica
+    retries: int = 3  # a request whose replica died is resent up to this many times
+    max_ongoing_requests: int = 64  # per replica, Ray Serve's admission bound
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if not self.stats_period_s > 0 or not self.sync_timeout_s > 0:
+            raise ValueError("stats_period_s and sync_timeout_s must be positive")
+        if self.routing not in ROUTERS:
+            raise ValueError(f"routing {self.routing!r}: choose from {ROUTERS}")
+        if self.retries < 0 or self.max_ongoing_requests < 1:
+            raise ValueError("retries must be >= 0 and max_ongoing_requests >= 1")

@@ -1,0 +1,338 @@
+"""The cluster's HTTP ingress: the single-engine server's app over a cluster facade.
+
+`create_app` (server/app.py) is reused as is, so the routes, auth, body limits and
+error JSON are the single-engine server's. It talks to an engine through a small
+surface (generate, register, promote, swap, pin, unload, snapshot, is_known, call,
+metrics, and `engine` for the tokenizer); ClusterEngine implements that surface:
+- generate: one request through Ray Serve to the replica AdapterAffinityRouter picks;
+  if the replica dies, the request is resent to another (see `generate`);
+- register / pin / unload: validated once (on one replica), written to the cluster
+  registry, returned once every live replica applied it;
+- promote / swap / snapshot: fanned out to each replica's own HTTP server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+import ray
+import torch
+from fastapi import APIRouter, Depends
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from metrale.cluster.config import ClusterConfig, ReplicaSpec
+from metrale.config import ModelConfig
+from metrale.engine.llm import load_tokenizer
+from metrale.engine.outputs import RequestOutput
+from metrale.engine.sampling_params import GREEDY_EPS, SamplingParams
+from metrale.errors import UnknownAdapterError
+from metrale.server.app import create_app
+from metrale.server.auth import require_user
+from metrale.server.errors import EngineUnavailableError, ServerError
+from metrale.server.metrics import ServerMetrics
+from metrale.server.settings import ServerSettings
+
+log = logging.getLogger("metrale.cluster")
+_REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+_STATES = ("READY", "LOADING", "EMPTY", "DISK")  # best first, for the cluster-wide summary
+
+
+@dataclass(frozen=True)
+class ClusterAdapterView:
+    """One adapter across the cluster: the registry's view plus each replica's."""
+
+    name: str
+    path: str | None
+    pinned: bool
+    version: int | None
+    replicas: dict[str, dict] = field(default_factory=dict)  # replica id -> its AdapterView
+    slot: int | None = None  # per replica only; kept for the shared views' shape
+    uid: int | None = None
+    errors: dict[str, str] = field(default_factory=dict)  # replica id -> why it did not apply
+
+    @property
+    def state(self) -> str:
+        states = [r["state"] for r in self.replicas.values()] or ["DISK"]
+        return min(states, key=lambda s: _STATES.index(s) if s in _STATES else len(_STATES))
+
+    @property
+    def ref_count(self) -> int:
+        return sum(r["ref_count"] for r in self.replicas.values())
+
+    @property
+    def last_used(self) -> int | None:
+        return None
+
+    @property
+    def unloading(self) -> bool:
+        return any(r["unloading"] for r in self.replicas.values())
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "path": self.path, "pinned": self.pinned,
+                "version": self.version, "state": self.state, "ref_count": self.ref_count,
+                "unloading": self.unloading, "replicas": self.replicas, "errors": self.errors}
+
+
+class IngressModel:
+    """What the shared routes read from `engine.engine`: the tokenizer and limits."""
+
+    def __init__(self, model_dir: Path, max_seq_tokens: int, cluster: ClusterEngine) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.max_seq_tokens = max_seq_tokens
+        self._cluster = cluster
+
+    def reset_prefix_cache(self):
+        return self._cluster.fan_out("POST", "/reset_prefix_cache", sum_key="dropped_blocks")
+
+
+def _deterministic(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_EPS or params.seed is not None
+
+
+class ClusterEngine:
+    def __init__(self, handle: DeploymentHandle, registry, spec: ReplicaSpec,
+                 cluster: ClusterConfig) -> None:
+        self.handle, self.registry, self.spec, self.cluster = handle, registry, spec, cluster
+        self.metrics = ServerMetrics()
+        self.alive, self.error = True, None
+        self.served: dict[str, Counter] = defaultdict(Counter)  # adapter -> replica -> n
+        self.retried = 0
+        self.engine: IngressModel | None = None
+        self._http = httpx.AsyncClient(timeout=cluster.sync_timeout_s, headers={
+            "Authorization": f"Bearer {spec.internal_key}"})
+
+    async def setup(self) -> None:
+        info = await self.handle.info.remote()
+        self.engine = IngressModel(Path(self.spec.model), info["max_seq_tokens"], self)
+
+    # --- the engine surface the shared routes use ---------------------------------------
+
+    def start(self) -> None:
+        pass  # replicas run their own engines
+
+    async def shutdown(self, drain_timeout_s: float = 5.0) -> None:
+        self.alive = False
+        await self._http.aclose()
+
+    async def call(self, fn):
+        result = fn()
+        return await result if inspect.isawaitable(result) else result
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+        """A replica that dies takes its requests with it; each is resent to another
+        replica (up to `retries` times). Greedy or seeded requests are replayed even
+        mid-stream: the outputs already delivered are skipped by token count, the new
+        replica produces the same tokens. A sampled request that already streamed
+        tokens cannot be replayed faithfully and fails with 503."""
+        delivered = 0
+        for attempt in range(self.cluster.retries + 1):
+            options = {"stream": True}
+            if adapter is not None and self.cluster.routing == "ray_default":
+                options["multiplexed_model_id"] = adapter  # what Ray's own router reads
+            stream = self.handle.options(**options).generate.remote(prompt, params,
+                                                                    adapter=adapter)
+            try:
+                async for replica_id, out in stream:
+                    if isinstance(out, BaseException):
+                        raise out
+                    if out.error is not None:
+                        raise out.error
+                    if len(out.token_ids) <= delivered and not out.finished:
+                        continue  # a replay of what the client already has
+                    if delivered == 0 and out.token_ids:
+                        self.served[adapter or ""][replica_id] += 1
+                    delivered = len(out.token_ids)
+                    yield out
+                    if out.finished:
+                        return
+                return
+            except _REPLICA_GONE as e:
+                if delivered and not _deterministic(params):
+                    raise EngineUnavailableError(
+                        "the replica serving this request died after streaming part of a "
+                        "sampled answer; retry the request") from e
+                self.retried += 1
+                log.warning("replica lost mid-request (%s); resending (attempt %d)",
+                            type(e).__name__, attempt + 1)
+            finally:
+                stream.cancel()
+        raise EngineUnavailableError("no replica could serve this request; retry later")
+
+    async def register(self, name: str, path: str | Path, pinned: bool = False,
+                       reload: bool = False) -> ClusterAdapterView:
+        unwrap(await self.registry.check_new.remote(name, reload))  # before any I/O
+        source = unwrap(await self.handle.validate.remote(name, str(path)))  # once
+        version = unwrap(await self.registry.register.remote(name, source, pinned, reload))
+        return await self.view(name, await self._applied(version, name))
+
+    async def pin(self, name: str, pinned: bool = True) -> ClusterAdapterView:
+        version = unwrap(await self.registry.set_pinned.remote(name, pinned))
+        return await self.view(name, await self._applied(version, name))
+
+    async def unload(self, name: str) -> str:
+        version = unwrap(await self.registry.unload.remote(name))
+        await self._applied(version, name)
+        views = (await self.snapshot())["adapters"]
+        return "draining" if any(v.name == name for v in views) else "unloaded"
+
+    async def promote(self, name: str) -> tuple[ClusterAdapterView, None]:
+        """Resident on every replica: the holders first, then the others, one by one, so
+        each can stage it from a neighbour instead of its disk."""
+        if await self.registry.get.remote(name) is None:
+            raise UnknownAdapterError(f"adapter {name!r} is not registered")
+        members = await self.registry.members.remote()
+        members.sort(key=lambda m: name not in m.resident)
+        for m in members:
+            await self._post(m.url, f"/internal/stage/{name}")
+        return await self.view(name), None
+
+    async def swap(self, name: str, slot: int, path: str | Path | None = None,
+                   reload: bool = False) -> ClusterAdapterView:
+        """Into `slot` on every replica (registering `path` cluster-wide first)."""
+        if path is not None:
+            await self.register(name, path, reload=reload)
+        for m in await self.registry.members.remote():
+            await self._post(m.url, f"/v1/adapters/{name}/swap", {"slot": slot})
+        return await self.view(name)
+
+    async def is_known(self, name: str) -> bool:
+        return await self.registry.get.remote(name) is not None
+
+    async def snapshot(self) -> dict:
+        """Every replica's adapters and slots, live from each replica."""
+        members = await self.registry.members.remote()
+        answers = await asyncio.gather(*(self._get(m.url, "/v1/adapters") for m in members),
+                                       return_exceptions=True)
+        per_name: dict[str, dict[str, dict]] = defaultdict(dict)
+        slots = {}
+        for m, doc in zip(members, answers):
+            if isinstance(doc, BaseException):
+                continue  # a replica going away: the others still answer
+            slots[m.replica_id] = doc["slots"]
+            for a in doc["adapters"]:
+                per_name[a["name"]][m.replica_id] = a
+        views = []
+        for name in sorted(per_name):
+            version = await self.registry.get.remote(name)
+            views.append(ClusterAdapterView(
+                name, str(version.source) if version else None,
+                bool(version and version.pinned), version.version if version else None,
+                per_name[name]))
+        return {"adapters": views, "slots": slots}
+
+    async def view(self, name: str, errors: dict[str, str] | None = None) -> ClusterAdapterView:
+        """errors: replicas that could not apply the change (e.g. every slot pinned there):
+        the change stands in the registry, and those replicas retry it on the next change."""
+        for v in (await self.snapshot())["adapters"]:
+            if v.name == name:
+                return replace(v, errors=errors or {})
+        version = await self.registry.get.remote(name)
+        return ClusterAdapterView(name, str(version.source) if version else None,
+                                  bool(version and version.pinned),
+                                  version.version if version else None, errors=errors or {})
+
+    async def stats(self) -> dict:
+        """The ingress's own record, for operators and tests: who served what, retries,
+        each replica's residency as the registry has it, and its staging record."""
+        members = await self.registry.members.remote()
+        staging = await asyncio.gather(*(self._get(m.url, "/internal/staging") for m in members),
+                                       return_exceptions=True)
+        def replica(m, s) -> dict:
+            ok = not isinstance(s, BaseException)
+            return {"url": m.url, "peer": m.peer_addr, "applied": m.applied,
+                    "resident": m.resident, "errors": m.errors,
+                    "staging": s["records"] if ok else [],
+                    "adapter_requests": s["adapter_requests"] if ok else None,
+                    "adapter_hits": s["adapter_hits"] if ok else None}
+
+        return {"served": {a: dict(c) for a, c in self.served.items()}, "retried": self.retried,
+                "replicas": {m.replica_id: replica(m, s) for m, s in zip(members, staging)}}
+
+    # --- helpers ----------------------------------------------------------------------
+
+    async def _applied(self, version: int, name: str) -> dict[str, str]:
+        """Wait for every live replica to apply `version`; {replica: error} of those that
+        could not (or did not within sync_timeout_s)."""
+        lagging = await self.registry.wait_applied.remote(version, self.cluster.sync_timeout_s)
+        errors = {rid: f"not applied within {self.cluster.sync_timeout_s:.0f}s" for rid in lagging}
+        for m in await self.registry.members.remote():
+            if name in m.errors:
+                errors[m.replica_id] = m.errors[name]
+        for rid, error in errors.items():
+            log.warning("replica %s: change %d of %r: %s", rid, version, name, error)
+        return errors
+
+    async def fan_out(self, method: str, path: str, sum_key: str) -> int:
+        total = 0
+        for m in await self.registry.members.remote():
+            total += (await self._post(m.url, path))[sum_key]
+        return total
+
+    async def _get(self, url: str, path: str) -> dict:
+        r = await self._http.get(url + path)
+        r.raise_for_status()
+        return r.json()
+
+    async def _post(self, url: str, path: str, body: dict | None = None) -> dict:
+        r = await self._http.post(url + path, json=body)
+        if r.status_code >= 400:  # a replica's refusal: the same typed error JSON
+            try:
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = r.text[:500]
+            raise ReplicaRefusal(r.status_code, message)
+        return r.json()
+
+
+class ReplicaRefusal(ServerError):
+    """A replica refused a fanned-out admin call; its status code passes through."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self):
+        return (ReplicaRefusal, (self.status, str(self)))
+
+
+def unwrap(result):
+    ok, value = result
+    if not ok:
+        raise value
+    return value
+
+
+class ClusterIngress:
+    """The ingress deployment: `serve.ingress()` calls __serve_build_asgi_app__ after
+    __init__, so the app is built with the live facade (create_app needs an engine)."""
+
+    def __init__(self, replicas: DeploymentHandle, spec: ReplicaSpec, cluster: ClusterConfig,
+                 settings_kwargs: dict) -> None:
+        torch.set_num_threads(1)  # the ingress only tokenizes: keep torch off the replicas' cores
+        self.registry = ray.get_actor(spec.registry_name, namespace=spec.registry_namespace)
+        self.cluster_engine = ClusterEngine(replicas, self.registry, spec, cluster)
+        self.settings_kwargs = settings_kwargs
+
+    async def __serve_build_asgi_app__(self):
+        await self.cluster_engine.setup()
+        settings = ServerSettings(started=time.time(), **self.settings_kwargs)
+        app = create_app(self.cluster_engine, settings)
+        extra = APIRouter(dependencies=[Depends(require_user)])
+
+        @extra.get("/v1/cluster")
+        async def cluster_stats() -> dict:
+            return await self.cluster_engine.stats()
+
+        app.include_router(extra)
+        return app

@@ -1,0 +1,133 @@
+"""`metrale serve --replicas N`: start (or attach to) Ray, the registry actor, N engine
+replicas and the ingress, on Ray Serve.
+
+    metrale serve --replicas 2 --device cpu               # a local Ray on this host
+    metrale serve --replicas 8 --device cuda --ray-address auto   # an existing cluster
+
+`deploy` is the whole recipe without argparse (tests call it on a local Ray).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from metrale.cluster.config import ClusterConfig, ReplicaSpec, RouterConfig
+from metrale.cluster.ingress import ClusterIngress, unwrap
+from metrale.cluster.registry import RegistryActor
+from metrale.cluster.replica import EngineReplica, multiplexed_replica
+
+APP_NAME = "metrale"
+NAMESPACE = "metrale"
+
+
+def deploy(spec: ReplicaSpec, cluster: ClusterConfig, settings_kwargs: dict,
+           replica_resources: dict | None = None, blocking: bool = False) -> None:
+    """Registry actor, replicas and ingress on the Ray this process is connected to
+    (serve.start must have set the HTTP address). Returns once the app is RUNNING."""
+    registry_actor = ray.remote(RegistryActor).options(
+        name=spec.registry_name, namespace=spec.registry_namespace, lifetime="detached",
+        get_if_exists=True, num_cpus=0, max_concurrency=1000)
+    registry = registry_actor.remote(reserved_names=("base", Path(spec.model).name))
+    ray.get(registry.members.remote())  # up and named before any replica looks it up
+    common = dict(name="EngineReplica", num_replicas=cluster.replicas,
+                  max_ongoing_requests=cluster.max_ongoing_requests,
+                  ray_actor_options=replica_resources or {"num_cpus": 1},
+                  health_check_period_s=2.0, health_check_timeout_s=30.0)
+    if cluster.routing == "ray_default":  # the baseline: Ray's own multiplexed routing
+        replicas = serve.deployment(multiplexed_replica(spec.max_loras), **common)
+    else:
+        replicas = serve.deployment(EngineReplica, **common, request_router_config=RequestRouterConfig(
+            request_router_class="metrale.cluster.router:AdapterAffinityRouter",
+            request_router_kwargs={"epsilon": cluster.router.epsilon,
+                                   "spread_queue": cluster.router.spread_queue,
+                                   "stall_over_bound": cluster.router.stall_over_bound},
+            request_routing_stats_period_s=cluster.stats_period_s,
+            request_routing_stats_timeout_s=max(cluster.stats_period_s, 5.0)))
+    ingress = serve.deployment(serve.ingress()(ClusterIngress), name="ClusterIngress",
+                               num_replicas=1, ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=10_000)
+    app = ingress.bind(replicas.bind(spec), spec, cluster, settings_kwargs)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
+
+
+def shutdown(spec: ReplicaSpec) -> None:
+    serve.delete(APP_NAME)
+    try:
+        ray.kill(ray.get_actor(spec.registry_name, namespace=spec.registry_namespace))
+    except ValueError:
+        pass
+
+
+def serve_cluster(args: argparse.Namespace) -> int:
+    """The CLI's entry: args are `metrale serve`'s, with --replicas and --ray-address."""
+    from metrale.server.serve import default_adapter_root, parse_adapter_args, progress
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    model, demo = args.model, {}
+    if model is None:
+        from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
+        from metrale.model.default_model import default_model_dir
+
+        model = str(default_model_dir(progress=progress))
+        demo = {n: str(demo_adapter_dir(n, progress=progress)) for n in DEMO_ADAPTERS}
+    adapter_roots = [str(Path(r).resolve()) for r in args.adapter_root]
+    if args.model is None and not adapter_roots:
+        adapter_roots = [str(default_adapter_root())]
+    local = args.ray_address is None
+    if local:
+        ray.init(num_cpus=args.ray_num_cpus, include_dashboard=False, namespace=NAMESPACE)
+    else:
+        ray.init(address=args.ray_address, namespace=NAMESPACE)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    cuda = args.device.startswith("cuda")
+    spec = ReplicaSpec(
+        model=str(Path(model).resolve()), registry_name=f"{APP_NAME}-registry",
+        registry_namespace=NAMESPACE, internal_key=secrets.token_urlsafe(24),
+        device="cuda" if cuda else args.device, dtype=args.dtype, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks, promotion_timeout_s=args.promotion_timeout,
+        peer_allow=tuple(args.peer_allow), peer_transport=args.peer_transport,
+        peer_timeout_s=args.peer_timeout, host="127.0.0.1" if local else "0.0.0.0",
+        torch_threads=args.replica_threads)
+    cluster = ClusterConfig(replicas=args.replicas,
+                            router=RouterConfig(args.router_epsilon, args.router_spread_queue))
+    settings_kwargs = dict(
+        model_id=Path(model).name, host=args.host, port=args.port,
+        api_key=args.api_key or os.environ.get("METRALE_API_KEY") or None,
+        admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
+        adapter_roots=tuple(adapter_roots), max_tokens_limit=args.max_tokens_limit,
+        public_metrics=args.public_metrics, public_docs=args.public_docs)
+    # one GPU per replica (Ray places them); on a CPU host, --replica-threads cores each
+    resources = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": args.replica_threads}
+    deploy(spec, cluster, settings_kwargs, resources)
+    register_startup(spec, {**{n: (p, False) for n, p in demo.items()},
+                            **{n: (p, True) for n, p in parse_adapter_args(args.adapter).items()}})
+    print(f"metrale: {args.replicas} replicas of {Path(model).name} behind "
+          f"http://{args.host}:{args.port}/v1 (Ray Serve; Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        shutdown(spec)
+        return 0
+
+
+def register_startup(spec: ReplicaSpec, adapters: dict[str, tuple[str, bool]],
+                     timeout_s: float = 300.0) -> None:
+    """Start-up adapters (name -> (dir, pinned)), trusted like --adapter on one server
+    (no --adapter-root confinement): validated on one replica, then cluster-wide."""
+    replicas = serve.get_deployment_handle("EngineReplica", APP_NAME)
+    registry = ray.get_actor(spec.registry_name, namespace=spec.registry_namespace)
+    for name, (path, pinned) in adapters.items():
+        source = unwrap(replicas.validate.remote(name, str(Path(path).resolve())).result())
+        version = unwrap(ray.get(registry.register.remote(name, source, pinned, False)))
+        ray.get(registry.wait_applied.remote(version, timeout_s))

@@ -1,0 +1,108 @@
+"""A replica following the cluster registry.
+
+Level-triggered, like a Kubernetes controller: each poll brings the whole desired
+state, and the replica makes its engine match it (register, reload, pin, unpin,
+unload), then reports the version it applied. A restarted replica therefore needs
+no replay log, and a missed notification costs at most one poll period.
+The files were validated once, at the ingress: registrations here are `checked`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from metrale.cluster.registry import POLL_S, Desired
+from metrale.errors import MetraleError, UnknownAdapterError
+from metrale.server.async_engine import AsyncEngine
+
+log = logging.getLogger("metrale.cluster")
+
+
+class RegistrySync:
+    def __init__(self, engine: AsyncEngine, poll: Callable, beat: Callable,
+                 replica_id: str) -> None:
+        """poll(applied, resident, errors) -> awaitable of (state_version, desired, others):
+        the registry actor's poll, bound to this replica; beat() -> awaitable: its
+        heartbeat, sent while a long reconcile keeps the next poll from happening (the
+        registry would count the replica dead and stop waiting for it)."""
+        self.engine, self._poll, self._beat, self.replica_id = engine, poll, beat, replica_id
+        self.applied_version = -1
+        self.applied: dict[str, Desired] = {}
+        self.errors: dict[str, str] = {}
+        self.others: dict[str, tuple[str | None, dict[str, int]]] = {}
+        self._stop = False
+
+    def stop(self) -> None:
+        self._stop = True
+
+    async def _beat_loop(self) -> None:
+        while not self._stop:
+            try:
+                await self._beat()
+            except Exception:  # the registry restarting: the next poll reports anyway
+                pass
+            await asyncio.sleep(POLL_S)
+
+    async def run(self) -> None:
+        beats = asyncio.create_task(self._beat_loop())  # noqa: F841 - lives as long as run()
+        while not self._stop:
+            try:
+                resident = await self.engine.call(self._resident)
+                version, desired, others = await self._poll(
+                    self.applied_version, resident, dict(self.errors))
+                self.others = others
+                if version != self.applied_version:
+                    await self.reconcile(desired)
+                    self.applied_version = version
+            except Exception:  # the registry restarting, a dying engine: try again
+                log.exception("cluster sync failed; retrying")
+                await asyncio.sleep(1.0)
+
+    def _resident(self) -> dict[str, int]:
+        """READY adapters of this engine -> the cluster version each one is (engine thread)."""
+        table = self.engine.engine.lora.table
+        out = {}
+        for info in table.infos():
+            d = self.applied.get(info.name or "")
+            if d is not None and info.state.value == "READY" and table.slot_of(info.name) == info.slot:
+                out[info.name] = d.version
+        return out
+
+    async def reconcile(self, desired: dict[str, Desired]) -> None:
+        for name in sorted(set(self.applied) - set(desired)):
+            await self._apply(name, self._unload(name))
+        for name, want in sorted(desired.items()):
+            have = self.applied.get(name)
+            if have is None or have.version != want.version:
+                await self._apply(name, self._register(want, reload=have is not None))
+            elif have.pinned != want.pinned:
+                await self._apply(name, self._pin(want))
+
+    async def _apply(self, name: str, change) -> None:
+        try:
+            await change
+            self.errors.pop(name, None)
+        except MetraleError as e:  # reported to the registry; the next change retries
+            log.warning("cluster sync: %s on %r: %s", type(e).__name__, name, e)
+            self.errors[name] = f"{type(e).__name__}: {e}"
+
+    async def _unload(self, name: str) -> None:
+        self.applied.pop(name, None)
+        try:
+            await self.engine.unload(name)
+        except UnknownAdapterError:
+            pass
+
+    async def _register(self, want: Desired, reload: bool) -> None:
+        ops = self.engine.ops
+        reload = reload or await self.engine.is_known(want.name)
+        await self.engine.call(lambda: ops.register(want.name, want.source, False, reload, None))
+        self.applied[want.name] = want
+        if want.pinned:
+            await self.engine.pin(want.name, True)  # reads the bytes off the engine thread
+
+    async def _pin(self, want: Desired) -> None:
+        await self.engine.pin(want.name, want.pinned)
+        self.applied[want.name] = want

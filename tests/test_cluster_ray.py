@@ -1,0 +1,294 @@
+"""metrale on Ray Serve, end to end on the CPU: a local Ray, 2 replicas of a tiny
+model, the ingress on a free port. Expected tokens come from transformers + PEFT.
+Nothing here waits a fixed time: each wait polls for the event it needs, under a
+bound only a broken cluster reaches."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from peft import PeftModel  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from metrale.cluster.config import ClusterConfig, ReplicaSpec  # noqa: E402
+from metrale.cluster.launch import deploy  # noqa: E402
+from tests.helpers.reference import hf_greedy  # noqa: E402
+from tests.helpers.server import free_port, make_world  # noqa: E402
+from tests.helpers.tiny_models import make_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+KEY = "internal-test-key"
+NS = "metrale-test"
+PROMPTS = ([5, 17, 30, 44], [9, 9, 120, 3, 77], [200, 13, 6])
+BOUND_S = 180.0  # a bound for a loaded 2-core box, not a timing assumption
+
+
+def wait_for(what: str, check, bound_s: float = BOUND_S):
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"never happened: {what}")
+
+
+class Reference:
+    """transformers + PEFT greedy tokens for the tiny model (make_world's seed), decoded."""
+
+    def __init__(self, world) -> None:
+        self.world = world
+        self.tokenizer = AutoTokenizer.from_pretrained(world["model"])
+        self._cache = {}
+
+    def text(self, prompt: list[int], adapter: str | None, n: int) -> str:
+        key = (tuple(prompt), adapter, n)
+        if key not in self._cache:
+            model = make_model("llama", seed=7, max_position_embeddings=1024)
+            if adapter is not None:
+                model = PeftModel.from_pretrained(model, self.world["adapters"] / adapter)
+            tokens, _ = hf_greedy(model.eval(), prompt, n)
+            self._cache[key] = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self._cache[key]
+
+
+class Cluster:
+    def __init__(self, url: str, world) -> None:
+        self.url, self.world = url, world
+        self.ref = Reference(world)
+
+    def complete(self, prompt, model, n=8, url=None, **extra):
+        headers = {"Authorization": f"Bearer {KEY}"} if url else {}
+        return httpx.post(f"{url or self.url}/v1/completions", timeout=BOUND_S, headers=headers,
+                          json={"model": model, "prompt": prompt, "max_tokens": n,
+                                "temperature": 0, **extra})
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/v1/cluster", timeout=30).json()
+
+    def register(self, name: str) -> dict:
+        r = httpx.post(f"{self.url}/v1/adapters", json={"name": name, "path": name}, timeout=BOUND_S)
+        assert r.status_code == 201, r.text
+        return r.json()["adapter"]
+
+    def replicas(self) -> dict:
+        return self.stats()["replicas"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    world = make_world(tmp_path_factory.mktemp("cluster-world"))
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NS, _temp_dir=ray_dir,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        spec = ReplicaSpec(model=str(world["model"]), registry_name="metrale-test-registry",
+                           registry_namespace=NS, internal_key=KEY, max_loras=2,
+                           max_lora_rank=8, max_model_len=1024, peer_transport="http")
+        deploy(spec, ClusterConfig(replicas=2, stats_period_s=0.5),
+               {"model_id": world["model"].name, "adapter_roots": (world["adapters"],)})
+        c = Cluster(f"http://127.0.0.1:{port}", world)
+        wait_for("both replicas joined the registry", lambda: len(c.replicas()) == 2)
+        yield c
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def test_outputs_equal_transformers_peft_through_the_ingress(cluster):
+    cluster.register("a")
+    for prompt in PROMPTS[:2]:
+        for model in ("model", "a"):
+            r = cluster.complete(prompt, model)
+            assert r.status_code == 200, r.text
+            want = cluster.ref.text(prompt, None if model == "model" else "a", 8)
+            assert r.json()["choices"][0]["text"] == want
+    # the shared server's errors and auth come along: an unknown adapter is a typed 404
+    r = cluster.complete(PROMPTS[0], "nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    models = httpx.get(f"{cluster.url}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == ["model", "a"]
+    r = httpx.post(f"{cluster.url}/reset_prefix_cache", timeout=60)  # on every replica
+    assert r.status_code == 200 and isinstance(r.json()["dropped_blocks"], int)
+
+
+def test_registered_at_the_ingress_served_by_both_replicas(cluster):
+    view = httpx.get(f"{cluster.url}/v1/adapters", timeout=30).json()
+    (a,) = [x for x in view["adapters"] if x["name"] == "a"]
+    assert len(a["replicas"]) == 2  # residency per replica
+    want = cluster.ref.text(PROMPTS[2], "a", 8)
+    for rid, rep in cluster.replicas().items():
+        r = cluster.complete(PROMPTS[2], "a", url=rep["url"])  # this replica's own server
+        assert r.status_code == 200, (rid, r.text)
+        assert r.json()["choices"][0]["text"] == want
+
+
+def test_request_goes_to_the_replica_holding_its_adapter(cluster):
+    cluster.register("b")
+    assert cluster.complete(PROMPTS[0], "b").status_code == 200
+    (holder,) = cluster.stats()["served"]["b"]
+    for prompt in PROMPTS:  # one at a time: nobody is overloaded
+        r = cluster.complete(prompt, "b")
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == cluster.ref.text(prompt, "b", 8)
+    assert cluster.stats()["served"]["b"] == {holder: 1 + len(PROMPTS)}
+
+
+def landings(url: str) -> dict[str, float]:
+    """This replica's promotions by source, from its own /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30, headers={"Authorization": f"Bearer {KEY}"}).text
+    out = {"peer": 0.0, "disk": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "metrale_adapter_landings_total" and s.labels["op"] == "promote" \
+                    and s.labels["result"] == "ok":
+                out[s.labels["source"]] += s.value
+    return out
+
+
+def test_replica_lacking_an_adapter_lands_it_from_the_neighbour(cluster):
+    (holder,) = cluster.stats()["served"]["b"]
+    wait_for("the registry sees b resident on its holder",
+             lambda: "b" in cluster.replicas()[holder]["resident"])
+    reps = cluster.replicas()
+    (other,) = [rid for rid in reps if rid != holder]
+    before = landings(reps[other]["url"])
+    r = httpx.post(f"{cluster.url}/v1/adapters/b/promote", timeout=BOUND_S)
+    assert r.status_code == 200, r.text
+    assert r.json()["adapter"]["replicas"][other]["state"] == "READY"
+    reps = cluster.replicas()
+    records = [x for x in reps[other]["staging"] if x["adapter"] == "b"]
+    assert records and records[-1]["source"] == "peer"
+    assert records[-1]["peer"] == reps[holder]["peer"]
+    # the replica's own landing metric names the source too: one from a peer, none from disk
+    after = landings(reps[other]["url"])
+    assert after["peer"] == before["peer"] + 1 and after["disk"] == before["disk"]
+    r = cluster.complete(PROMPTS[1], "b", url=reps[other]["url"])
+    assert r.json()["choices"][0]["text"] == cluster.ref.text(PROMPTS[1], "b", 8)
+
+
+def test_vllm_gauges_on_every_replica(cluster):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for rep in cluster.replicas().values():
+        text = httpx.get(f"{rep['url']}/metrics", timeout=30,
+                         headers={"Authorization": f"Bearer {KEY}"}).text
+        names = {f.name for f in text_string_to_metric_families(text)}
+        assert {"vllm:lora_requests_info", "vllm:num_requests_running",
+                "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"} <= names
+
+
+def test_unload_drains_everywhere(cluster):
+    cluster.register("c")
+    assert httpx.post(f"{cluster.url}/v1/adapters/c/promote", timeout=BOUND_S).status_code == 200
+    n = 400
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=BOUND_S,
+                      json={"model": "c", "prompt": PROMPTS[0], "max_tokens": n, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as running:
+        lines = running.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it is running
+        r = httpx.delete(f"{cluster.url}/v1/adapters/c", timeout=BOUND_S)
+        assert r.status_code == 200 and r.json()["status"] in ("draining", "unloaded")
+        assert cluster.complete(PROMPTS[0], "c").status_code == 404  # admits nothing new
+        rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"  # the request in flight finished on its slot
+        assert '"finish_reason":"length"' in rest[-2].replace(" ", "")
+
+    def gone_everywhere():
+        reps = httpx.get(f"{cluster.url}/v1/adapters", timeout=30).json()
+        return not [x for x in reps["adapters"] if x["name"] == "c"] and len(reps["slots"]) == 2 \
+            and all(s["name"] != "c" for slots in reps["slots"].values() for s in slots)
+
+    wait_for("c drained from every replica", gone_everywhere)
+
+
+def test_pin_and_reload_apply_to_every_replica(cluster):
+    cluster.register("p")
+    r = httpx.post(f"{cluster.url}/v1/adapters/p/pin", timeout=BOUND_S)
+    assert r.status_code == 200, r.text
+    assert r.json()["adapter"]["errors"] == {}  # every replica applied it
+    for rid, rep in r.json()["adapter"]["replicas"].items():
+        assert rep["pinned"] and rep["state"] == "READY", rid  # landed everywhere, pinned
+    # vLLM's in-place reload: every replica serves the new files (d's) from now on
+    r = httpx.post(f"{cluster.url}/v1/load_lora_adapter", timeout=BOUND_S,
+                   json={"lora_name": "p", "lora_path": "d", "load_inplace": True})
+    assert r.status_code == 200, r.text
+    want = cluster.ref.text(PROMPTS[1], "d", 8)
+    for rep in cluster.replicas().values():
+        out = cluster.complete(PROMPTS[1], "p", url=rep["url"])
+        assert out.json()["choices"][0]["text"] == want
+    assert cluster.complete(PROMPTS[1], "p").json()["choices"][0]["text"] == want
+    r = httpx.post(f"{cluster.url}/v1/adapters/p/unpin", timeout=BOUND_S)
+    assert not any(rep["pinned"] for rep in r.json()["adapter"]["replicas"].values())
+
+
+def _kill(replica_id: str) -> None:
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith("SERVE_REPLICA::") and replica_id in a["name"]]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def test_killing_a_replica_loses_no_retryable_request(cluster):
+    """Greedy requests in flight on a replica that dies are resent to the other one;
+    a stream already half delivered is replayed there and continues where it was."""
+    jobs = [(p, m) for p in PROMPTS for m in ("model", "a")] * 2
+    results: list = [None] * len(jobs)
+
+    def send(i, prompt, model):
+        results[i] = cluster.complete(prompt, model, n=24)
+
+    n = 300
+    before = set(cluster.replicas())
+    served_before = dict(cluster.stats()["served"].get("a", {}))
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=BOUND_S,
+                      json={"model": "a", "prompt": PROMPTS[0], "max_tokens": n,
+                            "temperature": 0, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        served = cluster.stats()["served"]["a"]
+        (victim,) = [rid for rid, k in served.items() if k > served_before.get(rid, 0)]
+        threads = [threading.Thread(target=send, args=(i, p, m)) for i, (p, m) in enumerate(jobs)]
+        for t in threads:
+            t.start()
+        _kill(victim)
+        events = [first] + [line for line in lines if line.startswith("data: ")]
+    import json
+
+    assert events[-1] == "data: [DONE]"
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    assert text == cluster.ref.text(PROMPTS[0], "a", n)
+    for t in threads:
+        t.join()
+    for (prompt, model), r in zip(jobs, results):
+        assert r.status_code == 200, r.text
+        want = cluster.ref.text(prompt, None if model == "model" else model, 24)
+        assert r.json()["choices"][0]["text"] == want
+    # the cluster keeps serving, and Serve brings the replica count back
+    assert cluster.complete(PROMPTS[0], "a").json()["choices"][0]["text"] == \
+        cluster.ref.text(PROMPTS[0], "a", 8)
+    def replacement():
+        reps = cluster.replicas()
+        fresh = [rep for rid, rep in reps.items() if rid not in before]
+        return fresh[0] if fresh and victim not in reps else None
+
+    new = wait_for("a replacement replica joined", replacement)
+    # it joined with the cluster's adapters: the registry's whole state, on its first poll
+    wait_for("the replacement applied the registry", lambda: {
+        a["name"] for a in httpx.get(f"{new['url']}/v1/adapters", timeout=30,
+                                     headers={"Authorization": f"Bearer {KEY}"}).json()["adapters"]
+    } >= {"a", "b", "p"})
+    print("requests resent after the kill:", cluster.stats()["retried"])
