@@ -170,7 +170,9 @@ def test_pool_gains_equal_peft_dora_norm(chunk, monkeypatch):
     layout = SlotLayout(model, PoolConfig(2, 8, ("q_proj", "v_proj"),
                                           extra_targets=("embed_tokens",)), torch.float32)
     g = torch.Generator().manual_seed(2)
-    weights = {k: torch.randn(*reversed(model.linear_shape(k[1])), generator=g)
+    # Parameters, as a model's are: the gains must not drag an autograd graph along (it
+    # kept every landing's fp32 copies of W alive: ~W's size in fp32 leaked per landing)
+    weights = {k: torch.nn.Parameter(torch.randn(*reversed(model.linear_shape(k[1])), generator=g))
                for k in layout.module_keys}
     weights[(0, "embed_tokens")] = torch.randn(model.vocab_size, model.hidden_size,
                                                generator=g).T  # E^T, a strided view
@@ -186,6 +188,7 @@ def test_pool_gains_equal_peft_dora_norm(chunk, monkeypatch):
         m = layout.module_index(module)
         ranks[layer, m], scales[layer, m], doras[layer, m] = rank, scale, int(layer != 2)
     pool.write_tables(slot, ranks, scales, doras)
+    assert pool.gains.grad_fn is None and not pool.gains.requires_grad
     for layer, module in layout.module_keys:
         a = pool.lora_a(layer, module)[slot, :rank]
         b = pool.lora_bt(layer, module)[slot, :rank].T  # PEFT's lora_B.weight [out, r]

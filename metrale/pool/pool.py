@@ -220,6 +220,7 @@ class AdapterPool:
             self.compute_gains(slot, [(layer, self.layout.table_modules[m], float(scales[layer, m]),
                                        int(ranks[layer, m])) for layer, m in cells])
 
+    @torch.no_grad()  # the base weights may be Parameters: no autograd graph may hang off g
     def compute_gains(self, slot: int, cells: list[tuple[int, str, float, int]]) -> None:
         """g = m / ||W + s B A|| per output row (PEFT's DoraLinearLayer: the L2 norm over
         in-features of each row of W + scaling * lora_B @ lora_A, in float32 here) for each
