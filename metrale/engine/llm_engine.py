@@ -58,6 +58,7 @@ class LLMEngine:
         elif model.rotary.max_positions < cfg.max_model_len:  # its tables would be read past
             raise ConfigError(f"the given model's rotary tables cover {model.rotary.max_positions} "
                               f"positions, fewer than max_model_len {cfg.max_model_len}")
+        model.requires_grad_(False)  # an inference engine: nothing may build autograd graphs
         self.lora = LoraSlots(self.model_config, cfg.pool, self.device, self.dtype,
                               model.lora_base_weights())
         # an adapter named like the base model would shadow it in every API
