@@ -163,9 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands that run torch here; the others are HTTP clients and must not import it.
+_TORCH_COMMANDS = ("inspect", "generate", "serve")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in _TORCH_COMMANDS or getattr(args, "peer_command", None) == "serve":
+            from metrale.threads import apply_threads
+
+            progress(f"metrale: torch threads: {apply_threads().reason}")
         return args.func(args)
     except MetraleError as e:
         print(f"metrale: error: {e}", file=sys.stderr)
