@@ -97,6 +97,12 @@ def _peer_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _peer_list(args: argparse.Namespace) -> int:
+    from metrale.peer.listing import print_ids
+
+    return print_ids(args.url)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="metrale", description="multi-LoRA inference engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -155,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--allow-client", action="append", metavar="NET",
                     help="address, network or host allowed to lease (repeatable; default loopback)")
     ps.set_defaults(func=_peer_serve)
+    pl = peer_sub.add_parser("list", help="list the adapter ids a peer serves, with their peer:// source")
+    pl.add_argument("--url", default="http://127.0.0.1:7460",
+                    help="the peer's address, as printed by `metrale peer serve` (default: %(default)s)")
+    pl.set_defaults(func=_peer_list)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server with runtime adapter management")
     add_serve_arguments(srv)
