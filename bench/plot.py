@@ -170,7 +170,8 @@ def cpu_decode_chart(docs: list[tuple[str, dict]], out: Path) -> Path | None:
             if ours is None or theirs is None:
                 continue
             adapter = row.get("adapter") or "base"
-            rows.append((f"{doc.get('date', name)}\nb{row.get('batch', '?')} {adapter}", ours, theirs,
+            # the file name, not the date: two runs of one day must stay apart
+            rows.append((f"{Path(name).stem}\nb{row.get('batch', '?')} {adapter}", ours, theirs,
                          str(row.get("hf", "transformers"))))
     if not rows:
         return None
