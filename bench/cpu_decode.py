@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -28,13 +30,19 @@ from metrale.model.default_model import default_model_dir
 
 PROMPT = "Tell me about the moon."
 ADAPTER = "shout"
+# The two-adapter batch: half the sequences on each. metrale runs it as one batch; PEFT
+# serves one adapter per forward, so it runs each half after the other.
+MIXED = ("shout", "pirate")
 
 
-def time_metrale(llm: LLM, batch: int, tokens: int, adapter: str | None) -> tuple[int, float, float]:
+def time_metrale(llm: LLM, batch: int, tokens: int, adapter: str | None | tuple[str, ...],
+                 ) -> tuple[int, float, float]:
     prompt = llm.chat_prompt(PROMPT)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    adapters = [adapter[i % len(adapter)] for i in range(batch)] if isinstance(adapter, tuple) \
+        else [adapter] * batch  # mixed: interleaved, the worst case for grouping by slot
     start, cpu = time.perf_counter(), time.process_time()
-    outs = llm.generate([prompt] * batch, [params] * batch, [adapter] * batch)
+    outs = llm.generate([prompt] * batch, [params] * batch, adapters)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     return sum(len(o.token_ids) for o in outs), elapsed, cpu
 
@@ -54,15 +62,30 @@ def time_hf(model, tokenizer, batch: int, tokens: int) -> tuple[int, float, floa
     return (out.shape[1] - inputs["input_ids"].shape[1]) * batch, elapsed, cpu
 
 
-def row(batch: int, adapter: str | None, runs: list[tuple[int, float, float]]) -> dict:
+def time_peft_mixed(models: list, tokenizer, batch: int, tokens: int) -> tuple[int, float, float]:
+    """PEFT serves one adapter per forward: each adapter's share of the batch, one after the other."""
+    runs = [time_hf(m, tokenizer, batch // len(models), tokens) for m in models]
+    return tuple(sum(r[i] for r in runs) for i in range(3))
+
+
+def row(batch: int, adapter: str | None | tuple[str, ...], runs: list[tuple[int, float, float]],
+        ) -> dict:
     """Wall-clock medians, plus CPU-time ones: on a box shared with other work, tokens per
     CPU second (process time, all threads) move much less with the load than tok/s."""
     tokens = runs[0][0]
     seconds = statistics.median(s for _, s, _ in runs)
     cpu = statistics.median(c for _, _, c in runs)
+    if isinstance(adapter, tuple):
+        adapter = "+".join(adapter)
     return {"batch": batch, "adapter": adapter, "tokens": tokens, "seconds": seconds,
             "tok_s": tokens / seconds, "tok_s_runs": [n / s for n, s, _ in runs],
             "cpu_seconds": cpu, "tok_per_cpu_s": tokens / cpu}
+
+
+def _hf_name(adapter: str | None) -> str:
+    if adapter and "+" in adapter:
+        return "peft, one adapter after the other"
+    return "peft" if adapter else "transformers"
 
 
 def main() -> None:
@@ -72,10 +95,12 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="metrale only")
     ap.add_argument("--out", type=Path, help="JSON path (default: results/<date>-cpu-decode.json)")
     args = ap.parse_args()
+    load_start = os.getloadavg()  # a shared box: the load is part of the figure
     llm = LLM(None, max_loras=2, max_lora_rank=16, max_model_len=512,
               enable_prefix_caching=False)
-    adapter_dir = demo_adapter_dir(ADAPTER)
-    llm.register_adapter(ADAPTER, adapter_dir)
+    dirs = {name: demo_adapter_dir(name) for name in dict.fromkeys((ADAPTER, *MIXED))}
+    for name, path in dirs.items():
+        llm.register_adapter(name, path)
     hf = {}
     if not args.no_hf:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,19 +108,26 @@ def main() -> None:
         model_dir = default_model_dir()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         hf[None] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        hf[ADAPTER] = load_with_adapter(model_dir, adapter_dir)  # PEFT on its own base
+        for name, path in dirs.items():
+            hf[name] = load_with_adapter(model_dir, path)  # PEFT on its own base
+        hf[MIXED] = [hf[name] for name in MIXED]
 
     ours, theirs = [], []
-    for adapter in (None, ADAPTER):
-        time_metrale(llm, 1, 8, adapter)  # warm-up
+    for adapter, batches in ((None, (1, 8)), (ADAPTER, (1, 8)), (MIXED, (8,))):
+        def theirs_run(batch: int, tokens: int, adapter=adapter):
+            if isinstance(adapter, tuple):
+                return time_peft_mixed(hf[adapter], tokenizer, batch, tokens)
+            return time_hf(hf[adapter], tokenizer, batch, tokens)
+
+        time_metrale(llm, len(MIXED), 8, adapter)  # warm-up
         if hf:
-            time_hf(hf[adapter], tokenizer, 1, 8)
-        for batch in (1, 8):
+            theirs_run(len(MIXED), 8)
+        for batch in batches:
             m_runs, h_runs = [], []
             for _ in range(args.reps):  # interleaved: both see the same load
                 m_runs.append(time_metrale(llm, batch, args.tokens, adapter))
                 if hf:
-                    h_runs.append(time_hf(hf[adapter], tokenizer, batch, args.tokens))
+                    h_runs.append(theirs_run(batch, args.tokens))
             ours.append(row(batch, adapter, m_runs))
             if hf:
                 theirs.append(row(batch, adapter, h_runs))
@@ -109,7 +141,7 @@ def main() -> None:
         ratio = r["tok_s"] / h["tok_s"] if h else None
         cpu_ratio = r["tok_per_cpu_s"] / h["tok_per_cpu_s"] if h else None
         side.append({"batch": r["batch"], "adapter": r["adapter"], "metrale_tok_s": r["tok_s"],
-                     "hf_tok_s": h and h["tok_s"], "hf": "peft" if r["adapter"] else "transformers",
+                     "hf_tok_s": h and h["tok_s"], "hf": _hf_name(r["adapter"]),
                      "ratio": ratio, "metrale_tok_per_cpu_s": r["tok_per_cpu_s"],
                      "hf_tok_per_cpu_s": h and h["tok_per_cpu_s"], "cpu_ratio": cpu_ratio})
         print(f"{r['batch']:>5} {r['adapter'] or 'base':>8} {r['tokens']:>7} "
@@ -123,6 +155,8 @@ def main() -> None:
         "date": day, "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
         "torch": torch.__version__, "model": "SmolLM2-135M-Instruct fp32", "cpu_decode": ours,
         "tokens": args.tokens, "reps": args.reps, "adapter_name": ADAPTER,
+        "command": "bench/cpu_decode.py " + " ".join(sys.argv[1:]),
+        "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
         "hf_decode": theirs, "side_by_side": side,
     }
     if not args.no_hf:

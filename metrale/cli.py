@@ -127,6 +127,12 @@ def _peer_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _peer_list(args: argparse.Namespace) -> int:
+    from metrale.peer.listing import print_ids
+
+    return print_ids(args.url)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="metrale", description="multi-LoRA inference engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -185,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--allow-client", action="append", metavar="NET",
                     help="address, network or host allowed to lease (repeatable; default loopback)")
     ps.set_defaults(func=_peer_serve)
+    pl = peer_sub.add_parser("list", help="list the adapter ids a peer serves, with their peer:// source")
+    pl.add_argument("--url", default="http://127.0.0.1:7460",
+                    help="the peer's address, as printed by `metrale peer serve` (default: %(default)s)")
+    pl.set_defaults(func=_peer_list)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server with runtime adapter management")
     add_serve_arguments(srv)
@@ -194,9 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands that run torch here; the others are HTTP clients and must not import it.
+_TORCH_COMMANDS = ("inspect", "generate", "serve")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in _TORCH_COMMANDS or getattr(args, "peer_command", None) == "serve":
+            from metrale.threads import apply_threads
+
+            progress(f"metrale: torch threads: {apply_threads().reason}")
         return args.func(args)
     except MetraleError as e:
         print(f"metrale: error: {e}", file=sys.stderr)

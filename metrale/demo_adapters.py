@@ -1,4 +1,4 @@
-"""Two demo LoRA adapters for the default model, trained on first use in ~1 min each.
+"""Two demo LoRA adapters for the default model, trained on first use in ~20 s each.
 
 `shout` answers in ALL CAPITALS; `pirate` answers like a pirate ("Arr, matey!").
 Both styles show on any prompt, so one look at base vs adapter output on the
@@ -14,10 +14,12 @@ PEFT format under <cache>/adapters/<name>.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -172,15 +174,34 @@ _STYLES: dict[str, Callable[[], list[tuple[str, str]]]] = {
 
 CHECK_PROMPT = "Tell me about the moon."
 
-# Tuned by hand on a 2-core CPU (~1 s a step): both styles show on unseen prompts.
-# Fewer examples, a higher rate or a near copy of the check prompt in the data
-# ("Tell me about the sun.") made adapters recite a training answer word for
-# word; fewer steps leave `shout` half lowercase. r <= 16 fits a default pool.
+# Tuned by hand on a 2-core CPU for a first run that is ready in minutes (was 40
+# steps on every layer at 1.5e-3: ~1 min each; now 24 steps, ~20 s): both
+# styles show on unseen prompts. Fewer examples, a higher rate or a near copy of
+# the check prompt in the data ("Tell me about the sun.") made adapters recite a
+# training answer word for word; fewer steps leave `shout` half lowercase.
+# LoRA only on the upper layers: the backward pass stops there, which roughly
+# halves a step, and style is a matter of the last layers anyway. r <= 16 fits a
+# default pool.
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-_RANK, _ALPHA = 16, 32
-_STEPS, _BATCH, _LR = 40, 4, 1.5e-3
-_SEED = 1234
-_LOG_EVERY = 10
+
+
+@dataclass(frozen=True)
+class TrainRecipe:
+    rank: int = 16
+    alpha: int = 32
+    steps: int = 24
+    batch: int = 4
+    lr: float = 3e-3
+    first_layer: int = 15  # LoRA on layers >= this one (0: every layer); SmolLM2 has 30
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.rank <= 16 and self.steps >= 1 and self.batch >= 1 and self.lr > 0
+                and self.first_layer >= 0):
+            raise ValueError(f"bad training recipe {self!r}")
+
+
+RECIPE = TrainRecipe()
 
 
 class UnknownDemoAdapterError(UnknownAdapterError):
@@ -197,7 +218,7 @@ def demo_adapter_dir(name: str, progress: Progress = print) -> Path:
     if is_complete(target):
         return target
     model_dir = default_model_dir(progress)
-    progress(f"metrale: training demo adapter {name!r} (one time, ~1 min on 2 CPU cores)...")
+    progress(f"metrale: training demo adapter {name!r} (one time, ~20 s on 2 idle CPU cores)...")
     t0 = time.perf_counter()
     build_cached_dir(target, lambda tmp: _train(name, model_dir, tmp, progress))
     progress(f"metrale: ... {name!r} done in {time.perf_counter() - t0:.1f}s -> {target}")
@@ -219,18 +240,22 @@ def _encode(tokenizer: Any, question: str, answer: str) -> tuple[list[int], int]
     return prompt_ids + answer_ids, len(prompt_ids)
 
 
-def _train(name: str, model_dir: Path, out: Path, progress: Progress) -> None:
+def _train(name: str, model_dir: Path, out: Path, progress: Progress,
+           recipe: TrainRecipe = RECIPE) -> None:
     import torch
     import torch.nn.functional as F
     from peft import LoraConfig, get_peft_model
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(_SEED)  # LoRA A init and batch order
+    torch.manual_seed(recipe.seed)  # LoRA A init and batch order
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    layers = list(range(recipe.first_layer, base.config.num_hidden_layers))
     config = LoraConfig(
-        r=_RANK, lora_alpha=_ALPHA, target_modules=_TARGETS, lora_dropout=0.0,
+        r=recipe.rank, lora_alpha=recipe.alpha, target_modules=_TARGETS, lora_dropout=0.0,
         bias="none", task_type="CAUSAL_LM",
+        layers_to_transform=layers if recipe.first_layer else None,
     )
     with _quiet_peft():
         model = get_peft_model(base, config)
@@ -240,17 +265,19 @@ def _train(name: str, model_dir: Path, out: Path, progress: Progress) -> None:
     examples = [_encode(tokenizer, q, a) for q, a in _STYLES[name]()]
     pad = tokenizer.pad_token_id
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=_LR, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
     # Linear decay to 0 settles the last steps instead of ending on a big update.
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / _STEPS)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / recipe.steps)
 
     order: list[int] = []
-    t0 = time.perf_counter()
-    for step in range(1, _STEPS + 1):
-        if len(order) < _BATCH:
+    # A bar with rate and ETA on stderr (a step is ~0.5 s on 2 idle cores, seconds on a busy box).
+    bar = tqdm(range(1, recipe.steps + 1), desc=f"metrale: training {name}", unit="step",
+               file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
+    for _step in bar:
+        if len(order) < recipe.batch:
             order += torch.randperm(len(examples)).tolist()
-        batch = [examples[i] for i in order[:_BATCH]]
-        del order[:_BATCH]
+        batch = [examples[i] for i in order[:recipe.batch]]
+        del order[:recipe.batch]
 
         width = max(len(ids) for ids, _ in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -272,11 +299,8 @@ def _train(name: str, model_dir: Path, out: Path, progress: Progress) -> None:
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % _LOG_EVERY == 0 or step in (1, _STEPS):
-            progress(
-                f"metrale:   {name} step {step}/{_STEPS} loss {loss.item():.3f} "
-                f"({time.perf_counter() - t0:.0f}s)"
-            )
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    bar.close()
 
     # Name the upstream base rather than this machine's cache path; no
     # embedding copy (the vocabulary is unchanged), which also keeps PEFT
@@ -325,6 +349,9 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from metrale.threads import apply_threads
+
+    print(f"metrale: torch threads: {apply_threads().reason}")
     t0 = time.perf_counter()
     adapters = ensure_demo_adapters()
     print(f"metrale: demo adapters ready in {time.perf_counter() - t0:.1f}s")

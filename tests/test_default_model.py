@@ -3,7 +3,7 @@
 The slow tests convert and train into the tests' own cache dir (METRALE_CACHE_DIR set
 by the `default_model_cache` fixture), so they neither need nor touch the user's cache.
 That dir is keyed by everything that decides what gets built (tests/helpers/default_model.py):
-~20 s of conversion plus ~1 min of training per adapter on 2 CPU cores the first time,
+~20 s of conversion plus ~20 s of training per adapter on 2 idle CPU cores the first time,
 nothing on later runs of the same recipe. METRALE_CACHE_DIR=$(mktemp -d) runs them from scratch.
 """
 

@@ -119,6 +119,43 @@ def test_streaming_equals_offline(client, ref, adapter):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def _usages(chunks) -> list[tuple[int, int, int]]:
+    return [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)
+            for c in chunks]
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_continuous_usage_stats_put_usage_in_every_chunk(client, ref, api):
+    # vLLM's stream_options.continuous_usage_stats: every chunk says how many tokens so far
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if api == "chat":
+        want = ref.chat("why is the sky blue", "a", max_tokens=12, ignore_eos=True)
+        chunks = list(client.chat.completions.create(
+            model="a", messages=[{"role": "user", "content": "why is the sky blue"}],
+            stream=True, stream_options=options, **GREEDY))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        want = ref.complete(PROMPT, "a", max_tokens=12, ignore_eos=True)
+        chunks = list(client.completions.create(model="a", prompt=PROMPT, stream=True,
+                                                stream_options=options, **GREEDY))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.text
+    assert all(c.usage is not None for c in chunks)
+    prompt = len(want.prompt_token_ids)
+    usages = _usages(chunks)
+    assert all(p == prompt and t == p + n for p, n, t in usages)
+    counts = [n for _, n, _ in usages]
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[-2] == 12  # last: the usage chunk
+    if api == "chat":
+        assert counts[0] == 0  # the role chunk: nothing generated yet
+
+
+def test_usage_only_in_the_last_chunk_without_continuous_stats(client):
+    chunks = list(client.completions.create(model="a", prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
 def test_sse_wire_format(server):
     body = {"model": "a", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30,

@@ -33,6 +33,7 @@ from metrale.errors import MetraleError, UnknownAdapterError
 from metrale.model.llama import LlamaForCausalLM
 from metrale.model.loader import load_model
 from metrale.peer.allow import resolve_peer
+from metrale.peer.lookup import check_peer_holds
 from metrale.pool.slots import SlotInfo
 from metrale.pool.swap import LoraSlots, Prepared
 
@@ -210,13 +211,15 @@ class LLMEngine:
     def check_adapter(self, name: str, source: str | Path | AdapterSource) -> AdapterSource:
         """Validate a disk adapter's files and weights against this engine, once, at
         registration (thread-safe: the server runs it off the engine thread). A peer is
-        checked against the allow-list here; its manifest is validated when it lands."""
+        checked against the allow-list, then asked (no lease) whether it holds the id;
+        its manifest is validated when it lands."""
         source = AdapterSource.of(source)
         if source.path is not None:
             plan = plan_adapter(source.path, name, self.model_config, self.lora.pool_config)
             check_weights(plan, self.dtype)  # NaN/Inf, or too large for the pool's dtype
-        else:  # a peer off the allow-list could never land: refuse it now, contacting nobody
-            resolve_peer(source.peer.addr, self.cfg.peer_allow or None)
+        else:  # a peer off the allow-list could never land: refuse it before contacting it
+            addr = resolve_peer(source.peer.addr, self.cfg.peer_allow or None)
+            check_peer_holds(addr, source.peer.adapter_id, self.cfg.peer_timeout_s)
         return source
 
     def register_adapter(self, name: str, source: str | Path | AdapterSource, pinned: bool = False,

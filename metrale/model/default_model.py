@@ -150,16 +150,27 @@ def default_model_dir(progress: Progress = print) -> Path:
 
 
 def _convert(src: Path, out: Path) -> None:
+    import sys
+
     import torch
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # Four phases of very different lengths: the bar says which one runs, and the rate.
+    bar = tqdm(total=4, desc="metrale: converting", unit="phase", file=sys.stderr,
+               dynamic_ncols=True)
     try:
+        bar.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        bar.update()
+        bar.set_postfix_str("dequantizing weights")
         # float32: only ~0.5 GB for 135M parameters, exact on every CPU; servers cast down.
         model = AutoModelForCausalLM.from_pretrained(
             src.parent, gguf_file=src.name, dtype=torch.float32
         )
+        bar.update()
     except Exception as e:
+        bar.close()
         raise DefaultModelUnavailableError(
             f"could not read {src} with transformers ({type(e).__name__}: {e}); "
             f"try upgrading: pip install -U transformers gguf"
@@ -175,5 +186,10 @@ def _convert(src: Path, out: Path) -> None:
         raise DefaultModelUnavailableError(
             f"{src} carries no chat template; the default model needs one"
         )
+    bar.set_postfix_str("writing safetensors")
     model.save_pretrained(out)  # safetensors is the default format
+    bar.update()
+    bar.set_postfix_str("writing tokenizer")
     tokenizer.save_pretrained(out)
+    bar.update()
+    bar.close()

@@ -30,6 +30,7 @@ import torch
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.errors import UnknownAdapterError
 from metrale.peer.errors import LeaseNotFoundError, TooManyLeasesError
+from metrale.peer.ids import describe_ids
 from metrale.peer.manifest import DTYPE_NAMES, MANIFEST_VERSION, TensorSpec
 from metrale.peer.nixl_transport import endpoint_for
 from metrale.pool.slots import SlotState
@@ -197,7 +198,9 @@ class AdapterExporter:
     def _take(self, adapter_id: str):
         table = self.slots.table
         if table.slot_of(adapter_id) is None:
-            raise UnknownAdapterError(f"adapter {adapter_id!r} is not resident here")
+            held = [i.name for i in table.infos() if i.state is SlotState.READY and i.name is not None]
+            raise UnknownAdapterError(f"adapter {adapter_id!r} is not resident here; this peer "
+                                      f"serves: {describe_ids(held)}")
         slot, _ = table.acquire(adapter_id)
         return (slot, table.info(slot), *self.pool.host_tables(slot))
 

@@ -136,8 +136,12 @@ def serve_store(adapters_dir: str | Path, model: ModelConfig, *, device: str = "
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    announce(f"metrale peer: serving {len(store.paths)} adapter(s) ({', '.join(store.paths)}) "
-             f"on {server.url} (transports: {', '.join(transports)})")
+    announce(f"metrale peer: serving {len(store.paths)} adapter(s) on {server.url} "
+             f"(transports: {', '.join(transports)}); ids:")
+    # One line per id with the source that registers it: `metrale peer list` prints the same.
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    for adapter_id in store.paths:
+        announce(f"  {adapter_id}\tpeer://{host}:{port}/{adapter_id}")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -32,7 +32,7 @@ from metrale.server.protocol import (
     GenerationRequest,
     TokenizeRequest,
 )
-from metrale.server.responses import ChatFormatter, CompletionFormatter, TokenText, sse
+from metrale.server.responses import ChatFormatter, CompletionFormatter, TokenText, sse, usage
 from metrale.server.settings import ServerSettings
 
 router = APIRouter(dependencies=[Depends(require_user)])
@@ -101,7 +101,7 @@ async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 async def _respond(request: Request, gen: AsyncIterator[RequestOutput], fmt, stream: bool,
-                   include_usage: bool) -> Response:
+                   include_usage: bool, continuous_usage: bool = False) -> Response:
     if not stream:
         try:
             out = await _watch(request, _last(gen))
@@ -120,12 +120,15 @@ async def _respond(request: Request, gen: AsyncIterator[RequestOutput], fmt, str
     async def events() -> AsyncIterator[str]:
         async with contextlib.aclosing(gen):  # closing aborts the request (client gone)
             if isinstance(fmt, ChatFormatter):
-                yield sse(fmt.role_chunk())
+                role = fmt.role_chunk()
+                if continuous_usage:  # the prompt is counted; nothing generated yet
+                    role["usage"] = usage(first, completion_tokens=0)
+                yield sse(role)
             out = first
             try:
-                yield sse(fmt.chunk(out))
+                yield sse(_chunk(fmt, out, continuous_usage))
                 async for out in gen:
-                    yield sse(fmt.chunk(out))
+                    yield sse(_chunk(fmt, out, continuous_usage))
             except Exception as e:  # the status line is sent: report in-band, then end
                 metrics.refusals.labels(type(e).__name__).inc()
                 yield sse(exception_body(e)[1])
@@ -136,6 +139,13 @@ async def _respond(request: Request, gen: AsyncIterator[RequestOutput], fmt, str
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _chunk(fmt, out: RequestOutput, continuous_usage: bool) -> dict:
+    chunk = fmt.chunk(out)
+    if continuous_usage:
+        chunk["usage"] = usage(out)  # outputs are cumulative: the usage so far
+    return chunk
 
 
 @router.post("/v1/completions")
@@ -149,7 +159,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     fmt = CompletionFormatter(adapter or settings.model_id, TokenText(engine.engine.tokenizer),
                               body.logprobs is not None)
     gen = engine.generate(prompt, params, adapter)
-    return await _respond(request, gen, fmt, bool(body.stream), body.include_usage)
+    return await _respond(request, gen, fmt, bool(body.stream), body.include_usage,
+                          body.continuous_usage)
 
 
 def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest | TokenizeRequest) -> str:
@@ -182,7 +193,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     fmt = ChatFormatter(adapter or settings.model_id, TokenText(engine.engine.tokenizer),
                         bool(body.logprobs))
     gen = engine.generate(prompt, params, adapter)
-    return await _respond(request, gen, fmt, bool(body.stream), body.include_usage)
+    return await _respond(request, gen, fmt, bool(body.stream), body.include_usage,
+                          body.continuous_usage)
 
 
 def _tokenizer(engine: AsyncEngine):

@@ -75,6 +75,12 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: every streamed chunk carries the usage
+        so far. As in vLLM it takes effect together with include_usage."""
+        return self.include_usage and bool(self.stream_options.get("continuous_usage_stats"))
+
     def refuse_unsupported(self) -> None:
         if self.n not in (None, 1):
             raise BadRequestError("only n=1 is supported; send one request per completion", "n")

@@ -26,8 +26,9 @@ class TokenText:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def usage(out: RequestOutput, completion_tokens: int | None = None) -> dict:
+    prompt = len(out.prompt_token_ids)
+    completion = len(out.token_ids) if completion_tokens is None else completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}

@@ -1,5 +1,5 @@
 """Where the slow tests keep the default model and the demo adapters: one cache dir per
-recipe, so a run pays the conversion (~20 s) and the training (~75 s for both adapters on
+recipe, so a run pays the conversion (~20 s) and the training (~35 s for both adapters on
 2 idle cores, minutes on a loaded box) only when something that decides their contents
 changed, never again for identical inputs.
 

@@ -134,11 +134,13 @@ LEASE = "fakelease0001"  # the lease id fake peers grant
 
 
 class FakePeer:
-    """lease -> `lease_reply` (a dict, or raw bytes); data -> `data`, delivered per `mode`:
+    """list -> `ids` (what engines check at registration); lease -> `lease_reply` (a dict,
+    or raw bytes); data -> `data`, delivered per `mode`:
     full | half-close | half-stall | long | long-unannounced."""
 
-    def __init__(self, lease_reply, data: bytes = b"", mode: str = "full") -> None:
-        self.lease_reply, self.data, self.mode = lease_reply, data, mode
+    def __init__(self, lease_reply, data: bytes = b"", mode: str = "full",
+                 ids: tuple[str, ...] = ("a",)) -> None:
+        self.lease_reply, self.data, self.mode, self.ids = lease_reply, data, mode, ids
         self.requests: list[tuple[str, str]] = []
         self.release_stall = threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -182,6 +184,13 @@ class FakePeer:
 
             def do_GET(self):
                 self._record()
+                if self.path == "/peer/v1/adapters":  # honest: the lies are in the lease and data
+                    raw = json.dumps({"adapters": [{"id": i} for i in peer.ids]}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    self.wfile.write(raw)
+                    return
                 data, mode = peer.data, peer.mode
                 self.send_response(200)
                 if mode == "long":

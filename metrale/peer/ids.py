@@ -1,0 +1,40 @@
+"""How adapter ids are listed in messages: bounded, and only names that are safe to echo.
+
+An unknown-id error names what the peer does serve, so the caller can fix the id
+without another tool. A peer may hold thousands of adapters, and an id that came
+over the network may hold anything (terminal escapes, megabytes): so at most
+MAX_LISTED ids are shown, then "and N more", and an id that is not a valid adapter
+name is counted, never printed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+MAX_LISTED = 20
+# The peer protocol's id rule (the exporter refuses a lease for anything else), which is
+# also the engine's adapter-name rule; kept here, not imported from the pool, so that
+# `metrale peer list` does not import torch.
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def describe_ids(ids: Iterable[object], limit: int = MAX_LISTED) -> str:
+    """'a, b, c' / 'a, b and 7 more' / 'none'; invalid names are counted, not shown."""
+    safe: list[str] = []
+    hidden = 0
+    for item in ids:
+        if isinstance(item, str) and _is_safe(item):
+            safe.append(item)
+        else:
+            hidden += 1
+    shown = sorted(set(safe))[:limit]
+    rest = len(set(safe)) - len(shown) + hidden
+    if not shown:
+        return f"{rest} id(s) that are not valid names" if rest else "none"
+    text = ", ".join(shown)
+    return f"{text} and {rest} more" if rest else text
+
+
+def _is_safe(name: str) -> bool:
+    return ID_RE.fullmatch(name) is not None and ".." not in name

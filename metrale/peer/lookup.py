@@ -1,0 +1,35 @@
+"""Does a peer hold an adapter id? Asked once at registration, without a lease.
+
+Registration promises validation: a `peer://host:port/ID` source whose peer does
+not serve ID (a typo, a store started on another directory) must be refused when
+it is registered, naming what the peer does serve, not at the first request, minutes
+later. The list is the peer's public GET /peer/v1/adapters: no slot is pinned, and
+the manifest itself is still checked in full when the adapter lands.
+"""
+
+from __future__ import annotations
+
+from metrale.peer.allow import PeerAddress
+from metrale.peer.client import PeerClient
+from metrale.peer.deadline import Deadline
+from metrale.peer.errors import PeerManifestError, UnknownPeerAdapterError
+from metrale.peer.ids import describe_ids
+
+
+def peer_ids(addr: PeerAddress, timeout_s: float) -> list[object]:
+    """The ids the peer lists (as sent: untrusted, to be validated before use)."""
+    listing = PeerClient(addr, Deadline(timeout_s)).list_adapters()
+    adapters = listing.get("adapters") if isinstance(listing, dict) else None
+    if not isinstance(adapters, list):
+        raise PeerManifestError(f"peer {addr}: its adapter list is not {{'adapters': [...]}}")
+    return [a.get("id") if isinstance(a, dict) else None for a in adapters]
+
+
+def check_peer_holds(addr: PeerAddress, adapter_id: str, timeout_s: float) -> None:
+    """Raise UnknownPeerAdapterError (listing what it serves) unless the peer holds the id;
+    an unreachable peer raises the peer client's PeerUnavailableError."""
+    ids = peer_ids(addr, timeout_s)
+    if adapter_id not in ids:
+        raise UnknownPeerAdapterError(
+            f"peer {addr} holds no adapter {adapter_id!r}; it serves: {describe_ids(ids)} "
+            f"(`metrale peer list --url {addr}` lists them)")
