@@ -286,9 +286,16 @@ def test_killing_a_replica_loses_no_retryable_request(cluster):
         return fresh[0] if fresh and victim not in reps else None
 
     new = wait_for("a replacement replica joined", replacement)
+
+    def replacement_adapters() -> set[str]:
+        """Its adapters; none while its server is still starting (it reports before it listens)."""
+        try:
+            listing = httpx.get(f"{new['url']}/v1/adapters", timeout=30,
+                                headers={"Authorization": f"Bearer {KEY}"})
+        except httpx.TransportError:
+            return set()
+        return {a["name"] for a in listing.json()["adapters"]}
+
     # it joined with the cluster's adapters: the registry's whole state, on its first poll
-    wait_for("the replacement applied the registry", lambda: {
-        a["name"] for a in httpx.get(f"{new['url']}/v1/adapters", timeout=30,
-                                     headers={"Authorization": f"Bearer {KEY}"}).json()["adapters"]
-    } >= {"a", "b", "p"})
+    wait_for("the replacement applied the registry", lambda: replacement_adapters() >= {"a", "b", "p"})
     print("requests resent after the kill:", cluster.stats()["retried"])
