@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -35,6 +35,8 @@ class AttentionMetadata:
     # varlen steps in a CUDA graph: [N, 2] (sequence, query tile) rows, -1 padded
     # (metrale.ops.attention_triton.prefill_tiles); None: built from cu_query
     prefill_tiles: torch.Tensor | None = None
+    # values the torch reference derives from the above once per step, not once per layer
+    scratch: dict = field(default_factory=dict)
 
 
 class LoraViews(Protocol):

@@ -231,3 +231,25 @@ def test_batched_decode_ref_matches_per_sequence(ctx_lens, dtype):
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel_err(got, want.float()) < tol
     assert rel_err(got, dense_oracle(q.float(), k.float(), v.float(), meta, 0.25)) < max(tol, 1e-5)
+
+
+def test_lone_sequence_with_consecutive_blocks_reads_a_view():
+    """The decode reference's fast path (one sequence, blocks in a row: a view of the
+    cache, no gather) against the float64 oracle, and the same sequence's blocks
+    scattered (the gather) giving the same result."""
+    from metrale.ops.attention import decode_ref_index
+
+    q, k, v, meta = make_case([37], [1], H=6, KV=2, D=16, bs=4, dtype=torch.float32,
+                              device="cpu", seed=21, spare_blocks=0)
+    need = -(-37 // 4)
+    order = meta.block_tables[0, :need].tolist()
+    k_row, v_row = k[order].clone(), v[order].clone()  # the same K/V, laid out in a row
+    k2, v2 = torch.zeros(need + 3, *k.shape[1:]), torch.zeros(need + 3, *v.shape[1:])
+    k2[2:2 + need], v2[2:2 + need] = k_row, v_row
+    meta2 = AttentionMetadata(False, meta.slot_mapping, meta.context_lens,
+                              torch.tensor([list(range(2, 2 + need)) + [-1]], dtype=torch.int32),
+                              meta.cu_query, 1, 37)
+    assert isinstance(decode_ref_index(meta2.block_tables, meta2.context_lens, 4)[0], slice)
+    want = dense_oracle(q, k, v, meta, 0.25)
+    assert rel_err(paged_attention_ref(q, k2, v2, meta2, 0.25), want) < 1e-6
+    assert rel_err(paged_attention_ref(q, k, v, meta, 0.25), want) < 1e-6

@@ -48,32 +48,57 @@ def paged_attention_ref(
     A decode step (one query per sequence) runs as one batched SDPA over the sequences'
     gathered, padded K/V; anything else attends sequence by sequence."""
     if not meta.is_prefill and q.shape[0] == meta.context_lens.shape[0]:
-        return paged_decode_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        index = meta.scratch.get("decode_ref")
+        if index is None:  # the same for every layer of the step
+            index = meta.scratch["decode_ref"] = decode_ref_index(
+                meta.block_tables, meta.context_lens, k_cache.shape[1])
+        return paged_decode_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                index)
     return paged_attention_per_sequence(q, k_cache, v_cache, meta, scale)
+
+
+def decode_ref_index(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+) -> tuple[torch.Tensor | slice, int, torch.Tensor]:
+    """(blocks, longest context, key mask [B, 1, 1, L]) for paged_decode_ref. blocks:
+    [B, nb] indices, or for one sequence whose blocks are consecutive (the common case
+    of a lone request) the slice of them, so its K/V are a view, not a gather per layer."""
+    max_ctx = int(context_lens.max())
+    n_blocks = -(-max_ctx // block_size)
+    # -1 padding of shorter tables -> block 0: read, then masked away
+    blocks = block_tables[:, :n_blocks].long().clamp_min(0)  # [B, nb]
+    valid = torch.arange(max_ctx, device=block_tables.device) < context_lens.unsqueeze(1)  # [B, L]
+    if blocks.shape[0] == 1:
+        row = blocks[0].tolist()
+        if row == list(range(row[0], row[0] + len(row))):
+            blocks = slice(row[0], row[0] + len(row))
+    return blocks, max_ctx, valid[:, None, None, :]
 
 
 def paged_decode_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    index: tuple[torch.Tensor, int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q: [B, H, D] -> [B, H, D], the query being its sequence's
     last position (it sees every cached key). One gather of all sequences' blocks into a
     [B, L, KV, D] tensor padded to the longest context, one SDPA with a padding mask:
-    masked keys weigh exactly 0, so each row equals attending its own context alone."""
+    masked keys weigh exactly 0, so each row equals attending its own context alone.
+    index: decode_ref_index(...) of this step, when the caller keeps it across layers."""
     B, H, D = q.shape
-    block_size, KV = k_cache.shape[1], k_cache.shape[2]
-    max_ctx = int(context_lens.max())
-    n_blocks = -(-max_ctx // block_size)
-    # -1 padding of shorter tables -> block 0: read, then masked away
-    blocks = block_tables[:, :n_blocks].long().clamp_min(0)  # [B, nb]
-    k = k_cache[blocks].flatten(1, 2)[:, :max_ctx]  # [B, L, KV, D]
-    v = v_cache[blocks].flatten(1, 2)[:, :max_ctx]
-    valid = torch.arange(max_ctx, device=q.device) < context_lens.unsqueeze(1)  # [B, L]
+    KV = k_cache.shape[2]
+    blocks, max_ctx, valid = index or decode_ref_index(block_tables, context_lens, k_cache.shape[1])
+    if isinstance(blocks, slice):  # one sequence, consecutive blocks: a view
+        k = k_cache[blocks].flatten(0, 1)[None, :max_ctx]  # [1, L, KV, D]
+        v = v_cache[blocks].flatten(0, 1)[None, :max_ctx]
+    else:
+        k = k_cache[blocks].flatten(1, 2)[:, :max_ctx]  # [B, L, KV, D]
+        v = v_cache[blocks].flatten(1, 2)[:, :max_ctx]
     # GQA without repeating K/V: head h reads kv head h // G, so the G query heads of a
     # kv head ride as G query rows of that head: q [B, KV, G, D] against k [B, KV, L, D]
     o = F.scaled_dot_product_attention(
         q.reshape(B, KV, H // KV, D), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=valid[:, None, None, :], scale=scale,
+        attn_mask=valid, scale=scale,
     )  # [B, KV, G, D]
     return o.reshape(B, H, D)
 
