@@ -140,19 +140,23 @@ def test_gpu_graphs_survive_swap_and_match_peft(tmp_path):
         ref_outs = eager.generate(ps, params, [name, None, name])
         assert graphs.replays[(4, True)] == before + 5 and graphs.num_captures == captures
         for p, out, ref, who in zip(ps, outs, ref_outs, [name, None, name]):
-            lps = [lp["logprob"] for lp in out.logprobs]
-            # graph replay vs our eager path: same dtype, same kernels up to the padding
-            eager_lp = torch.full((6, 256), -1e9)  # the eager run's top-3 logprobs
-            for i, lp in enumerate(ref.logprobs):
-                for tok, val in lp["top"]:
-                    eager_lp[i, tok] = val
-            assert_greedy_close(out.token_ids, lps, ref.token_ids, eager_lp, 0.05, "eager")
-            # against transformers + PEFT in fp32 on the GPU: bf16 tolerance
-            model = (base if who is None else peft[who]).cuda()
-            hf_tokens, hf_lp = hf_greedy(model, p, 6)
-            compared += assert_greedy_close(out.token_ids, lps, hf_tokens, hf_lp.cpu(), 0.15,
-                                            f"peft {who}")
+            compared += compare_to_eager_and_peft(p, out, ref, base if who is None else peft[who],
+                                                  who)
     assert compared >= 12, "too few tokens compared before bf16 divergence"
+
+
+def compare_to_eager_and_peft(prompt, out, eager_out, model, who) -> int:
+    """A graph run's output against our eager path (same dtype and kernels up to the
+    padding: tight) and against transformers + PEFT in fp32 (bf16 tolerance); returns
+    the tokens compared with PEFT before a permitted divergence."""
+    lps = [lp["logprob"] for lp in out.logprobs]
+    eager_lp = torch.full((len(lps), 256), -1e9)  # the eager run's top logprobs
+    for i, lp in enumerate(eager_out.logprobs):
+        for tok, val in lp["top"]:
+            eager_lp[i, tok] = val
+    assert_greedy_close(out.token_ids, lps, eager_out.token_ids, eager_lp, 0.05, "eager")
+    hf_tokens, hf_lp = hf_greedy(model.cuda(), prompt, len(lps))
+    return assert_greedy_close(out.token_ids, lps, hf_tokens, hf_lp.cpu(), 0.15, f"peft {who}")
 
 
 @pytest.mark.gpu
@@ -180,16 +184,6 @@ def test_gpu_mixed_step_graphs_match_peft(tmp_path):
     ref_outs = eager.generate(ps, params, names)
     graphs = llm.engine.runner.graphs
     assert sum(n for key, n in graphs.replays.items() if key[0] == "mixed") >= 3
-    compared = 0
-    for p, out, ref, who in zip(ps, outs, ref_outs, names):
-        lps = [lp["logprob"] for lp in out.logprobs]
-        eager_lp = torch.full((6, 256), -1e9)
-        for i, lp in enumerate(ref.logprobs):
-            for tok, val in lp["top"]:
-                eager_lp[i, tok] = val
-        assert_greedy_close(out.token_ids, lps, ref.token_ids, eager_lp, 0.05, "eager")
-        model = (base if who is None else peft[who]).cuda()
-        hf_tokens, hf_lp = hf_greedy(model, p, 6)
-        compared += assert_greedy_close(out.token_ids, lps, hf_tokens, hf_lp.cpu(), 0.15,
-                                        f"peft {who}")
+    compared = sum(compare_to_eager_and_peft(p, out, ref, base if who is None else peft[who], who)
+                   for p, out, ref, who in zip(ps, outs, ref_outs, names))
     assert compared >= 12, "too few tokens compared before bf16 divergence"

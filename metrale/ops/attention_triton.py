@@ -100,13 +100,18 @@ def _decode_kernel(
 
 
 def _merge_kernel(
-    ml_ptr, acc_ptr, o_ptr, num_splits, o_st, o_sh,
-    D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    ml_ptr, acc_ptr, o_ptr, pos_ptr, num_splits, o_st, o_sh,
+    D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
+    """Row (b, h) of the output from its splits' partials. VARLEN (rows are tokens): only
+    the splits a query at its position saw; the programs of later ones exited unwritten."""
     b, h = tl.program_id(0), tl.program_id(1)
     base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
     s = tl.arange(0, S_PAD)
     s_ok = s < num_splits
+    if VARLEN:
+        s_ok = s_ok & (s < tl.cdiv(tl.load(pos_ptr + b).to(tl.int32) + 1, SPLIT_KEYS))
     m = tl.load(ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))  # [S_PAD]
     l = tl.load(ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
     d = tl.arange(0, D_PAD)
@@ -118,31 +123,6 @@ def _merge_kernel(
     total = tl.sum(w * l, 0)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)  # [D_PAD]
     tl.store(o_ptr + b.to(tl.int64) * o_st + h * o_sh + d, out.to(o_ptr.dtype.element_ty),
-             mask=d < D)
-
-
-def _merge_varlen_kernel(
-    ml_ptr, acc_ptr, o_ptr, pos_ptr, num_splits, o_st, o_sh,
-    D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-):
-    """As _merge_kernel, over the splits a query at its position saw: the programs of
-    later splits exited without writing."""
-    t, h = tl.program_id(0), tl.program_id(1)
-    base = (t.to(tl.int64) * tl.num_programs(1) + h) * num_splits
-    seen = tl.cdiv(tl.load(pos_ptr + t).to(tl.int32) + 1, SPLIT_KEYS)
-    s = tl.arange(0, S_PAD)
-    s_ok = (s < num_splits) & (s < seen)
-    m = tl.load(ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))  # [S_PAD]
-    l = tl.load(ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
-    d = tl.arange(0, D_PAD)
-    acc = tl.load(acc_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=s_ok[:, None],
-                  other=0.0)  # [S_PAD, D_PAD]
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
-    total = tl.sum(w * l, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)  # [D_PAD]
-    tl.store(o_ptr + t.to(tl.int64) * o_st + h * o_sh + d, out.to(o_ptr.dtype.element_ty),
              mask=d < D)
 
 
@@ -284,8 +264,9 @@ def paged_decode(
     )
     if S > 1:
         merge = jit_kernel(_merge_kernel, q.device)
-        merge[(B, H)](ml, acc, out, S, out.stride(0), out.stride(1),
-                      D=D, D_PAD=D_PAD, S_PAD=max(2, next_pow2(S)), num_warps=2)
+        merge[(B, H)](ml, acc, out, ml, S, out.stride(0), out.stride(1),  # no positions
+                      D=D, D_PAD=D_PAD, S_PAD=max(2, next_pow2(S)), SPLIT_KEYS=1,
+                      VARLEN=False, num_warps=2)
     return out
 
 
@@ -373,8 +354,8 @@ def paged_prefill(
             positions = torch.tensor([c - (b - a) + j for a, b, c in zip(cu, cu[1:], ctx)
                                       for j in range(b - a)] + [0] * (T - cu[-1]),
                                      dtype=torch.int64, device=q.device)
-        merge = jit_kernel(_merge_varlen_kernel, q.device)
+        merge = jit_kernel(_merge_kernel, q.device)
         merge[(T, H)](ml, acc, out, positions, S, out.stride(0), out.stride(1),
                       D=D, D_PAD=D_PAD, S_PAD=max(2, next_pow2(S)), SPLIT_KEYS=split_keys,
-                      num_warps=2)
+                      VARLEN=True, num_warps=2)
     return out
