@@ -20,7 +20,9 @@ from tests.helpers.server import Reference, ServerProcess, make_world, sse_event
 
 ADMIN = "admin-key"
 PROMPT = "tell me about the sea"
-LONG = 900  # tokens: a stream that outlasts the admin calls and the 1 s promotion wait
+# tokens: a stream that outlasts the admin calls and the 1 s promotion wait. 900 did not
+# on an idle box (the tiny model makes ~1000 tokens a second there); this is 16x that.
+LONG = 16000
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,8 @@ def world(tmp_path_factory):
 def server(world, tmp_path_factory):
     srv = ServerProcess(
         ["--model", str(world["model"]), "--adapter-root", str(world["adapters"]),
-         "--max-loras", "2", "--max-lora-rank", "8", "--max-model-len", "1024",
+         "--max-loras", "2", "--max-lora-rank", "8", "--max-model-len", "16400",
+         "--max-tokens-limit", "16384",
          "--admin-key", ADMIN, "--promotion-timeout", "1"],
         tmp_path_factory.mktemp("admin-log") / "server.log")
     try:

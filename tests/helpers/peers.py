@@ -100,24 +100,34 @@ def start_store(*extra: str, adapters: Path | None = None, model: Path | None = 
 
 
 def wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float) -> str:
-    end, seen = time.monotonic() + timeout_s, []
+    """The first output line of proc containing marker. Reads the pipe unbuffered: a
+    buffered readline may take several lines at once, and select() then waits on an
+    empty pipe for a line that is already in the buffer."""
+    fd = proc.stdout.fileno()
+    end, pending, seen = time.monotonic() + timeout_s, b"", []
     while time.monotonic() < end:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, end - time.monotonic()))
+        ready, _, _ = select.select([fd], [], [], max(0.0, end - time.monotonic()))
         if not ready:
             break
-        line = proc.stdout.readline().decode(errors="replace")
-        if not line:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
             break
-        seen.append(line)
-        if marker in line:
-            threading.Thread(target=_drain, args=(proc,), daemon=True).start()
-            return line.strip()
+        *lines, pending = (pending + chunk).split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            seen.append(line + "\n")
+            if marker in line:
+                threading.Thread(target=_drain, args=(fd,), daemon=True).start()
+                return line.strip()
     stop(proc)
     raise AssertionError(f"no {marker!r} from {proc.args}:\n{''.join(seen)[-3000:]}")
 
 
-def _drain(proc: subprocess.Popen) -> None:
-    for _ in iter(proc.stdout.readline, b""):  # keep the pipe from filling up
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 1 << 16):  # keep the pipe from filling up
+            pass
+    except OSError:  # the pipe was closed under us: nothing left to drain
         pass
 
 
