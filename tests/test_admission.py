@@ -10,6 +10,7 @@ from metrale.config import EngineConfig, SchedulerConfig
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.scheduler import Scheduler
 from metrale.engine.sequence import Sequence
+from tests.helpers.engine import run_until_done
 from tests.helpers.reference import check, hf_greedy, prompts
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
@@ -88,3 +89,53 @@ def test_a_landing_never_takes_a_slot_a_queued_request_holds(tmp_path):
     assert [(e.name, e.slot, e.evicted) for e in landings] == [("c", 1, "b")]  # not a's slot
     check(outs[queued], *hf_greedy(peft["a"], ps[1]))
     check(outs[late], *hf_greedy(peft["c"], ps[2]))
+
+
+def test_a_drained_slot_comes_back_only_for_its_own_version(tmp_path):
+    """A slot drained for a waiting adapter is reattached by the next request for its
+    adapter, but never once that name has a newer version: then the old bytes in the
+    drained slot must not serve it, even with the newer version evicted meanwhile."""
+    base = make_model("llama", seed=4)
+    save_model(base, tmp_path / "model")
+    peft = {n: make_adapter(base, tmp_path / n, seed=70 + i, r=4, lora_alpha=8,
+                            target_modules="all-linear") for i, n in enumerate(["a", "a2", "b", "c", "d"])}
+    llm = LLM(tmp_path / "model", max_loras=3, max_lora_rank=8, block_size=4, max_model_len=128,
+              num_kv_blocks=128, max_num_seqs=8, async_promotions=False)
+    engine = llm.engine
+    for n in "abcd":
+        engine.register_adapter(n, tmp_path / n)
+    for slot, n in enumerate("abd"):
+        engine.swap_lora_slot_from_disk(tmp_path / n, n, slot)
+    engine.pin_adapter("d")
+    ps = prompts(41, 4)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    engine.add_request(ps[0], greedy, "a", request_id="ra")  # least work left: drained first
+    engine.add_request(ps[1], long, "b", request_id="rb")
+    engine.step()
+    engine.add_request(ps[2], greedy, "c", request_id="rc")  # no free slot: a's is drained
+    engine.step()
+    assert engine.adapters.num_drains == 1 and engine.lora.table.slot_of("a") is None
+    engine.add_request(ps[3], greedy, "a", request_id="ra_again")  # undoes the drain
+    assert engine.adapters.num_reattached == 1 and engine.lora.table.slot_of("a") == 0
+    outs = run_until_done(engine)  # ra, ra_again finish on slot 0; c lands once a slot is free
+    check(outs["ra_again"], *hf_greedy(peft["a"], ps[3]))
+    check(outs["rc"], *hf_greedy(peft["c"], ps[2]))
+
+    # again, but the name moves on to a new version before anyone asks for it
+    engine.add_request(ps[0], greedy, "a", request_id="ra2")
+    engine.add_request(ps[1], long, "b", request_id="rb2")
+    engine.step()
+    engine.add_request(ps[2], greedy, "c", request_id="rc2")
+    engine.step()
+    drained_slot = next(i.slot for i in engine.slot_info() if i.name is None and i.ref_count)
+    engine.pin_adapter("d", False)
+    free = engine.lora.table.slot_of("d")
+    engine.swap_lora_slot_from_disk(tmp_path / "a2", "a", free)  # a's new version, elsewhere
+    engine.step()  # c's landing takes that idle slot: a's new version is evicted
+    assert engine.lora.table.slot_of("a") is None
+    assert engine.slot_info()[drained_slot].name is None  # the old bytes are still there
+    engine.add_request(ps[3], greedy, "a", request_id="ra2_again")
+    assert engine.lora.table.slot_of("a") != drained_slot
+    outs = run_until_done(engine)
+    check(outs["ra2_again"], *hf_greedy(peft["a2"], ps[3]))

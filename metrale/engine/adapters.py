@@ -90,7 +90,8 @@ class AdapterManager:
         self.num_promotions = 0
         self.num_drains = 0  # busy slots detached so that a landing can take them
         self.num_reattached = 0  # drains undone: a request for that adapter came first
-        self._drained: dict[str, tuple[int, int]] = {}  # name -> (slot, uid) being drained
+        # name -> (slot, landing uid, version) of a slot being drained, for reattach
+        self._drained: dict[str, tuple[int, int, AdapterVersion | None]] = {}
         # slot -> work left on it (tokens its requests may still compute); the engine sets it
         self.remaining_work: Callable[[], dict[int, int]] = dict
         # requests whose adapter was resident on arrival vs those that waited for a landing
@@ -125,7 +126,9 @@ class AdapterManager:
             return
         self.registry.current(seq.adapter)
         drained = self._drained.pop(seq.adapter, None)
-        if drained is not None and self.slots.table.reattach(seq.adapter, *drained):
+        # only the version still current may come back (a reload or a swap since made a new one)
+        if drained is not None and drained[2] is not None and self.registry.is_current(drained[2]) \
+                and self.slots.table.reattach(seq.adapter, drained[0], drained[1]):
             self.num_reattached += 1
         if self.slots.table.slot_of(seq.adapter) is not None:
             seq.slot, seq.adapter_uid = self.slots.table.acquire(seq.adapter)
@@ -293,8 +296,9 @@ class AdapterManager:
             name = table.drain_candidate(work)
             if name is None:
                 return
+            version = self.registry.get(name)  # what a slot named `name` holds
             slot = table.detach(name)
-            self._drained[name] = (slot, table.info(slot).uid)
+            self._drained[name] = (slot, table.info(slot).uid, version)
             self.num_drains += 1
 
     def _guarded(self, advance) -> list[Sequence]:

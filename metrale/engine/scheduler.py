@@ -65,7 +65,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, cfg: EngineConfig, blocks: BlockManager) -> None:
         self.cfg, self.blocks = cfg, blocks
-        self.policy = cfg.scheduler
+        self.sched = cfg.scheduler
         self.max_chunk = cfg.scheduler.max_prefill_chunk or cfg.max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -78,7 +78,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        if self.policy.policy == "legacy":
+        if self.sched.policy == "legacy":
             return self._schedule_legacy()
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.cfg.max_num_batched_tokens)
@@ -137,7 +137,7 @@ class Scheduler:
         """Runnable waiting requests: the overdue in arrival order, then the others
         round-robin across adapters (each adapter's in arrival order, adapters in order
         of their oldest request)."""
-        bound_limit = self.policy.max_admission_wait_s
+        bound_limit = self.sched.max_admission_wait_s
         runnable = [s for s in self.waiting if s.bound]
         yield from (s for s in runnable if now - s.arrival > bound_limit)
         queues: OrderedDict[str | None, deque[Sequence]] = OrderedDict()
