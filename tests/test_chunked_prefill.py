@@ -10,6 +10,7 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.config import SchedulerConfig
+from tests.helpers.engine import step_until
 from tests.helpers.reference import check, hf_greedy, prompts
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
@@ -34,8 +35,9 @@ def _llm(root, chunk: int) -> LLM:
     llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
               num_kv_blocks=256, max_num_seqs=6, max_num_batched_tokens=64,
               scheduler=SchedulerConfig(max_prefill_chunk=chunk))
-    for name in "ab":
+    for slot, name in enumerate("ab"):  # resident from the start: no landing timing in play
         llm.register_adapter(name, root / name)
+        llm.engine.swap_lora_slot_from_disk(root / name, name, slot)
     return llm
 
 
@@ -83,9 +85,9 @@ def test_a_long_prompt_never_stalls_running_decodes(setup):
     llm = _llm(root, 4)
     short = prompts(23, 2)
     ids = [llm.engine.add_request(p, GREEDY, a) for p, a in zip(short, ["a", None])]
-    while not all(llm.engine.requests[i].output_ids for i in ids):
-        llm.engine.step()
-    left = [GREEDY.max_tokens - len(llm.engine.requests[i].output_ids) for i in ids]
+    seqs = [llm.engine.requests[i] for i in ids]
+    step_until(llm.engine, lambda: all(s.output_ids for s in seqs))
+    left = [GREEDY.max_tokens - len(s.output_ids) for s in seqs]
     steps = _record_steps(llm)
     rng = random.Random(24)
     long_prompt = [rng.randrange(1, 250) for _ in range(48)]  # 12 chunks of 4
