@@ -99,3 +99,14 @@ def test_a_long_prompt_never_stalls_running_decodes(setup):
     for i, (num_new, samples) in enumerate(steps[:11]):
         decodes = sum(1 for k in left if i < k)
         assert sorted(zip(num_new, samples)) == [(1, True)] * decodes + [(4, False)]
+
+
+def test_a_sequence_hands_out_any_span_of_its_tokens():
+    """Sequence.tokens(start, end) is token_ids[start:end] across the prompt/output seam."""
+    from metrale.engine.sequence import Sequence
+
+    seq = Sequence("r", [1, 2, 3, 4], SamplingParams(), None)
+    seq.output_ids = [5, 6, 7]
+    for start in range(8):
+        for end in range(start, 8):
+            assert seq.tokens(start, end) == seq.token_ids[start:end], (start, end)

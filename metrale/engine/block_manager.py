@@ -114,7 +114,8 @@ class BlockManager:
             prev = seq.block_keys[i - 1] if i > 0 else b""
             if prev is not None and seq.block_keys[i] is None:
                 # published once the step that computes the newest token's KV has run
-                seq.block_keys[i] = block_key(prev, seq.adapter_uid, seq.token_ids[i * self.block_size:])
+                start = i * self.block_size
+                seq.block_keys[i] = block_key(prev, seq.adapter_uid, seq.tokens(start, len(seq)))
 
     def reset_prefix_cache(self) -> int:
         """Forget the contents of every cached block no sequence holds; returns how many.

@@ -234,11 +234,7 @@ class StepGraphs:
         ids, positions, slot_mapping, slot_ids, cu, ctx, last = [], [], [], [], [0], [], []
         for i, (seq, n, sampled) in enumerate(zip(batch.seqs, batch.num_new, batch.samples)):
             start, bt = seq.num_computed, seq.block_table
-            if n == 1:  # a decode row: its newest token
-                ids.append(seq.output_ids[-1] if seq.output_ids and start == len(seq) - 1
-                           else seq.token_ids[start])
-            else:
-                ids += seq.token_ids[start:start + n]
+            ids += seq.tokens(start, start + n)
             span = range(start, start + n)
             positions += span
             slot_mapping += [bt[p // bs] * bs + p % bs for p in span]

@@ -84,7 +84,7 @@ class ModelRunner:
         bs = self.cfg.block_size
         for seq, n in zip(batch.seqs, batch.num_new):
             start, end = seq.num_computed, seq.num_computed + n
-            ids += seq.token_ids[start:end]
+            ids += seq.tokens(start, end)
             table = seq.block_table
             for pos in range(start, end):
                 positions.append(pos)

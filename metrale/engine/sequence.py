@@ -55,6 +55,16 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list: a step reads a few new
+        tokens of what may be a long sequence."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
+
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
