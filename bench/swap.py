@@ -5,19 +5,28 @@
 For one PEFT-saved r=16 all-linear adapter (bf16 file; and PEFT's default fp32 file):
 - h2d_floor_ms: a pinned host -> device copy of the file's data bytes (same run);
 - disk_warm_ms: swap_lora_slot_from_disk with the file in the page cache, host tier off
-  (parse + validate, parallel chunked reads overlapped with H2D, NaN check, one landing
+  (parse + validate, one DMA from the file's registered mapping, NaN check, one landing
   kernel, tables); disk_warm_cached_plan_ms: the same with the validated plan of these
-  unchanged files remembered (a re-promotion after a tier miss);
+  unchanged files remembered (a re-promotion after a tier miss); disk_first_ms: a file
+  never landed before (plan, and the mapping made and registered);
+  disk_pread_cached_plan_ms: the plan remembered, no mapping (parallel chunked preads
+  into pinned staging overlapped with H2D, as every landing did before mappings);
 - host_tier_ms: the same call when the host tier holds the adapter (one H2D of the slot
   image + table rows);
 - plan_ms: the config/header validation alone (part of disk_warm_ms);
-- peft_load_adapter_ms: PEFT `load_adapter` of the same directory (one repetition).
+- peft_load_adapter_ms: PEFT `load_adapter` of the same directory (one repetition);
+- breakdown_ms: the cached-plan disk landing phase by phase, the device synchronized
+  after each (so the phases add up to more than the pipelined whole): identity (config
+  and header digest), plan (cache hit), read (the H2D copy from the registered mapping),
+  check (one NaN/Inf pass), begin (slot zeroed), write (landing kernel), commit
+  (rank/scale tables); read_only: the file's parallel preads into pinned memory, no copy.
 Each time is wall clock until the device is idle again (synchronized), median of 5.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +43,10 @@ from bench.common import (
     table,
     timed,
 )
+from metrale.adapters.identity import adapter_identity
 from metrale.adapters.plan import plan_adapter
+from metrale.pool.staging import read_chunks
+from metrale.pool.swap import read_adapter_data
 
 
 def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
@@ -51,10 +63,21 @@ def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
             slots.clear_plan_cache()  # parse + validate the files again, as a first landing does
             swap(d)
 
+        def swap_first(d=d):
+            slots.mapped_files.clear()  # and map + register the file again
+            swap_fresh_plan(d)
+
+        def swap_pread(d=d):
+            capacity, slots.mapped_files.capacity = slots.mapped_files.capacity, 0
+            swap(d)
+            slots.mapped_files.capacity = capacity
+
         tier = slots.host_tier
         slots.host_tier = None  # disk path every time
-        disk = timed(swap_fresh_plan, device, reps=5, warmup=2)
+        first = timed(swap_first, device, reps=5, warmup=2)
+        disk = timed(swap_fresh_plan, device, reps=5, warmup=1)
         disk_cached = timed(swap, device, reps=5, warmup=1)
+        pread = timed(swap_pread, device, reps=5, warmup=1)
         slots.host_tier = tier
         row = {
             "adapter_bytes": plan.data_bytes,
@@ -63,6 +86,8 @@ def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
             "disk_warm_ms": median(disk),
             "disk_warm_min_ms": min(disk),
             "disk_warm_cached_plan_ms": median(disk_cached),
+            "disk_first_ms": median(first),
+            "disk_pread_cached_plan_ms": median(pread),
             "plan_ms": median(timed(lambda d=d: plan_adapter(d, "x", slots.model_config,
                                                              slots.pool_config), "cpu", reps=5)),
         }
@@ -81,8 +106,45 @@ def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
             sync(device)
             row["peft_load_adapter_ms"] = (time.perf_counter() - t0) * 1e3
             peft.delete_adapter(f"loadbench_{label}")
+        slots.host_tier = None
+        row["breakdown_ms"] = breakdown(slots, d, device, slot)  # last: it bypasses the engine
+        slots.host_tier = tier
         out[label] = row
     return out
+
+
+def breakdown(slots, d: Path, device: str, slot: int, reps: int = 5) -> dict:
+    """Median ms of each phase of a cached-plan disk landing, synchronized after each."""
+    phases: dict[str, list[float]] = {}
+
+    @contextlib.contextmanager
+    def phase(name):
+        sync(device)
+        t0 = time.perf_counter()
+        yield
+        sync(device)
+        phases.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+
+    slots.plan_from_disk(d, "breakdown")  # warm the plan cache
+    for _ in range(reps + 1):
+        with phase("identity"):
+            ident = adapter_identity(d)
+        with phase("plan"):
+            plan = slots.plan_from_disk(d, "breakdown", ident)
+        with phase("read"):
+            data = read_adapter_data(plan, slots.staging, slots.mapped_files, ident)
+        with phase("check"):
+            staged = slots.pool.stage(plan, data, slots.pool.recipe(plan))
+        with phase("begin"):
+            landing = slots.begin(slot)
+        with phase("write"):
+            landing.write_staged(staged)
+        with phase("commit"):
+            landing.commit("breakdown")
+        host = slots.staging.host(plan.data_bytes)
+        with phase("read_only"):
+            read_chunks(plan.source, plan.data_offset, host, None)
+    return {k: median(v[1:]) for k, v in phases.items()}
 
 
 def report(name: str, res: dict) -> str:
@@ -96,6 +158,9 @@ def report(name: str, res: dict) -> str:
                      "h2d_floor_ms": floor, "disk_warm_ms": r["disk_warm_ms"],
                      "disk/floor": r["disk_warm_ms"] / floor,
                      "disk_cached_plan_ms": r.get("disk_warm_cached_plan_ms", float("nan")),
+                     "cached/floor": r.get("disk_warm_cached_plan_ms", float("nan")) / floor,
+                     "first_ms": r.get("disk_first_ms", float("nan")),
+                     "pread_ms": r.get("disk_pread_cached_plan_ms", float("nan")),
                      "host_tier_ms": r.get("host_tier_ms", float("nan")),
                      "tier/slot_floor": r.get("host_tier_ms", float("nan")) / r["h2d_slot_floor_ms"],
                      "plan_ms": r["plan_ms"],

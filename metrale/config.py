@@ -177,6 +177,9 @@ class PoolConfig:
     # Pinned host memory for recently landed adapters as slot images (0 = no host tier);
     # a re-promotion from it is one H2D copy. Each entry takes one slot's bytes.
     host_tier_bytes: int = 0
+    # Adapter files kept mapped and registered with CUDA (pinned page cache), so landing
+    # one again is a single DMA from it; 0 = read the file at every landing. CUDA only.
+    mapped_file_bytes: int = 2 << 30
     # model-level targets (EXTRA_TARGETS) given pool memory; () = adapters needing them are refused
     extra_targets: tuple[str, ...] = ()
 
@@ -184,6 +187,8 @@ class PoolConfig:
         object.__setattr__(self, "extra_targets", check_extra_targets(self.extra_targets))
         if self.host_tier_bytes < 0:
             raise ConfigError(f"host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
+        if self.mapped_file_bytes < 0:
+            raise ConfigError(f"mapped_file_bytes must be >= 0, got {self.mapped_file_bytes}")
         if self.max_loras < 0:
             raise ConfigError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_lora_rank <= 0:

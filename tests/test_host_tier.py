@@ -73,30 +73,100 @@ def test_truncated_between_plan_and_read_is_refused(adapters, tmp_path, monkeypa
 
 @pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_landing_kernel_equals_per_tensor_copies(adapters, dtype):
-    from metrale.ops.landing_triton import base_of, land_views
+@pytest.mark.parametrize("how", ["views", "recipe"])
+def test_landing_kernel_equals_per_tensor_copies(adapters, dtype, how):
+    """The one-launch landing (from typed views, or from a plan's precomputed recipe)
+    writes what per-tensor copies write."""
+    from metrale.ops.landing_triton import base_of, land_rows, land_views
+    from metrale.pool.recipe import build_recipe
 
     slots = _slots(dtype, tier_slots=0)
     for name, slot in (("a", 0), ("b", 2)):
         slots.swap_lora_slot_from_disk(adapters / name, name, slot)  # per-tensor path on CPU
         plan = plan_adapter(adapters / name, name, slots.model_config, slots.pool_config)
         data = read_adapter_data(plan, staging.StagingBuffers(torch.device("cpu")))
-        views = slots.pool.stage_views(plan, data)
         pool, layout = slots.pool, slots.pool.layout
+        n = layout.slot_elems
         got = torch.full_like(pool.buffer, float("nan"))
-        got[slot * layout.slot_elems:(slot + 1) * layout.slot_elems] = 0  # a zeroed slot
-        items = []
-        for landing, view in zip(plan.landings, views):
-            t = landing.target
-            region = layout.region(t.layer, t.module, landing.kind)
-            items.append((view, slot * layout.slot_elems + region.offset, t.rank, region.cols,
-                          landing.kind == "B"))
-        land_views(got, base_of(views), items)
-        region = got[slot * layout.slot_elems:(slot + 1) * layout.slot_elems]
+        got[slot * n:(slot + 1) * n] = 0  # a zeroed slot
+        if how == "recipe":
+            recipe = build_recipe(plan, layout, torch.device("cpu"))
+            land_rows(got[slot * n:], data.view(recipe.dtype), recipe.desc, recipe.tiles)
+        else:
+            views = slots.pool.stage_views(plan, data)
+            items = []
+            for landing, view in zip(plan.landings, views):
+                t = landing.target
+                region = layout.region(t.layer, t.module, landing.kind)
+                items.append((view, slot * n + region.offset, t.rank, region.cols,
+                              landing.kind == "B"))
+            land_views(got, base_of(views), items)
+        assert got[:slot * n].isnan().all() and got[(slot + 1) * n:].isnan().all()
+        region = got[slot * n:(slot + 1) * n]
         if dtype == torch.float32:
             assert torch.equal(region, pool.slot_region(slot))
         else:  # the interpreter truncates fp32 -> bf16 (compiled code rounds: gpu test below)
             torch.testing.assert_close(region, pool.slot_region(slot), rtol=2 ** -7, atol=0)
+
+
+def test_recipe_tables_match_the_plan(adapters):
+    """A recipe's rank/scale/DoRA rows are the plan's, and it is refused (None) for
+    staged tensors of mixed dtypes."""
+    import dataclasses
+
+    from metrale.pool.recipe import build_recipe, table_rows
+
+    slots = _slots(torch.float32, tier_slots=0)
+    plan = plan_adapter(adapters / "a", "a", slots.model_config, slots.pool_config)
+    recipe = build_recipe(plan, slots.pool.layout, torch.device("cpu"))
+    for got, want in zip(recipe.tables, table_rows(plan, slots.pool.layout)):
+        assert torch.equal(got, want)
+    assert int((recipe.ranks > 0).sum()) == len(plan.targets)
+    first = plan.landings[0]
+    other = torch.float16 if first.entry.torch_dtype != torch.float16 else torch.float32
+    odd_entry = dataclasses.replace(first.entry, dtype={torch.float16: "F16", torch.float32: "F32"}[other])
+    odd = dataclasses.replace(plan, landings=(dataclasses.replace(first, entry=odd_entry),
+                                              *plan.landings[1:]))
+    assert build_recipe(odd, slots.pool.layout, torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mapped", [0, 1 << 30])
+def test_gpu_mapped_files_land_current_bytes(adapters, tmp_path, mapped):
+    """Landings through registered file mappings (and without) equal the CPU copies,
+    also after the file is replaced (a new inode: a new mapping) and after one is
+    evicted for room; a refused NaN file leaves the slot untouched either way."""
+    cfg = ModelConfig.from_hf_dict(hf_config("llama").to_dict())
+    size = (adapters / "a" / "adapter_model.safetensors").stat().st_size
+    pc = PoolConfig(max_loras=3, max_lora_rank=8, mapped_file_bytes=mapped and size + 16)
+    gpu, cpu = LoraSlots(cfg, pc, "cuda", torch.bfloat16), LoraSlots(cfg, pc, "cpu", torch.bfloat16)
+    shutil.copytree(adapters / "a", tmp_path / "x")
+    for source, slot in ((adapters / "a", 0), (tmp_path / "x", 1), (adapters / "a", 0)):
+        gpu.swap_lora_slot_from_disk(source, f"n{slot}", slot)
+        cpu.swap_lora_slot_from_disk(source, f"n{slot}", slot)
+    shutil.copytree(adapters / "c", tmp_path / "y")
+    os.replace(tmp_path / "y" / "adapter_model.safetensors",
+               tmp_path / "x" / "adapter_model.safetensors")
+    shutil.copy(tmp_path / "y" / "adapter_config.json", tmp_path / "x" / "adapter_config.json")
+    gpu.swap_lora_slot_from_disk(tmp_path / "x", "c", 2)
+    cpu.swap_lora_slot_from_disk(tmp_path / "x", "c", 2)
+    for t_gpu, t_cpu in ((gpu.pool.buffer, cpu.pool.buffer), (gpu.pool.ranks, cpu.pool.ranks),
+                         (gpu.pool.scales, cpu.pool.scales)):
+        assert torch.equal(t_gpu.cpu(), t_cpu)
+    files = gpu.mapped_files
+    assert len(files) == (1 if mapped else 0)  # room for one file: the others evicted
+    assert files.registrations == (4 if mapped else 0)
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters / "a", bad)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    first = next(iter(tensors))
+    tensors[first] = tensors[first].clone()
+    tensors[first].view(-1)[0] = float("nan")
+    save_file(tensors, bad / "adapter_model.safetensors", metadata={"format": "pt"})
+    before = gpu.pool.slot_region(0).clone()
+    with pytest.raises(errors.NonFiniteWeightsError):
+        gpu.swap_lora_slot_from_disk(bad, "bad", 0)
+    assert torch.equal(gpu.pool.slot_region(0), before) and gpu.table.info(0).name == "n0"
 
 
 @pytest.mark.gpu

@@ -4,13 +4,20 @@ The key digests the bytes that decide a landing plan (adapter_config.json and th
 safetensors header) and fingerprints the data section by its file's stat. The stat
 includes the inode and ctime: every rewrite changes one of them, also one that keeps the
 size and the mtime (`cp -p`, tar, `rsync -t`), since ctime cannot be set from user space.
-Reading the config and header costs one small read each, far below a landing.
+Files whose two stats are unchanged since an earlier call reuse its digest, so a landing
+of known files costs two fstats. Like git's "racily clean" index entries, a digest is
+remembered only for files last changed well before they were read: a rewrite within the
+same coarse timestamp tick (Linux stamps files at jiffy granularity) keeps every stat
+field, so files changed just before the read are read and digested again next time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,26 +34,49 @@ class AdapterIdentity:
     data_stat: tuple[int, ...]  # (dev, inode, size, mtime_ns, ctime_ns) of the weights file
 
 
+def file_stat(st: os.stat_result) -> tuple[int, ...]:
+    """What identifies a file's contents without reading them (see the module docstring)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# (directory, config stat, weights stat) -> identity: a landing of unchanged files then
+# costs two stats, not two reads and a digest (~0.6 ms on an 8B adapter's header)
+_known: OrderedDict[tuple, AdapterIdentity] = OrderedDict()
+_KNOWN_MAX = 1024
+_known_lock = threading.Lock()
+_SETTLED_NS = 200_000_000  # files changed less than this before their read: not remembered
+
+
 def adapter_identity(adapter_dir: str | Path) -> AdapterIdentity | None:
     """None when the files cannot be read or look unreasonable: the caller then takes the
     uncached path, which raises the planner's precise error."""
     d = Path(adapter_dir)
+    where = str(d.absolute())  # no resolve(): the inode already names the file
     try:
-        digest = hashlib.blake2b(digest_size=16)
-        with open(d / CONFIG_FILE, "rb") as f:
-            config = f.read(_MAX_KEYED_BYTES + 1)
-        with open(d / WEIGHTS_FILE, "rb") as f:
-            st = os.fstat(f.fileno())
-            head = f.read(8)
+        stats = (file_stat(os.stat(d / CONFIG_FILE)), file_stat(os.stat(d / WEIGHTS_FILE)))
+        with _known_lock:
+            known = _known.get((where, *stats))
+        if known is not None:
+            return known
+        read_at = time.time_ns()
+        with open(d / CONFIG_FILE, "rb") as cf, open(d / WEIGHTS_FILE, "rb") as wf:
+            opened = (file_stat(os.fstat(cf.fileno())), file_stat(os.fstat(wf.fileno())))
+            config = cf.read(_MAX_KEYED_BYTES + 1)
+            head = wf.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             if not 0 <= n <= _MAX_KEYED_BYTES or len(config) > _MAX_KEYED_BYTES:
                 return None
-            header = f.read(n)
-        where = str(d.absolute())  # no resolve(): the inode already names the file
+            header = wf.read(n)
     except OSError:
         return None
+    digest = hashlib.blake2b(digest_size=16)
     for part in (config, head, header):
         digest.update(len(part).to_bytes(8, "little"))
         digest.update(part)
-    stat = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    return AdapterIdentity(where, digest.hexdigest(), stat)
+    identity = AdapterIdentity(where, digest.hexdigest(), opened[1])
+    if opened == stats and all(read_at - max(st[3], st[4]) > _SETTLED_NS for st in stats):
+        with _known_lock:
+            _known[(where, *stats)] = identity
+            while len(_known) > _KNOWN_MAX:
+                _known.popitem(last=False)
+    return identity

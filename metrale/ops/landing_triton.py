@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.ops.triton_utils import jit_kernel, require_triton, tl, triton
+from metrale.ops.triton_utils import jit_kernel, require_triton, tl
 
 BLOCK = 2048  # destination elements per program
 
@@ -55,15 +55,29 @@ def land_views(dst: torch.Tensor, src_base: torch.Tensor,
     """dst: the 1-D pool buffer; src_base: base_of(the views).
     items: (view, dst element offset, rows, cols, transpose) with view [rows, cols], or
     [cols, rows] when transpose (B -> Bt)."""
-    require_triton()
-    if not items:
-        return
     size = src_base.element_size()
-    rows = []
-    for view, dst_off, r, c, transpose in items:
-        src_off = (view.data_ptr() - src_base.data_ptr()) // size
-        rows.append((src_off, r, c, 1 if transpose else c, r if transpose else 1, dst_off))
-    desc = torch.tensor(rows, dtype=torch.int64).to(dst.device, non_blocking=True)  # [N, 6]
-    tiles = triton.cdiv(max(r * c for _, r, c, _, _, _ in rows), BLOCK)
+    rows = [landing_row((view.data_ptr() - src_base.data_ptr()) // size, dst_off, r, c, t)
+            for view, dst_off, r, c, t in items]
+    if rows:
+        land_rows(dst, src_base, torch.tensor(rows, dtype=torch.int64).to(dst.device, non_blocking=True),
+                  max_tiles(rows))
+
+
+def landing_row(src_off: int, dst_off: int, rows: int, cols: int,
+                transpose: bool) -> tuple[int, int, int, int, int, int]:
+    """The descriptor row of one tensor (elements): at src_off, [rows, cols], or
+    [cols, rows] when transpose (B -> Bt), landing at dst_off as [rows, cols]."""
+    return (src_off, rows, cols, 1 if transpose else cols, rows if transpose else 1, dst_off)
+
+
+def max_tiles(rows: list[tuple[int, ...]]) -> int:
+    """Programs per tensor: enough for the largest one."""
+    return -(-max(r[1] * r[2] for r in rows) // BLOCK)
+
+
+def land_rows(dst: torch.Tensor, src: torch.Tensor, desc: torch.Tensor, tiles: int) -> None:
+    """One launch: every descriptor row of desc ([N, 6] int64 on dst's device) from the
+    1-D src into the 1-D dst (offsets are elements of each)."""
+    require_triton()
     kernel = jit_kernel(_land_kernel, dst.device)
-    kernel[(len(rows), tiles)](src_base, dst, desc, BLOCK=BLOCK, num_warps=4)
+    kernel[(desc.shape[0], tiles)](src, dst, desc, BLOCK=BLOCK, num_warps=4)

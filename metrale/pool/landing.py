@@ -19,7 +19,8 @@ import torch
 from metrale.adapters.plan import AdapterPlan
 from metrale.errors import LandingError, NonFiniteWeightsError
 from metrale.pool.host_tier import TierEntry
-from metrale.pool.pool import AdapterPool, ByteRange
+from metrale.pool.pool import AdapterPool, ByteRange, StagedAdapter
+from metrale.pool.recipe import table_rows
 from metrale.pool.slots import SlotTable
 
 log = logging.getLogger("metrale.pool")
@@ -37,7 +38,8 @@ class Landing:
                  write_image: Callable[[TierEntry, int], None]) -> None:
         self._table, self._pool, self.slot = table, pool, slot
         self._write_image = write_image
-        self._tables: AdapterPlan | None = None  # rank/scale rows still to write at commit
+        # host (ranks, scales, doras) rows still to write at commit
+        self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._open = True
         self.start = time.perf_counter()
 
@@ -51,9 +53,16 @@ class Landing:
         """Staged, checked tensors (on the pool's device) into the slot. The rank/scale
         rows wait for commit: their copy from host memory would block on the stream."""
         self._pool.land(self.slot, plan, views, tables=False)
-        self._tables = plan
+        self._tables = table_rows(plan, self._pool.layout)
         if any(v.dtype != self._pool.layout.dtype for v in views):
             self.check_written(plan)  # finite in the file's dtype, maybe not in the pool's
+
+    def write_staged(self, staged: StagedAdapter) -> None:
+        """A staged, checked adapter into the slot (one kernel when it has a recipe)."""
+        self._pool.land_staged(self.slot, staged)
+        self._tables = self._pool.tables_of(staged)
+        if staged.dtype != self._pool.layout.dtype:
+            self.check_written(staged.plan)  # finite in the file's dtype, maybe not in the pool's
 
     def write_image(self, entry: TierEntry) -> None:
         """A host-tier slot image (bytes and table rows) in one copy."""
@@ -63,7 +72,7 @@ class Landing:
     def byte_ranges(self, plan: AdapterPlan) -> list[ByteRange]:
         """Where each of the plan's tensors goes inside this slot, for a transport that
         writes raw bytes (NIXL); call check_written afterwards."""
-        self._tables = plan
+        self._tables = table_rows(plan, self._pool.layout)
         return self._pool.slot_byte_ranges(self.slot, plan)
 
     def check_written(self, plan: AdapterPlan) -> None:
@@ -81,7 +90,7 @@ class Landing:
         self._close()
         try:
             if self._tables is not None:
-                self._pool.set_tables(self.slot, self._tables)
+                self._pool.write_tables(self.slot, *self._tables)
         except BaseException as e:
             raise self._failed(e) from e
         uid = self._table.finish_load(self.slot, name)

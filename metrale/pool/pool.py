@@ -14,6 +14,7 @@ W + sBA is never whole) into the float32 `gains` buffer, and the `doras` table f
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,8 +22,9 @@ import torch
 
 from metrale.adapters.plan import AdapterPlan
 from metrale.errors import NonFiniteWeightsError
-from metrale.ops.landing_triton import base_of, land_views
+from metrale.ops.landing_triton import base_of, land_rows, land_views
 from metrale.pool.layout import SlotLayout
+from metrale.pool.recipe import LandingRecipe, build_recipe, table_rows
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,23 @@ class ByteRange:
 
 # Output rows of W + s B A materialised at a time by compute_gains (x in features each).
 GAIN_CHUNK_ELEMS = 1 << 22
+# Plans whose landing recipes are kept (one per adapter file version landing repeatedly).
+_RECIPES = 256
+
+
+@dataclass(frozen=True)
+class StagedAdapter:
+    """An adapter's bytes on the pool's device, checked finite, ready for any slot:
+    landed by its recipe in one kernel, or (no recipe) as typed views one by one."""
+
+    plan: AdapterPlan
+    data: torch.Tensor  # [plan.staged_bytes] uint8
+    recipe: LandingRecipe | None
+    views: list[torch.Tensor]  # only without a recipe
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.recipe.dtype if self.recipe is not None else self.views[0].dtype
 
 
 class AdapterPool:
@@ -56,6 +75,9 @@ class AdapterPool:
         self.gains = torch.ones(S, layout.gain_elems, dtype=torch.float32, device=self.device)
         self._views = {key: self._view(r) for key, r in layout.regions.items()}
         self._fused: dict = {}
+        self._recipes: dict[int, LandingRecipe | None] = {}  # id(plan) -> recipe, oldest first
+        self._recipe_plans: dict[int, AdapterPlan] = {}  # keeps each id's plan alive
+        self._recipes_lock = threading.Lock()
 
     def _view(self, region) -> torch.Tensor:
         S = self.layout.max_loras
@@ -122,6 +144,49 @@ class AdapterPool:
         return bool(self.slot_region(slot).isfinite().all())
 
     # --- landing ----------------------------------------------------------------
+
+    def recipe(self, plan: AdapterPlan) -> LandingRecipe | None:
+        """The plan's landing recipe for this pool, built at its first landing (CUDA only:
+        elsewhere tensors land one by one). Promotion workers call it too."""
+        if not self.buffer.is_cuda or not plan.landings:
+            return None
+        key = id(plan)
+        with self._recipes_lock:
+            if self._recipe_plans.get(key) is plan:
+                return self._recipes[key]
+        recipe = build_recipe(plan, self.layout, self.device)
+        with self._recipes_lock:
+            while len(self._recipes) >= _RECIPES:
+                old = next(iter(self._recipes))
+                del self._recipes[old], self._recipe_plans[old]
+            self._recipes[key], self._recipe_plans[key] = recipe, plan
+        return recipe
+
+    def stage(self, plan: AdapterPlan, data: torch.Tensor,
+              recipe: LandingRecipe | None = None) -> StagedAdapter:
+        """Check staged bytes ([plan.staged_bytes] uint8 on the device): with a recipe,
+        one NaN/Inf pass over them all; else typed views, checked. Raises
+        NonFiniteWeightsError (naming a tensor) before anything is written."""
+        if recipe is not None:
+            if bool(data[:plan.staged_bytes].view(recipe.dtype).isfinite().all()):
+                return StagedAdapter(plan, data, recipe, [])
+        return StagedAdapter(plan, data, None, self.stage_views(plan, data))
+
+    def land_staged(self, slot: int, staged: StagedAdapter) -> None:
+        """Write a staged adapter into a zeroed slot (tables are the caller's: tables_of)."""
+        recipe = staged.recipe
+        if recipe is None:
+            self.land(slot, staged.plan, staged.views, tables=False)
+            return
+        n = self.layout.slot_elems
+        land_rows(self.buffer[slot * n:], staged.data.view(recipe.dtype), recipe.desc,
+                  recipe.tiles)
+
+    def tables_of(self, staged: StagedAdapter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host (ranks, scales, doras) rows [L, M] of a slot holding the staged adapter."""
+        if staged.recipe is not None:
+            return staged.recipe.tables
+        return table_rows(staged.plan, self.layout)
 
     def stage_views(self, plan: AdapterPlan, data: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of each planned tensor inside the staged data bytes.
@@ -195,25 +260,16 @@ class AdapterPool:
 
     def set_tables(self, slot: int, plan: AdapterPlan) -> None:
         """The rank/scale/DoRA rows of a landed plan, then (DoRA) its gains."""
-        ranks = torch.zeros(self.ranks[slot].shape, dtype=torch.int32)  # [L, M]
-        scales = torch.zeros(self.scales[slot].shape, dtype=torch.float32)
-        doras = torch.zeros(self.doras[slot].shape, dtype=torch.int32)
-        if plan.targets:  # one indexed write each, not one per module (448 on an 8B)
-            rows = [(t.layer, self.layout.module_index(t.module), t.rank, t.scale)
-                    for t in plan.targets]
-            layer, module, rank, scale = (list(c) for c in zip(*rows))
-            ranks[layer, module] = torch.tensor(rank, dtype=torch.int32)
-            scales[layer, module] = torch.tensor(scale, dtype=torch.float32)
-            doras[layer, module] = int(plan.dora)
-        self.write_tables(slot, ranks, scales, doras)
+        self.write_tables(slot, *table_rows(plan, self.layout))
 
     def write_tables(self, slot: int, ranks: torch.Tensor, scales: torch.Tensor,
                      doras: torch.Tensor) -> None:
         """Host rows [L, M] into the slot's tables; DoRA cells get their gains computed
         from the slot's bytes (so call it after the bytes landed)."""
-        self.ranks[slot].copy_(ranks)
-        self.scales[slot].copy_(scales)
-        self.doras[slot].copy_(doras)
+        pinned = ranks.is_pinned()  # then no host sync: the rows are never rewritten
+        self.ranks[slot].copy_(ranks, non_blocking=pinned)
+        self.scales[slot].copy_(scales, non_blocking=pinned)
+        self.doras[slot].copy_(doras, non_blocking=pinned)
         self.gains[slot].fill_(1.0)
         cells = doras.nonzero().tolist()  # host tensor: no device sync
         if cells and self.base_weights is not None:

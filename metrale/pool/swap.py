@@ -35,6 +35,7 @@ from metrale.errors import (
 from metrale.pool.host_tier import HostTier
 from metrale.pool.landing import Landing, LandingResult
 from metrale.pool.layout import SlotLayout
+from metrale.pool.mapped_files import MappedFiles
 from metrale.pool.pool import AdapterPool
 from metrale.pool.slots import SlotInfo, SlotTable
 from metrale.pool.staging import ShortReadError, StagingBuffers, read_chunks
@@ -53,9 +54,17 @@ def validate_adapter_name(name: str) -> str:
     return name
 
 
-def read_adapter_data(plan: AdapterPlan, staging: StagingBuffers) -> torch.Tensor:
-    """The file's data section, read in parallel chunks into `staging` (on its device:
-    [data_bytes] uint8); a file that changed or shrank since it was planned is refused."""
+def read_adapter_data(plan: AdapterPlan, staging: StagingBuffers,
+                      mapped: MappedFiles | None = None,
+                      identity: AdapterIdentity | None = None) -> torch.Tensor:
+    """The file's data section on staging's device ([staged_bytes] uint8): one copy from
+    its registered mapping when `mapped` holds or can map the file (the version named by
+    `identity`), else parallel chunked reads into pinned staging; a file that changed or
+    shrank since it was planned is refused."""
+    if mapped is not None and not plan.spans:  # spans: GBs of frozen copies, never pinned
+        with mapped.borrow(identity, plan.source) as host:
+            if host is not None and host.numel() >= plan.data_offset + plan.data_bytes:
+                return staging.to_device(host[plan.data_offset:plan.data_offset + plan.data_bytes])
     try:
         if plan.spans:  # only the landed tensors' bytes: skip PEFT's frozen-weight copies
             host, pos = staging.host(plan.staged_bytes), 0
@@ -105,6 +114,8 @@ class Prepared:
     write: Callable[[Landing], None]
     identity: AdapterIdentity | None = None  # set: fill the host tier after the commit
     close: Callable[[], None] = field(default=lambda: None)  # e.g. release a peer's lease
+    # write() sets every byte and table row of the slot (a host-tier image): no zeroing first
+    fills_slot: bool = False
 
 
 def on_device(device: torch.device):
@@ -136,6 +147,7 @@ class LoraSlots:
             if pool.host_tier_bytes:
                 self.host_tier = HostTier(self.pool, pool.host_tier_bytes)
         self.staging = StagingBuffers(torch.device(device))
+        self.mapped_files = MappedFiles(pool.mapped_file_bytes, torch.device(device))
         self._plans: dict[tuple[AdapterIdentity, str], AdapterPlan] = {}  # oldest first
         self._plans_lock = threading.Lock()
 
@@ -160,15 +172,17 @@ class LoraSlots:
 
     # --- the two-phase landing ------------------------------------------------------
 
-    def begin(self, slot: int) -> Landing:
-        """EMPTY|READY -> LOADING and zeroed (on CUDA: queued on the current stream).
-        Refuses a busy slot before touching it."""
+    def begin(self, slot: int, zero: bool = True) -> Landing:
+        """EMPTY|READY -> LOADING and zeroed (on CUDA: queued on the current stream;
+        zero=False: the caller's write fills the whole slot). Refuses a busy slot before
+        touching it."""
         self.table.begin_load(slot)  # re-checks idleness; from here the slot serves nothing
         landing = Landing(self.table, self.pool, slot, self._write_image)
         try:
             if self.host_tier is not None:
                 self.host_tier.before_write(slot)
-            self.pool.zero_slot(slot)
+            if zero:
+                self.pool.zero_slot(slot)
         except BaseException as e:
             raise landing.fail(e) from e
         return landing
@@ -176,7 +190,7 @@ class LoraSlots:
     def land(self, slot: int, name: str, prepared: Prepared) -> LandingResult:
         """begin, write, commit, all here: the synchronous path. Any failure after
         begin leaves the slot EMPTY with a fresh identity (LandingError)."""
-        landing = self.begin(slot)
+        landing = self.begin(slot, zero=not prepared.fills_slot)
         try:
             prepared.write(landing)
         except BaseException as e:
@@ -314,11 +328,11 @@ class LoraSlots:
         tier = self.host_tier
         entry = tier.get(identity) if use_tier and tier is not None and tier.enabled else None
         if entry is not None:
-            return Prepared(lambda landing: landing.write_image(entry))
+            return Prepared(lambda landing: landing.write_image(entry), fills_slot=True)
         plan = self.plan_from_disk(adapter_dir, name, identity)
-        data = read_adapter_data(plan, staging or self.staging)
-        views = self.pool.stage_views(plan, data)
-        return Prepared(lambda landing: landing.write_views(plan, views), identity)
+        data = read_adapter_data(plan, staging or self.staging, self.mapped_files, identity)
+        staged = self.pool.stage(plan, data, self.pool.recipe(plan))
+        return Prepared(lambda landing: landing.write_staged(staged), identity)
 
     def clear_plan_cache(self) -> None:
         """Forget every remembered plan (benchmarks time a first landing with it)."""

@@ -1,0 +1,81 @@
+"""LandingRecipe: an adapter plan's landing worked out once for one pool layout.
+
+Landing a staged adapter tensor by tensor costs Python per tensor: a typed view of each
+(three torch calls), a descriptor row, a table cell; on a Llama-3-8B adapter (448
+tensors) that was ~9 ms against 1.6 ms for its bytes. Everything in it depends only on
+the plan and the layout, so it is computed once and reused while the plan is (the slot
+cache keeps the plans of unchanged files): a landing is then one NaN/Inf pass over the
+staged bytes, one landing kernel and three table copies.
+
+A recipe exists only for the common shape of a file: every landed tensor of one dtype,
+aligned, and together tiling the staged bytes (so the one NaN/Inf pass over them checks
+exactly the landed tensors). Anything else (mixed dtypes, gaps, a hostile misaligned
+header) lands through typed views one by one, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from metrale.adapters.plan import AdapterPlan
+from metrale.ops.landing_triton import landing_row, max_tiles
+from metrale.pool.layout import SlotLayout
+
+
+@dataclass(frozen=True)
+class LandingRecipe:
+    plan: AdapterPlan
+    dtype: torch.dtype  # of every staged tensor
+    desc: torch.Tensor  # [N, 6] int64 on the pool's device: landing rows, offsets from the slot base
+    tiles: int  # landing programs per tensor
+    ranks: torch.Tensor  # [L, M] int32, host (pinned with CUDA)
+    scales: torch.Tensor  # [L, M] float32, host
+    doras: torch.Tensor  # [L, M] int32, host
+
+    @property
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.ranks, self.scales, self.doras
+
+
+def table_rows(plan: AdapterPlan, layout: SlotLayout,
+               pin: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ranks, scales, doras) host rows [L, M] of a slot holding the plan's adapter."""
+    shape = (layout.model.num_layers, len(layout.table_modules))
+    ranks = torch.zeros(shape, dtype=torch.int32, pin_memory=pin)
+    scales = torch.zeros(shape, dtype=torch.float32, pin_memory=pin)
+    doras = torch.zeros(shape, dtype=torch.int32, pin_memory=pin)
+    if plan.targets:  # one indexed write each, not one per module (448 on an 8B)
+        rows = [(t.layer, layout.module_index(t.module), t.rank, t.scale) for t in plan.targets]
+        layer, module, rank, scale = (list(c) for c in zip(*rows))
+        ranks[layer, module] = torch.tensor(rank, dtype=torch.int32)
+        scales[layer, module] = torch.tensor(scale, dtype=torch.float32)
+        doras[layer, module] = int(plan.dora)
+    return ranks, scales, doras
+
+
+def build_recipe(plan: AdapterPlan, layout: SlotLayout,
+                 device: torch.device) -> LandingRecipe | None:
+    """The plan's recipe, or None when its tensors are not one aligned dtype tiling the
+    staged bytes (then the caller lands typed views)."""
+    entries = [landing.entry for landing in plan.landings]
+    if not entries:
+        return None
+    dtype = entries[0].torch_dtype
+    size = dtype.itemsize
+    if any(e.torch_dtype != dtype for e in entries) or \
+            sum(e.nbytes for e in entries) != plan.staged_bytes:
+        return None
+    rows = []
+    for landing in plan.landings:
+        begin = plan.staged_begin(landing.entry)
+        if begin % size:
+            return None
+        t = landing.target
+        region = layout.region(t.layer, t.module, landing.kind)
+        rows.append(landing_row(begin // size, region.offset, landing.rows, region.cols,
+                                landing.kind == "B"))
+    pin = device.type == "cuda"
+    desc = torch.tensor(rows, dtype=torch.int64).to(device)
+    return LandingRecipe(plan, dtype, desc, max_tiles(rows), *table_rows(plan, layout, pin))
