@@ -21,8 +21,9 @@ Ray Serve's max_ongoing_requests):
                  model id first, else those with the fewest models; power of two
                  choices among them; the replica's models are its slots (LRU);
 - prefer_loaded: always a replica holding the adapter if any has room (least loaded);
-- metrale:       metrale.cluster.ranking.rank (affinity + bounded load + spreading),
-                 and a replica lacking an adapter a neighbour holds lands it from there.
+- metrale:       metrale.cluster.ranking.rank (affinity, rendezvous homes, a tail pool
+                 for the adapters outside the hot set, bounded load, spreading), and a
+                 replica lacking an adapter a neighbour holds lands it from there.
 
 Loads: Zipf(alpha) over the adapters (0.8 and 1.1), and "shift": Zipf 1.1 whose hot
 set is re-drawn every --shift-s seconds. Reported: adapter hit rate (the adapter was
@@ -48,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from metrale.cluster.config import RouterConfig  # noqa: E402
-from metrale.cluster.ranking import ReplicaView, rank  # noqa: E402
+from metrale.cluster.ranking import Heat, ReplicaView, rank  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("round_robin", "ray_multiplex", "prefer_loaded", "metrale")
@@ -152,6 +153,7 @@ class Cluster:
         self.backlog: deque[Request] = deque()  # routed nowhere yet: every replica full
         self.done: list[Request] = []
         self.now = 0.0
+        self.heat = Heat(router.heat_half_life_s)  # what the router has seen (metrale)
 
     # --- events ---------------------------------------------------------------------
 
@@ -173,6 +175,7 @@ class Cluster:
             self.backlog.append(req)
             return
         target = getattr(self, f"_route_{self.policy}")(req.adapter, open_)
+        self.heat.record(str(req.adapter), now)  # the router's on_request_routed
         req.hit = target.slot_of(req.adapter) is not None
         target.queues.setdefault(req.adapter, deque()).append(req)
         target.waiting += 1
@@ -210,10 +213,11 @@ class Cluster:
             frozenset(() if r.landing is None else (str(r.landing[0]),)) |
             frozenset(str(a) for a, q in r.queues.items() if q),
             {str(adapter): r.adapter_load.get(adapter, 0)},
-            sum(1 for s in r.slots if s.adapter is None or (s.ready and s.refs == 0)))
+            sum(1 for s in r.slots if s.adapter is None or (s.ready and s.refs == 0)),
+            len(r.slots))
             for r in self.replicas]
         by_index = {str(r.index): r for r in open_}
-        for rid in rank(str(adapter), views, self.router):
+        for rid in rank(str(adapter), views, self.router, self.heat):
             if rid in by_index:
                 return by_index[rid]
         raise AssertionError("open_ is never empty here")
@@ -352,7 +356,9 @@ def percentile(values: list[float], p: float) -> float:
 
 def simulate(policy: str, load: list[Request], args, times: ServiceTimes) -> dict:
     cluster = Cluster(policy, args.replicas, args.slots, args.batch, args.max_ongoing, times,
-                      RouterConfig(args.epsilon, args.spread_queue), args.seed)
+                      RouterConfig(epsilon=args.epsilon, spread_queue=args.spread_queue,
+                                   tail_fraction=args.tail_fraction,
+                                   heat_half_life_s=args.heat_half_life_s), args.seed)
     cluster.run([Request(r.id, r.adapter, r.arrival, r.tokens, r.prompt) for r in load])
     done = cluster.done
     ttft = [r.first_token - r.arrival for r in done if r.first_token is not None]
@@ -381,6 +387,8 @@ def main() -> None:
     p.add_argument("--shift-s", type=float, default=10.0, help="hot-set period of the shift load")
     p.add_argument("--epsilon", type=float, default=RouterConfig.epsilon)
     p.add_argument("--spread-queue", type=int, default=RouterConfig.spread_queue)
+    p.add_argument("--tail-fraction", type=float, default=RouterConfig.tail_fraction)
+    p.add_argument("--heat-half-life-s", type=float, default=RouterConfig.heat_half_life_s)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results)")
     args = p.parse_args()

@@ -14,17 +14,27 @@ class RouterConfig:
     requests in flight, the next one goes to another replica (that replica lands it,
     from a neighbour), so a hot adapter spreads as its queue grows. 0 = never spread.
     stall_over_bound: when no replica within the bound has a slot free now (a cold one
-    would wait for a busy slot to drain), a holder over the bound goes before it."""
+    would wait for a busy slot to drain), a holder over the bound goes before it.
+    tail_fraction: this share of the replicas (rounded down, never all) lands the adapters
+    outside the hot set first, so their churn evicts each other, not hot adapters; the hot
+    set is as many adapters as the other replicas have slots, ranked by request rate
+    decayed with heat_half_life_s. 0 = no pool (every adapter's home may be any replica)."""
 
     epsilon: float = 0.5  # bench/cluster_sim.py: 0.25 loses hits, 1.0 loses balance (> 1.25)
     spread_queue: int = 8
     stall_over_bound: bool = True
+    tail_fraction: float = 0.375
+    heat_half_life_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.epsilon >= 0:
             raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
         if self.spread_queue < 0:
             raise ValueError(f"spread_queue must be >= 0, got {self.spread_queue}")
+        if not 0 <= self.tail_fraction < 1:
+            raise ValueError(f"tail_fraction must be in [0, 1), got {self.tail_fraction}")
+        if not self.heat_half_life_s > 0:
+            raise ValueError(f"heat_half_life_s must be > 0, got {self.heat_half_life_s}")
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,48 @@
-"""Which replica gets a request for an adapter: affinity with bounded loads.
+"""Which replica gets a request for an adapter: rendezvous homes with bounded loads.
 
 Pure: the router (router.py) and the simulation (bench/cluster_sim.py) both call
-`rank`, tests call it without Ray. Tiers, best first:
-  1. the adapter is READY there and the replica is within the load bound;
+`rank`, tests call it without Ray.
+
+Why homes. If any replica with room may take any adapter, every replica ends up
+caching the same hot adapters and the cluster's slots hold far fewer distinct adapters
+than it has slots. So each adapter has a deterministic preference order over replicas
+(rendezvous / highest-random-weight hashing of (adapter, replica id)): a cold adapter
+lands on the first replica of its order that is within the load bound and has a slot
+free now, so repeated landings of one adapter go to one place and the cluster's slots
+partition the adapter space. Rendezvous rather than a ring: no virtual nodes, and
+removing a replica moves only the adapters whose home it was.
+
+Why a tail pool. Under Zipf traffic most landings are adapters seen once in a long
+while; wherever they land they evict (LRU) an adapter that would have been hit again.
+`Heat` ranks adapters by their recent request rate; the hottest ones, as many as the
+hot replicas have slots, rank the hot replicas first; every other adapter ranks the
+tail pool first (`tail_fraction` of the replicas, chosen by rendezvous on a constant
+key so the pool is stable). The tail's churn then evicts tail adapters, not hot ones.
+With no `Heat`, or too few replicas for a pool, every adapter is hot.
+
+Tiers, best first:
+  1. the adapter is READY there and the replica is within the load bound (fewest of
+     this adapter's requests first: a holder it shares is not emptied onto one);
   2. the adapter is landing there (or in its host tier), within the bound;
-  3. within the bound, a replica that can land it now (a free or idle slot: no wait
-     for a busy slot to drain), least loaded first;
+  3. within the bound, a replica that can land it now (a free or idle slot: no wait for
+     a busy slot to drain), in the adapter's preference order;
   4. a holder over the bound, when no replica within it has a slot free now
      (RouterConfig.stall_over_bound); then everything else, least loaded first.
 The bound: no replica takes more than ceil((1 + epsilon) x mean load) requests for
 affinity's sake (the mean counts the request being placed), so a hot adapter cannot
-pile onto the one replica that holds it ("prefer loaded" hotspots). Spreading: once
-every holder within the bound has `spread_queue` of the adapter's requests in
-flight, tier 3's best replica goes first, and the adapter gains a replica.
+pile onto its home ("consistent hashing with bounded loads"): past the bound it spills
+to its next choice. Spreading: once every holder within the bound has `spread_queue` of
+the adapter's requests in flight, tier 3's best replica goes first (its next choice),
+and the adapter gains a replica.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from metrale.cluster.config import RouterConfig
@@ -32,6 +56,7 @@ class ReplicaView:
     warm: frozenset[str] = frozenset()  # adapters landing there or in its host tier
     adapter_load: Mapping[str, int] = field(default_factory=dict)  # in flight, per adapter
     idle_slots: int = 0  # slots a promotion could take now (EMPTY, or READY with no requests)
+    slots: int = 0  # adapter slots in all (0: not reported)
 
 
 def load_bound(views: Sequence[ReplicaView], epsilon: float) -> int:
@@ -40,23 +65,95 @@ def load_bound(views: Sequence[ReplicaView], epsilon: float) -> int:
     return max(1, math.ceil((1.0 + epsilon) * total / len(views)))
 
 
-def rank(adapter: str | None, views: Sequence[ReplicaView], cfg: RouterConfig) -> list[str]:
+@functools.lru_cache(maxsize=1 << 16)
+def weight(key: str, replica_id: str) -> int:
+    """The rendezvous weight of (key, replica): the same in every process and run
+    (Python's str hash is salted per process)."""
+    data = key.encode() + b"\0" + replica_id.encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def preference(key: str, replica_ids: Iterable[str]) -> list[str]:
+    """Replica ids in the key's rendezvous order, its home first."""
+    return sorted(replica_ids, key=lambda rid: (-weight(key, rid), rid))
+
+
+TAIL_KEY = "\0tail-pool"
+
+
+def tail_pool(replica_ids: Sequence[str], fraction: float) -> frozenset[str]:
+    """The replicas that take adapters outside the hot set first (never all of them)."""
+    n = min(int(fraction * len(replica_ids)), len(replica_ids) - 1)
+    return frozenset(preference(TAIL_KEY, replica_ids)[:max(0, n)])
+
+
+class Heat:
+    """Each adapter's recent request count, decayed with `half_life_s`, and whether it
+    is among the `size` hottest. Pure: the caller passes the time."""
+
+    def __init__(self, half_life_s: float) -> None:
+        self.half_life_s = half_life_s
+        self._t0 = None  # counts are stored scaled to this time
+        self._raw: dict[str, float] = {}
+        self._threshold: dict[int, float] = {}  # size -> the size-th largest raw count
+        self._stale = 0  # records since the thresholds were computed
+
+    def record(self, adapter: str, now: float) -> None:
+        if self._t0 is None:
+            self._t0 = now
+        age = (now - self._t0) / self.half_life_s
+        if age > 30:  # rescale before the raw counts grow too large; forget the cold
+            f = 2.0 ** -age
+            self._raw = {a: c * f for a, c in self._raw.items() if c * f > 1e-3}
+            self._t0, age = now, 0.0
+        self._raw[adapter] = self._raw.get(adapter, 0.0) + 2.0 ** age
+        self._stale += 1
+        if self._stale >= 16:
+            self._threshold.clear()
+            self._stale = 0
+
+    def count(self, adapter: str, now: float) -> float:
+        if self._t0 is None:
+            return 0.0
+        return self._raw.get(adapter, 0.0) * 2.0 ** (-(now - self._t0) / self.half_life_s)
+
+    def is_hot(self, adapter: str, size: int) -> bool:
+        """Among the `size` adapters with the most recent requests (ties: hot). With no
+        more than `size` adapters seen, every adapter is: they all fit."""
+        if len(self._raw) <= size:
+            return True
+        if size not in self._threshold:
+            self._threshold[size] = heapq.nlargest(size, self._raw.values())[-1] if size else math.inf
+        return self._raw.get(adapter, 0.0) >= self._threshold[size]
+
+
+def rank(adapter: str | None, views: Sequence[ReplicaView], cfg: RouterConfig,
+         heat: Heat | None = None) -> list[str]:
     """Replica ids, most preferred first (every view appears exactly once)."""
     if not views:
         return []
     by_load = sorted(views, key=lambda v: (v.load, -v.idle_slots, v.replica_id))
     if adapter is None:
         return [v.replica_id for v in by_load]
+    ids = [v.replica_id for v in views]
+    order = preference(adapter, ids)
+    pool = tail_pool(ids, cfg.tail_fraction) if heat is not None else frozenset()
+    hot_slots = sum(v.slots for v in views if v.replica_id not in pool)
+    if pool and hot_slots:
+        first_tail = not heat.is_hot(adapter, hot_slots)
+        order = [r for r in order if (r in pool) == first_tail] + \
+                [r for r in order if (r in pool) != first_tail]
+    pos = {rid: i for i, rid in enumerate(order)}
     bound = load_bound(views, cfg.epsilon)
     within = [v for v in by_load if v.load + 1 <= bound]
     ready = [v for v in within if adapter in v.ready]
     warm = [v for v in within if adapter not in v.ready and adapter in v.warm]
-    # among holders, the one with fewest of this adapter's requests, then least loaded
     ready.sort(key=lambda v: (v.adapter_load.get(adapter, 0), v.load, v.replica_id))
     taken = {v.replica_id for v in ready + warm}
-    cold = [v for v in within if v.replica_id not in taken]
-    cold.sort(key=lambda v: (v.idle_slots == 0, v.load, v.replica_id))
-    free = [v for v in cold if v.idle_slots]
+    # a slot free now first (else the landing waits a whole request for one to drain),
+    # then the adapter's own order: its home unless that is over the bound
+    free = sorted((v for v in within if v.replica_id not in taken and v.idle_slots),
+                  key=lambda v: pos[v.replica_id])
     taken |= {v.replica_id for v in free}
     # No replica within the bound can land it without waiting for a busy slot to drain
     # (a whole request's time): then a holder, even over the bound, runs it at once in

@@ -3,7 +3,9 @@
 Replicas report routing stats (stats.py) every `stats_period_s`; between two reports
 the router keeps its own exact count of what it sent where (on_request_routed /
 on_request_completed), so a burst is balanced before the next report arrives, and
-an adapter it just sent somewhere counts as landing there.
+an adapter it just sent somewhere counts as landing there. It also keeps the
+adapters' request rates (ranking.Heat) from what it routes: every request passes here,
+so the hot set needs no report.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import Counter, defaultdict
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from metrale.cluster.config import RouterConfig
-from metrale.cluster.ranking import ReplicaView, rank
+from metrale.cluster.ranking import Heat, ReplicaView, rank
 
 
 def request_adapter(pending: PendingRequest | None) -> str | None:
@@ -33,9 +35,13 @@ class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, epsilon: float = RouterConfig.epsilon,
                          spread_queue: int = RouterConfig.spread_queue,
                          stall_over_bound: bool = RouterConfig.stall_over_bound,
+                         tail_fraction: float = RouterConfig.tail_fraction,
+                         heat_half_life_s: float = RouterConfig.heat_half_life_s,
                          clock=time.monotonic, **_) -> None:
-        self.config = RouterConfig(epsilon, spread_queue, stall_over_bound)
+        self.config = RouterConfig(epsilon, spread_queue, stall_over_bound, tail_fraction,
+                                   heat_half_life_s)
         self._clock = clock
+        self.heat = Heat(heat_half_life_s)
         self._inflight: dict[str, Counter] = defaultdict(Counter)  # replica -> adapter -> n
         self._requests: dict[str, tuple[str, str]] = {}  # internal id -> (replica, adapter)
         # replica -> adapter -> when last sent there: "landing" until stats catch up
@@ -48,7 +54,7 @@ class AdapterAffinityRouter(RequestRouter):
         adapter = request_adapter(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self.view(r) for r in candidate_replicas]
-        return [[by_id[rid]] for rid in rank(adapter, views, self.config)]
+        return [[by_id[rid]] for rid in rank(adapter, views, self.config, self.heat)]
 
     def view(self, replica: RunningReplica) -> ReplicaView:
         rid = replica.replica_id.unique_id
@@ -67,7 +73,8 @@ class AdapterAffinityRouter(RequestRouter):
         return ReplicaView(
             replica_id=rid, load=max(int(stats.get("load", 0)), sum(mine.values())),
             ready=ready, warm=frozenset(stats.get("warm", ())) | (set(sent) - ready),
-            adapter_load=dict(adapter_load), idle_slots=int(stats.get("idle_slots", 0)))
+            adapter_load=dict(adapter_load), idle_slots=int(stats.get("idle_slots", 0)),
+            slots=int(stats.get("slots", 0)))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         adapter = request_adapter(pending_request) or ""
@@ -76,6 +83,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._requests[pending_request.metadata.internal_request_id] = (rid, adapter)
         if adapter:
             self._sent[rid][adapter] = self._clock()
+            self.heat.record(adapter, self._clock())
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         rid, adapter = self._requests.pop(internal_request_id, (None, None))

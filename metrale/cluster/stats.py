@@ -10,8 +10,9 @@ from metrale.engine.llm_engine import LLMEngine
 
 def routing_stats(engine: LLMEngine) -> dict:
     table = engine.lora.table
-    ready, landing, idle = [], [], 0
+    ready, landing, idle, slots = [], [], 0, 0
     for info in table.infos():
+        slots += 1
         state = info.state.value
         if state == "READY" and info.name is not None and table.slot_of(info.name) == info.slot:
             ready.append(info.name)
@@ -30,7 +31,7 @@ def routing_stats(engine: LLMEngine) -> dict:
     waiting = len(scheduler.waiting)  # requests waiting for a promotion are queued there too
     blocks = engine.blocks
     return {
-        "ready": sorted(ready), "warm": sorted(set(landing)), "idle_slots": idle,
+        "ready": sorted(ready), "warm": sorted(set(landing)), "idle_slots": idle, "slots": slots,
         "running": len(scheduler.running), "waiting": waiting,
         "load": len(scheduler.running) + waiting,
         "adapter_load": dict(per_adapter),
