@@ -11,6 +11,8 @@ For one PEFT-saved r=16 all-linear adapter (bf16 file; and PEFT's default fp32 f
   never landed before (plan, and the mapping made and registered);
   disk_pread_cached_plan_ms: the plan remembered, no mapping (parallel chunked preads
   into pinned staging overlapped with H2D, as every landing did before mappings);
+  disk_new_file_known_layout_ms: a copy of the file never landed before (new inode: its
+  own mapping and registration), whose config and header match a planned one;
 - host_tier_ms: the same call when the host tier holds the adapter (one H2D of the slot
   image + table rows);
 - plan_ms: the config/header validation alone (part of disk_warm_ms);
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -67,6 +70,11 @@ def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
             slots.mapped_files.clear()  # and map + register the file again
             swap_fresh_plan(d)
 
+        copies = iter([shutil.copytree(d, adapters_root / f"copy-{label}-{i}") for i in range(6)])
+
+        def swap_same_layout(copies=copies):
+            engine.swap_lora_slot_from_disk(next(copies), "swapbench", slot)
+
         def swap_pread(d=d):
             capacity, slots.mapped_files.capacity = slots.mapped_files.capacity, 0
             swap(d)
@@ -78,6 +86,7 @@ def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
         disk = timed(swap_fresh_plan, device, reps=5, warmup=1)
         disk_cached = timed(swap, device, reps=5, warmup=1)
         pread = timed(swap_pread, device, reps=5, warmup=1)
+        same_layout = timed(swap_same_layout, device, reps=5, warmup=1)
         slots.host_tier = tier
         row = {
             "adapter_bytes": plan.data_bytes,
@@ -88,6 +97,7 @@ def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
             "disk_warm_cached_plan_ms": median(disk_cached),
             "disk_first_ms": median(first),
             "disk_pread_cached_plan_ms": median(pread),
+            "disk_new_file_known_layout_ms": median(same_layout),
             "plan_ms": median(timed(lambda d=d: plan_adapter(d, "x", slots.model_config,
                                                              slots.pool_config), "cpu", reps=5)),
         }
@@ -161,6 +171,7 @@ def report(name: str, res: dict) -> str:
                      "cached/floor": r.get("disk_warm_cached_plan_ms", float("nan")) / floor,
                      "first_ms": r.get("disk_first_ms", float("nan")),
                      "pread_ms": r.get("disk_pread_cached_plan_ms", float("nan")),
+                     "new_file_ms": r.get("disk_new_file_known_layout_ms", float("nan")),
                      "host_tier_ms": r.get("host_tier_ms", float("nan")),
                      "tier/slot_floor": r.get("host_tier_ms", float("nan")) / r["h2d_slot_floor_ms"],
                      "plan_ms": r["plan_ms"],

@@ -219,6 +219,28 @@ def test_tier_landing_equals_disk_landing(adapters):
     assert _same(_slot_state(tiered, slot), _slot_state(disk, 0))
 
 
+def test_files_of_one_layout_share_a_plan_and_land_their_own_bytes(adapters, tmp_path):
+    """Two adapters saved with one config and header layout share one plan (its tensors
+    and targets) under their own names and paths, and each lands its own values; an
+    adapter of another layout plans afresh."""
+    values = load_file(adapters / "a" / "adapter_model.safetensors")
+    for d, factor in (("x", 1), ("y", 3)):
+        shutil.copytree(adapters / "a", tmp_path / d)
+        save_file({k: v * factor for k, v in values.items()},
+                  tmp_path / d / "adapter_model.safetensors", metadata={"format": "pt"})
+    slots, fresh = _slots(tier_slots=0), _slots(tier_slots=0)
+    slots.swap_lora_slot_from_disk(tmp_path / "x", "x", 0)
+    slots.swap_lora_slot_from_disk(tmp_path / "y", "y", 1)
+    px, py = slots.plan_from_disk(tmp_path / "x", "x"), slots.plan_from_disk(tmp_path / "y", "y")
+    assert py.landings is px.landings and py.targets is px.targets
+    assert (py.name, py.source) == ("y", str(tmp_path / "y" / "adapter_model.safetensors"))
+    fresh.swap_lora_slot_from_disk(tmp_path / "y", "y", 1)  # its own plan from scratch
+    assert _same(_slot_state(slots, 1), _slot_state(fresh, 1))
+    assert not torch.equal(_slot_state(slots, 0)[0], _slot_state(slots, 1)[0])
+    pb = slots.plan_from_disk(adapters / "b", "b")
+    assert pb.landings is not px.landings
+
+
 @pytest.mark.parametrize("tier_slots", [8, 0])
 def test_changed_file_is_a_miss_and_lands_new_contents(adapters, tmp_path, tier_slots):
     """Neither the host tier nor the remembered plan serves an edited file's old version."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +33,11 @@ class AdapterIdentity:
     path: str  # the directory, absolute
     plan_digest: str  # blake2b of adapter_config.json + the safetensors header
     data_stat: tuple[int, ...]  # (dev, inode, size, mtime_ns, ctime_ns) of the weights file
+
+
+def _open(path: Path):
+    """Opened for reading without blocking on a FIFO swapped in after the stat."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
 
 
 def file_stat(st: os.stat_result) -> tuple[int, ...]:
@@ -53,13 +59,16 @@ def adapter_identity(adapter_dir: str | Path) -> AdapterIdentity | None:
     d = Path(adapter_dir)
     where = str(d.absolute())  # no resolve(): the inode already names the file
     try:
-        stats = (file_stat(os.stat(d / CONFIG_FILE)), file_stat(os.stat(d / WEIGHTS_FILE)))
+        found = (os.stat(d / CONFIG_FILE), os.stat(d / WEIGHTS_FILE))
+        if not all(stat.S_ISREG(st.st_mode) for st in found):
+            return None  # a FIFO would block the open below; the planner refuses it
+        stats = (file_stat(found[0]), file_stat(found[1]))
         with _known_lock:
             known = _known.get((where, *stats))
         if known is not None:
             return known
         read_at = time.time_ns()
-        with open(d / CONFIG_FILE, "rb") as cf, open(d / WEIGHTS_FILE, "rb") as wf:
+        with _open(d / CONFIG_FILE) as cf, _open(d / WEIGHTS_FILE) as wf:
             opened = (file_stat(os.fstat(cf.fileno())), file_stat(os.fstat(wf.fileno())))
             config = cf.read(_MAX_KEYED_BYTES + 1)
             head = wf.read(8)
@@ -67,7 +76,7 @@ def adapter_identity(adapter_dir: str | Path) -> AdapterIdentity | None:
             if not 0 <= n <= _MAX_KEYED_BYTES or len(config) > _MAX_KEYED_BYTES:
                 return None
             header = wf.read(n)
-    except OSError:
+    except (OSError, ValueError):
         return None
     digest = hashlib.blake2b(digest_size=16)
     for part in (config, head, header):

@@ -114,10 +114,13 @@ class MappedFiles:
 
     def _map(self, identity: AdapterIdentity, path: str) -> _Entry | None:
         try:
-            with open(path, "rb") as f:
-                if file_stat(os.fstat(f.fileno())) != identity.data_stat:
-                    return None  # rewritten since its identity was read
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never block on a FIFO
+            try:
+                if file_stat(os.fstat(fd)) != identity.data_stat:
+                    return None  # rewritten (or replaced) since its identity was read
+                mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)
         except (OSError, ValueError):
             return None
         with warnings.catch_warnings():  # a read-only buffer: torch warns it is not writable

@@ -37,7 +37,7 @@ class ByteRange:
 
 # Output rows of W + s B A materialised at a time by compute_gains (x in features each).
 GAIN_CHUNK_ELEMS = 1 << 22
-# Plans whose landing recipes are kept (one per adapter file version landing repeatedly).
+# Landing recipes kept (one per distinct adapter layout landing repeatedly).
 _RECIPES = 256
 
 
@@ -75,8 +75,8 @@ class AdapterPool:
         self.gains = torch.ones(S, layout.gain_elems, dtype=torch.float32, device=self.device)
         self._views = {key: self._view(r) for key, r in layout.regions.items()}
         self._fused: dict = {}
-        self._recipes: dict[int, LandingRecipe | None] = {}  # id(plan) -> recipe, oldest first
-        self._recipe_plans: dict[int, AdapterPlan] = {}  # keeps each id's plan alive
+        # id(plan.landings) -> (landings, targets, recipe), oldest first
+        self._recipes: dict[int, tuple] = {}
         self._recipes_lock = threading.Lock()
 
     def _view(self, region) -> torch.Tensor:
@@ -146,20 +146,21 @@ class AdapterPool:
     # --- landing ----------------------------------------------------------------
 
     def recipe(self, plan: AdapterPlan) -> LandingRecipe | None:
-        """The plan's landing recipe for this pool, built at its first landing (CUDA only:
-        elsewhere tensors land one by one). Promotion workers call it too."""
+        """The plan's landing recipe for this pool, built at its first landing and shared
+        by plans with the same tensors and targets (CUDA only: elsewhere tensors land one
+        by one). Promotion workers call it too."""
         if not self.buffer.is_cuda or not plan.landings:
             return None
-        key = id(plan)
+        key = id(plan.landings)
         with self._recipes_lock:
-            if self._recipe_plans.get(key) is plan:
-                return self._recipes[key]
+            known = self._recipes.get(key)
+            if known is not None and known[0] is plan.landings and known[1] is plan.targets:
+                return known[2]
         recipe = build_recipe(plan, self.layout, self.device)
         with self._recipes_lock:
             while len(self._recipes) >= _RECIPES:
-                old = next(iter(self._recipes))
-                del self._recipes[old], self._recipe_plans[old]
-            self._recipes[key], self._recipe_plans[key] = recipe, plan
+                del self._recipes[next(iter(self._recipes))]
+            self._recipes[key] = (plan.landings, plan.targets, recipe)  # refs keep ids unique
         return recipe
 
     def stage(self, plan: AdapterPlan, data: torch.Tensor,

@@ -3,9 +3,10 @@
 Landing a staged adapter tensor by tensor costs Python per tensor: a typed view of each
 (three torch calls), a descriptor row, a table cell; on a Llama-3-8B adapter (448
 tensors) that was ~9 ms against 1.6 ms for its bytes. Everything in it depends only on
-the plan and the layout, so it is computed once and reused while the plan is (the slot
-cache keeps the plans of unchanged files): a landing is then one NaN/Inf pass over the
-staged bytes, one landing kernel and three table copies.
+the plan's tensors and targets and the layout, so it is computed once and reused while
+they are (plans of one config and header share them: LoraSlots.plan_from_disk): a
+landing is then one NaN/Inf pass over the staged bytes, one landing kernel and three
+table copies.
 
 A recipe exists only for the common shape of a file: every landed tensor of one dtype,
 aligned, and together tiling the staged bytes (so the one NaN/Inf pass over them checks
@@ -26,7 +27,6 @@ from metrale.pool.layout import SlotLayout
 
 @dataclass(frozen=True)
 class LandingRecipe:
-    plan: AdapterPlan
     dtype: torch.dtype  # of every staged tensor
     desc: torch.Tensor  # [N, 6] int64 on the pool's device: landing rows, offsets from the slot base
     tiles: int  # landing programs per tensor
@@ -78,4 +78,4 @@ def build_recipe(plan: AdapterPlan, layout: SlotLayout,
                                 landing.kind == "B"))
     pin = device.type == "cuda"
     desc = torch.tensor(rows, dtype=torch.int64).to(device)
-    return LandingRecipe(plan, dtype, desc, max_tiles(rows), *table_rows(plan, layout, pin))
+    return LandingRecipe(dtype, desc, max_tiles(rows), *table_rows(plan, layout, pin))

@@ -149,6 +149,7 @@ class LoraSlots:
         self.staging = StagingBuffers(torch.device(device))
         self.mapped_files = MappedFiles(pool.mapped_file_bytes, torch.device(device))
         self._plans: dict[tuple[AdapterIdentity, str], AdapterPlan] = {}  # oldest first
+        self._layouts: dict[tuple[str, int], AdapterPlan] = {}  # (plan_digest, size) -> a plan
         self._plans_lock = threading.Lock()
 
     def disable_runtime_swaps(self) -> None:
@@ -338,18 +339,38 @@ class LoraSlots:
         """Forget every remembered plan (benchmarks time a first landing with it)."""
         with self._plans_lock:
             self._plans.clear()
+            self._layouts.clear()
 
     def plan_from_disk(self, adapter_dir: str | Path, name: str,
                        identity: AdapterIdentity | None = None) -> AdapterPlan:
-        """plan_adapter, remembered per content identity (metrale.adapters.identity): the
-        plan is a pure function of the config, the header and this engine's config, and
-        costs several ms of Python on an 8B adapter. The data bytes are still read and
-        checked (NaN/Inf) on every landing. `identity`: the caller's, read just before."""
+        """plan_adapter, remembered per content identity (metrale.adapters.identity). The
+        plan is a pure function of the config and header bytes, the file's size and this
+        engine's config, and costs several ms of Python on an 8B adapter, so files with
+        the same config and header (every adapter trained with one PEFT config) share
+        one: another file of a known layout gets it with its own name and path. The data
+        bytes are still read and checked (NaN/Inf) on every landing. `identity`: the
+        caller's, read just before."""
         identity = identity or adapter_identity(adapter_dir)
+        if identity is None:
+            return plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
+        layout = (identity.plan_digest, identity.data_stat[2])  # config + header, file size
         with self._plans_lock:
-            plan = self._plans.get((identity, name)) if identity is not None else None
+            plan = self._plans.get((identity, name))
+            shared = self._layouts.get(layout)
         if plan is not None:
             return plan
+        if shared is not None:
+            plan = replace(shared, name=name,
+                           source=str(Path(adapter_dir) / "adapter_model.safetensors"))
+        else:
+            plan = plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
+        if adapter_identity(adapter_dir) == identity:  # not rewritten meanwhile
+            with self._plans_lock:
+                for cache, key in ((self._plans, (identity, name)), (self._layouts, layout)):
+                    while len(cache) >= _PLAN_CACHE:
+                        cache.pop(next(iter(cache)))
+                    cache.setdefault(key, plan)
+        return plan
         plan = plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
         if identity is not None and adapter_identity(adapter_dir) == identity:  # not rewritten meanwhile
             with self._plans_lock:
