@@ -66,6 +66,18 @@ class Landing:
         self._tables = plan
         return self._pool.slot_byte_ranges(self.slot, plan)
 
+    def slot_range(self, plan: AdapterPlan) -> ByteRange:
+        """The whole slot as one address range, for a transport that writes coalesced
+        runs of the plan's tensors (NIXL); zero_elements the bytes between tensors that a
+        run carried, then check_written."""
+        self._tables = plan
+        region = self._pool.slot_region(self.slot)
+        return ByteRange(region.data_ptr(), self._pool.layout.slot_bytes)
+
+    def zero_elements(self, index: torch.Tensor) -> None:
+        """Zero the slot's elements at `index` (offsets from the slot base) in one op."""
+        self._pool.slot_region(self.slot).index_fill_(0, index, 0)
+
     def check_written(self, plan: AdapterPlan) -> None:
         """Raw bytes skipped staging's NaN/Inf check: check the slot in place. It was
         zeroed at begin, so one pass over the whole region covers every tensor."""
