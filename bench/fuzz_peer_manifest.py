@@ -39,7 +39,9 @@ from metrale.peer.manifest import (  # noqa: E402
     MANIFEST_VERSION,  # noqa: E402
     manifest_plan,
     parse_manifest,
+    read_reply,
 )
+from metrale.peer.wire import Unrepresentable, encode_doc  # noqa: E402
 from metrale.pool.layout import SlotLayout  # noqa: E402
 
 SOURCE = "peer 10.0.0.1:7460 adapter 'a'"
@@ -213,8 +215,15 @@ def mutate(rng: random.Random, seed: dict) -> dict:
 
 
 def read(doc: object) -> None:
-    manifest = parse_manifest(doc, LAYOUT, SOURCE)
-    plan = manifest_plan(manifest, "a", manifest.peft_config, MODEL, POOL, SOURCE)
+    """The document on the wire (protocol v3), read back, checked and planned. A tensor
+    field the packed table cannot hold is refused as the engine never sees it."""
+    try:
+        raw = encode_doc({"lease": {"id": "fakelease0001", "expires_in_s": 30},
+                          "manifest": doc if isinstance(doc, dict) else {}})
+    except (Unrepresentable, TypeError, ValueError, RecursionError) as e:
+        raise PeerManifestError(f"{SOURCE}: not representable on the wire: {e}") from None
+    manifest = parse_manifest(read_reply(raw, SOURCE), LAYOUT, SOURCE)
+    plan = manifest_plan(manifest, "a", manifest.peft_config(LAYOUT, SOURCE), MODEL, POOL, SOURCE)
     # An accepted plan must be one the pool can take as it is.
     for t in plan.targets:
         if not (0 < t.rank <= POOL.max_lora_rank and math.isfinite(t.scale)):

@@ -3,6 +3,13 @@ NVLink), and time the raw peer copy of the same bytes in the same run.
 
     PYTHONPATH=. python3 bench/peer_nvlink.py            # 2 GPUs: store on cuda:0, engine on cuda:1
     PYTHONPATH=. python3 bench/peer_nvlink.py --model tiny --device cpu   # smoke run
+    PYTHONPATH=. python3 bench/peer_nvlink.py --model llama3-8b --device cpu  # HTTP on one box
+
+Each landing reports its phases (promote_from_peer's `stats`): control (the one lease +
+manifest round trip), validate (decode, check against the local layout, plan or reuse
+the cached plan), transfer (NIXL READ, or the HTTP stream into pinned staging and its
+device-side NaN/Inf check), check (NIXL: the in-slot NaN/Inf check) and the rest
+(tables at commit, slot bookkeeping). The first landing plans; the others reuse the plan.
 
 The adapter is Llama-3-8B shaped, r=16, all seven linear modules, bf16, written in
 PEFT's file format (adapter_config.json + adapter_model.safetensors) with random
@@ -86,12 +93,43 @@ def peer_copy_ms(nbytes: int, src_dev: str, dst_dev: str, reps: int = 20) -> flo
     return median(times[3:])
 
 
+PHASES = ("control_ms", "validate_ms", "transfer_ms", "check_ms")
+
+
+def land_many(slots, addr: str, transport: str, reps: int, gpu: bool, engine_dev: str):
+    """Promote `reps + 2` times; the first landing plans the manifest (cold), the rest
+    reuse the plan. Returns (row, last slot)."""
+    times, phases, slot = [], [], None
+    for i in range(reps + 2):
+        stats: dict = {}
+        start = time.perf_counter()
+        slot, _ = promote_from_peer(slots, addr, "a0", f"{transport}{i}", transport=transport,
+                                    stats=stats)
+        if gpu:
+            torch.cuda.synchronize(engine_dev)
+        total = (time.perf_counter() - start) * 1e3
+        times.append(total)
+        rest = total - sum(stats.get(k, 0.0) for k in PHASES)
+        phases.append({**{k: stats.get(k, 0.0) for k in PHASES}, "tables_and_rest_ms": rest,
+                       "cached": stats.get("plan_cached"), "runs": stats.get("runs"),
+                       "manifest_bytes": stats.get("manifest_bytes"), "tensors": stats.get("tensors")})
+    warm = phases[2:]
+    row = {"transport": transport, "promote_ms": median(times[2:]), "first_promote_ms": times[0],
+           "first": phases[0],
+           "warm": {k: median([p[k] for p in warm]) for k in (*PHASES, "tables_and_rest_ms")},
+           "plan_cached": all(p["cached"] for p in warm), "runs": warm[-1]["runs"],
+           "manifest_bytes": warm[-1]["manifest_bytes"], "tensors": warm[-1]["tensors"]}
+    return row, slot
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--http-reps", type=int, default=3)
     args = ap.parse_args()
+    torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     gpu = args.device == "cuda"
     store_dev, engine_dev = ("cuda", "cuda:1") if gpu else ("cpu", "cpu")
     root = Path(tempfile.mkdtemp(prefix="metrale-nvlink-"))
@@ -104,17 +142,10 @@ def main() -> None:
         rows = []
         slot = None
         for transport in ("nixl", "http"):
-            reps = args.reps if transport == "nixl" else 3
-            times = []
+            reps = args.reps if transport == "nixl" else args.http_reps
             try:
-                for i in range(reps + 2):
-                    start = time.perf_counter()
-                    slot, _ = promote_from_peer(slots, addr, "a0", f"{transport}{i}",
-                                                transport=transport)
-                    if gpu:
-                        torch.cuda.synchronize(engine_dev)
-                    times.append((time.perf_counter() - start) * 1e3)
-                rows.append({"transport": transport, "promote_ms": median(times[2:])})
+                row, slot = land_many(slots, addr, transport, reps, gpu, engine_dev)
+                rows.append(row)
             except Exception as e:  # record what failed; the other transport still runs
                 print(f"{transport}: FAILED {type(e).__name__}: {e}", flush=True)
                 rows.append({"transport": transport, "promote_ms": float("nan"), "error": str(e)})
@@ -125,16 +156,36 @@ def main() -> None:
             torch.equal(slots.pool.lora_bt(layer, m)[3], slots.pool.lora_bt(layer, m)[slot])
             and torch.equal(slots.pool.lora_a(layer, m)[3], slots.pool.lora_a(layer, m)[slot])
             for layer in (0, cfg.num_layers - 1) for m in LINEAR_MODULES)
+        disk = []
+        for i in range(3):
+            slots.clear_plan_cache()
+            start = time.perf_counter()
+            slots.swap_lora_slot_from_disk(adapter, f"disk{i}", 3)
+            if gpu:
+                torch.cuda.synchronize(engine_dev)
+            disk.append((time.perf_counter() - start) * 1e3)
         floor = peer_copy_ms(nbytes, "cuda:0", engine_dev) if gpu else float("nan")
     finally:
         proc.kill()
-    result = {"adapter_bytes": nbytes, "peer_nvlink_ms": rows[0]["promote_ms"],
-              "peer_http_ms": rows[1]["promote_ms"], "peer_floor_ms": floor,
-              "landed_bytes_equal_disk": same,
+    by = {r["transport"]: r for r in rows}
+    result = {"adapter_bytes": nbytes, "peer_nvlink_ms": by["nixl"]["promote_ms"],
+              "peer_http_ms": by["http"]["promote_ms"], "peer_floor_ms": floor,
+              "disk_ms": median(disk), "landed_bytes_equal_disk": same,
+              "breakdown": {r["transport"]: {k: r[k] for k in r if k not in ("transport", "error")}
+                            for r in rows if "error" not in r},
               "errors": {r["transport"]: r["error"] for r in rows if "error" in r},
               "date": time.strftime("%Y-%m-%d"),
-              "command": "PYTHONPATH=. python3 bench/peer_nvlink.py"}
-    print(table([{"figure": k, "value": v} for k, v in result.items()], ["figure", "value"]))
+              "command": f"PYTHONPATH=. python3 bench/peer_nvlink.py --model {args.model} "
+                         f"--device {args.device}"}
+    print(table([{"figure": k, "value": v} for k, v in result.items() if k != "breakdown"],
+                ["figure", "value"]))
+    for r in rows:
+        if "error" in r:
+            continue
+        print(f"\n{r['transport']}: {r['tensors']} tensors, manifest {r['manifest_bytes']} bytes, "
+              f"runs {r['runs']}, plan cached on repeats: {r['plan_cached']}")
+        print(table([{"phase": k, "first_ms": round(r["first"][k], 3), "warm_ms": round(r["warm"][k], 3)}
+                     for k in (*PHASES, "tables_and_rest_ms")], ["phase", "first_ms", "warm_ms"]))
     merge_results(results_path(args.device), "swap", f"{args.model}-peer", result)
     print("gpu:", gpu_tag(args.device) if gpu else "cpu")
 

@@ -58,19 +58,22 @@ def default_model_cache():
 
 @pytest.fixture(scope="module")
 def genuine():
-    """A real lease reply for adapter "a" (from an in-process exporter) and its bytes."""
+    """A real lease reply for adapter "a" (from an in-process exporter, decoded by
+    metrale.peer.wire.decode_doc; FakePeer encodes it back) and its bytes."""
     from metrale.peer import AdapterExporter  # metrale: after the triton switch above
     from metrale.peer.nixl_shim import nixl_available
+    from metrale.peer.wire import decode_doc
     from tests.helpers.peers import LEASE, adapter_dir, new_slots
 
     source = new_slots(max_loras=1)
     source.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
     exporter = AdapterExporter(source, transports=("http", "nixl") if nixl_available() else ("http",))
-    reply = exporter.lease("a")
-    n, chunks = exporter.open_data(reply["lease"]["id"])
+    lease = exporter.lease("a")
+    reply = decode_doc(lease.body)  # the wire reply in its logical form, for tests to edit
+    n, chunks = exporter.open_data(lease.lease_id)
     data = b"".join(bytes(c) for c in chunks)
     assert len(data) == n
-    exporter.release(reply["lease"]["id"])
+    exporter.release(lease.lease_id)
     reply["lease"]["id"] = LEASE
     reply["manifest"]["transports"]["http"]["data_path"] = f"/peer/v1/leases/{LEASE}/data"
     return reply, data, exporter  # the exporter keeps its NIXL memory registered

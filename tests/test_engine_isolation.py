@@ -14,6 +14,7 @@ from peft import PeftModel
 from metrale import LLM, SamplingParams
 from metrale.errors import MetraleError
 from metrale.peer import AdapterExporter
+from metrale.peer.wire import decode_doc
 from tests.helpers.engine import run_until_done
 from tests.helpers.peers import FakePeer, adapter_dir, new_slots, peer_root
 from tests.helpers.reference import hf_greedy
@@ -28,8 +29,9 @@ def _lease_reply():
     source = new_slots(max_loras=1)
     source.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
     exporter = AdapterExporter(source, transports=("http",))
-    reply = exporter.lease("a")
-    exporter.release(reply["lease"]["id"])
+    lease = exporter.lease("a")
+    exporter.release(lease.lease_id)
+    reply = decode_doc(lease.body)
     reply["lease"]["id"] = LEASE
     reply["manifest"]["transports"]["http"]["data_path"] = f"/peer/v1/leases/{LEASE}/data"
     return reply

@@ -19,6 +19,7 @@ from metrale import errors
 from metrale.peer import swap_from_peer
 from metrale.peer.client import RELEASE_TIMEOUT_S
 from metrale.peer.errors import PeerManifestError, PeerTimeoutError
+from metrale.peer.wire import encode_doc
 from tests.helpers.peers import LEASE, assert_matches_disk, new_slots
 from tests.helpers.pool import snapshot
 
@@ -119,11 +120,16 @@ def _json_reply(doc) -> bytes:
     return HEAD_OK + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw
 
 
+def _lease_reply(doc) -> bytes:
+    raw = encode_doc(doc)
+    return HEAD_OK + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw
+
+
 def _good(reply: dict, data: bytes):
     """An honest peer's answers, for the requests a scenario leaves alone."""
     def answer(peer: RawPeer, conn, method: str, path: str) -> bool:
         if method == "POST":
-            conn.sendall(_json_reply(reply))
+            conn.sendall(_lease_reply(reply))
         elif method == "GET":
             conn.sendall(HEAD_OK + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
         else:

@@ -50,7 +50,7 @@ def leased():
     clock = Clock()
     exporter = AdapterExporter(slots, clock=clock)
     reply = exporter.lease("a", ttl_s=10)
-    return slots, exporter, clock, reply["lease"]["id"]
+    return slots, exporter, clock, reply.lease_id
 
 
 def _refusals(slots):
@@ -94,7 +94,7 @@ def test_lease_expires(leased):
 def test_lease_ttl_is_bounded(leased, ttl):
     slots, exporter, clock, lease_id = leased
     exporter.release(lease_id)
-    assert 1.0 <= exporter.lease("a", ttl_s=ttl)["lease"]["expires_in_s"] <= exporter.max_ttl_s
+    assert 1.0 <= exporter.lease("a", ttl_s=ttl).expires_in_s <= exporter.max_ttl_s
     clock.now += exporter.max_ttl_s + 1
     exporter.expire()
     assert slots.table.ref_count(0) == 0
@@ -110,7 +110,7 @@ def test_open_stream_defers_expiry_and_release(leased):
     chunks.close()
     exporter.expire()
     assert slots.table.ref_count(0) == 0
-    lease2 = exporter.lease("a")["lease"]["id"]
+    lease2 = exporter.lease("a").lease_id
     n, chunks = exporter.open_data(lease2)
     exporter.release(lease2)  # released mid-stream: the reference goes when the stream ends
     assert slots.table.ref_count(0) == 1

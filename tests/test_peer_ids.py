@@ -96,13 +96,26 @@ def test_peer_list_of_nothing_listening_fails_with_a_message():
 
 
 def test_lease_of_an_unknown_id_answers_404_listing_the_ids(store):
-    req = urllib.request.Request(f"{store}/peer/v1/adapters/nope/lease", data=b"{}", method="POST",
+    req = urllib.request.Request(f"{store}/peer/v1/adapters/nope/lease", method="POST",
+                                 data=json.dumps({"manifest_version": 3}).encode(),
                                  headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(req, timeout=30)
     assert caught.value.code == 404
     message = json.loads(caught.value.read())["error"]["message"]
     assert "'nope'" in message and message.endswith("serves: a, b, c")
+
+
+def test_a_lease_without_the_manifest_version_is_a_version_error(store):
+    """What an engine of the JSON protocol (version 2) sends: refused with a message
+    naming both versions, before any slot is pinned."""
+    req = urllib.request.Request(f"{store}/peer/v1/adapters/a/lease", data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(req, timeout=30)
+    error = json.loads(caught.value.read())["error"]
+    assert error["code"] == "ManifestVersionError"
+    assert "version 3" in error["message"] and "version 2 or older" in error["message"]
 
 
 def test_registering_an_id_the_peer_does_not_hold_is_refused_listing_the_ids(store):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import socket
 import time
 
@@ -13,14 +14,17 @@ import pytest
 import torch
 
 from metrale import errors
-from metrale.peer import promote_from_peer, swap_from_peer
+from metrale.peer import promote_from_peer, swap_from_peer, wire
 from metrale.peer.errors import (
+    ManifestVersionError,
     PeerManifestError,
     PeerNotAllowedError,
     PeerTimeoutError,
     PeerTransferError,
 )
 from metrale.peer.nixl_shim import nixl_available
+from metrale.peer.plans import plan_cache_for
+from metrale.peer.wire import encode_doc
 from tests.helpers.peers import LEASE, FakePeer, adapter_dir, new_slots
 from tests.helpers.pool import snapshot
 
@@ -55,7 +59,7 @@ def _dup(ts):
 
 
 def _nixl_len(m):
-    m["transports"]["nixl"]["descs"][0][1] += 4
+    m["transports"]["nixl"]["descs"][0][0] = 0  # the table holds addresses; sizes are nbytes
 
 
 def _nixl_meta(m):
@@ -72,15 +76,18 @@ MANIFESTS = {
     "unknown-module": (_tensors(lambda ts: ts[0].update(module="c_attn")), errors.AdapterMismatchError),
     "huge-count": (_tensors(lambda ts: ts.extend([ts[0]] * 5000)), PeerManifestError),
     "layer-out-of-range": (_tensors(lambda ts: ts[0].update(layer=3)), PeerManifestError),
-    "layer-bool": (_tensors(lambda ts: ts[0].update(layer=True)), PeerManifestError),
     "rank-over-max": (_tensors(_over_rank), errors.AdapterMismatchError),
     "wrong-dim": (_tensors(lambda ts: ts[0].update(shape=[4, 32], nbytes=512)),
                   errors.AdapterMismatchError),
-    "negative-shape": (_tensors(lambda ts: ts[0].update(shape=[-4, -64])), PeerManifestError),
+    # -4 wraps to 2**32 - 4 in the table's u32: a rank no pool has
+    "negative-shape": (_tensors(lambda ts: ts[0].update(shape=[-4, -64])), errors.AdapterMismatchError),
+    "zero-shape": (_tensors(lambda ts: ts[0].update(shape=[0, 64], nbytes=0)), PeerManifestError),
+    "nbytes-overflow": (_tensors(lambda ts: ts[0].update(nbytes=2**64 - 1)), PeerManifestError),
+    "unknown-kind": (_tensors(lambda ts: ts[0].update(kind="C")), PeerManifestError),
     "int-dtype": (_set("dtype", "I32"), errors.AdapterMismatchError),
     "unknown-dtype": (_set("dtype", "Q4_K"), errors.AdapterMismatchError),
     "dtype-vs-sizes": (_set("dtype", "F16"), PeerManifestError),
-    "bad-version": (_set("version", 99), PeerManifestError),
+    "bad-version": (_set("version", 99), ManifestVersionError),
     "another-adapter": (_set("adapter_id", "b"), PeerManifestError),
     # DoRA is served, but a DoRA config needs every module's magnitude tensor
     "peft-dora-no-magnitudes": (lambda m: m["peft"].update(use_dora=True), errors.AdapterFileError),
@@ -122,7 +129,7 @@ def test_malicious_manifest_refused_untouched(case, op, genuine, engine):
     edit(m)
     if not transport:  # an HTTP case: keep the rest consistent so the edit itself is what fails
         m["transports"].pop("nixl", None)
-        if case != "data-bytes-lie":
+        if case not in ("data-bytes-lie", "nbytes-overflow"):
             m["data_bytes"] = sum(t["nbytes"] for t in m["tensors"] if "nbytes" in t)
     peer = FakePeer(reply, genuine[1])
     before = snapshot(engine)
@@ -239,3 +246,116 @@ def test_metadata_is_never_unpickled(genuine):
         pytest.skip("NIXL not installed")
     assert all(isinstance(d, list) and len(d) == 3 for d in nixl["descs"])
     base64.b64decode(nixl["agent_metadata"], validate=True)
+
+
+# --- lies only the binary reply can tell ---------------------------------------------------
+
+
+def _body(reply) -> bytes:
+    return encode_doc(reply)
+
+
+def _prefix(raw: bytes, **fields) -> bytes:
+    magic, version, flags, head, peft, n = wire.PREFIX.unpack_from(raw)
+    values = {**dict(magic=magic, version=version, flags=flags, head=head, peft=peft, n=n), **fields}
+    return wire.PREFIX.pack(*values.values()) + raw[wire.PREFIX.size:]
+
+
+def _table(edit):
+    """Re-encode the reply with one record edited (header and PEFT kept byte for byte)."""
+    def apply(raw: bytes) -> bytes:
+        w = wire.decode(raw, "test")
+        table = w.table.copy()
+        edit(table)
+        return wire.encode(w.header, w.peft, table)
+    return apply
+
+
+def _with_nixl(addr: int):
+    def apply(raw: bytes) -> bytes:
+        w = wire.decode(raw, "test")
+        header = json.loads(w.header)
+        header["transports"]["nixl"] = {"agent_metadata": "bWQ=", "mem_type": "DRAM", "device": 0}
+        table = w.table.copy()
+        table["addr"] = 1 << 20
+        table["addr"][0] = addr
+        return wire.encode(header, w.peft, table)
+    return apply
+
+
+def _field(name, value, row=0):
+    def edit(table):
+        table[name][row] = value
+    return edit
+
+
+# name -> (edit of the encoded body, expected error, whether the lease could be read)
+BODIES = {
+    "truncated": (lambda raw: raw[:-7], PeerManifestError, False),
+    "padded": (lambda raw: raw + bytes(32), PeerManifestError, False),
+    "count-too-high": (lambda raw: _prefix(raw, n=wire.PREFIX.unpack_from(raw)[5] + 1),
+                       PeerManifestError, False),
+    "header-len-over-cap": (lambda raw: _prefix(raw, head=wire.MAX_HEADER_BYTES + 1),
+                            PeerManifestError, False),
+    "bad-magic": (lambda raw: b"NOTMTRL!" + raw[8:], PeerManifestError, False),
+    "version-2-prefix": (lambda raw: _prefix(raw, version=2), ManifestVersionError, False),
+    "version-4-prefix": (lambda raw: _prefix(raw, version=4), ManifestVersionError, False),
+    "flags": (lambda raw: _prefix(raw, flags=1), PeerManifestError, False),
+    "v2-json-reply": (lambda raw: json.dumps({"lease": {"id": LEASE, "expires_in_s": 30},
+                                              "manifest": {"version": 2}}).encode(),
+                      ManifestVersionError, False),
+    "pad-not-zero": (_table(_field("pad", 1)), PeerManifestError, True),
+    "module-index": (_table(_field("module", 200)), errors.AdapterMismatchError, True),
+    "kind-index": (_table(_field("kind", 9)), PeerManifestError, True),
+    "rows-max": (_table(_field("rows", 2**32 - 1)), errors.AdapterMismatchError, True),
+    "cols-lie": (_table(_field("cols", 65)), errors.AdapterMismatchError, True),
+    "nbytes-off-by-one": (_table(_field("nbytes", 4 * 64 * 4 + 1)), PeerManifestError, True),
+    "layer-out-of-range": (_table(_field("layer", 65535)), PeerManifestError, True),
+    "duplicate-record": (_table(lambda t: t.__setitem__(1, t[0])), PeerManifestError, True),
+    "nixl-address-zero": (_with_nixl(0), PeerManifestError, True),
+    "nixl-address-wraps": (_with_nixl(2**64 - 8), PeerManifestError, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BODIES))
+def test_lying_reply_bodies_refused_untouched(case, genuine, engine):
+    """Each class of lie in the packed reply (sizes, counts, indices, versions, a body
+    cut short or padded) is a typed refusal before any data moves; every slot keeps its
+    bytes and identity, and the lease is released whenever its id could be read."""
+    edit, error, lease_readable = BODIES[case]
+    reply = copy.deepcopy(genuine[0])
+    reply["manifest"]["transports"].pop("nixl", None)
+    peer = FakePeer(edit(_body(reply)), genuine[1])
+    before = snapshot(engine)
+    try:
+        with pytest.raises(error) as info:
+            _run("promote", engine, peer)
+        assert str(info.value) and len(str(info.value)) < 1000
+        assert snapshot(engine) == before
+        assert ("GET", f"/peer/v1/leases/{LEASE}/data") not in peer.requests
+        if lease_readable:
+            assert ("DELETE", f"/peer/v1/leases/{LEASE}") in peer.requests
+    finally:
+        peer.close()
+    engine.table.check_integrity()
+
+
+def test_a_lie_after_a_cached_plan_is_still_refused(genuine, engine):
+    """The plan cache reuses a plan only for a table byte-equal to one already checked:
+    a peer that answered honestly once and lies the next time is checked in full."""
+    good = FakePeer(genuine[0], genuine[1])
+    try:
+        port = good.url
+        promote_from_peer(engine, good.url, "a", "z", transport="http", timeout_s=5)
+        promote_from_peer(engine, good.url, "a", "z2", transport="http", timeout_s=5)
+        assert plan_cache_for(engine.pool).hits >= 1
+        lie = copy.deepcopy(genuine[0])
+        lie["manifest"]["tensors"][0]["nbytes"] += 4
+        lie["manifest"]["data_bytes"] += 4
+        good.lease_reply = lie  # the same peer, same adapter id
+        before = snapshot(engine)
+        with pytest.raises(PeerManifestError):
+            swap_from_peer(engine, port, "a", "z", 2, transport="http", timeout_s=5)
+        assert snapshot(engine) == before
+    finally:
+        good.close()

@@ -16,19 +16,21 @@ import json
 import logging
 import math
 import socket
+from collections.abc import Callable
 from urllib.parse import quote
 
 from metrale.errors import MetraleError
 from metrale.peer.allow import PeerAddress
 from metrale.peer.deadline import Deadline
 from metrale.peer.errors import (
+    ManifestVersionError,
     PeerConnectionError,
     PeerManifestError,
     PeerTimeoutError,
     PeerTransferError,
     UnknownPeerAdapterError,
 )
-from metrale.peer.manifest import MAX_MANIFEST_BYTES
+from metrale.peer.wire import CONTENT_TYPE, MAX_MANIFEST_BYTES, WIRE_VERSION
 
 log = logging.getLogger("metrale.peer")
 
@@ -52,9 +54,20 @@ class PeerClient:
     def list_adapters(self) -> dict:
         return self._json("GET", "/peer/v1/adapters", None, "list adapters")
 
-    def lease(self, adapter_id: str, ttl_s: float) -> dict:
+    def lease(self, adapter_id: str, ttl_s: float) -> bytes:
+        """One round trip: the lease and the adapter's manifest, as the reply body
+        (metrale.peer.wire), read under the manifest byte cap."""
         path = f"/peer/v1/adapters/{quote(adapter_id, safe='')}/lease"
-        return self._json("POST", path, {"ttl_s": ttl_s}, f"lease {adapter_id!r}")
+        what = f"lease {adapter_id!r}"
+        conn, resp = self._request("POST", path, {"ttl_s": ttl_s, "manifest_version": WIRE_VERSION},
+                                   what, self.deadline, MAX_MANIFEST_BYTES, accept=CONTENT_TYPE)
+        try:
+            raw = self._read_capped(resp, MAX_MANIFEST_BYTES, what)
+        finally:
+            conn.close()
+        if resp.status != 200:
+            self._refusal(resp.status, raw, what)
+        return raw
 
     def release(self, lease_id: str) -> None:
         """Best effort, under its own short deadline; never raises."""
@@ -80,19 +93,34 @@ class PeerClient:
                 raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {resp.status}") from None
             raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not JSON ({e})") from None
         if resp.status != 200:
-            message = _error_message(doc)
-            if resp.status == 404:
-                raise UnknownPeerAdapterError(f"peer {self.addr}: {what}: {message}")
-            raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {resp.status}: {message}")
+            self._refusal(resp.status, doc, what)
         if not isinstance(doc, dict):
             raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not a JSON object")
         return doc
 
+    def _refusal(self, status: int, body: bytes | object, what: str):
+        """Raise the typed error for a non-200 reply (body: raw bytes or decoded JSON)."""
+        doc = body
+        if isinstance(body, bytes):
+            try:
+                doc = strict_json(body)
+            except ValueError:
+                raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {status}") from None
+        message = _error_message(doc)
+        if status == 404:
+            raise UnknownPeerAdapterError(f"peer {self.addr}: {what}: {message}")
+        if isinstance(doc, dict) and isinstance(doc.get("error"), dict) \
+                and doc["error"].get("code") == "ManifestVersionError":
+            raise ManifestVersionError(f"peer {self.addr}: {what}: {message}")
+        raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {status}: {message}")
+
     # --- data plane ---------------------------------------------------------------------
 
-    def read_exact(self, path: str, out: memoryview) -> None:
+    def read_exact(self, path: str, out: memoryview,
+                   progress: Callable[[int], None] | None = None) -> None:
         """Stream exactly len(out) bytes from `path` into `out`; a short or long
-        stream, a stall or a trickle past the deadline is an error."""
+        stream, a stall or a trickle past the deadline is an error. progress(n), when
+        given, is told each time the first n bytes are in."""
         n = len(out)
         what = "data stream"
         # Chunked framing of a real peer costs well under 1/64 of the body.
@@ -116,6 +144,8 @@ class PeerClient:
                         "died or closed mid-transfer"
                     )
                 got += k
+                if progress is not None:
+                    progress(got)
             if resp.read1(1):
                 raise PeerTransferError(f"peer {self.addr}: {what} is longer than the {n} bytes announced")
         except TimeoutError:
@@ -132,11 +162,11 @@ class PeerClient:
         return f"{host}:{self.addr.port}"
 
     def _request(self, method: str, path: str, body: dict | None, what: str,
-                 deadline: Deadline, body_cap: int):
+                 deadline: Deadline, body_cap: int, accept: str = "application/json"):
         """Send the request and read the status line and headers, all under `deadline`."""
         label = f"peer {self.addr}: {what}"
         conn = _PeerConnection(self.addr, deadline, label, body_cap + FRAMING_BYTES)
-        headers = {"Host": self._host(), "Accept": "application/json"}
+        headers = {"Host": self._host(), "Accept": accept}
         payload = None
         if body is not None:
             payload = json.dumps(body).encode()

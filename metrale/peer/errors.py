@@ -47,3 +47,7 @@ class LeaseNotFoundError(MetraleError):
 
 class TooManyLeasesError(MetraleError):
     """The exporter holds its maximum number of open leases; retry after some end."""
+
+
+class ManifestVersionError(PeerManifestError):
+    """The peer speaks another manifest version than this engine; upgrade the older side."""

@@ -15,7 +15,7 @@ lock, which is enough for a LoraSlots nothing else mutates (the peer store).
 
 from __future__ import annotations
 
-import base64
+import json
 import logging
 import math
 import re
@@ -25,13 +25,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.errors import UnknownAdapterError
-from metrale.peer.errors import LeaseNotFoundError, TooManyLeasesError
+from metrale.peer import wire
+from metrale.peer.errors import LeaseNotFoundError, ManifestVersionError, TooManyLeasesError
 from metrale.peer.ids import describe_ids
-from metrale.peer.manifest import DTYPE_NAMES, MANIFEST_VERSION, TensorSpec
+from metrale.peer.manifest import DTYPE_NAMES, MANIFEST_VERSION
 from metrale.peer.nixl_transport import endpoint_for
 from metrale.pool.slots import SlotState
 from metrale.pool.swap import LoraSlots
@@ -40,6 +42,23 @@ log = logging.getLogger("metrale.peer")
 
 Call = Callable[[Callable[[], object]], object]
 TRANSPORTS = ("http", "nixl")
+
+
+@dataclass(frozen=True)
+class LeaseReply:
+    lease_id: str
+    expires_in_s: float
+    body: bytes  # the wire reply: lease, manifest header, PEFT config, tensor table
+
+
+@dataclass(frozen=True)
+class _Export:
+    uid: int
+    header: dict  # the reply header's lease-independent fields
+    peft_raw: bytes
+    table: np.ndarray  # wire.RECORD[n]
+    views: list[torch.Tensor]  # contiguous canonical views into the pool, table order
+    data_bytes: int
 
 
 @dataclass
@@ -76,6 +95,7 @@ class AdapterExporter:
         self._clock = clock
         self._lock = threading.Lock()  # guards _leases only; never held across _call
         self._leases: dict[str, _Lease] = {}
+        self._exports: dict[int, _Export] = {}  # slot -> what its current landing exports
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         self.nixl = None
@@ -125,8 +145,14 @@ class AdapterExporter:
              "dtype": dtype, "transports": list(self.transports)}
             for i in self._call(ready)]}
 
-    def lease(self, adapter_id: str, ttl_s: float | None = None) -> dict:
-        """Pin the adapter's slot and describe it: {"lease": {...}, "manifest": {...}}."""
+    def lease(self, adapter_id: str, ttl_s: float | None = None,
+              manifest_version: object = MANIFEST_VERSION) -> LeaseReply:
+        """Pin the adapter's slot and describe it in one reply (metrale.peer.wire)."""
+        if manifest_version != MANIFEST_VERSION or type(manifest_version) is not int:
+            raise ManifestVersionError(
+                f"this peer speaks manifest version {MANIFEST_VERSION}; the engine asked for "
+                f"{'version 2 or older' if manifest_version is None else str(manifest_version)[:20]}"
+                ": upgrade the older side")
         if not isinstance(adapter_id, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}",
                                                                 adapter_id):
             raise UnknownAdapterError(f"adapter id {adapter_id!r} is not valid")
@@ -138,21 +164,26 @@ class AdapterExporter:
                 raise TooManyLeasesError(
                     f"{len(self._leases)} leases are open (max {self.max_leases}); retry later"
                 )
-        slot, info, ranks, scales, doras = self._call(lambda: self._take(adapter_id))
+        slot, info, tables = self._call(lambda: self._take(adapter_id))
         try:
             lease_id = secrets.token_urlsafe(18)
-            specs, views = self._tensors(slot, ranks, doras)
-            manifest = self._manifest(adapter_id, info, ranks, scales, doras, specs, views,
-                                      lease_id)
+            export = self._export(slot, info, tables)
+            header = {"version": MANIFEST_VERSION, "lease": {"id": lease_id, "expires_in_s": ttl},
+                      "adapter_id": adapter_id, **export.header}
+            if "http" in self.transports:
+                header["transports"] = {**header["transports"],
+                                        "http": {"data_path": f"/peer/v1/leases/{lease_id}/data"}}
+            body = wire.encode(header, export.peft_raw, export.table)
         except BaseException:
             self._call(lambda: self.slots.table.release(slot))
             raise
-        lease = _Lease(lease_id, adapter_id, slot, self._clock() + ttl, views, manifest["data_bytes"])
+        lease = _Lease(lease_id, adapter_id, slot, self._clock() + ttl, export.views,
+                       export.data_bytes)
         with self._lock:
             self._leases[lease_id] = lease
-        log.info("peer exporter: lease %s on %r (slot %d, %d bytes, %.0fs)", lease_id[:8],
-                 adapter_id, slot, lease.data_bytes, ttl)
-        return {"lease": {"id": lease_id, "expires_in_s": ttl}, "manifest": manifest}
+        log.debug("peer exporter: lease %s on %r (slot %d, %d bytes, %.0fs)", lease_id[:8],
+                  adapter_id, slot, lease.data_bytes, ttl)
+        return LeaseReply(lease_id, ttl, body)
 
     def release(self, lease_id: str) -> None:
         with self._lock:
@@ -202,50 +233,55 @@ class AdapterExporter:
             raise UnknownAdapterError(f"adapter {adapter_id!r} is not resident here; this peer "
                                       f"serves: {describe_ids(held)}")
         slot, _ = table.acquire(adapter_id)
-        return (slot, table.info(slot), *self.pool.host_tables(slot))
+        info = table.info(slot)
+        with self._lock:
+            cached = self._exports.get(slot)
+        fresh = cached is not None and cached.uid == info.uid
+        return slot, info, None if fresh else self.pool.host_tables(slot)
 
     def _drop(self, lease: _Lease) -> None:
         self._call(lambda: self.slots.table.release(lease.slot))
 
-    def _tensors(self, slot: int, ranks: torch.Tensor,
-                 doras: torch.Tensor) -> tuple[list[TensorSpec], list[torch.Tensor]]:
+    def _export(self, slot: int, info, tables) -> _Export:
+        """What a lease on this slot says, built once per landing in the slot (its uid):
+        a READY slot's bytes, tables and addresses cannot change under the same uid."""
+        with self._lock:
+            cached = self._exports.get(slot)
+        if cached is not None and cached.uid == info.uid:
+            return cached
+        ranks, scales, doras = tables
+        views, rows = [], []
         layout, itemsize = self.pool.layout, self.pool.layout.itemsize
-        specs, views = [], []
         for layer, module in layout.module_keys:
             m = layout.module_index(module)
             r = int(ranks[layer, m])
             if r == 0:
                 continue
-            parts = [("A", self.pool.lora_a(layer, module)[slot, :r]),  # [r, in], contiguous
-                     ("B", self.pool.lora_bt(layer, module)[slot, :r])]  # [r, out]
+            parts = [(0, self.pool.lora_a(layer, module)[slot, :r]),  # [r, in], contiguous
+                     (1, self.pool.lora_bt(layer, module)[slot, :r])]  # [r, out]
             if int(doras[layer, m]):
-                parts.append(("M", self.pool.magnitude(layer, module)[slot]))  # [1, out]
+                parts.append((2, self.pool.magnitude(layer, module)[slot]))  # [1, out]
             for kind, view in parts:
-                specs.append(TensorSpec(layer, module, kind, view.shape[0], view.shape[1],
-                                        view.numel() * itemsize))
+                addr = self.nixl.desc_of(view)[0] if self.nixl is not None else 0
+                rows.append((layer, wire.MODULES.index(module), kind, view.shape[0], view.shape[1],
+                             0, view.numel() * itemsize, addr))
                 views.append(view)
-        return specs, views
-
-    def _manifest(self, adapter_id, info, ranks, scales, doras, specs, views, lease_id) -> dict:
+        table = np.array(rows, dtype=wire.RECORD)
         peft = self._peft_for(info.name)
         peft_dict = peft.to_dict() if peft is not None else peft_from_tables(
-            self.pool.layout, ranks, scales, doras)
+            layout, ranks, scales, doras)
         transports: dict = {}
-        if "http" in self.transports:
-            transports["http"] = {"data_path": f"/peer/v1/leases/{lease_id}/data"}
         if self.nixl is not None:
-            transports["nixl"] = {
-                "agent_metadata": base64.b64encode(self.nixl.metadata).decode(),
-                "mem_type": self.nixl.mem_type,
-                "descs": [list(self.nixl.desc_of(v)) for v in views],
-            }
-        return {
-            "version": MANIFEST_VERSION, "adapter_id": adapter_id, "name": info.name,
-            "uid": info.uid, "generation": info.generation, "peft": peft_dict,
-            "dtype": DTYPE_NAMES[self.pool.layout.dtype],
-            "tensors": [s.to_dict() for s in specs], "data_bytes": sum(s.nbytes for s in specs),
-            "transports": transports,
-        }
+            transports["nixl"] = {"agent_metadata": wire.b64(self.nixl.metadata),
+                                  "mem_type": self.nixl.mem_type, "device": self.nixl.device_id}
+        data_bytes = int(table["nbytes"].sum())
+        header = {"name": info.name, "uid": info.uid, "generation": info.generation,
+                  "dtype": DTYPE_NAMES[layout.dtype], "data_bytes": data_bytes,
+                  "transports": transports}
+        export = _Export(info.uid, header, json.dumps(peft_dict).encode(), table, views, data_bytes)
+        with self._lock:
+            self._exports[slot] = export
+        return export
 
     def _chunks(self, lease: _Lease) -> Iterator[memoryview]:
         try:

@@ -1,7 +1,8 @@
 """The peer protocol over the standard library's threading HTTP server.
 
   GET    /peer/v1/adapters               list what can be leased
-  POST   /peer/v1/adapters/{id}/lease    {"ttl_s": s} -> {"lease": {...}, "manifest": {...}}
+  POST   /peer/v1/adapters/{id}/lease    {"ttl_s": s, "manifest_version": 3} -> the lease and
+                                         the manifest in one binary body (metrale.peer.wire)
   GET    /peer/v1/leases/{lease}/data    the leased tensors, concatenated in manifest order
   DELETE /peer/v1/leases/{lease}         release early
   GET    /peer/v1/health
@@ -26,6 +27,7 @@ from metrale.errors import AdapterError, MetraleError, SlotBusyError, UnknownAda
 from metrale.peer.allow import AllowList, as_allow_list
 from metrale.peer.errors import LeaseNotFoundError, TooManyLeasesError
 from metrale.peer.exporter import AdapterExporter
+from metrale.peer.wire import CONTENT_TYPE
 
 log = logging.getLogger("metrale.peer")
 
@@ -42,6 +44,7 @@ class _Handler(BaseHTTPRequestHandler):
     server: PeerHTTPServer
     timeout = SOCKET_TIMEOUT_S
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as two writes
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
         log.debug("peer http %s: " + format, self.client_address[0], *args)
@@ -68,7 +71,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(200, {"status": "ok", "open_leases": exporter.open_leases})
             elif method == "POST" and (m := _LEASE_RE.fullmatch(path)):
                 body = self._body()
-                self._send_json(200, exporter.lease(unquote(m[1]), body.get("ttl_s")))
+                reply = exporter.lease(unquote(m[1]), body.get("ttl_s"), body.get("manifest_version"))
+                self._send_bytes(200, reply.body, CONTENT_TYPE)
             elif method == "GET" and (m := _DATA_RE.fullmatch(path)):
                 self._send_data(*exporter.open_data(m[1]))
             elif method == "DELETE" and (m := _RELEASE_RE.fullmatch(path)):
@@ -101,9 +105,11 @@ class _Handler(BaseHTTPRequestHandler):
         return body
 
     def _send_json(self, status: int, doc: dict) -> None:
-        raw = json.dumps(doc).encode()
+        self._send_bytes(status, json.dumps(doc).encode(), "application/json")
+
+    def _send_bytes(self, status: int, raw: bytes, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
         self.wfile.write(raw)

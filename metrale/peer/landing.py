@@ -25,7 +25,7 @@ import re
 import time
 from collections.abc import Callable, Iterable
 
-import torch
+import numpy as np
 
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import AdapterPlan
@@ -34,7 +34,16 @@ from metrale.peer.allow import AllowList, resolve_peer
 from metrale.peer.client import PeerClient
 from metrale.peer.deadline import Deadline
 from metrale.peer.errors import NixlUnavailableError, PeerManifestError, PeerUnavailableError
-from metrale.peer.manifest import DTYPE_NAMES, Manifest, canonical_views, manifest_plan, parse_manifest
+from metrale.peer.manifest import (
+    DTYPE_NAMES,
+    Manifest,
+    canonical_views,
+    manifest_plan,
+    parse_manifest,
+    read_reply,
+)
+from metrale.peer.nixl_transport import coalesce
+from metrale.peer.plans import PeerPlan, plan_cache_for
 from metrale.pool.landing import Landing
 from metrale.pool.staging import StagingBuffers
 from metrale.pool.swap import LoraSlots, Prepared
@@ -53,14 +62,15 @@ PeftLike = PeftAdapterConfig | dict | None
 def swap_from_peer(
     lora_slots: LoraSlots, peer_addr: str, adapter_id: str, adapter_name: str, slot: int,
     peft: PeftLike = None, *, transport: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-    peer_allow: AllowList | Iterable[str] | None = None,
+    peer_allow: AllowList | Iterable[str] | None = None, stats: dict | None = None,
 ) -> None:
     """Land the peer's adapter `adapter_id` into `slot` as `adapter_name`.
 
     `peft`, when given, is the config to serve the adapter with (the seed's
-    argument); otherwise the manifest's. peer_allow defaults to loopback only."""
+    argument); otherwise the manifest's. peer_allow defaults to loopback only.
+    `stats`, when given, receives the phases' timings in ms (benchmarks)."""
     fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
-                       timeout_s, peer_allow)
+                       timeout_s, peer_allow, stats=stats)
     lora_slots.swap_from("swap_lora_slot_from_peer", adapter_name, slot, fetch.source,
                          fetch.prepare)
 
@@ -68,11 +78,11 @@ def swap_from_peer(
 def promote_from_peer(
     lora_slots: LoraSlots, peer_addr: str, adapter_id: str, adapter_name: str,
     peft: PeftLike = None, *, transport: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-    peer_allow: AllowList | Iterable[str] | None = None,
+    peer_allow: AllowList | Iterable[str] | None = None, stats: dict | None = None,
 ) -> tuple[int, str | None]:
     """Pick a victim cache slot and land the peer's adapter there: (slot, evicted name)."""
     fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
-                       timeout_s, peer_allow)
+                       timeout_s, peer_allow, stats=stats)
     return lora_slots.promote_from("promote_lora_slot_from_peer", adapter_name, fetch.source,
                                    fetch.prepare)
 
@@ -93,7 +103,7 @@ def prepare_from_peer(
 class _PeerFetch:
     def __init__(self, lora_slots: LoraSlots, peer_addr: str, adapter_id: str, name: str,
                  peft: PeftLike, transport: str, timeout_s: float, peer_allow,
-                 staging: StagingBuffers | None = None) -> None:
+                 staging: StagingBuffers | None = None, stats: dict | None = None) -> None:
         if transport not in TRANSPORT_CHOICES:
             raise MetraleError(f"transport {transport!r}: choose from {', '.join(TRANSPORT_CHOICES)}")
         self.slots, self.peer_addr, self.adapter_id, self.name = lora_slots, peer_addr, adapter_id, name
@@ -102,6 +112,7 @@ class _PeerFetch:
         self.source = f"peer {peer_addr} adapter {adapter_id!r}"
         self._client: PeerClient | None = None
         self._lease_id: str | None = None
+        self.stats: dict = {} if stats is None else stats  # phase timings, for benchmarks
 
     def close(self) -> None:
         if self._client is not None and self._lease_id is not None:
@@ -123,24 +134,59 @@ class _PeerFetch:
         addr = resolve_peer(self.peer_addr, self.peer_allow)  # before any connection
         start, deadline = time.perf_counter(), Deadline(self.timeout_s)
         self._client = client = PeerClient(addr, deadline)
-        reply = client.lease(self.adapter_id, self.timeout_s + LEASE_SLACK_S)
-        self._take_lease(reply.get("lease"), deadline)
+        raw = client.lease(self.adapter_id, self.timeout_s + LEASE_SLACK_S)  # one round trip
+        t_lease = time.perf_counter()
         pool = self.slots.pool
-        manifest = parse_manifest(reply.get("manifest"), pool.layout, self.source)
+        reply = read_reply(raw, self.source)
+        self._take_lease(reply.lease, deadline)
+        peer = f"{addr.ip}:{addr.port}"
+        cache = plan_cache_for(pool)
+        cached = cache.get(peer, self.adapter_id) if self.peft is None else None
+        manifest = parse_manifest(reply, pool.layout, self.source,
+                                  cached.shape_bytes if cached is not None else None)
         if manifest.adapter_id != self.adapter_id:
             raise PeerManifestError(
                 f"{self.source}: the peer answered with adapter {manifest.adapter_id!r}"
             )
-        plan = manifest_plan(manifest, self.name, self._peft(manifest), self.slots.model_config,
-                             self.slots.pool_config, self.source)
+        hit = cached is not None and cached.matches(manifest.shape_bytes, manifest.peft_raw,
+                                                    manifest.dtype)
+        if hit:
+            entry = cached.named(self.name)
+            cache.hits += 1
+        else:
+            entry = self._plan(manifest)
+            cache.misses += 1
+            if self.peft is None:
+                cache.put(peer, self.adapter_id, entry)  # replaces an entry of another layout
+        t_plan = time.perf_counter()
         mode = self._choose(manifest)
         if mode == "nixl":
-            write = self._nixl_writer(manifest, plan, deadline)
+            write = self._nixl_writer(manifest, entry, deadline, peer)
         else:
-            write = self._http_writer(client, manifest, plan)
-        log.info("%s: %d tensors, %d bytes, via %s, ready in %.1f ms", self.source,
-                 len(plan.landings), plan.data_bytes, mode, (time.perf_counter() - start) * 1e3)
+            write = self._http_writer(client, manifest, entry.plan)
+        end = time.perf_counter()
+        self.stats.update(
+            transport=mode, plan_cached=hit, tensors=len(manifest.table),
+            manifest_bytes=len(raw), control_ms=(t_lease - start) * 1e3,
+            validate_ms=(t_plan - t_lease) * 1e3, prepare_ms=(end - t_plan) * 1e3)
+        log.info("%s: %d tensors, %d bytes, via %s, plan %s, ready in %.2f ms", self.source,
+                 len(manifest.table), manifest.data_bytes, mode, "cached" if hit else "built",
+                 (end - start) * 1e3)
         return write
+
+    def _plan(self, manifest: Manifest) -> PeerPlan:
+        """Validate and plan a table this engine has not planned (from this peer) yet."""
+        slots, layout = self.slots, self.slots.pool.layout
+        peft = self._peft(manifest)
+        plan = manifest_plan(manifest, self.name, peft, slots.model_config, slots.pool_config,
+                             self.source)
+        if len(plan.landings) != len(manifest.table):  # every tensor lands, in table order
+            raise PeerManifestError(f"{self.source}: the plan does not cover the manifest")
+        offsets = np.array([layout.region(t.target.layer, t.target.module, t.kind).offset
+                            for t in plan.landings], dtype=np.int64) * layout.itemsize
+        nbytes = manifest.table["nbytes"].astype(np.int64)
+        return PeerPlan(manifest.shape_bytes, manifest.peft_raw, manifest.dtype, plan, offsets,
+                        nbytes)
 
     # --- steps ---------------------------------------------------------------------------
 
@@ -158,7 +204,9 @@ class _PeerFetch:
     def _peft(self, manifest: Manifest) -> PeftAdapterConfig:
         if isinstance(self.peft, PeftAdapterConfig):
             return self.peft
-        return PeftAdapterConfig.from_dict(self.peft if self.peft is not None else manifest.peft)
+        if self.peft is not None:
+            return PeftAdapterConfig.from_dict(self.peft)
+        return manifest.peft_config(self.slots.pool.layout, self.source)
 
     def _choose(self, manifest: Manifest) -> str:
         """nixl when asked (or on auto when both sides can), else http; refusals here
@@ -194,39 +242,50 @@ class _PeerFetch:
 
     def _http_writer(self, client: PeerClient, manifest: Manifest,
                      plan: AdapterPlan) -> Callable[[Landing], None]:
-        def fill(host: torch.Tensor) -> None:
-            client.read_exact(manifest.http_path, memoryview(host.numpy()))
-
-        views = canonical_views(plan, self.slots.stage(plan, fill, self.staging))
+        """Stream the bytes into pinned staging, each chunk going on to the device as it
+        arrives (StagingBuffers.stream), then the disk path's checks (NaN/Inf on the
+        device) before any slot is touched."""
+        staging = self.staging or self.slots.staging
+        start = time.perf_counter()
+        data = staging.stream(plan.data_bytes, lambda out, progress: client.read_exact(
+            manifest.http_path, out, progress))
+        views = canonical_views(plan, self.slots.pool.stage_views(plan, data))
+        self.stats["transfer_ms"] = (time.perf_counter() - start) * 1e3
         return lambda landing: landing.write_views(plan, views)
 
-    def _nixl_writer(self, manifest: Manifest, plan: AdapterPlan,
-                     deadline: Deadline) -> Callable[[Landing], None]:
-        layout = self.slots.pool.layout
+    def _nixl_writer(self, manifest: Manifest, entry: PeerPlan, deadline: Deadline,
+                     peer: str) -> Callable[[Landing], None]:
+        """Local ranges come only from the local layout (the cached plan's offsets); the
+        peer's sizes equal them (the table was checked, or is byte-equal to one that
+        was). Runs and both descriptor lists are reused across landings."""
         endpoint = self._endpoint()
-        remote_by_key = {(t.layer, t.module, t.kind): d
-                         for t, d in zip(manifest.tensors, manifest.nixl.descs)}
-        remotes = []  # one remote descriptor per planned tensor, in plan order
-        for landing in plan.landings:
-            t = landing.target
-            region = layout.region(t.layer, t.module, landing.kind)
-            remote = remote_by_key[(t.layer, t.module, landing.kind)]
-            nbytes = landing.rows * region.cols * layout.itemsize  # rank rows; 1 for M
-            if remote[1] != nbytes:  # checked before any slot is zeroed
-                raise PeerManifestError(
-                    f"{self.source}: NIXL descriptor of {remote[1]} bytes for layer {t.layer} "
-                    f"{t.module} {landing.kind}; the local slot expects {nbytes}"
-                )
-            remotes.append(remote)
-        agent = endpoint.add_remote(manifest.nixl.agent_metadata)
+        nixl = manifest.nixl
+        key = nixl.addrs.tobytes()
+        runs = entry.runs.get(key)
+        if runs is None:
+            runs = coalesce(entry.local_offsets, nixl.addrs, entry.nbytes)
+            while len(entry.runs) >= 4:  # a peer engine may export from another slot
+                entry.runs.pop(next(iter(entry.runs)))
+            entry.runs[key] = runs
+        agent = endpoint.add_remote(nixl.agent_metadata)
+        plan, itemsize, stats = entry.plan, self.slots.pool.layout.itemsize, self.stats
 
         def write(landing: Landing) -> None:
-            local = [(r.addr, r.nbytes, endpoint.device_id) for r in landing.byte_ranges(plan)]
+            start = time.perf_counter()
+            slot = landing.slot_range(plan)
+            local = [(slot.addr + off, n, endpoint.device_id) for off, n in runs.local]
+            remote = [(addr, n, nixl.device) for addr, n in runs.remote]
             try:
-                endpoint.read(agent, local, remotes, manifest.nixl.mem_type, deadline)
+                endpoint.read(agent, local, remote, nixl.mem_type, deadline,
+                              within=(slot.addr, slot.nbytes))
             except PeerUnavailableError:
                 endpoint.forget_remote(agent)  # reconnect from fresh metadata next time
                 raise
+            mid = time.perf_counter()
+            if runs.gaps:
+                landing.zero_elements(runs.gap_elements(itemsize, self.slots.pool.device))
             landing.check_written(plan)
+            stats.update(transfer_ms=(mid - start) * 1e3, check_ms=(time.perf_counter() - mid) * 1e3,
+                         runs=len(runs.local))
 
         return write

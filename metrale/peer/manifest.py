@@ -20,14 +20,14 @@ parsing or planning is turned into a PeerManifestError naming the peer.
 
 from __future__ import annotations
 
-import base64
-import binascii
+import functools
 import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
@@ -35,11 +35,22 @@ from metrale.adapters.plan import AdapterPlan, plan_from_tensors
 from metrale.adapters.safetensors_file import FLOAT_DTYPES, check_entries
 from metrale.config import EXTRA_TARGETS, EXTRA_TARGETS_FLAG, LINEAR_MODULES, ModelConfig, PoolConfig
 from metrale.errors import AdapterMismatchError, ExtraTargetsRequiredError, MetraleError
-from metrale.peer.errors import PeerManifestError
+from metrale.peer.client import strict_json
+from metrale.peer.errors import ManifestVersionError, PeerManifestError
+from metrale.peer.wire import (
+    KINDS,
+    MAX_HEADER_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_PEFT_BYTES,
+    MODULES,
+    WIRE_VERSION,
+    WireReply,
+    decode,
+    unb64,
+)
 from metrale.pool.layout import SlotLayout
 
-MANIFEST_VERSION = 2
-MAX_MANIFEST_BYTES = 8 << 20  # far above any real model's tensor list
+MANIFEST_VERSION = WIRE_VERSION
 MAX_METADATA_BYTES = 1 << 20
 MAX_JSON_DEPTH = 16  # a manifest nests 5 deep; the bound keeps every walk off the stack limit
 # PEFT regexes run against every module path of the model, so a peer's pattern
@@ -52,7 +63,6 @@ MAX_PATTERN_REPEATS = 3
 MAX_PEFT_REPEATS = 16  # over all patterns of one config
 DTYPE_NAMES = {v: k for k, v in FLOAT_DTYPES.items()}  # torch.float32 -> "F32"
 DATA_PATH_RE = re.compile(r"/peer/v1/leases/[A-Za-z0-9_-]{8,64}/data")
-Desc = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,8 @@ class TensorSpec:
 class NixlInfo:
     agent_metadata: bytes
     mem_type: str  # "DRAM" | "VRAM"
-    descs: tuple[Desc, ...]  # one per tensor, manifest order
+    device: int  # the peer's device id of every tensor
+    addrs: np.ndarray  # uint64, one per tensor, manifest order (the table's addr column)
 
 
 @dataclass(frozen=True)
@@ -82,17 +93,38 @@ class Manifest:
     name: str
     uid: int
     generation: int
-    peft: dict
     dtype: str  # safetensors name: F32, BF16, F16, F64
-    tensors: tuple[TensorSpec, ...]
+    table: np.ndarray = field(repr=False)  # wire.RECORD[n], manifest order
     data_bytes: int
     http_path: str | None
     nixl: NixlInfo | None
-    peft_config: PeftAdapterConfig = field(compare=False, repr=False)  # `peft`, parsed
+    peft_raw: bytes = field(repr=False)  # the PEFT config's JSON, parsed only when planning
+    shape_bytes: bytes = field(repr=False)  # the table without addresses (the plan's input)
+    checked: bool = False  # the table was checked against the local layout (not a cache hit)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return FLOAT_DTYPES[self.dtype]
+
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        """Per-tensor objects, for planning a table never seen (not the repeat path)."""
+        return tuple(TensorSpec(layer, MODULES[m], KINDS[k], rows, cols, nbytes)
+                     for layer, m, k, rows, cols, _, nbytes, _ in self.table.tolist())
+
+    def peft_doc(self, source: str) -> dict:
+        try:
+            doc = strict_json(self.peft_raw)
+        except ValueError as e:
+            raise PeerManifestError(f"{source}: the PEFT config is not JSON ({_short(str(e))})") from None
+        check_json_bounds(doc, source, MAX_PEFT_BYTES)
+        if not isinstance(doc, dict):
+            raise PeerManifestError(f"{source}: manifest has no PEFT config object")
+        return doc
+
+    def peft_config(self, layout: SlotLayout, source: str) -> PeftAdapterConfig:
+        with refusing_malformed(source, "PEFT config"):
+            return _peft_config(self.peft_doc(source), layout, source)
 
 
 # --- reading a peer's manifest ----------------------------------------------------------
@@ -119,20 +151,43 @@ def _short(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def parse_manifest(doc: object, layout: SlotLayout, source: str) -> Manifest:
-    """Check a decoded manifest against the local slot layout, before any I/O on data.
-    Raises only MetraleError subclasses, whatever `doc` holds."""
+@dataclass(frozen=True)
+class Reply:
+    lease: object  # the lease object as sent: the landing checks it (and releases it)
+    header: dict
+    wire: WireReply
+
+
+def read_reply(raw: bytes, source: str) -> Reply:
+    """Split and decode a lease reply body: sections, then the header's JSON (strict,
+    bounded). Raises only MetraleError subclasses, whatever `raw` holds."""
     with refusing_malformed(source, "manifest"):
-        return _parse(doc, layout, source)
+        wire = decode(raw, source)
+        try:
+            header = strict_json(wire.header)
+        except ValueError as e:
+            raise PeerManifestError(f"{source}: the manifest header is not JSON ({_short(str(e))})") from None
+        check_json_bounds(header, source, MAX_HEADER_BYTES)
+        if not isinstance(header, dict):
+            raise PeerManifestError(f"{source}: the manifest header is not a JSON object")
+        return Reply(header.get("lease"), header, wire)
 
 
-def _parse(doc: object, layout: SlotLayout, source: str) -> Manifest:
-    check_json_bounds(doc, source)
-    if not isinstance(doc, dict):
-        raise PeerManifestError(f"{source}: manifest is not a JSON object")
+def parse_manifest(reply: Reply, layout: SlotLayout, source: str,
+                   known_shapes: bytes | None = None) -> Manifest:
+    """Check a decoded reply against the local slot layout, before any I/O on data.
+    `known_shapes`: the shape bytes of a table this engine already checked against this
+    layout (the plan cache's); an equal table skips the column checks, since equal bytes
+    pass or fail them alike. Raises only MetraleError subclasses."""
+    with refusing_malformed(source, "manifest"):
+        return _parse(reply.header, reply.wire, layout, source, known_shapes)
+
+
+def _parse(doc: dict, wire: WireReply, layout: SlotLayout, source: str,
+           known_shapes: bytes | None) -> Manifest:
     version = doc.get("version")
     if type(version) is not int or version != MANIFEST_VERSION:  # True == 1 in Python
-        raise PeerManifestError(
+        raise ManifestVersionError(
             f"{source}: manifest version {_short(version)} is not {MANIFEST_VERSION}; "
             "upgrade the older side"
         )
@@ -143,8 +198,11 @@ def _parse(doc: object, layout: SlotLayout, source: str) -> Manifest:
             f"converted into this pool's {layout.dtype}"
         )
     itemsize = FLOAT_DTYPES[dtype].itemsize
-    tensors = _tensors(doc.get("tensors"), layout, itemsize, source)
-    data_bytes = sum(t.nbytes for t in tensors)
+    table, shapes = wire.table, wire.shape_bytes()
+    hit = known_shapes is not None and shapes == known_shapes
+    if not hit:
+        check_table(table, layout, itemsize, source)
+    data_bytes = int(table["nbytes"].sum(dtype=np.uint64))  # checked rows: no overflow
     if _int(doc, "data_bytes", source) != data_bytes:
         raise PeerManifestError(
             f"{source}: data_bytes {doc['data_bytes']} != the {data_bytes} bytes its tensors add up to"
@@ -153,20 +211,88 @@ def _parse(doc: object, layout: SlotLayout, source: str) -> Manifest:
         raise PeerManifestError(
             f"{source}: {data_bytes // itemsize} elements do not fit a {layout.slot_elems}-element slot"
         )
-    peft = doc.get("peft")
-    if not isinstance(peft, dict):
-        raise PeerManifestError(f"{source}: manifest has no PEFT config object")
-    peft_config = _peft_config(peft, layout, source)
     transports = doc.get("transports")
     if not isinstance(transports, dict):
         raise PeerManifestError(f"{source}: manifest has no transports object")
     return Manifest(
         adapter_id=_str(doc, "adapter_id", source), name=_str(doc, "name", source),
         uid=_int(doc, "uid", source), generation=_int(doc, "generation", source),
-        peft=peft, dtype=dtype, tensors=tensors, data_bytes=data_bytes,
+        dtype=dtype, table=table, data_bytes=data_bytes,
         http_path=_http_path(transports.get("http"), source),
-        nixl=_nixl(transports.get("nixl"), tensors, source), peft_config=peft_config,
+        nixl=_nixl(transports.get("nixl"), table, source), peft_raw=wire.peft,
+        shape_bytes=shapes, checked=not hit,
     )
+
+
+def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: str) -> None:
+    """Every record against the local layout, a column at a time: count, indices,
+    ranges, shapes, byte sizes, duplicates. The first bad record is named."""
+    model, n = layout.model, len(table)
+    limit = len(layout.regions)  # regions in one local slot
+    if n == 0:
+        raise PeerManifestError(f"{source}: manifest tensors must be a non-empty list")
+    if n > limit:
+        raise PeerManifestError(f"{source}: {n} tensors; a slot of this pool holds at most {limit}")
+    layer, module, kind = (table[k].astype(np.int64) for k in ("layer", "module", "kind"))
+    rows, cols = table["rows"].astype(np.int64), table["cols"].astype(np.int64)
+
+    def first(bad: np.ndarray) -> int | None:
+        idx = np.flatnonzero(bad)
+        return int(idx[0]) if idx.size else None
+
+    def refuse(bad: np.ndarray, error: type, message) -> None:
+        i = first(bad)
+        if i is not None:
+            t = table[i]
+            what = (f"{source}: tensor #{i} (layer {int(t['layer'])} "
+                    f"{MODULES[t['module']] if t['module'] < len(MODULES) else t['module']} "
+                    f"{KINDS[t['kind']] if t['kind'] < len(KINDS) else t['kind']})")
+            raise error(f"{what}: {message(i)}")
+
+    refuse(table["pad"] != 0, PeerManifestError, lambda i: "reserved field is not 0")
+    refuse(module >= len(MODULES), AdapterMismatchError, lambda i: (
+        f"module index {int(module[i])} is not a projection of this model (known: "
+        f"{', '.join(MODULES)})"))
+    extra = module >= len(LINEAR_MODULES)
+    served = np.array([m in layout.pool.extra_targets for m in MODULES], dtype=bool)
+    refuse(extra & ~served[module], ExtraTargetsRequiredError, lambda i: (
+        f"the adapter has LoRA on {MODULES[module[i]]}, and this engine has no pool memory "
+        f"for it: start it with {EXTRA_TARGETS_FLAG} {MODULES[module[i]]}"))
+    refuse(layer >= model.num_layers, PeerManifestError,
+           lambda i: f"layer {int(layer[i])} is not in [0, {model.num_layers - 1}]")
+    refuse(extra & (layer != 0), PeerManifestError, lambda i: "a model-level module's layer must be 0")
+    refuse(kind >= len(KINDS), PeerManifestError, lambda i: f"kind {int(kind[i])} is not A, B or M")
+    refuse((rows == 0) | (cols == 0), PeerManifestError,
+           lambda i: f"shape [{int(rows[i])}, {int(cols[i])}] is not [rank, dim]")
+    refuse((kind == 2) & (rows != 1), PeerManifestError,
+           lambda i: f"a DoRA magnitude is [1, out], not [{int(rows[i])}, {int(cols[i])}]")
+    refuse(rows > layout.max_rank, AdapterMismatchError, lambda i: (
+        f"rank {int(rows[i])} > max_lora_rank {layout.max_rank}; start the engine with "
+        f"max_lora_rank >= {int(rows[i])}"))
+    expected = _expected_cols(model)
+    want = expected[module, np.minimum(kind, 1)]
+    refuse(cols != want, AdapterMismatchError, lambda i: (
+        f"is [{int(rows[i])}, {int(cols[i])}], expected [{int(rows[i])}, {int(want[i])}] for "
+        "this base model"))
+    sizes = rows * cols * itemsize  # rows <= max_rank, cols a model dimension: no overflow
+    refuse(table["nbytes"] != sizes.astype(np.uint64), PeerManifestError, lambda i: (
+        f"nbytes {int(table['nbytes'][i])} != {int(rows[i])}x{int(cols[i])}x{itemsize}; the "
+        "manifest lies about sizes"))
+    keys = (layer * len(MODULES) + module) * len(KINDS) + kind
+    order = np.argsort(keys, kind="stable")
+    dup = np.zeros(n, dtype=bool)
+    dup[order[1:]] = keys[order[1:]] == keys[order[:-1]]
+    refuse(dup, PeerManifestError, lambda i: "a second tensor for the same layer, module and kind")
+
+
+@functools.lru_cache(maxsize=16)
+def _expected_cols(model: ModelConfig) -> np.ndarray:
+    """[module index, A=0 | B,M=1] -> the local column count."""
+    out = np.zeros((len(MODULES), 2), dtype=np.int64)
+    for i, module in enumerate(MODULES):
+        out[i] = model.linear_shape(module)
+    out.setflags(write=False)
+    return out
 
 
 @contextmanager
@@ -229,65 +355,6 @@ def check_json_bounds(doc: object, source: str, max_bytes: int = MAX_MANIFEST_BY
             break
     if budget < 0:
         raise PeerManifestError(f"{source}: manifest is larger than {max_bytes} bytes")
-
-
-def _tensors(items: object, layout: SlotLayout, itemsize: int, source: str) -> tuple[TensorSpec, ...]:
-    model = layout.model
-    limit = len(layout.regions)  # regions in one local slot
-    if not isinstance(items, list) or not items:
-        raise PeerManifestError(f"{source}: manifest tensors must be a non-empty list")
-    if len(items) > limit:
-        raise PeerManifestError(
-            f"{source}: {len(items)} tensors; a slot of this pool holds at most {limit}"
-        )
-    specs, seen = [], set()
-    for i, item in enumerate(items):
-        what = f"{source}: tensor #{i}"
-        if not isinstance(item, dict):
-            raise PeerManifestError(f"{what} is not an object")
-        layer = _int(item, "layer", what, 0, model.num_layers - 1)
-        module, kind = item.get("module"), item.get("kind")
-        if module not in LINEAR_MODULES and module not in EXTRA_TARGETS:
-            raise AdapterMismatchError(
-                f"{what}: module {_short(module)} is not a projection of this model "
-                f"(known: {', '.join(LINEAR_MODULES + EXTRA_TARGETS)})"
-            )
-        if module in EXTRA_TARGETS and module not in layout.pool.extra_targets:
-            raise ExtraTargetsRequiredError(
-                f"{what}: the adapter has LoRA on {module}, and this engine has no pool memory "
-                f"for it: start it with {EXTRA_TARGETS_FLAG} {module}")
-        if module in EXTRA_TARGETS and layer != 0:
-            raise PeerManifestError(f"{what}: {module} is model-level; its layer must be 0")
-        if kind not in ("A", "B", "M"):
-            raise PeerManifestError(f"{what}: kind {_short(kind)} is not 'A', 'B' or 'M'")
-        shape = item.get("shape")
-        if (not isinstance(shape, list) or len(shape) != 2
-                or any(type(d) is not int or d <= 0 for d in shape)):
-            raise PeerManifestError(f"{what}: shape {_short(shape)} is not [rank, dim]")
-        rows, cols = shape
-        if kind == "M" and rows != 1:
-            raise PeerManifestError(f"{what}: a DoRA magnitude is [1, out], not {_short(shape)}")
-        if rows > layout.max_rank:
-            raise AdapterMismatchError(
-                f"{what}: {module} has rank {rows} > max_lora_rank {layout.max_rank}; start "
-                f"the engine with max_lora_rank >= {rows}"
-            )
-        d_in, d_out = model.linear_shape(module)
-        if cols != (d_in if kind == "A" else d_out):
-            raise AdapterMismatchError(
-                f"{what}: {module} {kind} is [{rows}, {cols}], expected [{rows}, "
-                f"{d_in if kind == 'A' else d_out}] for this base model"
-            )
-        nbytes = _int(item, "nbytes", what)
-        if nbytes != rows * cols * itemsize:
-            raise PeerManifestError(
-                f"{what}: nbytes {nbytes} != {rows}x{cols}x{itemsize}; the manifest lies about sizes"
-            )
-        if (layer, module, kind) in seen:
-            raise PeerManifestError(f"{what}: a second tensor for layer {layer} {module} {kind}")
-        seen.add((layer, module, kind))
-        specs.append(TensorSpec(layer, module, kind, rows, cols, nbytes))
-    return tuple(specs)
 
 
 def _peft_config(doc: dict, layout: SlotLayout, source: str) -> PeftAdapterConfig:
@@ -400,7 +467,7 @@ def _http_path(doc: object, source: str) -> str | None:
     return path
 
 
-def _nixl(doc: object, tensors: tuple[TensorSpec, ...], source: str) -> NixlInfo | None:
+def _nixl(doc: object, table: np.ndarray, source: str) -> NixlInfo | None:
     if doc is None:
         return None
     if not isinstance(doc, dict):
@@ -408,26 +475,20 @@ def _nixl(doc: object, tensors: tuple[TensorSpec, ...], source: str) -> NixlInfo
     raw = doc.get("agent_metadata")
     if not isinstance(raw, str) or len(raw) > MAX_METADATA_BYTES * 4 // 3 + 4:
         raise PeerManifestError(f"{source}: nixl agent_metadata missing or oversized")
-    try:
-        metadata = base64.b64decode(raw, validate=True)
-    except (binascii.Error, ValueError):
-        raise PeerManifestError(f"{source}: nixl agent_metadata is not base64") from None
+    metadata = unb64(raw, source, "nixl agent_metadata")
     mem = doc.get("mem_type")
     if mem not in ("DRAM", "VRAM"):
         raise PeerManifestError(f"{source}: nixl mem_type {_short(mem)} is not DRAM or VRAM")
-    descs = doc.get("descs")
-    if not isinstance(descs, list) or len(descs) != len(tensors):
-        raise PeerManifestError(f"{source}: nixl needs exactly one descriptor per tensor")
-    out = []
-    for t, d in zip(tensors, descs):
-        if (not isinstance(d, list) or len(d) != 3 or any(type(x) is not int for x in d)
-                or not 0 < d[0] < 1 << 64 or d[1] != t.nbytes or not 0 <= d[2] < 1024):
-            raise PeerManifestError(
-                f"{source}: nixl descriptor {_short(d)} for layer {t.layer} {t.module} {t.kind} must be "
-                f"[address, {t.nbytes}, device]"
-            )
-        out.append((d[0], d[1], d[2]))
-    return NixlInfo(metadata, mem, tuple(out))
+    device = _int(doc, "device", f"{source}: nixl", 0, 1023)
+    addrs = table["addr"]
+    # nbytes are checked (small), so addr + nbytes wraps only for addresses near 2**64
+    bad = (addrs == 0) | (addrs > np.uint64((1 << 64) - 1) - table["nbytes"])
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PeerManifestError(
+            f"{source}: nixl address {int(addrs[i]):#x} of tensor #{i} is not a remote "
+            f"range of {int(table['nbytes'][i])} bytes")
+    return NixlInfo(metadata, mem, device, addrs)
 
 
 def tensor_name(model: ModelConfig, t: TensorSpec) -> str:

@@ -1,9 +1,16 @@
 """One NIXL agent per adapter pool: the pool buffer is registered once and used
 both to READ peers' adapters into slots and to export READY slots.
 
-Descriptors cross the wire as plain JSON triples (address, length, device id),
-never through nixl_agent.get_serialized_descs / deserialize_descs: those are
-pickle, and unpickling a peer's bytes would let the peer run code here.
+Remote addresses cross the wire as plain integers in the manifest's table (with one
+device id and memory type per reply), never through nixl_agent.get_serialized_descs /
+deserialize_descs: those are pickle, and unpickling a peer's bytes would let the peer
+run code here.
+
+Per landing the control work is small and cached: a peer's agent metadata is loaded
+once (add_remote, keyed by the metadata bytes), the tensors are coalesced into runs
+(`coalesce`: matching layouts give one run per slot), both descriptor lists are
+prepared once per distinct list (prep_xfer_dlist) and a transfer is made from them by
+index (make_prepped_xfer); completion is polled by spinning first, then with a backoff.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import threading
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metrale.peer.deadline import Deadline
@@ -28,7 +37,14 @@ Desc = tuple[int, int, int]  # (address, length in bytes, device id)
 # How long a failed transfer may take to acknowledge its cancellation before we
 # give up on it (the handle then stays in NIXL's leak list).
 _CANCEL_GRACE_S = 2.0
-_POLL_S = 0.0005
+_SPIN_POLLS = 64  # polls without sleeping: each costs a few microseconds
+_POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3  # then sleeps doubling from the first to the second
+_MAX_PREPPED = 64  # prepared descriptor lists kept (local per slot, remote per peer placement)
+_LOCAL = "NIXL_INIT_AGENT"  # prep_xfer_dlist's name for the local side
+# Largest run of bytes between two tensors that a run carries rather than split there
+# (the DoRA magnitude region between one module's B and the next module's A: 28 KiB on
+# an 8B model). Bridged bytes are inside the local slot and zeroed after the transfer.
+MAX_BRIDGE_BYTES = 1 << 20
 
 _endpoints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _endpoints_lock = threading.Lock()
@@ -63,6 +79,8 @@ class NixlEndpoint:
         self.base, self.nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
         self.name = f"metrale-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._lock = threading.Lock()  # the agent runs without NIXL's own locking
+        self._remotes: dict[bytes, str] = {}  # agent metadata -> loaded remote agent name
+        self._prepped: dict = {}  # (agent name, mem type, descs) -> prepped dlist; LRU order
         try:
             # The progress thread lets peers READ from us over transports (UCX TCP)
             # that need the target side to make progress.
@@ -93,38 +111,53 @@ class NixlEndpoint:
     # --- import side ----------------------------------------------------------------
 
     def add_remote(self, metadata: bytes) -> str:
-        """Load a peer's agent metadata (idempotent for the same peer)."""
+        """Load a peer's agent metadata once: later landings from the same peer (the same
+        metadata bytes) reuse the loaded agent and its prepared descriptor lists."""
         with self._lock:
+            name = self._remotes.get(metadata)
+            if name is not None:
+                return name
             try:
-                name = self._agent.add_remote_agent(metadata)
+                raw = self._agent.add_remote_agent(metadata)
             except Exception as e:
                 raise PeerTransferError(
                     f"the peer's NIXL agent metadata was refused ({type(e).__name__}: {e})"
                 ) from e
-        return name.decode() if isinstance(name, bytes) else str(name)
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            self._remotes[metadata] = name
+            return name
 
     def forget_remote(self, name: str) -> None:
-        """Drop a peer after a failure, so the next attempt reconnects from fresh metadata."""
+        """Drop a peer after a failure, so the next attempt reconnects from fresh metadata
+        (and prepares its descriptor lists again)."""
         with self._lock:
+            for md in [md for md, n in self._remotes.items() if n == name]:
+                del self._remotes[md]
+            for key in [k for k in self._prepped if k[0] == name]:
+                self._release_dlist(self._prepped.pop(key))
             try:
                 self._agent.remove_remote_agent(name)
             except Exception as e:  # already gone: nothing to drop
                 log.debug("nixl: remove_remote_agent(%s): %s", name, e)
 
     def read(self, remote_agent: str, local: list[Desc], remote: list[Desc], remote_mem: str,
-             deadline: Deadline) -> None:
-        """READ remote[i] into local[i] for all i, or raise within the deadline."""
+             deadline: Deadline, within: tuple[int, int] | None = None) -> None:
+        """READ remote[i] into local[i] for all i, or raise within the deadline. Both
+        descriptor lists are prepared once per distinct list and reused; `within`:
+        (address, nbytes) every local descriptor must fall inside (the target slot)."""
         if len(local) != len(remote) or any(l[1] != r[1] for l, r in zip(local, remote)):
             raise PeerTransferError("local and remote descriptors disagree on lengths")
-        for addr, nbytes, _ in local:
-            if not self._inside(addr, nbytes):  # defense in depth: only our pool, ever
-                raise PeerTransferError("a local descriptor falls outside the registered pool")
+        lo, hi = within if within is not None else (self.base, self.nbytes)
+        for addr, nbytes, _ in local:  # defense in depth: only our slot, ever
+            if not (self._inside(addr, nbytes) and lo <= addr and addr + nbytes <= lo + hi):
+                raise PeerTransferError("a local descriptor falls outside the target slot")
         with self._lock:
             agent = self._agent
             try:
-                local_d = agent.get_xfer_descs(local, self.mem_type)
-                remote_d = agent.get_xfer_descs(remote, remote_mem)
-                handle = agent.initialize_xfer("READ", local_d, remote_d, remote_agent)
+                local_h = self._prepped_dlist(_LOCAL, tuple(local), self.mem_type)
+                remote_h = self._prepped_dlist(remote_agent, tuple(remote), remote_mem)
+                idx = list(range(len(local)))
+                handle = agent.make_prepped_xfer("READ", local_h, idx, remote_h, idx)
             except Exception as e:
                 raise PeerTransferError(
                     f"NIXL refused the transfer ({type(e).__name__}: {e}); the peer's "
@@ -135,17 +168,41 @@ class NixlEndpoint:
             finally:
                 self._release(handle)
 
+    def _prepped_dlist(self, agent_name: str, descs: tuple[Desc, ...], mem: str):
+        key = (agent_name, mem, descs)
+        handle = self._prepped.get(key)
+        if handle is None:
+            handle = self._agent.prep_xfer_dlist(agent_name, list(descs), mem)
+            self._prepped[key] = handle
+            while len(self._prepped) > _MAX_PREPPED:
+                self._release_dlist(self._prepped.pop(next(iter(self._prepped))))
+        else:
+            self._prepped[key] = self._prepped.pop(key)  # most recently used last
+        return handle
+
+    def _release_dlist(self, handle) -> None:
+        try:
+            self._agent.release_dlist_handle(handle)
+        except Exception as e:
+            log.debug("nixl: release_dlist_handle: %s", e)
+
     def _run(self, handle, deadline: Deadline) -> None:
+        """Post and wait: the first polls spin (an NVLink slot lands in well under a
+        millisecond), then the wait between polls doubles up to _POLL_MAX_S."""
         agent = self._agent
         try:
             state = agent.transfer(handle)
+            polls, wait = 0, _POLL_MIN_S
             while state == "PROC":
                 if deadline.expired():
                     raise PeerTimeoutError(
                         f"NIXL transfer did not finish within {deadline.total_s:.1f}s; "
                         "the peer stalled or the link is down"
                     )
-                time.sleep(_POLL_S)
+                polls += 1
+                if polls > _SPIN_POLLS:
+                    time.sleep(min(wait, max(deadline.remaining(), 0.0)))
+                    wait = min(wait * 2, _POLL_MAX_S)
                 state = agent.check_xfer_state(handle)
         except PeerTimeoutError:
             raise
@@ -171,3 +228,52 @@ class NixlEndpoint:
                     log.error("nixl: transfer handle could not be released (%s); left to NIXL", e)
                     return
                 time.sleep(0.01)
+
+
+@dataclass
+class Runs:
+    """A landing's tensors coalesced into contiguous runs, for one local layout and one
+    remote placement. local: (offset from the slot base, nbytes); remote: (address,
+    nbytes); gaps: (offset, nbytes) of local bytes between two merged tensors, which the
+    run carries over from the peer and the landing zeroes afterwards."""
+
+    local: tuple[tuple[int, int], ...]
+    remote: tuple[tuple[int, int], ...]
+    gaps: tuple[tuple[int, int], ...]
+    gap_index: object = None  # element indices of the gaps, a device tensor once built
+
+    def gap_elements(self, itemsize: int, device) -> torch.Tensor:
+        if self.gap_index is None:
+            parts = [torch.arange(off // itemsize, (off + n) // itemsize) for off, n in self.gaps]
+            idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+            self.gap_index = idx.to(device)
+        return self.gap_index
+
+
+def coalesce(local_offsets: np.ndarray, remote_addrs: np.ndarray, nbytes: np.ndarray,
+             max_gap: int = MAX_BRIDGE_BYTES) -> Runs:
+    """Merge tensors that sit at the same distance from each other on both sides into
+    one run (distance 0: adjacent; up to max_gap: the run also carries the bytes in
+    between, which are inside the local slot and zeroed after the transfer). Matching
+    layouts (same model, max rank, modules and dtype on both sides) become one run.
+    Vectorised: one pass of numpy over the table, sorted by local offset."""
+    order = np.argsort(local_offsets, kind="stable")
+    lo = local_offsets[order].astype(np.int64)
+    ra = remote_addrs[order].astype(np.uint64)
+    nb = nbytes[order].astype(np.int64)
+    if len(lo) == 0:
+        return Runs((), (), ())
+    local_gap = lo[1:] - (lo[:-1] + nb[:-1])  # >= 0: local tensors never overlap
+    remote_end = ra[:-1] + nb[:-1].astype(np.uint64)  # checked: never wraps
+    ahead = ra[1:] >= remote_end
+    remote_gap = np.where(ahead, ra[1:] - np.where(ahead, remote_end, 0), 0).astype(np.int64)
+    merge = ahead & (local_gap >= 0) & (local_gap <= max_gap) & (remote_gap == local_gap)
+    starts = np.concatenate(([0], np.flatnonzero(~merge) + 1))
+    ends = np.concatenate((starts[1:], [len(lo)])) - 1  # index of each run's last tensor
+    length = lo[ends] + nb[ends] - lo[starts]
+    gap_at = np.flatnonzero(merge & (local_gap > 0))
+    return Runs(
+        local=tuple(zip(lo[starts].tolist(), length.tolist())),
+        remote=tuple(zip(ra[starts].tolist(), length.tolist())),
+        gaps=tuple(zip((lo[gap_at] + nb[gap_at]).tolist(), local_gap[gap_at].tolist())),
+    )

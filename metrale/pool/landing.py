@@ -69,11 +69,17 @@ class Landing:
         self._write_image(entry, self.slot)
         self._tables = None
 
-    def byte_ranges(self, plan: AdapterPlan) -> list[ByteRange]:
-        """Where each of the plan's tensors goes inside this slot, for a transport that
-        writes raw bytes (NIXL); call check_written afterwards."""
+    def slot_range(self, plan: AdapterPlan) -> ByteRange:
+        """The whole slot as one address range, for a transport that writes coalesced
+        runs of the plan's tensors (NIXL); zero_elements the bytes between tensors that a
+        run carried, then check_written."""
         self._tables = table_rows(plan, self._pool.layout)
-        return self._pool.slot_byte_ranges(self.slot, plan)
+        region = self._pool.slot_region(self.slot)
+        return ByteRange(region.data_ptr(), self._pool.layout.slot_bytes)
+
+    def zero_elements(self, index: torch.Tensor) -> None:
+        """Zero the slot's elements at `index` (offsets from the slot base) in one op."""
+        self._pool.slot_region(self.slot).index_fill_(0, index, 0)
 
     def check_written(self, plan: AdapterPlan) -> None:
         """Raw bytes skipped staging's NaN/Inf check: check the slot in place. It was

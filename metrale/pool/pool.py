@@ -126,20 +126,6 @@ class AdapterPool:
         n = self.layout.slot_elems
         return self.buffer[slot * n:(slot + 1) * n]
 
-    def slot_byte_ranges(self, slot: int, plan: AdapterPlan) -> list[ByteRange]:
-        """One range per planned tensor (plan order): its rank-r rows of its region."""
-        layout, itemsize = self.layout, self.layout.itemsize
-        base = self.slot_region(slot).data_ptr()
-        ranges = []
-        for landing in plan.landings:
-            t = landing.target
-            region = layout.region(t.layer, t.module, landing.kind)
-            rows = landing.rows
-            if not 0 < rows <= region.rows:
-                raise AssertionError(f"planned rows {rows} outside the region of {region.rows} rows")
-            ranges.append(ByteRange(base + region.offset * itemsize, rows * region.cols * itemsize))
-        return ranges
-
     def slot_is_finite(self, slot: int) -> bool:
         return bool(self.slot_region(slot).isfinite().all())
 

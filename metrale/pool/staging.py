@@ -87,6 +87,39 @@ class StagingBuffers:
         dev.copy_(host, non_blocking=self._pin)
         return dev
 
+    def stream(self, nbytes: int,
+               fill: Callable[[memoryview, Callable[[int], None] | None], None]) -> torch.Tensor:
+        """nbytes from a byte stream, on the device (the host buffer on a CPU engine).
+        fill(out, progress) must fill `out` in order and call progress(n) as the first n
+        bytes are in; every CHUNK that completes goes on to the device while the next
+        one arrives, as read_file's pieces do. Raises whatever fill raises."""
+        host = self.host(nbytes)
+        mv = memoryview(host.numpy()).cast("B")
+        if self._stream is None:
+            fill(mv, None)
+            return host
+        dev = self._device(nbytes)
+        current = torch.cuda.current_stream(self.device)
+        side = self._stream
+        side.wait_stream(current)  # earlier landings may still read the device buffer
+        sent = 0
+
+        def progress(got: int) -> None:
+            nonlocal sent
+            if got - sent >= CHUNK or (got == nbytes and got > sent):
+                with torch.cuda.stream(side):
+                    dev[sent:got].copy_(host[sent:got], non_blocking=True)
+                sent = got
+
+        try:
+            fill(mv, progress)
+        finally:  # also after a failed read: the copies already queued still use `host`
+            done = torch.cuda.Event()
+            done.record(side)
+            current.wait_event(done)
+            self._copies_done = done
+        return dev
+
     def read_file(self, path: str, offset: int, nbytes: int) -> torch.Tensor:
         """nbytes of the file at offset, on the device (the host buffer on a CPU engine).
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from metrale.config import ModelConfig, PoolConfig
+from metrale.peer.wire import encode_doc
 from metrale.pool.swap import LoraSlots
 from tests.helpers.tiny_models import make_adapter, make_model, peft_deltas, save_model
 
@@ -144,8 +145,9 @@ LEASE = "fakelease0001"  # the lease id fake peers grant
 
 
 class FakePeer:
-    """list -> `ids` (what engines check at registration); lease -> `lease_reply` (a dict,
-    or raw bytes); data -> `data`, delivered per `mode`:
+    """list -> `ids` (what engines check at registration); lease -> `lease_reply` (a
+    reply in its logical form, sent through wire.encode_doc, or raw bytes); data ->
+    `data`, delivered per `mode`:
     full | half-close | half-stall | long | long-unannounced."""
 
     def __init__(self, lease_reply, data: bytes = b"", mode: str = "full",
@@ -179,7 +181,7 @@ class FakePeer:
             def do_POST(self):
                 self._record()
                 body = peer.lease_reply
-                raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+                raw = body if isinstance(body, bytes) else encode_doc(body)
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()

@@ -1,0 +1,93 @@
+"""Plans of peer landings, remembered per (peer, adapter id) and checked per landing.
+
+Validating a manifest and planning it (PEFT config, targets, name matching) costs
+milliseconds of Python on an 8B adapter's 448 tensors; a repeat landing of the same
+adapter from the same peer has the same table, config and dtype, so it needs neither.
+The cache is keyed on content, never on anything the peer claims: an entry holds the
+exact shape bytes of the table it checked (wire.SHAPE_BYTES per record), the PEFT
+config's bytes and the dtype. A reply reuses the entry only when
+all of these are byte-for-byte equal, which is the same as passing every check again;
+any difference (the peer's layout changed, or it lies this time) replaces the entry after
+a full validation. One cache per adapter pool, so per local layout.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from metrale.adapters.plan import AdapterPlan
+
+MAX_ENTRIES = 256
+
+
+@dataclass
+class PeerPlan:
+    shape_bytes: bytes
+    peft_raw: bytes
+    dtype: str
+    plan: AdapterPlan
+    local_offsets: np.ndarray  # int64 bytes from the slot base of each tensor, table order
+    nbytes: np.ndarray  # int64, table order
+    runs: dict = field(default_factory=dict)  # remote address bytes -> coalesced Runs (NIXL)
+
+    def matches(self, shape_bytes: bytes, peft_raw: bytes, dtype: str) -> bool:
+        return self.shape_bytes == shape_bytes and self.peft_raw == peft_raw and self.dtype == dtype
+
+    def named(self, name: str) -> PeerPlan:
+        """This entry with its plan under another local adapter name (the plan's only
+        name-dependent field)."""
+        if self.plan.name == name:
+            return self
+        return replace(self, plan=replace(self.plan, name=name))
+
+
+class PlanCache:
+    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+        self._entries: OrderedDict[tuple[str, str], PeerPlan] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_entries = max_entries
+        self.hits = self.misses = 0
+
+    def get(self, peer: str, adapter_id: str) -> PeerPlan | None:
+        with self._lock:
+            entry = self._entries.get((peer, adapter_id))
+            if entry is not None:
+                self._entries.move_to_end((peer, adapter_id))
+            return entry
+
+    def put(self, peer: str, adapter_id: str, entry: PeerPlan) -> None:
+        """Remember (or replace: the peer's layout changed) the entry of this adapter."""
+        with self._lock:
+            self._entries[(peer, adapter_id)] = entry
+            self._entries.move_to_end((peer, adapter_id))
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def forget(self, peer: str, adapter_id: str) -> None:
+        with self._lock:
+            self._entries.pop((peer, adapter_id), None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()
+
+
+def plan_cache_for(pool: object) -> PlanCache:
+    """The plan cache of one adapter pool (its layout is what entries were checked against)."""
+    with _caches_lock:
+        cache = _caches.get(pool)
+        if cache is None:
+            cache = _caches[pool] = PlanCache()
+        return cache
