@@ -52,8 +52,15 @@ def paged_attention_ref(
         if index is None:  # the same for every layer of the step
             index = meta.scratch["decode_ref"] = decode_ref_index(
                 meta.block_tables, meta.context_lens, k_cache.shape[1])
+        buffers = None
+        if not isinstance(index[0], slice):  # gathered K/V: one pair of buffers per step
+            shape = (index[0].numel(), *k_cache.shape[1:])
+            buffers = meta.scratch.get("decode_ref_kv")
+            if buffers is None or buffers[0].shape != shape or buffers[0].dtype != k_cache.dtype:
+                buffers = meta.scratch["decode_ref_kv"] = (
+                    k_cache.new_empty(shape), v_cache.new_empty(shape))
         return paged_decode_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                index)
+                                index, buffers)
     return paged_attention_per_sequence(q, k_cache, v_cache, meta, scale)
 
 
@@ -79,12 +86,15 @@ def paged_decode_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
     index: tuple[torch.Tensor, int, torch.Tensor] | None = None,
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q: [B, H, D] -> [B, H, D], the query being its sequence's
     last position (it sees every cached key). One gather of all sequences' blocks into a
     [B, L, KV, D] tensor padded to the longest context, one SDPA with a padding mask:
     masked keys weigh exactly 0, so each row equals attending its own context alone.
-    index: decode_ref_index(...) of this step, when the caller keeps it across layers."""
+    index: decode_ref_index(...) of this step, when the caller keeps it across layers;
+    buffers: [B * nb, block_size, KV, D] each, for the gathered K and V (a fresh
+    allocation per layer cost more than the gather itself on a CPU)."""
     B, H, D = q.shape
     KV = k_cache.shape[2]
     blocks, max_ctx, valid = index or decode_ref_index(block_tables, context_lens, k_cache.shape[1])
@@ -92,8 +102,12 @@ def paged_decode_ref(
         k = k_cache[blocks].flatten(0, 1)[None, :max_ctx]  # [1, L, KV, D]
         v = v_cache[blocks].flatten(0, 1)[None, :max_ctx]
     else:
-        k = k_cache[blocks].flatten(1, 2)[:, :max_ctx]  # [B, L, KV, D]
-        v = v_cache[blocks].flatten(1, 2)[:, :max_ctx]
+        flat = blocks.flatten()  # [B * nb]
+        k_out, v_out = buffers if buffers is not None else (None, None)
+        k = torch.index_select(k_cache, 0, flat, out=k_out)  # [B * nb, bs, KV, D]
+        v = torch.index_select(v_cache, 0, flat, out=v_out)
+        k = k.view(B, -1, KV, D)[:, :max_ctx]  # [B, L, KV, D]
+        v = v.view(B, -1, KV, D)[:, :max_ctx]
     # GQA without repeating K/V: head h reads kv head h // G, so the G query heads of a
     # kv head ride as G query rows of that head: q [B, KV, G, D] against k [B, KV, L, D]
     o = F.scaled_dot_product_attention(
