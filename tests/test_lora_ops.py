@@ -210,17 +210,26 @@ def test_fused_apply_matches_ref(group, mode, dtype):
     assert torch.equal(y[ids < 0], y0[ids < 0])
 
 
+@pytest.fixture
+def small_k(monkeypatch):
+    """K blocks of 16/32 columns, so that the tests' small `in` splits K in both configs
+    (with the H200 blocks, in <= 256 is a single K block and split-K goes untested)."""
+    monkeypatch.setattr(lt, "DECODE_CFG", dict(lt.DECODE_CFG, BLOCK_K=16))
+    monkeypatch.setattr(lt, "PREFILL_CFG", dict(lt.PREFILL_CFG, BLOCK_K=32))
+    assert lt._split_k(3, 256, 2, lt._config(3, False, 16))[0] > 1
+
+
 @needs_kernels
 @pytest.mark.parametrize("path", lt.PATHS)
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_rank_tiles_split_k_and_separate_tables(mode, path):
-    """R=80 needs two rank tiles (fused: one 128-row tile); in=256 at T<=3 splits K (atomic
-    adds into h, or per-split partials); the ranks and scales tables are separate tensors,
-    so the wrapper stacks them."""
+def test_rank_tiles_split_k_and_separate_tables(mode, path, small_k):
+    """R=80 needs two rank tiles (fused: one 128-row tile); in=256 splits K (atomic adds
+    into h, or per-split partials; small_k makes that so at decode's BLOCK_K too); the
+    ranks and scales tables are separate tensors, so the wrapper stacks them."""
     dims = [(256, 40), (256, 24)]
     ranks = [[0, 1, 63, 64, 65, 80], [80, 17, 0, 72, 8, 1]]
     clean, nan = pools(S=6, R=80, dims=dims, dtype=torch.float32, seed=7, ranks=ranks)
-    T = 3 if mode == "decode" else 40
+    T = 3 if mode == "decode" else lt.DECODE_MAX_T + 16
     ids = slot_batch(T, 6, seed=8)
     x, y0, _, slices = fused_io(T, dims, torch.float32, seed=9)
     y = y0.clone()
@@ -266,9 +275,10 @@ def dora_tables(S, dims, seed, dora):
 @pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("T", [1, 7, 33, 64])
 @pytest.mark.parametrize("path", lt.PATHS)
-def test_paths_match_ref(path, T, dora, dtype):
+def test_paths_match_ref(path, T, dora, dtype, small_k):
     """The q/k/v group with ranks 4/8/16 (and 0) mixed per slot and module, NaN rank padding,
-    tokens on every slot and on -1, DoRA on or off, through each path at decode sizes."""
+    tokens on every slot and on -1, DoRA on or off, through each path at decode sizes
+    (in=64 in four K splits: small_k)."""
     dims = GROUPS["qkv_gqa"]
     S, seed = 7, 1000 + T + 7 * dora + 3 * lt.PATHS.index(path)
     clean, nan = pools(S=S, R=16, dims=dims, dtype=dtype, seed=seed, ranks=PATH_RANKS)
