@@ -17,15 +17,68 @@ Offsets read from memory tell the compiler nothing about alignment, so the wrapp
 on the host and pass ALIGN for tl.multiple_of hints: without them loads and stores are not
 vectorized (measured: prefill expand ran at a third of its bandwidth).
 
-Two token mappings, chosen per call:
+Three ways to run a group (lora_apply_fused's `path`; APPLY_PATH/choose_path pick):
+- "fused": ONE launch, program (token, run of output columns, module). It recomputes its
+  token's h = x @ A[s, :rank].T into registers, then adds s * h @ Bt[s, :rank, run] to y.
+  No h in memory, no memset, no atomics, no sort. Decode batches of <= FUSED_MAX_T tokens.
+- "split": two launches. Split-K shrink programs each write their partial sums into a
+  [splits, T, M*R] workspace (only rows r < rank of adapter tokens: expand reads nothing
+  else, so nothing is zero-filled); expand sums the partials in a fixed order while
+  loading h. Deterministic. Everything that is not "fused".
+- "atomic": the old three launches (memset of h, shrink with atomic split-K adds, expand),
+  kept so bench/lora_kernels.py can time it beside the others.
+
+Why (Llama-3-8B at r=16, bf16, H200 ~4.8 TB/s; issue #15 measured ~8 us per call for the
+three launches, i.e. ~2.5-3 us per dependent kernel in a graph, against byte floors of
+0.05-0.25 us per group at one token):
+- per slot and group the weights are: A 128 KiB per module (down: 448 KiB, in=14336), Bt
+  128 KiB for q/o/down, 32 KiB for k/v, 448 KiB for gate/up each. At T=1 a group moves
+  256 KiB-1.1 MiB, 0.05-0.25 us of HBM: the launches ARE the cost, so one launch wins
+  outright, and recomputing h per program costs only re-reads of A from L2.
+- the fused kernel's price is those re-reads: every (token, column run, module) reads the
+  token's A (rank*in*2 bytes) again. With P programs that is P*128 KiB of L2 traffic
+  (down: P*448 KiB). Few programs, though, means a long serial read per program (one SM
+  streams ~0.1-0.2 TB/s). So _fused_config aims at ~FUSED_CFG["programs"] (one per SM)
+  programs but caps the A re-reads at FUSED_CFG["l2_bytes"] (8 MiB, ~1-2 us of L2): at
+  T=1 that is 28 runs of 512 columns for gate/up, 16 for down, 21 per module for q/k/v;
+  as T grows the runs per token shrink (T*runs stays ~constant), down to one run per
+  (token, module) at T >= 32 for gate/up, where A is read once per token as in the old
+  shrink and the Bt bytes per program are those of the old per-token expand.
+- the risk in that shape: one program streams a whole A[s] (128 KiB; 448 KiB for down)
+  through a serial K loop, and with one program per SM nothing hides a load's latency
+  but the program's own later loads. Hence big K steps (16 KiB per step at R=16, 8 warps)
+  and tl.range stages. If the bench shows down's fused time far above ~3 us at T=1, this
+  is why, and FUSED_MAX_T per group (or split-K of A across a cluster) is the next step.
+- past a few tokens (T=32 "spread": 32 slots, ~37 MB for gate/up, ~8 us of HBM) the
+  launches matter less and parallelism matters more: the split path's many small shrink
+  programs (split-K) and T*out/128 expand programs pull bandwidth from every SM, while the
+  fused path's T*runs*M programs (64 at T=32 for gate/up) leave half the SMs idle with
+  whole Bt rows to stream. Removing the memset there saves one launch of three and makes
+  h deterministic; the workspace is splits*T*M*R*4 bytes (T=32 gate/up: 64 KiB), read from
+  L2 by each expand program (splits*R*4 bytes per token and module, 1-3.5 KiB).
+- FUSED_MAX_T (8) sits where, by this arithmetic, the fused path's A re-reads plus its
+  thinner parallelism (~8 MiB of L2 and ~250 KiB per program) cost about the launch it
+  saves (~2.5 us); it is a guess to be set from bench/lora_kernels.py, which times both.
+- tokens are not grouped by slot in either decode path: a decode batch's tokens are
+  mostly of distinct sequences, and without a host sync the kernel cannot know whether a
+  block of sorted tokens shares a slot; a program per token needs no order at all. Batches
+  over DECODE_MAX_T get an order from the runner, once per step (sort_tokens_by_slot).
+- rank-aware everywhere: every A/Bt load is masked to rows r < ranks[s] (masked-off rows
+  are not fetched), so a rank-4 adapter moves a quarter of a rank-16 one's bytes. The fused
+  kernel holds next_pow2(R) rows of h in registers (FUSED_MAX_R), so its compute is R-wide.
+- CUDA graphs: the fused path allocates nothing; the split path allocates its workspace
+  per call like the old h (stable inside a captured graph's memory pool); no host sync.
+
+Two token mappings for the split and atomic paths, chosen per call:
 - decode (order is None, T <= DECODE_MAX_T): one program per token, fp32 multiply-reduce,
   no sort needed; many programs (split-K on shrink) keep the GPU busy at T=1.
 - prefill: BLOCK_T rows of `order` (token indices, normally `sort_tokens_by_slot`) per
   program, tensor-core dots; a program loops over the distinct slots among its rows, which
   sorting keeps to one or two. Any order is correct; sorting only saves work.
 Tokens with slot -1 are never read or written (shrink leaves their h rows zero).
-Shrink zero-fills h first: split-K programs add into it atomically (so h is not bit-for-bit
-deterministic across runs) and padded ranks read back as zero.
+lora_shrink (and the atomic path) zero-fills h first: split-K programs add into it
+atomically (so h is not bit-for-bit deterministic across runs) and padded ranks read back
+as zero. The split path's partials have neither property, and need neither.
 
 DoRA is an epilogue of expand: for a slot whose per-module `doras` flag is set, the program
 loads the gain row g (float32) and stores g * (y - bias + s * acc) + bias instead of
@@ -54,9 +107,11 @@ FUSED_MAX_T = 8  # a guess from the byte/launch arithmetic above; tune with the 
 FUSED_MAX_R = 128  # the fused kernel holds all of h (next_pow2(R) floats) in registers
 # programs: aim for about this many programs per launch (132 SMs on an H200);
 # l2_bytes: cap on the A bytes re-read per launch (T * M * R * in * runs);
-# tile_elems: elements of one [BLOCK_R, BLOCK_K] or [BLOCK_R, BLOCK_N] register tile.
-FUSED_CFG = dict(programs=132, l2_bytes=8 << 20, tile_elems=8192, max_block_k=256,
-                 min_block_n=64, max_block_n=512, warps=4)
+# tile_elems / k_tile_elems: elements of one [BLOCK_R, BLOCK_N] / [BLOCK_R, BLOCK_K]
+# register tile (16 KiB of bf16 per K step at R=16: few, big steps, see the docstring);
+# stages: loop iterations whose loads are in flight at once (tl.range's num_stages).
+FUSED_CFG = dict(programs=132, l2_bytes=8 << 20, tile_elems=8192, k_tile_elems=8192,
+                 max_block_k=1024, min_block_n=64, max_block_n=512, warps=8, stages=3)
 # The per-module descriptor row (int64, 12 columns, numbered in the kernels):
 # 0 a_off  1 a_slot_stride  2 a_row_stride  3 b_off  4 b_slot_stride  5 b_row_stride
 # 6 out_dim  7 y_col  8 rank_off  9 rank_stride  10 scale_off  11 scale_stride
@@ -201,7 +256,7 @@ def _fused_decode_kernel(
     x_ptr, y_ptr, a_pool_ptr, b_pool_ptr, slot_ptr, desc_ptr, rank_ptr, scale_ptr,
     dora_ptr, gain_ptr, bias_ptr,
     IN, R, x_stride, y_stride, n_per_prog,
-    ALIGN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ALIGN: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Shrink and expand of one token, one module, one run of n_per_prog output columns:
@@ -230,7 +285,9 @@ def _fused_decode_kernel(
     r_ok = r < rank  # rows past the slot's rank are never loaded: bytes scale with rank
     offs_k, offs_n = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)
     h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, IN, BLOCK_K):
+    # one program streams all of A[s] alone: its loop is latency-bound unless the loads of
+    # later iterations are in flight (STAGES) and each moves a big tile (BLOCK_K)
+    for k0 in tl.range(0, IN, BLOCK_K, num_stages=STAGES):
         k = k0 + offs_k
         k_ok = k < IN
         xk = tl.load(x_ptr + tok * x_stride + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
@@ -242,7 +299,7 @@ def _fused_decode_kernel(
     gain_row = gain_ptr + tl.load(d + 14) + s.to(tl.int64) * tl.load(d + 15)
     y_row = y_ptr + tok * y_stride + y_col
     n_hi = tl.minimum(n_lo + n_per_prog, out_dim)  # n_per_prog is a multiple of BLOCK_N
-    for n0 in range(n_lo, n_hi, BLOCK_N):
+    for n0 in tl.range(n_lo, n_hi, BLOCK_N, num_stages=STAGES):
         n = n0 + offs_n  # [BN]
         n_ok = n < out_dim
         bt = tl.load(b_slot + r[:, None] * b_row_stride + n[None, :],
@@ -475,7 +532,7 @@ def _fused_config(T: int, IN: int, M: int, R: int, max_out: int, elt: int) -> di
     of A than FUSED_CFG["l2_bytes"] allows, and at least one column run per token."""
     c = FUSED_CFG
     block_r = next_pow2(max(R, 1))
-    block_k = max(16, min(c["max_block_k"], c["tile_elems"] // block_r))
+    block_k = max(16, min(c["max_block_k"], c["k_tile_elems"] // block_r))
     a_bytes = T * M * R * IN * elt  # every (token, module) reads its A once per column run
     runs = max(1, min(c["programs"] // (T * M), c["l2_bytes"] // max(a_bytes, 1)))
     cols = _cdiv(max_out, runs)
@@ -509,7 +566,7 @@ def _fused(y, x, As, Bts, y_cols, slot_ids, ranks_list, scales_list, doras_list=
         ALIGN=min(_align(a_pool, [v for a in As for v in (a.storage_offset(), *a.stride()[:2])]),
                   _align(b_pool, [v for b in Bts for v in (b.storage_offset(), *b.stride()[:2])]),
                   _align(y, [y.stride(0), *y_cols, *(b.shape[2] for b in Bts)])),
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None, STAGES=FUSED_CFG["stages"],
         BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
         num_warps=FUSED_CFG["warps"],
     )
