@@ -1,12 +1,19 @@
 """Time the Triton multi-LoRA kernels against the torch reference on CUDA, Llama-3-8B shapes.
 
-    python bench/lora_kernels.py [--slots 32] [--rank 16] [--out bench/results]
+    python bench/lora_kernels.py [--slots 32] [--rank 16] [--used-rank 16] [--out bench/results]
+        [--groups qkv,o,gate_up,down] [--tokens 1,8,32,64,256,2048] [--hbm-gbps 4800]
 
 One row per (module group, tokens, slot spread), median times from triton.testing.do_bench:
 the fused shrink+expand for the group (what one layer pays per group) replayed from a CUDA
-graph as the engine runs it, each of its two kernels alone, the same call eager (Python
-launch overhead included) and the torch reference; and the bandwidth reached over the bytes
-that must move (adapter weights of the slots used, x read, y read and written).
+graph as the engine runs it, by the default path (graph) and by each of
+lora_triton.PATHS side by side: atomic (the old three launches: memset, split-K shrink
+with atomics, expand), split (two launches, split-K partials, no memset) and fused (one
+launch, decode sizes only); the old path's two kernels alone, the default call eager
+(Python launch overhead included) and the torch reference; the byte floor (the bytes that
+must move over --hbm-gbps: adapter weights of the slots used at --used-rank, x read, y read
+and written) and the bandwidth the default path reaches over those bytes.
+--used-rank below --rank fills the ranks table with it (the pool stays R wide): a rank-4
+adapter should cost about a quarter of a rank-16 one.
 Slot spreads: "spread" puts token t on slot t % S (decode's worst case: every token its own
 adapter), "single" puts every token on slot 0. The table is also written as JSON.
 """
@@ -35,7 +42,7 @@ GROUPS = {  # name: (in, [out per module]) for one Llama-3-8B decoder layer
 TOKENS = [1, 8, 32, 64, 256, 2048]
 
 
-def make_group(S, R, in_dim, outs, dtype):
+def make_group(S, R, in_dim, outs, dtype, used_rank=None):
     """Pool views for one fused group: one storage, per slot A_m [R, in] then Bt_m [R, out_m]."""
     slot_elems = sum(R * (in_dim + o) for o in outs)
     storage = torch.randn(S * slot_elems, device="cuda").to(dtype) * 0.02  # every rank filled
@@ -44,7 +51,7 @@ def make_group(S, R, in_dim, outs, dtype):
         As.append(storage.as_strided((S, R, in_dim), (slot_elems, in_dim, 1), off))
         Bts.append(storage.as_strided((S, R, o), (slot_elems, o, 1), off + R * in_dim))
         off += R * (in_dim + o)
-    ranks = torch.full((S, len(outs)), R, dtype=torch.int32, device="cuda")  # [S, M]
+    ranks = torch.full((S, len(outs)), used_rank or R, dtype=torch.int32, device="cuda")  # [S, M]
     scales = torch.full((S, len(outs)), 2.0, device="cuda")  # [S, M]
     return As, Bts, list(ranks.T), list(scales.T)
 
@@ -68,14 +75,17 @@ def _graph_us(fn, reps: int = 20) -> float:
     return _median_ms(graph.replay) * 1e3 / reps
 
 
-def run(S: int, R: int, dtype: torch.dtype) -> list[dict]:
+def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(TOKENS),
+        used_rank: int | None = None, hbm_gbps: float = 4800.0) -> list[dict]:
     rows = []
     elt = torch.tensor([], dtype=dtype).element_size()
-    for name, (in_dim, outs) in GROUPS.items():
-        As, Bts, ranks, scales = make_group(S, R, in_dim, outs, dtype)
+    r_used = used_rank or R
+    for name in groups:
+        in_dim, outs = GROUPS[name]
+        As, Bts, ranks, scales = make_group(S, R, in_dim, outs, dtype, used_rank)
         cols = [sum(outs[:i]) for i in range(len(outs))]
         slices = [slice(c, c + o) for c, o in zip(cols, outs, strict=True)]
-        for T in TOKENS:
+        for T in tokens:
             for spread in ("spread", "single"):
                 ids = torch.arange(T, device="cuda") % S if spread == "spread" \
                     else torch.zeros(T, dtype=torch.int64, device="cuda")
@@ -89,17 +99,26 @@ def run(S: int, R: int, dtype: torch.dtype) -> list[dict]:
                 shrink = functools.partial(lt._shrink, x, As, ids, ranks, order, h)
                 expand = functools.partial(lt._expand, y, h, Bts, cols, ids, ranks, scales, order)
                 used = min(T, S) if spread == "spread" else 1
-                moved = used * R * (in_dim + sum(outs)) * elt + T * (in_dim + 2 * sum(outs)) * elt
-                row = dict(group=name, T=T, spread=spread, graph_us=_graph_us(apply),
-                           shrink_us=_graph_us(shrink), expand_us=_graph_us(expand),
+                moved = (used * r_used * (in_dim + sum(outs)) * elt
+                         + T * (in_dim + 2 * sum(outs)) * elt)
+                row = dict(group=name, T=T, spread=spread, path=lt.choose_path(T, R, order),
+                           floor_us=moved / (hbm_gbps * 1e3), graph_us=_graph_us(apply))
+                for path in lt.PATHS:  # the fused kernel is for decode batches only
+                    row[f"{path}_us"] = _graph_us(functools.partial(
+                        lt.lora_apply_fused, *args, order=order, path=path)) \
+                        if path != "fused" or T <= lt.DECODE_MAX_T else None
+                row.update(shrink_us=_graph_us(shrink), expand_us=_graph_us(expand),
                            eager_us=_median_ms(apply) * 1e3,
                            ref_us=_median_ms(functools.partial(ref.lora_apply_fused_ref, *args))
                            * 1e3)
                 row["gbps"] = moved / (row["graph_us"] * 1e-6) / 1e9
                 rows.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
-                print("{group:8} T={T:<5} {spread:7} graph {graph_us:8.2f} us (shrink {shrink_us:7.2f}"
-                      " expand {expand_us:7.2f})  eager {eager_us:8.2f}  ref {ref_us:9.2f} us  "
-                      "{gbps:7.1f} GB/s".format(**rows[-1]), flush=True)
+                r = dict(rows[-1], fused_us=rows[-1]["fused_us"] or float("nan"))
+                print("{group:8} T={T:<5} {spread:7} floor {floor_us:7.2f} | graph[{path}] "
+                      "{graph_us:8.2f} us: atomic {atomic_us:8.2f} split {split_us:8.2f} fused "
+                      "{fused_us:8.2f} | old shrink {shrink_us:7.2f} expand {expand_us:7.2f} | "
+                      "eager {eager_us:8.2f}  ref {ref_us:9.2f} us  {gbps:7.1f} GB/s".format(**r),
+                      flush=True)
     return rows
 
 
@@ -107,17 +126,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--used-rank", type=int, default=None,
+                    help="every adapter's rank (the ranks table), <= --rank; default --rank")
+    ap.add_argument("--groups", default=",".join(GROUPS))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="for the byte floor (H200)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    rows = run(args.slots, args.rank, getattr(torch, args.dtype))
+    rows = run(args.slots, args.rank, getattr(torch, args.dtype), args.groups.split(","),
+               [int(t) for t in args.tokens.split(",")], args.used_rank, args.hbm_gbps)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = args.out / f"lora_kernels-{stamp}.json"
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, slots=args.slots, rank=args.rank, dtype=args.dtype,
+                triton=triton.__version__, slots=args.slots, rank=args.rank,
+                used_rank=args.used_rank or args.rank, dtype=args.dtype,
+                apply_path=lt.APPLY_PATH, fused_max_t=lt.FUSED_MAX_T, fused_cfg=lt.FUSED_CFG,
                 timer="triton.testing.do_bench median")
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {path}")

@@ -96,15 +96,17 @@ def test_reference_dora_epilogue_matches_oracle(bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("path", lt.PATHS)
 @pytest.mark.parametrize("T,prefill", [(9, False), (80, True)])
-def test_triton_dora_epilogue_matches_oracle(T, prefill):
-    """Decode (a program per token) and prefill (slot-sorted blocks) kernels."""
+def test_triton_dora_epilogue_matches_oracle(T, prefill, path):
+    """Decode (a program per token) and prefill (slot-sorted blocks) kernels, each path."""
     c, d = _case([(32, 24), (32, 40)], T=T, dev=DEV)
     y = d["y0"].clone()
     order = lt.sort_tokens_by_slot(d["slot_ids"]) if prefill else None
     lt.lora_apply_fused(y, d["x"], d["As"], d["Bts"], _slices(c["dims"]), d["slot_ids"],
                         list(d["scales"]), list(d["ranks"]), order=order,
-                        doras_list=list(d["doras"]), gains_list=d["gains"], bias=d["bias"])
+                        doras_list=list(d["doras"]), gains_list=d["gains"], bias=d["bias"],
+                        path=path)
     torch.testing.assert_close(y.cpu().double(), _oracle(c), atol=1e-4, rtol=1e-4)
 
 

@@ -210,21 +210,32 @@ def test_fused_apply_matches_ref(group, mode, dtype):
     assert torch.equal(y[ids < 0], y0[ids < 0])
 
 
+@pytest.fixture
+def small_k(monkeypatch):
+    """K blocks of 16/32 columns, so that the tests' small `in` splits K in both configs
+    (with the H200 blocks, in <= 256 is a single K block and split-K goes untested)."""
+    monkeypatch.setattr(lt, "DECODE_CFG", dict(lt.DECODE_CFG, BLOCK_K=16))
+    monkeypatch.setattr(lt, "PREFILL_CFG", dict(lt.PREFILL_CFG, BLOCK_K=32))
+    assert lt._split_k(3, 256, 2, lt._config(3, False, 16))[0] > 1
+
+
 @needs_kernels
+@pytest.mark.parametrize("path", lt.PATHS)
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_rank_tiles_split_k_and_separate_tables(mode):
-    """R=80 needs two rank tiles; in=256 at T<=3 splits K (atomic adds into h); the ranks and
-    scales tables are separate tensors, so the wrapper stacks them."""
+def test_rank_tiles_split_k_and_separate_tables(mode, path, small_k):
+    """R=80 needs two rank tiles (fused: one 128-row tile); in=256 splits K (atomic adds
+    into h, or per-split partials; small_k makes that so at decode's BLOCK_K too); the
+    ranks and scales tables are separate tensors, so the wrapper stacks them."""
     dims = [(256, 40), (256, 24)]
     ranks = [[0, 1, 63, 64, 65, 80], [80, 17, 0, 72, 8, 1]]
     clean, nan = pools(S=6, R=80, dims=dims, dtype=torch.float32, seed=7, ranks=ranks)
-    T = 3 if mode == "decode" else 40
+    T = 3 if mode == "decode" else lt.DECODE_MAX_T + 16
     ids = slot_batch(T, 6, seed=8)
     x, y0, _, slices = fused_io(T, dims, torch.float32, seed=9)
     y = y0.clone()
     ranks = [r.clone() for r in nan.ranks_list]
     scales = [s.clone().double() for s in nan.scales_list]  # wrong dtype: converted
-    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, scales, ranks)
+    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, scales, ranks, path=path)
     want = oracle(y0, x, clean, [0, 40], ids)
     assert_close(y, want, torch.float32)
 
@@ -240,6 +251,107 @@ def test_base_only_batch_is_untouched():
         assert torch.equal(y, y0)
         h = torch.full((T, 8), float("nan"), device=DEV)
         assert not lt.lora_shrink(x, nan.As[0], ids, nan.ranks[0], out=h).any()
+
+
+# --- the three lora_apply_fused paths: fused (one launch), split (partials), atomic (old) --
+
+PATH_RANKS = [[4, 8, 16, 4, 16, 8, 0], [8, 16, 4, 0, 4, 16, 8], [16, 4, 8, 8, 0, 4, 16]]
+
+
+def dora_tables(S, dims, seed, dora):
+    """(doras_list, gains_list, bias) for a group: every other slot DoRA, or None."""
+    if not dora:
+        return None, None, None
+    g = torch.Generator().manual_seed(seed)
+    doras = [torch.tensor([(s + m) % 2 for s in range(S)], dtype=torch.int32, device=DEV)
+             for m in range(len(dims))]
+    gains = [(torch.rand(S, o, generator=g) + 0.5).to(DEV) for _, o in dims]
+    bias = torch.randn(sum(o for _, o in dims), generator=g)
+    return doras, gains, bias
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dora", [False, True])
+@pytest.mark.parametrize("T", [1, 7, 33, 64])
+@pytest.mark.parametrize("path", lt.PATHS)
+def test_paths_match_ref(path, T, dora, dtype, small_k):
+    """The q/k/v group with ranks 4/8/16 (and 0) mixed per slot and module, NaN rank padding,
+    tokens on every slot and on -1, DoRA on or off, through each path at decode sizes
+    (in=64 in four K splits: small_k)."""
+    dims = GROUPS["qkv_gqa"]
+    S, seed = 7, 1000 + T + 7 * dora + 3 * lt.PATHS.index(path)
+    clean, nan = pools(S=S, R=16, dims=dims, dtype=dtype, seed=seed, ranks=PATH_RANKS)
+    ids = slot_batch(T, S, seed)
+    x, y0, _, slices = fused_io(T, dims, dtype, seed)
+    doras, gains, bias = dora_tables(S, dims, seed, dora)
+    if bias is not None:
+        bias = bias.to(DEV, dtype)
+        y0 = (y0.float() + bias.float()).to(dtype)  # y holds x W^T + bias on entry
+    y = y0.clone()
+    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list,
+                        doras_list=doras, gains_list=gains, bias=bias, path=path)
+    want = y0.clone()
+    ref.lora_apply_fused_ref(want, x, clean.As, clean.Bts, slices, ids, clean.scales_list,
+                             clean.ranks_list, doras_list=doras, gains_list=gains, bias=bias)
+    assert_close(y, want, dtype)
+    assert torch.equal(y[ids < 0], y0[ids < 0])
+    if path == "split":  # no atomics: bit for bit the same on a second run
+        again = y0.clone()
+        lt.lora_apply_fused(again, x, nan.As, nan.Bts, slices, ids, nan.scales_list,
+                            nan.ranks_list, doras_list=doras, gains_list=gains, bias=bias,
+                            path=path)
+        assert torch.equal(again, y)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cfg", [
+    dict(min_block_n=16, max_block_n=16, max_block_k=16),  # many runs, K loop of 4
+    dict(programs=1, min_block_n=16, max_block_n=16),  # one run per token, chunk loop
+    dict(programs=1 << 20, l2_bytes=1 << 30, min_block_n=16, max_block_n=32),  # run per chunk
+    dict(l2_bytes=1),  # the A re-read cap wins: one run per (token, module)
+])
+def test_fused_tilings(cfg, monkeypatch):
+    """The fused kernel's column runs and chunk loops: every tiling gives the reference,
+    including runs that straddle the end of the narrower k/v modules."""
+    monkeypatch.setattr(lt, "FUSED_CFG", dict(lt.FUSED_CFG, **cfg))
+    dims = [(64, 96), (64, 48), (64, 80)]
+    clean, nan = pools(S=7, R=16, dims=dims, dtype=torch.float32, seed=5, ranks=PATH_RANKS)
+    ids = slot_batch(5, 7, seed=6)
+    x, y0, _, slices = fused_io(5, dims, torch.float32, seed=7)
+    y = y0.clone()
+    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list,
+                        path="fused")
+    want = oracle(y0, x, clean, [s.start for s in slices], ids)
+    assert_close(y, want, torch.float32)
+
+
+@needs_kernels
+def test_split_partials_hold_the_shrink():
+    """_shrink(partials=True): several splits (in=1024: four K blocks) whose sum is h on
+    the rows expand reads."""
+    dims = [(1024, 32), (1024, 32)]
+    clean, nan = pools(S=7, R=16, dims=dims, dtype=torch.float32, seed=3, ranks=PATH_RANKS[:2])
+    ids = slot_batch(3, 7, seed=4)
+    x, _, _, _ = fused_io(3, dims, torch.float32, seed=5)
+    parts = lt._shrink(x, nan.As, ids, nan.ranks_list, None, partials=True)
+    assert parts.shape[0] > 1 and parts.shape[1:] == (3, 32)
+    h = parts.sum(0)
+    for m in range(2):
+        want = ref.lora_shrink_ref(x, clean.As[m], ids)  # [T, R]
+        for t, s in enumerate(ids.tolist()):
+            r = int(clean.ranks[m, s]) if s >= 0 else 0
+            torch.testing.assert_close(h[t, m * 16:m * 16 + r], want[t, :r], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_path_choice(monkeypatch):
+    assert lt.choose_path(1, 16, None) == "fused"
+    assert lt.choose_path(lt.FUSED_MAX_T, 16, None) == "fused"
+    assert lt.choose_path(lt.FUSED_MAX_T + 1, 16, None) == "split"
+    assert lt.choose_path(4, 16, torch.arange(4)) == "split"  # sorted: a prefill's tokens
+    assert lt.choose_path(1, 256, None) == "split"  # h would not fit in registers
+    monkeypatch.setattr(lt, "APPLY_PATH", "atomic")
+    assert lt.choose_path(1, 16, None) == "atomic"
 
 
 @pytest.mark.skipif(triton_utils.triton is None, reason="triton is not installed")
@@ -281,15 +393,19 @@ def rel_err(got, want, base):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("path", [None, *lt.PATHS])
 @pytest.mark.parametrize("T", [1, 8, 64, 2048])
 @pytest.mark.parametrize("group", list(GPU_GROUPS))
-def test_gpu_fused_matches_ref(group, T):
+def test_gpu_fused_matches_ref(group, T, path):
+    if path == "fused" and T > lt.DECODE_MAX_T:
+        pytest.skip("the fused kernel is for decode batches")
     dims = GPU_GROUPS[group]
     clean, nan = gpu_pools(group, torch.bfloat16)
     ids = slot_batch(T, 32, seed=T)
     x, y0, _, slices = fused_io(T, dims, torch.bfloat16, seed=T)
     y = y0.clone()
-    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list)
+    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list,
+                        path=path)
     want = y0.clone()
     ref.lora_apply_fused_ref(want, x, clean.As, clean.Bts, slices, ids, clean.scales_list)
     assert rel_err(y, want, y0) < 1e-2
@@ -323,8 +439,9 @@ def test_gpu_fp32_pool_is_exact(T):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("T", [16, 512])
-def test_gpu_cuda_graph_replays_across_adapter_swap(T):
+@pytest.mark.parametrize("path", lt.PATHS)
+@pytest.mark.parametrize("T", [1, 16, 512])
+def test_gpu_cuda_graph_replays_across_adapter_swap(T, path):
     """A graph captured once keeps serving after new adapters (weights, ranks, scales) land in
     the slots and the batch's slot ids change: the kernels read all of it from device memory."""
     dims = GPU_GROUPS["qkv"]
@@ -337,7 +454,7 @@ def test_gpu_cuda_graph_replays_across_adapter_swap(T):
     def step():
         y.copy_(y0)
         lt.lora_apply_fused(y, x, pool.As, pool.Bts, slices, ids, pool.scales_list,
-                            pool.ranks_list)
+                            pool.ranks_list, path=path)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

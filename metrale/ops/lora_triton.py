@@ -17,15 +17,68 @@ Offsets read from memory tell the compiler nothing about alignment, so the wrapp
 on the host and pass ALIGN for tl.multiple_of hints: without them loads and stores are not
 vectorized (measured: prefill expand ran at a third of its bandwidth).
 
-Two token mappings, chosen per call:
+Three ways to run a group (lora_apply_fused's `path`; APPLY_PATH/choose_path pick):
+- "fused": ONE launch, program (token, run of output columns, module). It recomputes its
+  token's h = x @ A[s, :rank].T into registers, then adds s * h @ Bt[s, :rank, run] to y.
+  No h in memory, no memset, no atomics, no sort. Decode batches of <= FUSED_MAX_T tokens.
+- "split": two launches. Split-K shrink programs each write their partial sums into a
+  [splits, T, M*R] workspace (only rows r < rank of adapter tokens: expand reads nothing
+  else, so nothing is zero-filled); expand sums the partials in a fixed order while
+  loading h. Deterministic. Everything that is not "fused".
+- "atomic": the old three launches (memset of h, shrink with atomic split-K adds, expand),
+  kept so bench/lora_kernels.py can time it beside the others.
+
+Why (Llama-3-8B at r=16, bf16, H200 ~4.8 TB/s; issue #15 measured ~8 us per call for the
+three launches, i.e. ~2.5-3 us per dependent kernel in a graph, against byte floors of
+0.05-0.25 us per group at one token):
+- per slot and group the weights are: A 128 KiB per module (down: 448 KiB, in=14336), Bt
+  128 KiB for q/o/down, 32 KiB for k/v, 448 KiB for gate/up each. At T=1 a group moves
+  256 KiB-1.1 MiB, 0.05-0.25 us of HBM: the launches ARE the cost, so one launch wins
+  outright, and recomputing h per program costs only re-reads of A from L2.
+- the fused kernel's price is those re-reads: every (token, column run, module) reads the
+  token's A (rank*in*2 bytes) again. With P programs that is P*128 KiB of L2 traffic
+  (down: P*448 KiB). Few programs, though, means a long serial read per program (one SM
+  streams ~0.1-0.2 TB/s). So _fused_config aims at ~FUSED_CFG["programs"] (one per SM)
+  programs but caps the A re-reads at FUSED_CFG["l2_bytes"] (8 MiB, ~1-2 us of L2): at
+  T=1 that is 28 runs of 512 columns for gate/up, 16 for down, 21 per module for q/k/v;
+  as T grows the runs per token shrink (T*runs stays ~constant), down to one run per
+  (token, module) at T >= 32 for gate/up, where A is read once per token as in the old
+  shrink and the Bt bytes per program are those of the old per-token expand.
+- the risk in that shape: one program streams a whole A[s] (128 KiB; 448 KiB for down)
+  through a serial K loop, and with one program per SM nothing hides a load's latency
+  but the program's own later loads. Hence big K steps (16 KiB per step at R=16, 8 warps)
+  and tl.range stages. If the bench shows down's fused time far above ~3 us at T=1, this
+  is why, and FUSED_MAX_T per group (or split-K of A across a cluster) is the next step.
+- past a few tokens (T=32 "spread": 32 slots, ~37 MB for gate/up, ~8 us of HBM) the
+  launches matter less and parallelism matters more: the split path's many small shrink
+  programs (split-K) and T*out/128 expand programs pull bandwidth from every SM, while the
+  fused path's T*runs*M programs (64 at T=32 for gate/up) leave half the SMs idle with
+  whole Bt rows to stream. Removing the memset there saves one launch of three and makes
+  h deterministic; the workspace is splits*T*M*R*4 bytes (T=32 gate/up: 64 KiB), read from
+  L2 by each expand program (splits*R*4 bytes per token and module, 1-3.5 KiB).
+- FUSED_MAX_T (8) sits where, by this arithmetic, the fused path's A re-reads plus its
+  thinner parallelism (~8 MiB of L2 and ~250 KiB per program) cost about the launch it
+  saves (~2.5 us); it is a guess to be set from bench/lora_kernels.py, which times both.
+- tokens are not grouped by slot in either decode path: a decode batch's tokens are
+  mostly of distinct sequences, and without a host sync the kernel cannot know whether a
+  block of sorted tokens shares a slot; a program per token needs no order at all. Batches
+  over DECODE_MAX_T get an order from the runner, once per step (sort_tokens_by_slot).
+- rank-aware everywhere: every A/Bt load is masked to rows r < ranks[s] (masked-off rows
+  are not fetched), so a rank-4 adapter moves a quarter of a rank-16 one's bytes. The fused
+  kernel holds next_pow2(R) rows of h in registers (FUSED_MAX_R), so its compute is R-wide.
+- CUDA graphs: the fused path allocates nothing; the split path allocates its workspace
+  per call like the old h (stable inside a captured graph's memory pool); no host sync.
+
+Two token mappings for the split and atomic paths, chosen per call:
 - decode (order is None, T <= DECODE_MAX_T): one program per token, fp32 multiply-reduce,
   no sort needed; many programs (split-K on shrink) keep the GPU busy at T=1.
 - prefill: BLOCK_T rows of `order` (token indices, normally `sort_tokens_by_slot`) per
   program, tensor-core dots; a program loops over the distinct slots among its rows, which
   sorting keeps to one or two. Any order is correct; sorting only saves work.
 Tokens with slot -1 are never read or written (shrink leaves their h rows zero).
-Shrink zero-fills h first: split-K programs add into it atomically (so h is not bit-for-bit
-deterministic across runs) and padded ranks read back as zero.
+lora_shrink (and the atomic path) zero-fills h first: split-K programs add into it
+atomically (so h is not bit-for-bit deterministic across runs) and padded ranks read back
+as zero. The split path's partials have neither property, and need neither.
 
 DoRA is an epilogue of expand: for a slot whose per-module `doras` flag is set, the program
 loads the gain row g (float32) and stores g * (y - bias + s * acc) + bias instead of
@@ -45,6 +98,20 @@ DECODE_MAX_T = 64  # above this many tokens (and no order given) use the prefill
 DECODE_CFG = dict(BLOCK_K=256, BLOCK_N=128, shrink_warps=4, expand_warps=2, split_k=1024)
 PREFILL_CFG = dict(BLOCK_T=32, BLOCK_K=128, BLOCK_N=256, shrink_warps=4, expand_warps=4,
                    split_k=256)
+# Which lora_apply_fused path runs (see the module docstring): "auto" (fused for decode
+# batches of at most FUSED_MAX_T tokens and R <= FUSED_MAX_R, split otherwise), or one
+# of PATHS for every call ("atomic" is the old memset + atomic split-K shrink + expand).
+PATHS = ("fused", "split", "atomic")
+APPLY_PATH = "auto"
+FUSED_MAX_T = 8  # a guess from the byte/launch arithmetic above; tune with the bench
+FUSED_MAX_R = 128  # the fused kernel holds all of h (next_pow2(R) floats) in registers
+# programs: aim for about this many programs per launch (132 SMs on an H200);
+# l2_bytes: cap on the A bytes re-read per launch (T * M * R * in * runs);
+# tile_elems / k_tile_elems: elements of one [BLOCK_R, BLOCK_N] / [BLOCK_R, BLOCK_K]
+# register tile (16 KiB of bf16 per K step at R=16: few, big steps, see the docstring);
+# stages: loop iterations whose loads are in flight at once (tl.range's num_stages).
+FUSED_CFG = dict(programs=132, l2_bytes=8 << 20, tile_elems=8192, k_tile_elems=8192,
+                 max_block_k=1024, min_block_n=64, max_block_n=512, warps=8, stages=3)
 # The per-module descriptor row (int64, 12 columns, numbered in the kernels):
 # 0 a_off  1 a_slot_stride  2 a_row_stride  3 b_off  4 b_slot_stride  5 b_row_stride
 # 6 out_dim  7 y_col  8 rank_off  9 rank_stride  10 scale_off  11 scale_stride
@@ -54,7 +121,7 @@ _DESC_COLS = 16
 
 def _shrink_kernel(
     x_ptr, pool_ptr, h_ptr, slot_ptr, order_ptr, desc_ptr, rank_ptr,
-    T, IN, R, x_stride, h_stride, k_per_split,
+    T, IN, R, x_stride, h_stride, split_stride, k_per_split,
     ATOMIC: tl.constexpr, SORTED: tl.constexpr, F32_DOT: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -99,7 +166,9 @@ def _shrink_kernel(
                     acc = tl.dot(xt.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(xt.to(at.dtype), at, acc)
-            h_ptrs = h_ptr + tok[:, None] * h_stride + m * R + r[None, :]  # [BT, BR]
+            # split_stride 0: one h for all splits (atomics); else this split's partial rows
+            h_ptrs = (h_ptr + pid_k * split_stride + tok[:, None] * h_stride + m * R
+                      + r[None, :])  # [BT, BR]
             h_mask = sel[:, None] & r_ok[None, :]
             if ATOMIC:  # split-K: several programs add into the zero-filled h
                 tl.atomic_add(h_ptrs, acc, mask=h_mask)
@@ -111,7 +180,7 @@ def _shrink_kernel(
 def _expand_kernel(
     y_ptr, pool_ptr, h_ptr, slot_ptr, order_ptr, desc_ptr, rank_ptr, scale_ptr,
     dora_ptr, gain_ptr, bias_ptr,
-    T, R, y_stride, h_stride,
+    T, R, y_stride, h_stride, n_split, split_stride,
     SORTED: tl.constexpr, F32_DOT: tl.constexpr, ALIGN: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -151,8 +220,11 @@ def _expand_kernel(
             for r0 in range(0, rank, BLOCK_R):
                 r = r0 + offs_r  # [BR]
                 r_ok = r < rank
-                ht = tl.load(h_ptr + tok[:, None] * h_stride + m * R + r[None, :],
-                             mask=sel[:, None] & r_ok[None, :], other=0.0)  # [BT, BR] fp32
+                h_ptrs = h_ptr + tok[:, None] * h_stride + m * R + r[None, :]  # [BT, BR]
+                h_mask = sel[:, None] & r_ok[None, :]
+                ht = tl.load(h_ptrs, mask=h_mask, other=0.0)  # [BT, BR] fp32
+                for sp in range(1, n_split):  # split-K partials, summed in a fixed order
+                    ht += tl.load(h_ptrs + sp * split_stride, mask=h_mask, other=0.0)
                 bt = tl.load(b_slot + r[:, None] * b_row_stride + n[None, :],
                              mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [BR, BN]
                 if BLOCK_T == 1:
@@ -178,6 +250,72 @@ def _expand_kernel(
                 y_new = y_old + scale * acc
             tl.store(y_ptrs, y_new.to(y_ptr.dtype.element_ty), mask=y_mask)
         s = tl.min(tl.where(slot > s, slot, big))
+
+
+def _fused_decode_kernel(
+    x_ptr, y_ptr, a_pool_ptr, b_pool_ptr, slot_ptr, desc_ptr, rank_ptr, scale_ptr,
+    dora_ptr, gain_ptr, bias_ptr,
+    IN, R, x_stride, y_stride, n_per_prog,
+    ALIGN: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Shrink and expand of one token, one module, one run of n_per_prog output columns:
+    h = x[t] @ A[s, :rank].T stays in registers (BLOCK_R >= R: every rank in one tile),
+    then y[t, cols] gets s * h @ Bt[s, :rank, cols] (or the DoRA epilogue) chunk by chunk."""
+    tok, pid_n, m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    d = desc_ptr + m * 16
+    out_dim = tl.multiple_of(tl.load(d + 6), ALIGN)
+    n_lo = pid_n * n_per_prog
+    if n_lo >= out_dim:
+        return  # the grid is sized for the widest module of the group
+    s = tl.load(slot_ptr + tok).to(tl.int32)
+    if s < 0:
+        return  # base-model token: y untouched
+    rank = tl.minimum(tl.load(rank_ptr + tl.load(d + 8) + s * tl.load(d + 9)), R)
+    if rank <= 0:
+        return  # module not targeted by this adapter (the DoRA epilogue is skipped too)
+    a_slot = (a_pool_ptr + tl.multiple_of(tl.load(d + 0), ALIGN)
+              + s.to(tl.int64) * tl.multiple_of(tl.load(d + 1), ALIGN))
+    a_row_stride = tl.multiple_of(tl.load(d + 2), ALIGN)
+    b_slot = (b_pool_ptr + tl.multiple_of(tl.load(d + 3), ALIGN)
+              + s.to(tl.int64) * tl.multiple_of(tl.load(d + 4), ALIGN))
+    b_row_stride = tl.multiple_of(tl.load(d + 5), ALIGN)
+    y_col = tl.multiple_of(tl.load(d + 7), ALIGN)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < rank  # rows past the slot's rank are never loaded: bytes scale with rank
+    offs_k, offs_n = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)
+    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    # one program streams all of A[s] alone: its loop is latency-bound unless the loads of
+    # later iterations are in flight (STAGES) and each moves a big tile (BLOCK_K)
+    for k0 in tl.range(0, IN, BLOCK_K, num_stages=STAGES):
+        k = k0 + offs_k
+        k_ok = k < IN
+        xk = tl.load(x_ptr + tok * x_stride + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+        a = tl.load(a_slot + r[:, None] * a_row_stride + k[None, :],
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [BR, BK]
+        h += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
+    scale = tl.load(scale_ptr + tl.load(d + 10) + s * tl.load(d + 11))
+    is_dora = tl.load(dora_ptr + tl.load(d + 12) + s * tl.load(d + 13)) != 0
+    gain_row = gain_ptr + tl.load(d + 14) + s.to(tl.int64) * tl.load(d + 15)
+    y_row = y_ptr + tok * y_stride + y_col
+    n_hi = tl.minimum(n_lo + n_per_prog, out_dim)  # n_per_prog is a multiple of BLOCK_N
+    for n0 in tl.range(n_lo, n_hi, BLOCK_N, num_stages=STAGES):
+        n = n0 + offs_n  # [BN]
+        n_ok = n < out_dim
+        bt = tl.load(b_slot + r[:, None] * b_row_stride + n[None, :],
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [BR, BN]
+        acc = tl.sum(h[:, None] * bt.to(tl.float32), axis=0)  # [BN]
+        y_old = tl.load(y_row + n, mask=n_ok, other=0.0).to(tl.float32)
+        if is_dora:  # g * (x W^T + s * delta) + bias; y_old holds x W^T + bias
+            g = tl.load(gain_row + n, mask=n_ok, other=1.0)  # [BN] float32
+            if HAS_BIAS:
+                b = tl.load(bias_ptr + y_col + n, mask=n_ok, other=0.0).to(tl.float32)
+                y_new = g * (y_old - b + scale * acc) + b
+            else:
+                y_new = g * (y_old + scale * acc)
+        else:
+            y_new = y_old + scale * acc
+        tl.store(y_row + n, y_new.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def _f32_dot(kernel, dtype: torch.dtype) -> bool:
@@ -264,30 +402,47 @@ def _config(T: int, sorted_: bool, R: int) -> dict:
     return cfg
 
 
-def _shrink(x, As, slot_ids, ranks_list, order, h) -> None:
-    """h[:, m*R:(m+1)*R] = x @ As[m][slot].T for every module m; h [T, M*R] fp32, zero-filled here."""
+def _split_k(T: int, IN: int, M: int, cfg: dict) -> tuple[int, int]:
+    """(splits, k per split) of the shrink: enough programs to fill the GPU at small T."""
+    n_kblk, t_blk = _cdiv(IN, cfg["BLOCK_K"]), _cdiv(T, cfg["BLOCK_T"])
+    split = min(n_kblk, next_pow2(_cdiv(cfg["split_k"], t_blk * M)))
+    k_per_split = _cdiv(n_kblk, split) * cfg["BLOCK_K"]
+    return _cdiv(IN, k_per_split), k_per_split
+
+
+def _shrink(x, As, slot_ids, ranks_list, order, h=None, *, partials=False) -> torch.Tensor:
+    """h[:, m*R:(m+1)*R] = x @ As[m][slot].T for every module m.
+
+    partials=False: h [T, M*R] fp32 (given), zero-filled here, split-K programs adding into
+    it atomically: lora_shrink's contract (zeros for slot -1 and past the rank).
+    partials=True: returns a fresh [splits, T, M*R] fp32 workspace, split k's sum over its
+    share of `in` in [k]; only rows r < rank of adapter tokens are written (expand reads
+    nothing else), so there is no memset and no atomic: two launches, deterministic."""
     T, IN = x.shape
     M, R = len(As), As[0].shape[1]
     if x.stride(1) != 1 or any(a.shape[1:] != (R, IN) for a in As):
         raise ValueError("x must be [T, in] with unit last stride and every A [S, R, in]")
-    h.zero_()
+    cfg = _config(T, order is not None, R)
+    split, k_per_split = _split_k(T, IN, M, cfg)
+    if partials:
+        h = torch.empty(split, T, M * R, dtype=torch.float32, device=x.device)
+        split_stride, h_stride, atomic = h.stride(0), h.stride(1), False
+    else:
+        h.zero_()
+        split_stride, h_stride, atomic = 0, h.stride(0), split > 1
     pool = _pool_base(As)
     rank_base, rank_fields = _tables(ranks_list, torch.int32)
     desc = _descriptor(x.device, As, [None] * M, [0] * M, rank_fields, [(0, 0)] * M)
-    cfg = _config(T, order is not None, R)
-    n_kblk, t_blk = _cdiv(IN, cfg["BLOCK_K"]), _cdiv(T, cfg["BLOCK_T"])
-    split = min(n_kblk, next_pow2(_cdiv(cfg["split_k"], t_blk * M)))
-    k_per_split = _cdiv(n_kblk, split) * cfg["BLOCK_K"]
-    split = _cdiv(IN, k_per_split)
     kernel = jit_kernel(_shrink_kernel, x.device)
-    kernel[(t_blk, split, M)](
+    kernel[(_cdiv(T, cfg["BLOCK_T"]), split, M)](
         x, pool, h, slot_ids, order if order is not None else slot_ids, desc, rank_base,
-        T, IN, R, x.stride(0), h.stride(0), k_per_split,
-        ATOMIC=split > 1, SORTED=order is not None, F32_DOT=_f32_dot(kernel, pool.dtype),
+        T, IN, R, x.stride(0), h_stride, split_stride, k_per_split,
+        ATOMIC=atomic, SORTED=order is not None, F32_DOT=_f32_dot(kernel, pool.dtype),
         ALIGN=_align(pool, [v for a in As for v in (a.storage_offset(), *a.stride()[:2])]),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], BLOCK_R=cfg["BLOCK_R"],
         num_warps=cfg["shrink_warps"],
     )
+    return h
 
 
 _NO_DORA: dict = {}
@@ -316,17 +471,17 @@ def _gain_tables(gains_list, S: int, device) -> tuple[torch.Tensor, list[tuple[i
     return flat, fields
 
 
-def _expand(y, h, Bts, y_cols, slot_ids, ranks_list, scales_list, order,
-            doras_list=None, gains_list=None, bias=None) -> None:
-    """y[:, y_cols[m]:+out_m] += scale * h[:, m*R:(m+1)*R] @ Bts[m][slot] for every module m
-    (DoRA slots, flagged in doras_list: the gain epilogue, bias the one y already holds)."""
-    T, M, R = y.shape[0], len(Bts), Bts[0].shape[1]
-    if y.stride(1) != 1 or h.stride(1) != 1 or h.shape != (T, M * R):
-        raise ValueError(f"y needs unit last stride and h must be [T, {M * R}] (got {h.shape})")
+def _check_out(y, Bts, y_cols) -> None:
+    if y.stride(1) != 1:
+        raise ValueError("y needs unit last stride")
     for b, col in zip(Bts, y_cols, strict=True):
-        if b.shape[1] != R or col + b.shape[2] > y.shape[1]:
+        if col + b.shape[2] > y.shape[1]:
             raise ValueError(f"Bt {tuple(b.shape)} at column {col} does not fit y {tuple(y.shape)}")
-    pool = _pool_base(Bts)
+
+
+def _expand_tables(y, Bts, ranks_list, scales_list, doras_list, gains_list):
+    """(rank, scale, dora, gain) bases and their per-module descriptor fields."""
+    M = len(Bts)
     rank_base, rank_fields = _tables(ranks_list, torch.int32)
     scale_base, scale_fields = _tables(scales_list, torch.float32)
     if doras_list is None:  # no DoRA anywhere: every flag reads a zero, no gain is read
@@ -336,21 +491,84 @@ def _expand(y, h, Bts, y_cols, slot_ids, ranks_list, scales_list, order,
             raise ValueError(f"gains {tuple(g.shape)} do not match Bt {tuple(b.shape)}")
     dora_base, dora_fields = _tables(doras_list, torch.int32)
     gain_base, gain_fields = _gain_tables(gains_list, Bts[0].shape[0], y.device)
-    desc = _descriptor(y.device, [None] * M, Bts, y_cols, rank_fields, scale_fields,
-                       dora_fields, gain_fields)
+    return ((rank_base, scale_base, dora_base, gain_base),
+            (rank_fields, scale_fields, dora_fields, gain_fields))
+
+
+def _expand(y, h, Bts, y_cols, slot_ids, ranks_list, scales_list, order,
+            doras_list=None, gains_list=None, bias=None) -> None:
+    """y[:, y_cols[m]:+out_m] += scale * h[:, m*R:(m+1)*R] @ Bts[m][slot] for every module m
+    (DoRA slots, flagged in doras_list: the gain epilogue, bias the one y already holds).
+    h: [T, M*R], or [splits, T, M*R] split-K partials (`_shrink(partials=True)`), summed here."""
+    T, M, R = y.shape[0], len(Bts), Bts[0].shape[1]
+    if h.shape[-2:] != (T, M * R) or h.stride(-1) != 1 or h.dim() not in (2, 3):
+        raise ValueError(f"h must be [(splits,) {T}, {M * R}] (got {tuple(h.shape)})")
+    if any(b.shape[1] != R for b in Bts):
+        raise ValueError("every Bt must be [S, R, out] with one R")
+    _check_out(y, Bts, y_cols)
+    n_split, split_stride = (h.shape[0], h.stride(0)) if h.dim() == 3 else (1, 0)
+    pool = _pool_base(Bts)
+    bases, fields = _expand_tables(y, Bts, ranks_list, scales_list, doras_list, gains_list)
+    desc = _descriptor(y.device, [None] * M, Bts, y_cols, *fields)
     cfg = _config(T, order is not None, R)
     max_out = max(b.shape[2] for b in Bts)
     grid = (_cdiv(T, cfg["BLOCK_T"]), _cdiv(max_out, cfg["BLOCK_N"]), M)
     kernel = jit_kernel(_expand_kernel, y.device)
     kernel[grid](
-        y, pool, h, slot_ids, order if order is not None else slot_ids, desc, rank_base,
-        scale_base, dora_base, gain_base, bias if bias is not None else y,
-        T, R, y.stride(0), h.stride(0),
+        y, pool, h, slot_ids, order if order is not None else slot_ids, desc, *bases,
+        bias if bias is not None else y,
+        T, R, y.stride(0), h.stride(-2), n_split, split_stride,
         SORTED=order is not None, F32_DOT=_f32_dot(kernel, pool.dtype), HAS_BIAS=bias is not None,
         ALIGN=min(_align(pool, [v for b in Bts for v in (b.storage_offset(), *b.stride()[:2])]),
                   _align(y, [y.stride(0), *y_cols, *(b.shape[2] for b in Bts)])),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
         num_warps=cfg["expand_warps"],
+    )
+
+
+def _fused_config(T: int, IN: int, M: int, R: int, max_out: int, elt: int) -> dict:
+    """Blocks and the output columns per program of the fused decode kernel (see the
+    module docstring): about FUSED_CFG["programs"] programs in all, but no more re-reads
+    of A than FUSED_CFG["l2_bytes"] allows, and at least one column run per token."""
+    c = FUSED_CFG
+    block_r = next_pow2(max(R, 1))
+    block_k = max(16, min(c["max_block_k"], c["k_tile_elems"] // block_r))
+    a_bytes = T * M * R * IN * elt  # every (token, module) reads its A once per column run
+    runs = max(1, min(c["programs"] // (T * M), c["l2_bytes"] // max(a_bytes, 1)))
+    cols = _cdiv(max_out, runs)
+    block_n = max(c["min_block_n"], min(c["max_block_n"], c["tile_elems"] // block_r,
+                                        next_pow2(cols)))
+    n_per_prog = _cdiv(cols, block_n) * block_n
+    return dict(BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n, n_per_prog=n_per_prog,
+                grid_n=_cdiv(max_out, n_per_prog))
+
+
+def _fused(y, x, As, Bts, y_cols, slot_ids, ranks_list, scales_list, doras_list=None,
+           gains_list=None, bias=None) -> None:
+    """lora_apply_fused in ONE launch, one program per (token, column run, module): the
+    program recomputes its token's h from A, no h in memory, no sort, no memset."""
+    T, IN = x.shape
+    M, R = len(As), As[0].shape[1]
+    if x.stride(1) != 1 or any(a.shape[1:] != (R, IN) for a in As):
+        raise ValueError("x must be [T, in] with unit last stride and every A [S, R, in]")
+    if any(b.shape[1] != R for b in Bts):
+        raise ValueError("every Bt must be [S, R, out] with the R of A")
+    _check_out(y, Bts, y_cols)
+    a_pool, b_pool = _pool_base(As), _pool_base(Bts)
+    bases, fields = _expand_tables(y, Bts, ranks_list, scales_list, doras_list, gains_list)
+    desc = _descriptor(y.device, As, Bts, y_cols, *fields)
+    max_out = max(b.shape[2] for b in Bts)
+    cfg = _fused_config(T, IN, M, R, max_out, a_pool.element_size())
+    kernel = jit_kernel(_fused_decode_kernel, y.device)
+    kernel[(T, cfg["grid_n"], M)](
+        x, y, a_pool, b_pool, slot_ids, desc, *bases, bias if bias is not None else y,
+        IN, R, x.stride(0), y.stride(0), cfg["n_per_prog"],
+        ALIGN=min(_align(a_pool, [v for a in As for v in (a.storage_offset(), *a.stride()[:2])]),
+                  _align(b_pool, [v for b in Bts for v in (b.storage_offset(), *b.stride()[:2])]),
+                  _align(y, [y.stride(0), *y_cols, *(b.shape[2] for b in Bts)])),
+        HAS_BIAS=bias is not None, STAGES=FUSED_CFG["stages"],
+        BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
+        num_warps=FUSED_CFG["warps"],
     )
 
 
@@ -410,15 +628,28 @@ def lora_embed(
             None if doras is None else [doras], None if gains is None else [gains])
 
 
+def choose_path(T: int, R: int, order: torch.Tensor | None) -> str:
+    """APPLY_PATH, with "auto" resolved: fused for small decode batches (no order given:
+    the caller did not sort, so this is not a prefill), split otherwise."""
+    if APPLY_PATH != "auto":
+        return APPLY_PATH
+    if order is None and T <= FUSED_MAX_T and R <= FUSED_MAX_R:
+        return "fused"
+    return "split"
+
+
 def lora_apply_fused(
     y: torch.Tensor, x: torch.Tensor, As, Bts, out_slices, slot_ids: torch.Tensor,
     scales_list, ranks_list, *, order: torch.Tensor | None = None,
     doras_list=None, gains_list=None, bias: torch.Tensor | None = None,
+    path: str | None = None,
 ) -> None:
     """lora_apply_fused_ref's semantics: modules sharing x (q/k/v, gate/up) add into slices of y.
 
-    Two launches for the whole group, whatever the number of modules. No host sync: a batch with
-    no adapter token still launches, and every program exits after reading its slot ids.
+    One launch for the whole group ("fused"), or two ("split"; "atomic": the old three,
+    memset included, kept to compare); path None picks by `choose_path`. No host sync: a
+    batch with no adapter token still launches, and every program exits after reading its
+    slot ids. order (from `sort_tokens_by_slot`, once per batch) is unused by "fused".
     """
     require_triton()
     T, M = x.shape[0], len(As)
@@ -432,9 +663,21 @@ def lora_apply_fused(
         y_cols.append(start)
     if T == 0:
         return
+    R = As[0].shape[1]
+    path = path or choose_path(T, R, order)
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    doras_list = None if doras_list is None else list(doras_list)
+    gains_list = None if gains_list is None else list(gains_list)
+    if path == "fused":
+        _fused(y, x, list(As), list(Bts), y_cols, slot_ids, list(ranks_list),
+               list(scales_list), doras_list, gains_list, bias)
+        return
     order = _order_for(slot_ids, order)
-    h = torch.empty(T, M * As[0].shape[1], dtype=torch.float32, device=x.device)  # [T, M*R]
-    _shrink(x, list(As), slot_ids, list(ranks_list), order, h)
+    if path == "split":
+        h = _shrink(x, list(As), slot_ids, list(ranks_list), order, partials=True)
+    else:
+        h = torch.empty(T, M * R, dtype=torch.float32, device=x.device)  # [T, M*R]
+        _shrink(x, list(As), slot_ids, list(ranks_list), order, h)
     _expand(y, h, list(Bts), y_cols, slot_ids, list(ranks_list), list(scales_list), order,
-            None if doras_list is None else list(doras_list),
-            None if gains_list is None else list(gains_list), bias)
+            doras_list, gains_list, bias)
