@@ -161,7 +161,9 @@ def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: 
                 budget: int = MIXED_BUDGET) -> dict:
     """32 sequences decode; an 8k-token prompt arrives. The decoders' inter-token times
     from its arrival until each has a token after its first one (so the gaps spanning
-    its prefill count), against before it arrived."""
+    its prefill count), against before it arrived. The prompt's token ids are drawn
+    before the loop (drawing 8k random ids in Python took ~3 ms, which landed in one
+    gap of every decoder); its add_request is timed (add_request_ms) and counts."""
     engine = _engine(pair, device, policy, 1, prompt_len + 256, budget=budget)
     vocab = pair.config.vocab_size
     rng = random.Random(7)
@@ -170,11 +172,19 @@ def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: 
            for _ in range(decoders)]
     last: dict[str, float] = {}
     before, during = [], []
-    long_id, steps_before, first_at = None, 0, None
+    long_id, steps_before, first_at, add_ms = None, 0, None, float("nan")
+    long_prompt_ids = [rng.randrange(10, vocab - 10) for _ in range(prompt_len)]
     after_first: set[str] = set()  # decoders with a token after the long prompt's first
+    steps: list[tuple[float, str]] = []  # (ms, graph used) of each step since it arrived
     while len(after_first) < decoders:
+        replays = dict(engine.runner.graphs.replays) if engine.runner.graphs else {}
+        t0 = time.perf_counter()
         outs = engine.step()
         t = time.perf_counter()
+        if long_id is not None:
+            now = dict(engine.runner.graphs.replays) if engine.runner.graphs else {}
+            used = [k for k in now if now[k] != replays.get(k)]
+            steps.append(((t - t0) * 1e3, str(used[0]) if used else "eager"))
         for o in outs:
             if o.request_id == long_id:
                 first_at = first_at or t
@@ -188,14 +198,18 @@ def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: 
             steps_before += 1
             if steps_before == 40:
                 long_params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-                long_id = engine.add_request(
-                    [rng.randrange(10, vocab - 10) for _ in range(prompt_len)], long_params)
+                t_add = time.perf_counter()
+                long_id = engine.add_request(long_prompt_ids, long_params)
+                add_ms = (time.perf_counter() - t_add) * 1e3
     for rid in [*ids, long_id]:
         engine.abort(rid)
     res = {"prompt_tokens": prompt_len, "decoders": decoders, "budget_tokens": budget,
            "itl_before_p50_ms": pct(before, 50), "itl_during_p50_ms": pct(during, 50),
-           "itl_during_p99_ms": pct(during, 99), "steps_during": len(during) // decoders}
+           "itl_during_p99_ms": pct(during, 99), "steps_during": len(during) // decoders,
+           "add_request_ms": add_ms, "itl_during_max_ms": max(during),
+           "slowest_steps": sorted(steps, reverse=True)[:4]}
     res["during_p99_over_before_p50"] = res["itl_during_p99_ms"] / res["itl_before_p50_ms"]
+    res["during_p99_over_during_p50"] = res["itl_during_p99_ms"] / res["itl_during_p50_ms"]
     del engine
     _free(device)
     return res
@@ -230,7 +244,15 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=150.0)
     ap.add_argument("--no-tier", action="store_true",
                     help="promote from disk every time (exercises the async disk promotion path)")
+    ap.add_argument("--long-prompt-only", action="store_true",
+                    help="only the long-prompt runs (printed, not written to the JSON)")
     args = ap.parse_args()
+    if args.long_prompt_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            pair = build_pair(args.model, args.device, Path(tmp))
+            for policy, budget in (("mixed", MIXED_BUDGET), ("mixed", 128)):
+                print(policy, budget, long_prompt(pair, args.device, policy, budget=budget))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         pair = build_pair(args.model, args.device, Path(tmp))
         make_peft(pair, 32, Path(tmp) / "adapters")

@@ -41,15 +41,28 @@ def main() -> None:
             eng.step()
         torch.cuda.synchronize()
         print("decode step ms", _median_step_ms(eng, 20))
-        eng.add_request([rng.randrange(10, vocab - 10) for _ in range(8192)],
-                        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        print("mixed step ms", _median_step_ms(eng, 30), "replays", dict(eng.runner.graphs.replays))
+        rid = eng.add_request([rng.randrange(10, vocab - 10) for _ in range(8192)],
+                              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        seq = eng.requests[rid]
+        late: list[tuple[int, float]] = []  # (context before the step, step ms)
+        while seq.num_computed < 8192 - 1024:
+            before = seq.num_computed
+            t = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            late.append((before, (time.perf_counter() - t) * 1e3))
+        for lo in range(0, 8192 - 1024, 1024):
+            ts = sorted(ms for ctx, ms in late if lo <= ctx < lo + 1024)
+            if ts:
+                print(f"context {lo:5d}-{lo + 1023:5d}: {len(ts)} steps, median {ts[len(ts) // 2]:.2f} ms,"
+                      f" max {ts[-1]:.2f} ms")
+        print("replays", dict(eng.runner.graphs.replays))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
+            for _ in range(3):  # chunks at context ~7k
                 eng.step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8))
 
 
 if __name__ == "__main__":

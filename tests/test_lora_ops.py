@@ -345,6 +345,8 @@ def test_split_partials_hold_the_shrink():
 
 
 def test_auto_path_choice(monkeypatch):
+    assert lt.choose_path(1, 16, None) == "atomic"  # the measured default
+    monkeypatch.setattr(lt, "APPLY_PATH", "auto")
     assert lt.choose_path(1, 16, None) == "fused"
     assert lt.choose_path(lt.FUSED_MAX_T, 16, None) == "fused"
     assert lt.choose_path(lt.FUSED_MAX_T + 1, 16, None) == "split"

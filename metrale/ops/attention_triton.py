@@ -33,6 +33,9 @@ from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, requ
 DECODE_BLOCK_N = 64  # keys per tile
 PREFILL_BLOCK_M, PREFILL_BLOCK_N = 64, 64
 MIN_SPLIT_TOKENS = 256  # never split a context into slices shorter than this
+# Table capacity per decode split at most: one program walking a whole long context made a
+# decode step with one 8k sequence among 33 take 5.4 ms against 2 ms (its keys run serially).
+DECODE_SPLIT_CAPACITY = 1024
 MIN_SPLIT_PREFILL = 512  # varlen: keys per split, at least
 MAX_PREFILL_SPLITS = 16
 
@@ -218,9 +221,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head): enough programs for ~2 waves, never slices shorter
-    than MIN_SPLIT_TOKENS of the table's capacity. Depends on shapes only (graph-safe)."""
+    """Splits per (sequence, KV head): enough programs for ~2 waves, and enough that no
+    program walks more than DECODE_SPLIT_CAPACITY of the table's capacity, but never
+    slices shorter than MIN_SPLIT_TOKENS of it. Depends on shapes only (graph-safe)."""
     want = -(-2 * _num_sms(device) // max(batch * kv_heads, 1))
+    want = max(want, -(-max_context // DECODE_SPLIT_CAPACITY))
     return max(1, min(want, max_context // MIN_SPLIT_TOKENS, 64))
 
 

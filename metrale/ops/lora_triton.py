@@ -102,7 +102,13 @@ PREFILL_CFG = dict(BLOCK_T=32, BLOCK_K=128, BLOCK_N=256, shrink_warps=4, expand_
 # batches of at most FUSED_MAX_T tokens and R <= FUSED_MAX_R, split otherwise), or one
 # of PATHS for every call ("atomic" is the old memset + atomic split-K shrink + expand).
 PATHS = ("fused", "split", "atomic")
-APPLY_PATH = "auto"
+# Measured on the H200 (bench/lora_kernels.py, 2026-12-01,
+# bench/results/lora_kernels-20261201-040001.json, graph-replayed, Llama-3-8B groups):
+# fused is slower than atomic at every shape (o T=1 8.1 vs 6.8 us, down T=1 20.3 vs 6.8:
+# one program streaming a whole A is latency-bound); split beats atomic on q/k/v and o
+# at T >= 32 (8.1 vs 8.7 us) but loses on down at T <= 8 (8.6 vs 6.8) and on gate/up at
+# T = 32..64 (19.1 vs 17.4). So the default stays "atomic" until a per-group choice.
+APPLY_PATH = "atomic"
 FUSED_MAX_T = 8  # a guess from the byte/launch arithmetic above; tune with the bench
 FUSED_MAX_R = 128  # the fused kernel holds all of h (next_pow2(R) floats) in registers
 # programs: aim for about this many programs per launch (132 SMs on an H200);
