@@ -116,11 +116,13 @@ class LLMEngine:
                 raise MetraleError("this model has no tokenizer: pass the prompt as token ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            ids = list(map(int, prompt))
         if not ids:
             raise InvalidSamplingParamsError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
+        # min/max run in C: an 8k-token prompt's check took ~0.5 ms of the engine loop
+        # as a generator, time every decoding request waited for
+        if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidSamplingParamsError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
