@@ -102,17 +102,18 @@ def serve(engine, arrivals, gen: int, device: str, drain_s: float = 30.0) -> dic
     }
 
 
+LONG_PROMPT_ATTENTION = 128 * 2048  # max_prefill_attention of one long-prompt run
 MIXED_BUDGET = 512  # tokens per step under the mixed policy: the largest CUDA-graph bucket
 
 
 def _engine(pair, device: str, policy: str, slots: int, max_model_len: int, tier: int = 0,
-            max_num_seqs: int = 64, budget: int = MIXED_BUDGET):
+            max_num_seqs: int = 64, budget: int = MIXED_BUDGET, attention: int | None = None):
     from bench.decode import make_engine
 
     budget = budget if policy == "mixed" else max_num_seqs * max_model_len
+    sched = SchedulerConfig(policy=policy, max_prefill_attention=attention)
     return make_engine(pair, device, slots, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                       host_tier_bytes=tier, scheduler=SchedulerConfig(policy=policy),
-                       max_num_batched_tokens=budget)
+                       host_tier_bytes=tier, scheduler=sched, max_num_batched_tokens=budget)
 
 
 def _free(device: str) -> None:
@@ -154,17 +155,20 @@ def run(pair, adapters_root: Path, device: str, n_adapters: int = 32, slots: int
     for budget in (MIXED_BUDGET, 256, 128):  # the step budget bounds the chunk beside decodes
         out["long_prompt"]["mixed" if budget == MIXED_BUDGET else f"mixed_budget{budget}"] = \
             long_prompt(pair, device, "mixed", budget=budget)
+    # and the chunk's attention: at 8k context, ~31 tokens a step instead of 96
+    out["long_prompt"]["mixed_budget128_attn256k"] = long_prompt(
+        pair, device, "mixed", budget=128, attention=LONG_PROMPT_ATTENTION)
     return out
 
 
 def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: int = 8192,
-                budget: int = MIXED_BUDGET) -> dict:
+                budget: int = MIXED_BUDGET, attention: int | None = None) -> dict:
     """32 sequences decode; an 8k-token prompt arrives. The decoders' inter-token times
     from its arrival until each has a token after its first one (so the gaps spanning
     its prefill count), against before it arrived. The prompt's token ids are drawn
     before the loop (drawing 8k random ids in Python took ~3 ms, which landed in one
     gap of every decoder); its add_request is timed (add_request_ms) and counts."""
-    engine = _engine(pair, device, policy, 1, prompt_len + 256, budget=budget)
+    engine = _engine(pair, device, policy, 1, prompt_len + 256, budget=budget, attention=attention)
     vocab = pair.config.vocab_size
     rng = random.Random(7)
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -204,6 +208,7 @@ def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: 
     for rid in [*ids, long_id]:
         engine.abort(rid)
     res = {"prompt_tokens": prompt_len, "decoders": decoders, "budget_tokens": budget,
+           "max_prefill_attention": attention,
            "itl_before_p50_ms": pct(before, 50), "itl_during_p50_ms": pct(during, 50),
            "itl_during_p99_ms": pct(during, 99), "steps_during": len(during) // decoders,
            "add_request_ms": add_ms, "itl_during_max_ms": max(during),
@@ -250,8 +255,10 @@ def main() -> None:
     if args.long_prompt_only:
         with tempfile.TemporaryDirectory() as tmp:
             pair = build_pair(args.model, args.device, Path(tmp))
-            for policy, budget in (("mixed", MIXED_BUDGET), ("mixed", 128)):
-                print(policy, budget, long_prompt(pair, args.device, policy, budget=budget))
+            for budget, attention in ((MIXED_BUDGET, None), (128, None),
+                                      (128, LONG_PROMPT_ATTENTION)):
+                print(budget, attention, long_prompt(pair, args.device, "mixed", budget=budget,
+                                                     attention=attention))
         return
     with tempfile.TemporaryDirectory() as tmp:
         pair = build_pair(args.model, args.device, Path(tmp))

@@ -220,6 +220,11 @@ class SchedulerConfig:
     # The most prompt tokens one sequence prefills in a step (None: the step's budget);
     # smaller chunks bound how long a long prompt delays the decodes sharing its steps.
     max_prefill_chunk: int | None = None
+    # The most (query, key) pairs one prompt chunk may attend to in a step: at context c a
+    # chunk of n tokens gets n * (c + n) <= this (never under MIN_ATTENTION_CHUNK tokens),
+    # so the chunks of a long prompt shrink as its context grows and the steps it shares
+    # with decodes stay as short as its first ones. None: chunks are bounded by tokens only.
+    max_prefill_attention: int | None = None
     # A waiting request older than this is admitted in arrival order, whatever its
     # adapter: per-adapter round-robin never starves anyone past it.
     max_admission_wait_s: float = 1.0
@@ -232,6 +237,9 @@ class SchedulerConfig:
                               f"got {self.policy!r}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
             raise ConfigError(f"max_prefill_chunk must be positive, got {self.max_prefill_chunk}")
+        if self.max_prefill_attention is not None and self.max_prefill_attention <= 0:
+            raise ConfigError("max_prefill_attention must be positive, got "
+                              f"{self.max_prefill_attention}")
         if not self.max_admission_wait_s >= 0:  # also refuses NaN
             raise ConfigError(f"max_admission_wait_s must be >= 0, got {self.max_admission_wait_s}")
         if self.max_promotions_in_flight < 1:

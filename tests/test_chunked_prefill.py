@@ -10,6 +10,7 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.config import SchedulerConfig
+from metrale.engine.scheduler import MIN_ATTENTION_CHUNK
 from tests.helpers.engine import step_until
 from tests.helpers.reference import check, hf_greedy, prompts
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
@@ -110,3 +111,32 @@ def test_a_sequence_hands_out_any_span_of_its_tokens():
     for start in range(8):
         for end in range(start, 8):
             assert seq.tokens(start, end) == seq.token_ids[start:end], (start, end)
+
+
+def test_attention_capped_chunks_shrink_with_context_and_match_peft(setup):
+    """max_prefill_attention: a long prompt's chunks get smaller as its context grows
+    (n * (context + n) within the cap, never under MIN_ATTENTION_CHUNK), and the tokens are
+    still those of transformers + PEFT."""
+    root, base, peft = setup
+    cap = 24 * 40
+    llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
+              num_kv_blocks=256, max_num_seqs=6, max_num_batched_tokens=64,
+              scheduler=SchedulerConfig(max_prefill_attention=cap))
+    llm.register_adapter("a", root / "a")
+    llm.engine.swap_lora_slot_from_disk(root / "a", "a", 0)
+    steps = _record_steps(llm)
+    rng = random.Random(25)
+    long_prompt = [rng.randrange(1, 250) for _ in range(100)]
+    out = llm.generate([long_prompt], GREEDY, ["a"])[0]
+    check(out, *hf_greedy(peft["a"], long_prompt))
+    chunks, context = [], 0
+    for num_new, _ in steps:
+        if context >= len(long_prompt):
+            break
+        n = num_new[0]
+        left = len(long_prompt) - context
+        assert n * (context + n) <= cap or n == min(MIN_ATTENTION_CHUNK, left), (context, n)
+        chunks.append(n)
+        context += n
+    assert sum(chunks) == len(long_prompt) and chunks == sorted(chunks, reverse=True)
+    assert chunks[0] > MIN_ATTENTION_CHUNK and chunks[-2] == MIN_ATTENTION_CHUNK, chunks

@@ -63,3 +63,22 @@ def test_serve_lora_extra_targets_flag():
     with pytest.raises(ConfigError, match="disagrees"):
         EngineConfig(pool=PoolConfig(extra_targets=("lm_head",)),
                      lora_extra_targets=("embed_tokens",))
+
+
+def test_scheduler_flags_reach_the_config_and_bad_values_are_refused():
+    """serve's scheduling flags become SchedulerConfig fields; non-positive caps and
+    negative PoolConfig byte budgets are refused at construction."""
+    import pytest
+
+    from metrale.config import ConfigError, PoolConfig, SchedulerConfig
+
+    serve = dict(_parsers(build_parser()))["metrale serve"]
+    args = serve.parse_args(["--max-prefill-attention", "262144", "--max-prefill-chunk", "64"])
+    assert (args.max_prefill_attention, args.max_prefill_chunk) == (262144, 64)
+    assert serve.parse_args([]).max_prefill_attention is None
+    for bad in (dict(max_prefill_attention=0), dict(max_prefill_chunk=-1),
+                dict(max_promotions_in_flight=0), dict(max_admission_wait_s=float("nan"))):
+        with pytest.raises(ConfigError):
+            SchedulerConfig(**bad)
+    with pytest.raises(ConfigError, match="mapped_file_bytes"):
+        PoolConfig(mapped_file_bytes=-1)

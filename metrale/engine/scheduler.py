@@ -3,7 +3,9 @@
 Policy "mixed" (the default): every step runs each running sequence's next tokens, its
 one decode token first, then the next chunk of prompts being prefilled, then newly
 admitted prompts, until max_num_batched_tokens is spent. A long prompt is prefilled over
-several steps while the others keep decoding, so no decode waits behind a prefill.
+several steps while the others keep decoding, so no decode waits behind a prefill; with
+max_prefill_attention its chunks also shrink as its context grows (a chunk's attention
+grows with the keys it sees), so the steps it shares with decodes stay short.
 
 Admission is adapter-aware: only requests whose adapter is resident (bound to a slot)
 or that use the base model can run; among those, adapters take turns (round-robin, each
@@ -20,6 +22,7 @@ every running sequence, FIFO (the benchmarks' baseline).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
@@ -28,6 +31,10 @@ from dataclasses import dataclass, field
 from metrale.config import EngineConfig
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.sequence import SeqStatus, Sequence
+
+# A prompt chunk capped by SchedulerConfig.max_prefill_attention still takes this many
+# tokens a step, so a long prompt keeps advancing however long its context.
+MIN_ATTENTION_CHUNK = 16
 
 
 @dataclass
@@ -100,7 +107,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: len(s) - s.num_computed > 1):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted below, for an older sequence's decode
-            n = min(len(seq) - seq.num_computed, budget, self.max_chunk)
+            n = self._chunk(seq, budget)
             if n == 0:
                 continue
             if not self._make_room(seq):
@@ -108,6 +115,16 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
         return budget
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """seq's tokens this step: what is left, within the budget and the chunk caps."""
+        n = min(len(seq) - seq.num_computed, budget, self.max_chunk)
+        cap = self.sched.max_prefill_attention
+        if cap is None or n <= MIN_ATTENTION_CHUNK:
+            return n
+        c = seq.num_computed  # keys already cached: n queries attend to <= c + n each
+        fit = int((math.sqrt(c * c + 4 * cap) - c) / 2)  # the largest n with n * (c + n) <= cap
+        return min(n, max(fit, MIN_ATTENTION_CHUNK))
 
     def _make_room(self, seq: Sequence) -> bool:
         """KV room for seq's newest token, preempting the newest sequences if needed;
@@ -129,7 +146,7 @@ class Scheduler:
             if not self.blocks.can_allocate(seq):
                 return  # no later request takes the blocks this one waits for
             self._start(seq)
-            n = min(len(seq) - seq.num_computed, budget, self.max_chunk)
+            n = self._chunk(seq, budget)
             batch.add(seq, n)
             budget -= n
 

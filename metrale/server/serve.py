@@ -86,8 +86,11 @@ def build_app(args: argparse.Namespace):
               peer_allow=tuple(args.peer_allow), peer_transport=args.peer_transport,
               peer_timeout_s=args.peer_timeout, lora_extra_targets=args.lora_extra_targets,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              scheduler=SchedulerConfig(args.scheduler_policy, args.max_prefill_chunk,
-                                        args.max_admission_wait, args.max_promotions_in_flight),
+              scheduler=SchedulerConfig(
+                  policy=args.scheduler_policy, max_prefill_chunk=args.max_prefill_chunk,
+                  max_prefill_attention=args.max_prefill_attention,
+                  max_admission_wait_s=args.max_admission_wait,
+                  max_promotions_in_flight=args.max_promotions_in_flight),
               **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}))
     engine = llm.engine
     for name, path in unpinned.items():
@@ -218,6 +221,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help="most prompt tokens one request prefills per step: smaller chunks "
                             "keep inter-token latency flat while long prompts arrive (default: "
                             "the step's budget)")
+    sched.add_argument("--max-prefill-attention", type=int, default=None, metavar="PAIRS",
+                       help="most (query, key) pairs one prompt chunk attends to per step: a "
+                            "long prompt's chunks shrink as its context grows, so the decodes "
+                            "sharing its steps do not slow down (e.g. 262144; default: no cap)")
     sched.add_argument("--scheduler-policy", default="mixed", choices=["mixed", "legacy"],
                        help="mixed: decodes and prompt chunks share every step; legacy: a step "
                             "is either a prefill or a decode (default: %(default)s)")
