@@ -14,6 +14,7 @@ from metrale.config import ModelConfig
 from metrale.forward_context import get_context
 from metrale.model.layers import LoraProjection, RMSNorm, RotaryEmbedding
 from metrale.ops.attention import paged_attention, store_kv
+from metrale.ops.head import head_logits
 from metrale.ops.lora import lora_embed, lora_logits
 
 
@@ -102,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [N, hidden] -> logits: [N, vocab] float32. rows: [N] indices of these rows
         among the forward's tokens, for their lm_head LoRA slots (None: row i is token i)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)  # [N, V]
+        logits = head_logits(hidden, weight)  # [N, V]
         lora = get_context().lora
         if lora is not None:
             lora_logits(logits, hidden, lora, rows)  # lm_head LoRA, when the pool serves it
