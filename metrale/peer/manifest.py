@@ -113,14 +113,7 @@ class Manifest:
                      for layer, m, k, rows, cols, _, nbytes, _ in self.table.tolist())
 
     def peft_doc(self, source: str) -> dict:
-        try:
-            doc = strict_json(self.peft_raw)
-        except ValueError as e:
-            raise PeerManifestError(f"{source}: the PEFT config is not JSON ({_short(str(e))})") from None
-        check_json_bounds(doc, source, MAX_PEFT_BYTES)
-        if not isinstance(doc, dict):
-            raise PeerManifestError(f"{source}: manifest has no PEFT config object")
-        return doc
+        return json_object(self.peft_raw, source, "PEFT config", MAX_PEFT_BYTES)
 
     def peft_config(self, layout: SlotLayout, source: str) -> PeftAdapterConfig:
         with refusing_malformed(source, "PEFT config"):
@@ -163,14 +156,20 @@ def read_reply(raw: bytes, source: str) -> Reply:
     bounded). Raises only MetraleError subclasses, whatever `raw` holds."""
     with refusing_malformed(source, "manifest"):
         wire = decode(raw, source)
-        try:
-            header = strict_json(wire.header)
-        except ValueError as e:
-            raise PeerManifestError(f"{source}: the manifest header is not JSON ({_short(str(e))})") from None
-        check_json_bounds(header, source, MAX_HEADER_BYTES)
-        if not isinstance(header, dict):
-            raise PeerManifestError(f"{source}: the manifest header is not a JSON object")
+        header = json_object(wire.header, source, "manifest header", MAX_HEADER_BYTES)
         return Reply(header.get("lease"), header, wire)
+
+
+def json_object(raw: bytes, source: str, what: str, limit: int) -> dict:
+    """A reply section as a strict, bounded JSON object, or PeerManifestError naming it."""
+    try:
+        doc = strict_json(raw)
+    except ValueError as e:
+        raise PeerManifestError(f"{source}: the {what} is not JSON ({_short(str(e))})") from None
+    check_json_bounds(doc, source, limit)
+    if not isinstance(doc, dict):
+        raise PeerManifestError(f"{source}: the {what} is not a JSON object")
+    return doc
 
 
 def parse_manifest(reply: Reply, layout: SlotLayout, source: str,
