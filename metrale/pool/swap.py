@@ -371,10 +371,3 @@ class LoraSlots:
                         cache.pop(next(iter(cache)))
                     cache.setdefault(key, plan)
         return plan
-        plan = plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
-        if identity is not None and adapter_identity(adapter_dir) == identity:  # not rewritten meanwhile
-            with self._plans_lock:
-                while len(self._plans) >= _PLAN_CACHE:
-                    self._plans.pop(next(iter(self._plans)))
-                self._plans[(identity, name)] = plan
-        return plan
