@@ -115,7 +115,7 @@ class MappedFiles:
             return None
         with self._lock:
             if identity in self._entries:  # another worker mapped it meanwhile: use theirs
-                self._unmap(entry)
+                _unmap(entry)
                 entry = self._entries[identity]
             else:
                 self._make_room(size)
@@ -158,10 +158,6 @@ class MappedFiles:
     def _drop(self, key: AdapterIdentity) -> None:
         entry = self._entries.pop(key)
         self._bytes -= entry.host.numel()
-        self._unmap(entry)
-
-    @staticmethod
-    def _unmap(entry: _Entry) -> None:
         _unmap(entry)
 
 
