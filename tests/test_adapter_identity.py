@@ -46,7 +46,7 @@ def test_settled_files_reuse_the_digest_without_reading(adapter, monkeypatch):
     def no_reads(*args, **kwargs):
         raise AssertionError("the files were read again")
 
-    monkeypatch.setattr("builtins.open", no_reads)
+    monkeypatch.setattr(ident, "open_regular", no_reads)
     assert adapter_identity(adapter) == first
 
 

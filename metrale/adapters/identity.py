@@ -22,6 +22,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from metrale.adapters.input_limits import open_regular
+from metrale.errors import AdapterError
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # Larger files are refused by the planner; here they just get no key (no caching).
@@ -33,11 +36,6 @@ class AdapterIdentity:
     path: str  # the directory, absolute
     plan_digest: str  # blake2b of adapter_config.json + the safetensors header
     data_stat: tuple[int, ...]  # (dev, inode, size, mtime_ns, ctime_ns) of the weights file
-
-
-def _open(path: Path):
-    """Opened for reading without blocking on a FIFO swapped in after the stat."""
-    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
 
 
 def file_stat(st: os.stat_result) -> tuple[int, ...]:
@@ -68,7 +66,9 @@ def adapter_identity(adapter_dir: str | Path) -> AdapterIdentity | None:
         if known is not None:
             return known
         read_at = time.time_ns()
-        with _open(d / CONFIG_FILE) as cf, _open(d / WEIGHTS_FILE) as wf:
+        # open_regular: never blocks on a FIFO swapped in after the stat
+        with open_regular(d / CONFIG_FILE, AdapterError) as cf, \
+                open_regular(d / WEIGHTS_FILE, AdapterError) as wf:
             opened = (file_stat(os.fstat(cf.fileno())), file_stat(os.fstat(wf.fileno())))
             config = cf.read(_MAX_KEYED_BYTES + 1)
             head = wf.read(8)
@@ -76,7 +76,7 @@ def adapter_identity(adapter_dir: str | Path) -> AdapterIdentity | None:
             if not 0 <= n <= _MAX_KEYED_BYTES or len(config) > _MAX_KEYED_BYTES:
                 return None
             header = wf.read(n)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AdapterError):  # ValueError: a NUL in the path
         return None
     digest = hashlib.blake2b(digest_size=16)
     for part in (config, head, header):
