@@ -4,7 +4,15 @@ adapters, against transformers + PEFT mixed-adapter `generate`, and the HBM roof
     PYTHONPATH=. python bench/decode.py [--model llama3-8b] [--batch 32 64] [--mixed]
 
 JSON `decode[<model>]`: per batch size base_tok_s, lora1_tok_s, lora32_tok_s,
-peft_mixed32_tok_s (batch 32 only), hbm_roofline_tok_s, and the inputs of the roofline.
+peft_mixed32_tok_s (batch 32 only), hbm_roofline_tok_s, and the inputs of the roofline;
+per mode (base, lora1, lora32) the median step wall time (*_step_ms) and on CUDA the
+step's graph replayed alone (*_graph_ms; batches over 64 run eagerly: nan), so
+base_host_share is the host's part of a step and base_graph_over_roofline the GPU's own
+distance from the HBM floor; for lora1/lora32 the adapter bytes a step reads
+(*_lora_bytes_per_step: every slot the batch touches), the ratio to the byte bound
+base_tok_s * step_bytes / (step_bytes + lora bytes) (*_over_byte_bound) and the share of
+a step that is LoRA (*_lora_share). --kernels adds kernel_table: bench/lora_kernels.py's
+rows for this model's groups at 1, 32, 64 and 256 tokens.
 
 --mixed adds JSON `decode_mixed[<model>]`: adapter kinds mixed per token in one batch of 32
 distinct adapters, on one engine started with --lora-extra-targets embed_tokens,lm_head:
@@ -29,6 +37,7 @@ import torch
 from bench.adapter_kinds import dora_variant, embedding_variant
 from bench.common import (
     adapter_dir,
+    median,
     build_pair,
     copy_bandwidth,
     make_peft,
@@ -67,18 +76,49 @@ def prompts(n: int, vocab: int, seed: int = 0, length: int = PROMPT) -> list[lis
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
 
 
-def engine_tok_s(engine: LLMEngine, names: list[str | None], device: str, gen: int = GEN) -> float:
+def decode_run(engine: LLMEngine, names: list[str | None], device: str,
+               gen: int = GEN) -> tuple[float, float]:
+    """(tok/s, median step wall ms) of decoding `names` (one request each) to gen tokens."""
     params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
     for p, name in zip(prompts(len(names), engine.model_config.vocab_size), names):
         engine.add_request(p, params, adapter=name)
     while any(not s.output_ids for s in engine.requests.values()):
         engine.step()  # prefill (and any promotion) outside the timed region
     sync(device)
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, steps = time.perf_counter(), 0, []
     while engine.has_unfinished_requests():
-        tokens += len(engine.step())
+        t = time.perf_counter()
+        tokens += len(engine.step())  # the step returns after its host sync
+        steps.append((time.perf_counter() - t) * 1e3)
     sync(device)
-    return tokens / (time.perf_counter() - t0)
+    return tokens / (time.perf_counter() - t0), median(steps)
+
+
+def engine_tok_s(engine: LLMEngine, names: list[str | None], device: str, gen: int = GEN) -> float:
+    return decode_run(engine, names, device, gen)[0]
+
+
+def graph_replay_ms(engine: LLMEngine, batch: int, lora: bool, reps: int = 50) -> float:
+    """GPU time of one decode step's CUDA graph replayed alone (its static inputs hold the
+    last step's batch): the step's wall time minus this is the host's share."""
+    graphs = engine.runner.graphs
+    key = (graph_batch_size(engine, batch), lora)
+    if graphs is None or key not in graphs.graphs:
+        return float("nan")
+    graph, _ = graphs.graphs[key]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def graph_batch_size(engine: LLMEngine, batch: int) -> int:
+    sizes = engine.runner.graphs.sizes
+    return min((b for b in sizes if b >= batch), default=-1)
 
 
 def peft_mixed_tok_s(peft, batch: int, n_adapters: int, vocab: int, device: str,
@@ -123,15 +163,29 @@ def run(pair, adapters_root: Path, peft, device: str, batches=(32, 64), n_adapte
     engine_tok_s(engine, [None] * 2, device, gen=4)  # warm-up: prefill kernels compile
     out = {"copy_bw_GBs": bw / 1e9, "prompt": PROMPT, "gen": gen,
            "graphs": engine.runner.graphs is not None}
+    slot_bytes = engine.runner.pool.layout.slot_bytes
     for b in batches:
-        row = {
-            "base_tok_s": engine_tok_s(engine, [None] * b, device, gen),
-            "lora1_tok_s": engine_tok_s(engine, ["a0"] * b, device, gen),
-            f"lora{n_adapters}_tok_s": engine_tok_s(
-                engine, [f"a{i % n_adapters}" for i in range(b)], device, gen),
-        }
+        row = {}
+        for key, names, lora in (("base", [None] * b, False), ("lora1", ["a0"] * b, True),
+                                 (f"lora{n_adapters}",
+                                  [f"a{i % n_adapters}" for i in range(b)], True)):
+            row[f"{key}_tok_s"], row[f"{key}_step_ms"] = decode_run(engine, names, device, gen)
+            if device.startswith("cuda"):
+                row[f"{key}_graph_ms"] = graph_replay_ms(engine, b, lora)
         tok_s, step_bytes = roofline_tok_s(pair, b, PROMPT + gen / 2, bw)
         row.update(hbm_roofline_tok_s=tok_s, step_bytes=step_bytes)
+        # the byte bound of a LoRA batch: base speed scaled by the step's bytes over the
+        # step's bytes plus the adapters' (every slot a batch touches is read once a step)
+        for key, used in (("lora1", 1), (f"lora{n_adapters}", min(b, n_adapters))):
+            lora_bytes = used * slot_bytes
+            bound = row["base_tok_s"] * step_bytes / (step_bytes + lora_bytes)
+            row[f"{key}_lora_bytes_per_step"] = lora_bytes
+            row[f"{key}_over_byte_bound"] = row[f"{key}_tok_s"] / bound
+            # the share of a LoRA step that is not the base step: (1/lora - 1/base) / (1/lora)
+            row[f"{key}_lora_share"] = 1 - row[f"{key}_tok_s"] / row["base_tok_s"]
+        if device.startswith("cuda"):
+            row["base_host_share"] = 1 - row["base_graph_ms"] / row["base_step_ms"]
+            row["base_graph_over_roofline"] = (step_bytes / bw * 1e3) / row["base_graph_ms"]
         if peft is not None and b == 32:
             row[f"peft_mixed{n_adapters}_tok_s"] = peft_mixed_tok_s(peft, b, n_adapters, vocab,
                                                                     device)
@@ -182,6 +236,26 @@ def run_mixed(pair, adapters_root: Path, device: str, batch: int = 32, gen: int 
     return out
 
 
+KERNEL_TOKENS = (1, 32, 64, 256)
+
+
+def kernel_table(pair, n_slots: int = 32, rank: int = 16) -> list[dict]:
+    """bench/lora_kernels.py's rows for this model's four groups (r=16, n_slots slots) at
+    KERNEL_TOKENS: us per group (alone and beside its base GEMM) against the byte floor."""
+    from bench import lora_kernels
+
+    cfg = pair.config
+
+    def group(*modules: str) -> tuple[int, list[int]]:
+        shapes = [cfg.linear_shape(m) for m in modules]  # (in, out) each
+        return shapes[0][0], [out for _, out in shapes]
+
+    shapes = {"qkv": group("q_proj", "k_proj", "v_proj"), "o": group("o_proj"),
+              "gate_up": group("gate_proj", "up_proj"), "down": group("down_proj")}
+    return lora_kernels.run(n_slots, rank, torch.bfloat16, tuple(shapes), KERNEL_TOKENS,
+                            shapes=shapes)
+
+
 def report(name: str, res: dict) -> str:
     rows = []
     for key, row in res.items():
@@ -189,19 +263,25 @@ def report(name: str, res: dict) -> str:
             r = {"model": name, "batch": key[5:], **{k: v for k, v in row.items() if k != "step_bytes"}}
             base, roof = row["base_tok_s"], row["hbm_roofline_tok_s"]
             r["lora32/base"] = row.get("lora32_tok_s", float("nan")) / base
+            r["lora1/base"] = row["lora1_tok_s"] / base
+            r["lora32/bound"] = row.get("lora32_over_byte_bound", float("nan"))
             r["base/roof"] = base / roof
+            r["host share"] = row.get("base_host_share", float("nan"))
             if "peft_mixed32_tok_s" in row:
                 r["lora32/peft"] = row["lora32_tok_s"] / row["peft_mixed32_tok_s"]
             rows.append(r)
     cols = ["model", "batch", "base_tok_s", "lora1_tok_s", "lora32_tok_s", "peft_mixed32_tok_s",
-            "hbm_roofline_tok_s", "lora32/base", "base/roof", "lora32/peft"]
+            "hbm_roofline_tok_s", "lora32/base", "lora1/base", "lora32/bound", "base/roof",
+            "host share", "lora32/peft"]
     return table(rows, cols)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama3-8b")
-    ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--batch", type=int, nargs="+", default=[32, 64, 256])
+    ap.add_argument("--kernels", action="store_true",
+                    help="also the LoRA kernel table (decode[model].kernel_table)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-peft", action="store_true")
     ap.add_argument("--mixed", action="store_true",
@@ -214,6 +294,8 @@ def main() -> None:
         if not args.only_mixed:
             res = run(pair, Path(tmp) / "adapters", None if args.no_peft else peft, args.device,
                       tuple(args.batch))
+            if args.kernels:
+                res["kernel_table"] = kernel_table(pair)
             merge_results(results_path(args.device), "decode", args.model, res)
             print(report(args.model, res))
         if args.mixed or args.only_mixed:

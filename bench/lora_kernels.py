@@ -11,7 +11,10 @@ with atomics, expand), split (two launches, split-K partials, no memset) and fus
 launch, decode sizes only); the old path's two kernels alone, the default call eager
 (Python launch overhead included) and the torch reference; the byte floor (the bytes that
 must move over --hbm-gbps: adapter weights of the slots used at --used-rank, x read, y read
-and written) and the bandwidth the default path reaches over those bytes.
+and written) and the bandwidth the default path reaches over those bytes; and in a layer's
+context: the base GEMM of the group alone (gemm_us), with its LoRA as the model runs it
+(gemm_lora_us: lora_triton.lora_linear, the shrink on a side stream beside the GEMM) and
+on one stream (gemm_then_lora_us); lora_in_layer_us is what the LoRA adds to the GEMM.
 --used-rank below --rank fills the ranks table with it (the pool stays R wide): a rank-4
 adapter should cost about a quarter of a rank-16 one.
 Slot spreads: "spread" puts token t on slot t % S (decode's worst case: every token its own
@@ -75,14 +78,30 @@ def _graph_us(fn, reps: int = 20) -> float:
     return _median_ms(graph.replay) * 1e3 / reps
 
 
+def _gemm_with_lora_us(x, weight, group_args, order, overlap: bool) -> float:
+    """A layer's projection as the model runs it: the base GEMM plus the group's LoRA
+    (lora_triton.lora_linear), with the shrink overlapping the GEMM or after it."""
+    As, Bts, slices, ids, scales, ranks = group_args
+    saved, lt.OVERLAP = lt.OVERLAP, overlap
+    try:
+        return _graph_us(functools.partial(lt.lora_linear, x, weight, None, As, Bts, slices, ids,
+                                           scales, ranks, order=order))
+    finally:
+        lt.OVERLAP = saved
+
+
 def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(TOKENS),
-        used_rank: int | None = None, hbm_gbps: float = 4800.0) -> list[dict]:
+        used_rank: int | None = None, hbm_gbps: float = 4800.0,
+        shapes: dict | None = None) -> list[dict]:
+    """shapes: name -> (in, [out per module]), GROUPS (Llama-3-8B) by default."""
+    shapes = shapes or GROUPS
     rows = []
     elt = torch.tensor([], dtype=dtype).element_size()
     r_used = used_rank or R
     for name in groups:
-        in_dim, outs = GROUPS[name]
+        in_dim, outs = shapes[name]
         As, Bts, ranks, scales = make_group(S, R, in_dim, outs, dtype, used_rank)
+        weight = torch.randn(sum(outs), in_dim, device="cuda").to(dtype) * 0.02  # base W
         cols = [sum(outs[:i]) for i in range(len(outs))]
         slices = [slice(c, c + o) for c, o in zip(cols, outs, strict=True)]
         for T in tokens:
@@ -107,6 +126,13 @@ def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(T
                     row[f"{path}_us"] = _graph_us(functools.partial(
                         lt.lora_apply_fused, *args, order=order, path=path)) \
                         if path != "fused" or T <= lt.DECODE_MAX_T else None
+                gemm = functools.partial(torch.nn.functional.linear, x, weight)
+                group_args = (As, Bts, slices, ids, scales, ranks)
+                row.update(gemm_us=_graph_us(gemm),
+                           gemm_lora_us=_gemm_with_lora_us(x, weight, group_args, order, True),
+                           gemm_then_lora_us=_gemm_with_lora_us(x, weight, group_args, order,
+                                                                False))
+                row["lora_in_layer_us"] = row["gemm_lora_us"] - row["gemm_us"]
                 row.update(shrink_us=_graph_us(shrink), expand_us=_graph_us(expand),
                            eager_us=_median_ms(apply) * 1e3,
                            ref_us=_median_ms(functools.partial(ref.lora_apply_fused_ref, *args))
@@ -117,7 +143,9 @@ def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(T
                 print("{group:8} T={T:<5} {spread:7} floor {floor_us:7.2f} | graph[{path}] "
                       "{graph_us:8.2f} us: atomic {atomic_us:8.2f} split {split_us:8.2f} fused "
                       "{fused_us:8.2f} | old shrink {shrink_us:7.2f} expand {expand_us:7.2f} | "
-                      "eager {eager_us:8.2f}  ref {ref_us:9.2f} us  {gbps:7.1f} GB/s".format(**r),
+                      "eager {eager_us:8.2f}  ref {ref_us:9.2f} us  {gbps:7.1f} GB/s | gemm "
+                      "{gemm_us:7.2f} +lora {gemm_lora_us:7.2f} (one stream {gemm_then_lora_us:7.2f})"
+                      .format(**r),
                       flush=True)
     return rows
 

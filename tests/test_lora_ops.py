@@ -305,6 +305,29 @@ def test_paths_match_ref(path, T, dora, dtype, small_k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dora", [False, True])
+@pytest.mark.parametrize("path", lt.PATHS)
+def test_lora_linear_is_the_gemm_then_the_delta(path, dora, small_k):
+    """lora_linear(x, W, b, ...) == F.linear(x, W, b) then lora_apply_fused (bias, DoRA):
+    the layers call the former (it overlaps the shrink with the GEMM on CUDA)."""
+    dims = GROUPS["qkv_gqa"]
+    T, S, seed = 9, 7, 77 + dora
+    clean, nan = pools(S=S, R=16, dims=dims, dtype=torch.float32, seed=seed, ranks=PATH_RANKS)
+    ids = slot_batch(T, S, seed)
+    x, y0, _, slices = fused_io(T, dims, torch.float32, seed)
+    doras, gains, bias = dora_tables(S, dims, seed, dora)
+    bias = None if bias is None else bias.to(DEV)
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(y0.shape[1], x.shape[1], generator=g).to(DEV)  # [sum(out), in]
+    got = lt.lora_linear(x, weight, bias, nan.As, nan.Bts, slices, ids, nan.scales_list,
+                         nan.ranks_list, doras_list=doras, gains_list=gains, path=path)
+    want = torch.nn.functional.linear(x, weight, bias)
+    ref.lora_apply_fused_ref(want, x, clean.As, clean.Bts, slices, ids, clean.scales_list,
+                             clean.ranks_list, doras_list=doras, gains_list=gains, bias=bias)
+    assert_close(got, want, torch.float32)
+
+
+@needs_kernels
 @pytest.mark.parametrize("cfg", [
     dict(min_block_n=16, max_block_n=16, max_block_k=16),  # many runs, K loop of 4
     dict(programs=1, min_block_n=16, max_block_n=16),  # one run per token, chunk loop
@@ -328,13 +351,14 @@ def test_fused_tilings(cfg, monkeypatch):
 
 @needs_kernels
 def test_split_partials_hold_the_shrink():
-    """_shrink(partials=True): several splits (in=1024: four K blocks) whose sum is h on
-    the rows expand reads."""
+    """_shrink into a _workspace(partials=True): several splits (in=1024: four K blocks)
+    whose sum is h on the rows expand reads."""
     dims = [(1024, 32), (1024, 32)]
     clean, nan = pools(S=7, R=16, dims=dims, dtype=torch.float32, seed=3, ranks=PATH_RANKS[:2])
     ids = slot_batch(3, 7, seed=4)
     x, _, _, _ = fused_io(3, dims, torch.float32, seed=5)
-    parts = lt._shrink(x, nan.As, ids, nan.ranks_list, None, partials=True)
+    parts = lt._shrink(x, nan.As, ids, nan.ranks_list, None,
+                       lt._workspace(x, nan.As, None, partials=True))
     assert parts.shape[0] > 1 and parts.shape[1:] == (3, 32)
     h = parts.sum(0)
     for m in range(2):
@@ -498,3 +522,48 @@ def test_ref_with_batch_groups_is_bit_exact(dtype, ids):
         ref.lora_apply_fused_ref(got, x, pool.As, pool.Bts, slices, slot_ids,
                                  pool.scales_list, ranks, groups=groups)
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 32, 300])
+def test_gpu_overlapped_lora_linear_in_a_graph(T, monkeypatch):
+    """The shrink on the side stream sees the x written just before each replay, and the
+    result equals the one-stream computation bit for bit (split path: no atomics), across
+    replays with new x, new slot ids and a swapped adapter."""
+    dims = GPU_GROUPS["qkv"]
+    pool = Pool(S=8, R=16, dims=dims, dtype=torch.bfloat16, seed=3)
+    other = Pool(S=8, R=16, dims=dims, dtype=torch.bfloat16, seed=4)
+    x, _, _, slices = fused_io(T, dims, torch.bfloat16, seed=T)
+    g = torch.Generator().manual_seed(T)
+    weight = (torch.randn(sum(o for _, o in dims), dims[0][0], generator=g) / 64).to(
+        DEV, torch.bfloat16)
+    ids = slot_batch(T, 8, seed=1)
+    out = torch.empty(T, weight.shape[0], dtype=torch.bfloat16, device=DEV)
+
+    def linear():
+        return lt.lora_linear(x, weight, None, pool.As, pool.Bts, slices, ids,
+                              pool.scales_list, pool.ranks_list, path="split")
+
+    def step():
+        out.copy_(linear())
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for round_ in range(4):
+        x.copy_(torch.randn(x.shape, generator=g).to(DEV, torch.bfloat16))
+        ids.copy_(slot_batch(T, 8, seed=10 + round_))
+        if round_ == 2:
+            pool.storage.copy_(other.storage)
+        graph.replay()
+        monkeypatch.setattr(lt, "OVERLAP", False)
+        want = linear()
+        monkeypatch.setattr(lt, "OVERLAP", True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

@@ -13,7 +13,7 @@ from torch import nn
 from metrale.config import ConfigError, ModelConfig
 from metrale.forward_context import get_context
 from metrale.ops import fused_triton as fused
-from metrale.ops.lora import lora_apply
+from metrale.ops.lora import lora_linear
 
 
 class RMSNorm(nn.Module):
@@ -106,8 +106,8 @@ class LoraProjection(nn.Module):
         self.out_slices = tuple(slice(a, b) for a, b in zip(bounds, bounds[1:]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [T, out]
         lora = get_context().lora
-        if lora is not None:
-            lora_apply(y, x, lora, self.layer, self.modules_, self.out_slices, self.bias)
-        return y
+        if lora is None:
+            return F.linear(x, self.weight, self.bias)  # [T, out]
+        return lora_linear(x, self.weight, self.bias, lora, self.layer, self.modules_,
+                           self.out_slices)

@@ -1,13 +1,15 @@
 """Multi-LoRA dispatch: the layers call this; it picks the pool views of the
 fused modules and runs the Triton kernels on CUDA or the torch reference.
 
-Three entry points, one per place a LoRA applies: `lora_apply` (decoder projections,
-with DoRA's gain for flagged slots), `lora_embed` (embed_tokens: a gather, then the
-expand) and `lora_logits` (lm_head, on the rows whose logits are computed)."""
+Entry points, one per place a LoRA applies: `lora_linear` (decoder projections: the
+base GEMM and its delta, DoRA's gain for flagged slots; `lora_apply` adds the delta to a
+given y), `lora_embed` (embed_tokens: a gather, then the expand) and `lora_logits`
+(lm_head, on the rows whose logits are computed)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from metrale.forward_context import LoraBatch
 from metrale.ops import lora_ref, lora_triton
@@ -42,6 +44,23 @@ def lora_apply(
         lora_ref.lora_apply_fused_ref(y, x, As, Bts, slices, lora.slot_ids, scales, ranks,
                                       groups=lora.groups, doras_list=doras, gains_list=gains,
                                       bias=bias)
+
+
+def lora_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoraBatch,
+    layer: int, modules: tuple[str, ...], out_slices: tuple[slice, ...],
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) plus lora_apply's delta: y [T, sum(out)] for x [T, in].
+    On CUDA the shrink overlaps the base GEMM (lora_triton.lora_linear)."""
+    views = lora.pool.fused_views(layer, modules, out_slices)
+    if views is None or not _triton(x):
+        y = F.linear(x, weight, bias)
+        if views is not None:
+            lora_apply(y, x, lora, layer, modules, out_slices, bias)
+        return y
+    As, Bts, slices, scales, ranks, doras, gains = views
+    return lora_triton.lora_linear(x, weight, bias, As, Bts, slices, lora.slot_ids, scales,
+                                   ranks, order=lora.order, doras_list=doras, gains_list=gains)
 
 
 def lora_embed(y: torch.Tensor, ids: torch.Tensor, lora: LoraBatch) -> None:

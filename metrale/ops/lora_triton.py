@@ -87,7 +87,10 @@ branch, so they pay no extra memory traffic. Embedding LoRA reuses expand after 
 gather of A's columns (`lora_embed`).
 """
 
+import os
+
 import torch
+import torch.nn.functional as F
 
 from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, require_triton, tl
 
@@ -416,22 +419,34 @@ def _split_k(T: int, IN: int, M: int, cfg: dict) -> tuple[int, int]:
     return _cdiv(IN, k_per_split), k_per_split
 
 
-def _shrink(x, As, slot_ids, ranks_list, order, h=None, *, partials=False) -> torch.Tensor:
+def _workspace(x: torch.Tensor, As, order, *, partials: bool) -> torch.Tensor:
+    """The shrink's output h for _shrink: [T, M*R] fp32, or with partials the split-K
+    workspace [splits, T, M*R] (see _shrink)."""
+    T, IN = x.shape
+    M, R = len(As), As[0].shape[1]
+    if not partials:
+        return torch.empty(T, M * R, dtype=torch.float32, device=x.device)
+    split, _ = _split_k(T, IN, M, _config(T, order is not None, R))
+    return torch.empty(split, T, M * R, dtype=torch.float32, device=x.device)
+
+
+def _shrink(x, As, slot_ids, ranks_list, order, h) -> torch.Tensor:
     """h[:, m*R:(m+1)*R] = x @ As[m][slot].T for every module m.
 
-    partials=False: h [T, M*R] fp32 (given), zero-filled here, split-K programs adding into
-    it atomically: lora_shrink's contract (zeros for slot -1 and past the rank).
-    partials=True: returns a fresh [splits, T, M*R] fp32 workspace, split k's sum over its
-    share of `in` in [k]; only rows r < rank of adapter tokens are written (expand reads
-    nothing else), so there is no memset and no atomic: two launches, deterministic."""
+    h [T, M*R] fp32 (lora_shrink's contract): zero-filled here, split-K programs adding into
+    it atomically (zeros for slot -1 and past the rank).
+    h [splits, T, M*R] (`_workspace(partials=True)`): split k's sum over its share of `in`
+    in h[k]; only rows r < rank of adapter tokens are written (expand reads nothing else),
+    so there is no memset and no atomic: two launches, deterministic."""
     T, IN = x.shape
     M, R = len(As), As[0].shape[1]
     if x.stride(1) != 1 or any(a.shape[1:] != (R, IN) for a in As):
         raise ValueError("x must be [T, in] with unit last stride and every A [S, R, in]")
     cfg = _config(T, order is not None, R)
     split, k_per_split = _split_k(T, IN, M, cfg)
-    if partials:
-        h = torch.empty(split, T, M * R, dtype=torch.float32, device=x.device)
+    if h.dim() == 3:
+        if h.shape[0] != split:
+            raise ValueError(f"partials need {split} splits, got {h.shape[0]}")
         split_stride, h_stride, atomic = h.stride(0), h.stride(1), False
     else:
         h.zero_()
@@ -505,7 +520,7 @@ def _expand(y, h, Bts, y_cols, slot_ids, ranks_list, scales_list, order,
             doras_list=None, gains_list=None, bias=None) -> None:
     """y[:, y_cols[m]:+out_m] += scale * h[:, m*R:(m+1)*R] @ Bts[m][slot] for every module m
     (DoRA slots, flagged in doras_list: the gain epilogue, bias the one y already holds).
-    h: [T, M*R], or [splits, T, M*R] split-K partials (`_shrink(partials=True)`), summed here."""
+    h: [T, M*R], or [splits, T, M*R] split-K partials (`_workspace(partials=True)`), summed here."""
     T, M, R = y.shape[0], len(Bts), Bts[0].shape[1]
     if h.shape[-2:] != (T, M * R) or h.stride(-1) != 1 or h.dim() not in (2, 3):
         raise ValueError(f"h must be [(splits,) {T}, {M * R}] (got {tuple(h.shape)})")
@@ -644,6 +659,17 @@ def choose_path(T: int, R: int, order: torch.Tensor | None) -> str:
     return "split"
 
 
+def _y_cols(out_slices, Bts, width: int) -> list[int]:
+    """The first column of each module's slice of y, checked against its Bt's width."""
+    cols = []
+    for sl, b in zip(out_slices, Bts, strict=True):
+        start, stop, step = sl.indices(width)
+        if step != 1 or stop - start != b.shape[2]:
+            raise ValueError(f"out slice {sl} does not match Bt width {b.shape[2]}")
+        cols.append(start)
+    return cols
+
+
 def lora_apply_fused(
     y: torch.Tensor, x: torch.Tensor, As, Bts, out_slices, slot_ids: torch.Tensor,
     scales_list, ranks_list, *, order: torch.Tensor | None = None,
@@ -661,12 +687,7 @@ def lora_apply_fused(
     T, M = x.shape[0], len(As)
     if not (len(Bts) == len(out_slices) == len(scales_list) == len(ranks_list) == M):
         raise ValueError("As, Bts, out_slices, scales_list and ranks_list need one entry per module")
-    y_cols = []
-    for sl, b in zip(out_slices, Bts, strict=True):
-        start, stop, step = sl.indices(y.shape[1])
-        if step != 1 or stop - start != b.shape[2]:
-            raise ValueError(f"out slice {sl} does not match Bt width {b.shape[2]}")
-        y_cols.append(start)
+    y_cols = _y_cols(out_slices, Bts, y.shape[1])
     if T == 0:
         return
     R = As[0].shape[1]
@@ -680,10 +701,59 @@ def lora_apply_fused(
                list(scales_list), doras_list, gains_list, bias)
         return
     order = _order_for(slot_ids, order)
-    if path == "split":
-        h = _shrink(x, list(As), slot_ids, list(ranks_list), order, partials=True)
-    else:
-        h = torch.empty(T, M * R, dtype=torch.float32, device=x.device)  # [T, M*R]
-        _shrink(x, list(As), slot_ids, list(ranks_list), order, h)
+    h = _workspace(x, As, order, partials=path == "split")
+    _shrink(x, list(As), slot_ids, list(ranks_list), order, h)
     _expand(y, h, list(Bts), y_cols, slot_ids, list(ranks_list), list(scales_list), order,
             doras_list, gains_list, bias)
+
+
+# The shrink reads only x, so on CUDA it can run beside the base GEMM (which reads x too)
+# on a second stream; only the expand must wait for the GEMM's y. At decode batch sizes a
+# group's LoRA is launch-bound (issue #15: ~2.5 us per dependent kernel in a graph, memset
+# and shrink two of the three), so overlapping hides the shrink's launches behind the GEMM.
+# CUDA graphs capture the fork and join. METRALE_LORA_OVERLAP=0 keeps one stream (to compare).
+OVERLAP = os.environ.get("METRALE_LORA_OVERLAP", "1") != "0"
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    key = str(device)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[key]
+
+
+def lora_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, As, Bts, out_slices,
+    slot_ids: torch.Tensor, scales_list, ranks_list, *, order: torch.Tensor | None = None,
+    doras_list=None, gains_list=None, path: str | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) followed by lora_apply_fused(y, x, ...): the same result.
+    On CUDA with OVERLAP, the split/atomic paths run their shrink on a side stream while
+    the GEMM runs on the current stream, and the expand after both."""
+    T, R = x.shape[0], As[0].shape[1]
+    path = path or choose_path(T, R, order)
+    if path == "fused" or T == 0 or not (OVERLAP and x.is_cuda):
+        y = F.linear(x, weight, bias)  # [T, out]
+        lora_apply_fused(y, x, As, Bts, out_slices, slot_ids, scales_list, ranks_list,
+                         order=order, doras_list=doras_list, gains_list=gains_list, bias=bias,
+                         path=path)
+        return y
+    require_triton()
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    y_cols = _y_cols(out_slices, Bts, weight.shape[0])
+    order = _order_for(slot_ids, order)
+    # allocated on the current stream and freed there after the expand, which runs after
+    # the join: no other work can be handed this memory while the side stream writes it
+    h = _workspace(x, As, order, partials=path == "split")
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)  # x, slot_ids and order are written on the current stream
+    with torch.cuda.stream(side):
+        _shrink(x, list(As), slot_ids, list(ranks_list), order, h)
+    y = F.linear(x, weight, bias)  # [T, out]
+    main.wait_stream(side)
+    _expand(y, h, list(Bts), y_cols, slot_ids, list(ranks_list), list(scales_list), order,
+            None if doras_list is None else list(doras_list),
+            None if gains_list is None else list(gains_list), bias)
+    return y
