@@ -37,10 +37,10 @@ import torch
 from bench.adapter_kinds import dora_variant, embedding_variant
 from bench.common import (
     adapter_dir,
-    median,
     build_pair,
     copy_bandwidth,
     make_peft,
+    median,
     merge_results,
     results_path,
     sync,
