@@ -9,11 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from metrale import LLM, SamplingParams
 from metrale.config import ModelConfig
 from metrale.model.layers import RMSNorm, RotaryEmbedding
 from metrale.ops import fused_triton as fused
 from tests.helpers.kernels import KERNELS
-from tests.helpers.tiny_models import hf_config
+from tests.helpers.reference import check, hf_greedy, prompts
+from tests.helpers.tiny_models import hf_config, make_model, save_model
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
@@ -100,6 +102,34 @@ def _check_silu_mul(got: torch.Tensor, want: torch.Tensor) -> None:
     ulps = _ulps(got, want)
     assert ulps.max() <= 2 and (ulps > 0).sum() <= 0.01 * ulps.numel(), \
         f"{(ulps > 0).sum()} of {ulps.numel()} differ, by up to {ulps.max()} ulps"
+
+
+def test_model_fused_path_matches_transformers(tmp_path, monkeypatch):
+    """The model's wiring of the fused ops ((h, residual) through the layers, the last add
+    in the final norm, silu_mul in the MLP): with the fused path let onto CPU tensors, the
+    engine still decodes transformers' greedy tokens."""
+    base = make_model("llama", seed=3)
+    save_model(base, tmp_path / "model")
+    calls = {"add_rmsnorm": 0, "silu_mul": 0}
+
+    def counted(name, op):
+        def call(*args):
+            calls[name] += 1
+            return op(*args)
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(fused, name, counted(name, getattr(fused, name)))
+    monkeypatch.setattr(fused, "usable", lambda x: fused.ENABLED)  # CPU too: interpreted
+    llm = LLM(tmp_path / "model", max_loras=1, block_size=4, max_model_len=64, num_kv_blocks=64,
+              max_num_seqs=4)
+    ps = prompts(0, 2)
+    outs = llm.generate(ps, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3))
+    for p, out in zip(ps, outs):
+        check(out, *hf_greedy(base, p, n=4))
+    layers = base.config.num_hidden_layers
+    assert calls["add_rmsnorm"] % (2 * layers) == 0 and calls["add_rmsnorm"] > 0
+    assert calls["silu_mul"] == calls["add_rmsnorm"] // 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
