@@ -71,7 +71,7 @@ def run_tests(out: Path) -> None:
     print(run.stdout[-4000:], flush=True)
     if "test_fused_ops.py" in run.stdout and "FAILED tests/test_fused_ops.py" in run.stdout:
         fused_triton.ENABLED = False
-        print("!! fused RMSNorm/rotary failed: benchmarks use the torch elementwise path")
+        print("!! fused elementwise kernels (norms, rotary, silu_mul) failed: benchmarks use the torch path")
     if run.returncode:
         raise RuntimeError(f"GPU tests failed (rc {run.returncode}); see pytest.log")
 

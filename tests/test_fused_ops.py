@@ -1,38 +1,135 @@
-"""Fused RMSNorm and rotary kernels (CUDA path of metrale.model.layers) against the torch
-code they replace: exact in float32 up to summation order, within an ulp in bf16.
-Interpreted on CPU (tests/conftest.py turns the interpreter on), compiled on a GPU."""
+"""Fused RMSNorm (with and without the residual add), SiLU-and-multiply and rotary kernels
+(CUDA path of metrale.model) against the torch code they replace: the residual sum bitwise;
+the norm exact in float32 up to summation order, within an ulp in bf16; silu_mul in bf16
+and fp16 bitwise but where the kernel's exp, not torch's, tips a rounding. Interpreted on
+CPU (tests/conftest.py turns the interpreter on), compiled on a GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from metrale import LLM, SamplingParams
 from metrale.config import ModelConfig
 from metrale.model.layers import RMSNorm, RotaryEmbedding
 from metrale.ops import fused_triton as fused
 from tests.helpers.kernels import KERNELS
-from tests.helpers.tiny_models import hf_config
+from tests.helpers.reference import check, hf_greedy, prompts
+from tests.helpers.tiny_models import hf_config, make_model, save_model
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
 # bf16: two roundings (as torch does them) may each land an ulp apart after fp32 math in
-# another order; the interpreter also truncates where compiled code rounds to nearest
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -6, atol=2e-2)}
+# another order (the norm's sum of squares); the interpreter also truncates rotary's casts
+# to bf16, where compiled code rounds to nearest
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -6, atol=2e-2),
+       torch.float16: dict(rtol=2 ** -9, atol=1e-3)}
+EXACT = dict(rtol=0, atol=0)
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in ulps of their dtype between same-signed floats."""
+    return (got.view(_BITS[got.dtype]).long() - want.view(_BITS[want.dtype]).long()).abs()
+
+
+def _weighted_norm(N: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    g = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(N, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(N, generator=g))
+    return norm.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N", [64, 96, 4096])
 def test_rmsnorm_matches_torch(dtype, N):
     g = torch.Generator().manual_seed(N)
-    norm = RMSNorm(N, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.3 * torch.randn(N, generator=g))
-    norm = norm.to(DEV, dtype)
+    norm = _weighted_norm(N, dtype, N)
     x = (3 * torch.randn(7, 3 * N, generator=g)).to(DEV, dtype)[:, N:2 * N]  # row stride 3N
-    got = fused.rmsnorm(x, norm.weight, 1e-5)
-    want = norm.to("cpu")(x.cpu())  # the torch path (CPU tensors never take the fused one)
+    got = fused.rmsnorm(x, norm.weight.to(DEV), 1e-5)
+    want = norm(x.cpu())  # the torch path (CPU tensors never take the fused one)
     assert got.dtype == dtype
     torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,N", [(1, 64), (37, 96), (5, 1000), (3, 4096)])
+def test_add_rmsnorm_matches_torch(dtype, T, N):
+    g = torch.Generator().manual_seed(T * N)
+    norm = _weighted_norm(N, dtype, N)
+    wide = (3 * torch.randn(T, 2 * N, generator=g)).to(dtype)
+    x, x_dev = wide[:, N:], wide.to(DEV)[:, N:]  # row stride 2N
+    # a residual stream larger than the sublayer output, as in a model: the sum's low bits
+    # fall off (ties among them), so a sum rounded another way shows
+    residual = (20 * torch.randn(T, N, generator=g)).to(dtype)
+    want_normed, want_sum = norm(x, residual)  # the torch path
+    r_dev = residual.to(DEV)
+    got_normed, got_sum = fused.add_rmsnorm(x_dev, r_dev, norm.weight.to(DEV), 1e-5)
+    assert got_normed.dtype == got_sum.dtype == dtype
+    torch.testing.assert_close(got_sum.cpu(), want_sum, **EXACT)
+    # the norm of the sum is the plain norm kernel's, bitwise; and torch's up to the sum
+    # of squares' order
+    torch.testing.assert_close(got_normed, fused.rmsnorm(got_sum, norm.weight.to(DEV), 1e-5), **EXACT)
+    torch.testing.assert_close(got_normed.cpu(), want_normed, **TOL[dtype])
+    # out of place: the inputs are as they were
+    torch.testing.assert_close(x_dev.cpu(), x, **EXACT)
+    torch.testing.assert_close(r_dev.cpu(), residual, **EXACT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,I", [(1, 96), (37, 100), (4, 3000)])
+def test_silu_mul_matches_torch(dtype, T, I):
+    g = torch.Generator().manual_seed(T * I)
+    wide = (4 * torch.randn(T, 2 * I + 24, generator=g)).to(dtype)
+    gate_up = wide[:, 8:8 + 2 * I]  # [T, 2I], row stride 2I + 24
+    want = fused.silu_mul_ref(gate_up)  # what MLP runs on CPU
+    got = fused.silu_mul(wide.to(DEV)[:, 8:8 + 2 * I])
+    assert got.shape == (T, I) and got.dtype == dtype
+    _check_silu_mul(got.cpu(), want)
+
+
+def _check_silu_mul(got: torch.Tensor, want: torch.Tensor) -> None:
+    if want.dtype == torch.float32:
+        # silu's exp is Triton's (numpy's in the interpreter, an approximation compiled),
+        # torch's is its own: some ulps apart
+        torch.testing.assert_close(got, want, **TOL[want.dtype])
+        return
+    # ... which the rounding to 8 or 11 bits hides but where the fp32 silu sits at a
+    # rounding boundary: there silu is an ulp off, the product up to two. A rounding skipped
+    # or done another way (fp32 silu times up; truncation) misses far more than 1% of the
+    # elements.
+    ulps = _ulps(got, want)
+    assert ulps.max() <= 2 and (ulps > 0).sum() <= 0.01 * ulps.numel(), \
+        f"{(ulps > 0).sum()} of {ulps.numel()} differ, by up to {ulps.max()} ulps"
+
+
+def test_model_fused_path_matches_transformers(tmp_path, monkeypatch):
+    """The model's wiring of the fused ops ((h, residual) through the layers, the last add
+    in the final norm, silu_mul in the MLP): with the fused path let onto CPU tensors, the
+    engine still decodes transformers' greedy tokens."""
+    base = make_model("llama", seed=3)
+    save_model(base, tmp_path / "model")
+    calls = {"add_rmsnorm": 0, "silu_mul": 0}
+
+    def counted(name, op):
+        def call(*args):
+            calls[name] += 1
+            return op(*args)
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(fused, name, counted(name, getattr(fused, name)))
+    monkeypatch.setattr(fused, "usable", lambda x: fused.ENABLED)  # CPU too: interpreted
+    llm = LLM(tmp_path / "model", max_loras=1, block_size=4, max_model_len=64, num_kv_blocks=64,
+              max_num_seqs=4)
+    ps = prompts(0, 2)
+    outs = llm.generate(ps, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3))
+    for p, out in zip(ps, outs):
+        check(out, *hf_greedy(base, p, n=4))
+    layers = base.config.num_hidden_layers
+    assert calls["add_rmsnorm"] % (2 * layers) == 0 and calls["add_rmsnorm"] > 0
+    assert calls["silu_mul"] == calls["add_rmsnorm"] // 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -74,3 +171,17 @@ def test_gpu_llama8b_sizes():
     got_q, got_k = fused.rotary(pos.cuda(), q.cuda(), k.cuda(), rot.cos.cuda(), rot.sin.cuda())
     torch.testing.assert_close(got_q.cpu(), want_q, **TOL[torch.bfloat16])
     torch.testing.assert_close(got_k.cpu(), want_k, **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_llama8b_sizes_add_norm_and_silu_mul():
+    g = torch.Generator().manual_seed(1)
+    norm = _weighted_norm(4096, torch.bfloat16, 1)
+    x = torch.randn(64, 4096, generator=g).to(torch.bfloat16)
+    residual = (20 * torch.randn(64, 4096, generator=g)).to(torch.bfloat16)
+    want_normed, want_sum = norm(x, residual)
+    got_normed, got_sum = fused.add_rmsnorm(x.cuda(), residual.cuda(), norm.weight.cuda(), 1e-5)
+    torch.testing.assert_close(got_sum.cpu(), want_sum, **EXACT)
+    torch.testing.assert_close(got_normed.cpu(), want_normed, **TOL[torch.bfloat16])
+    gate_up = (4 * torch.randn(64, 2 * 14336, generator=g)).to(torch.bfloat16)
+    _check_silu_mul(fused.silu_mul(gate_up.cuda()).cpu(), fused.silu_mul_ref(gate_up))

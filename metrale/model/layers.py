@@ -22,14 +22,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [..., N] -> normalized x. With residual [T, N]: (normalized s, s) for
+        s = x + residual, the residual stream's add done by the norm that reads it."""
+        if residual is not None:
+            if fused.rows_usable(x, residual) and self.weight.dtype == x.dtype:
+                return fused.add_rmsnorm(x, residual, self.weight, self.eps)  # one launch, not 2
+            return fused.add_rmsnorm_ref(x, residual, self.weight, self.eps)
         if x.dim() == 2 and fused.usable(x):  # one launch instead of ~7 (same arithmetic)
             return fused.rmsnorm(x, self.weight, self.eps)
-        # fp32 statistics as transformers does, so low-precision runs match it
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return fused.rmsnorm_ref(x, self.weight, self.eps)
 
 
 def _inv_freq(cfg: ModelConfig) -> torch.Tensor:

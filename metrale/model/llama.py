@@ -7,12 +7,12 @@ the forward context; attention reads and writes the paged cache."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ModelConfig
 from metrale.forward_context import get_context
 from metrale.model.layers import LoraProjection, RMSNorm, RotaryEmbedding
+from metrale.ops import fused_triton as fused
 from metrale.ops.attention import paged_attention, store_kv
 from metrale.ops.head import head_logits
 from metrale.ops.lora import lora_embed, lora_logits
@@ -60,8 +60,10 @@ class MLP(nn.Module):
         self.down_proj = LoraProjection(layer, ("down_proj",), self.inter, (cfg.hidden_size,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # each [T, I]
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate, then up
+        if fused.rows_usable(gate_up):
+            return self.down_proj(fused.silu_mul(gate_up))  # one launch, not two
+        return self.down_proj(fused.silu_mul_ref(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -72,9 +74,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, h: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, hidden], the last sublayer's output, not yet added to residual [T, hidden]
+        (layer 0: h is the embedding and residual None) -> the same pair after this layer.
+        Each add is left to the next norm, which does it in the same launch (vLLM's scheme);
+        x + residual is residual + x bitwise, so the torch path computes what
+        `h = h + sublayer(norm(h))` did."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,9 +108,10 @@ class LlamaForCausalLM(nn.Module):
         lora = get_context().lora
         if lora is not None:
             lora_embed(h, input_ids, lora)  # embed_tokens LoRA, when the pool serves it
+        residual = None  # [T, hidden]: the stream h is added to, once there is one
         for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual)
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [N, hidden] -> logits: [N, vocab] float32. rows: [N] indices of these rows

@@ -1,11 +1,18 @@
-"""Fused elementwise kernels for the decoder on CUDA: RMSNorm and rotary embedding.
+"""Fused elementwise kernels for the decoder on CUDA: RMSNorm (alone, or with the
+residual add before it), rotary embedding, and SiLU-and-multiply.
 
-In torch, RMSNorm is ~7 launches and rotary ~18 per layer (casts, slices, cat, neg,
-muls); at decode batch sizes each is a few microseconds of mostly launch gap, ~1300
-launches per step on a 32-layer model, comparable to the time spent reading the
-weights. One launch each here, with the same arithmetic as the torch code in
-metrale.model.layers (fp32 math, the same roundings to the activation dtype), so bf16
-results agree to within an ulp of fp32 summation order.
+In torch, RMSNorm is ~7 launches and rotary ~18 per layer (casts, slices, cat, neg, muls);
+at decode batch sizes each is a few microseconds of mostly launch gap, ~1300 launches per
+step on a 32-layer model, comparable to the time spent reading the weights. One launch each
+here; the two residual adds of a layer take none of their own (each rides in the norm that
+reads its sum: add_rmsnorm), and silu(gate) * up takes one instead of two.
+
+The arithmetic is the torch code's (fp32 math, the same roundings to the activation dtype):
+the plain-torch references below (rmsnorm_ref, add_rmsnorm_ref, silu_mul_ref) are the
+model's torch path and the tests' oracle; rotary's is the torch path in
+metrale.model.layers. Results are bitwise the same but where the fp32 math runs in another
+order or precision (the norm's sum of squares and rsqrt, rotary, silu's exp), and then
+within an ulp of the activation dtype.
 
 ENABLED = False (or METRALE_FUSED_OPS=0) keeps the torch path on CUDA too.
 """
@@ -15,22 +22,56 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
-from metrale.ops.triton_utils import jit_kernel, next_pow2, tl, triton
+from metrale.ops.triton_utils import device_function, is_interpreted, jit_kernel, next_pow2, tl, triton
 
 ENABLED = os.environ.get("METRALE_FUSED_OPS", "1") != "0" and triton is not None
+_ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, x_st, y_st, eps, BLOCK: tl.constexpr):
+@device_function
+def _round(x, dtype: tl.constexpr, RNE_BITS: tl.constexpr):
+    """fp32 x rounded to dtype to nearest even, as torch's casts round. The interpreter's
+    fp32 -> bf16 cast truncates instead; there (RNE_BITS) the rounding is done on the bits,
+    so that the CPU tests can compare bitwise."""
+    if RNE_BITS and dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + (0x7FFF + ((b >> 16) & 1))) >> 16 << 16  # a tie goes to the even bf16 mantissa
+        x = tl.where(x == x, b.to(tl.float32, bitcast=True), x)  # NaN stays NaN
+    return x.to(dtype)
+
+
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, N, x_st, r_st, y_st, s_st, eps,
+                    ADD: tl.constexpr, RNE_BITS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, BLOCK)
     ok = n < N
-    x = tl.load(x_ptr + row * x_st + n, mask=ok, other=0.0).to(tl.float32)
+    dt = y_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * x_st + n, mask=ok, other=0.0)
+    if ADD:  # the residual stream first: torch's x + residual (fp32, rounded to dt), stored
+        r = tl.load(r_ptr + row * r_st + n, mask=ok, other=0.0)
+        x = _round(x.to(tl.float32) + r.to(tl.float32), dt, RNE_BITS)
+        tl.store(s_ptr + row * s_st + n, x, mask=ok)
+    x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    y = (x * rstd).to(y_ptr.dtype.element_ty)  # torch: (x * rsqrt).to(dtype), then * weight
+    y = _round(x * rstd, dt, RNE_BITS)  # torch: (x * rsqrt).to(dtype), then * weight
     w = tl.load(w_ptr + n, mask=ok, other=0.0)
     out = w.to(tl.float32) * y.to(tl.float32)
-    tl.store(y_ptr + row * y_st + n, out.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + row * y_st + n, _round(out, dt, RNE_BITS), mask=ok)
+
+
+def _silu_mul_kernel(g_ptr, y_ptr, I, g_st, y_st, RNE_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < I
+    dt = y_ptr.dtype.element_ty
+    gate = tl.load(g_ptr + row * g_st + i, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(g_ptr + row * g_st + I + i, mask=ok, other=0.0).to(tl.float32)
+    # torch: silu as x / (1 + exp(-x)) in fp32 (an IEEE division, not Triton's approximate
+    # one), rounded to dt; then the product of the two dt values, rounded again
+    silu = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), dt, RNE_BITS)
+    tl.store(y_ptr + row * y_st + i, _round(silu.to(tl.float32) * up, dt, RNE_BITS), mask=ok)
 
 
 def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
@@ -65,24 +106,96 @@ def usable(x: torch.Tensor) -> bool:
     return ENABLED and x.is_cuda
 
 
+def rows_usable(*ts: torch.Tensor) -> bool:
+    """Whether add_rmsnorm and silu_mul take these as they are, in one launch with no copy:
+    CUDA [T, N] tensors of one shape and a supported dtype, rows contiguous (any row stride)."""
+    x = ts[0]
+    return usable(x) and x.dim() == 2 and x.dtype in _ROW_DTYPES and all(
+        t.shape == x.shape and t.dtype == x.dtype and t.stride(1) == 1 for t in ts)
+
+
 def rotary_usable(q: torch.Tensor, cos: torch.Tensor) -> bool:
     half = q.shape[-1] // 2
     return (usable(q) and q.shape[-1] % 2 == 0 and half & (half - 1) == 0
             and cos.dtype == torch.float32 and cos.stride(1) == 1)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, N] (unit last stride) -> weight * normalized x, in x.dtype."""
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., N] -> weight * normalized x. The torch path, and the kernel's oracle."""
+    # fp32 statistics as transformers does, so low-precision runs match it
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [T, N] -> (rmsnorm_ref(s), s) for s = x + residual."""
+    s = x + residual
+    return rmsnorm_ref(s, weight, eps), s
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I] (gate columns, then up) -> silu(gate) * up: [T, I]."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)  # each [T, I]
+    return F.silu(gate) * up
+
+
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     T, N = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = _unit_rows(x)
     y = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    r = x if residual is None else _unit_rows(residual)  # unread without a residual
+    s = y if residual is None else torch.empty_like(y)
     if T:
         block = next_pow2(N)
-        jit_kernel(_rmsnorm_kernel, x.device)[(T,)](
-            x, weight, y, N, x.stride(0), y.stride(0), eps, BLOCK=block,
-            num_warps=8 if block >= 4096 else 4)
-    return y
+        kernel = jit_kernel(_rmsnorm_kernel, x.device)
+        kernel[(T,)](x, r, weight, y, s, N, x.stride(0), r.stride(0), y.stride(0), s.stride(0), eps,
+                     ADD=residual is not None, RNE_BITS=is_interpreted(kernel), BLOCK=block,
+                     num_warps=8 if block >= 4096 else 4)
+    return y, s
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, N] -> weight * normalized x, in x.dtype."""
+    return _norm(x, None, weight, eps)[0]
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [T, N] of one dtype -> (normed, s): s = x + residual, the residual
+    stream, and normed = rmsnorm(s), both new tensors, in one launch.
+
+    Out of place, unlike vLLM's fused_add_rms_norm (which overwrites x and residual): in
+    place would save memory, not traffic (two [T, N] reads and two writes either way). Under
+    CUDA-graph capture the outputs come from the graph's private pool and every replay
+    writes the same addresses, as static as in-place results; and the inputs stay as they
+    were, as with add_rmsnorm_ref, so the two paths cannot differ in what a caller still
+    holding x or residual reads (at layer 0 the residual is the embedding output)."""
+    return _norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I] (gate columns, then up, as MLP.gate_up_proj makes them) ->
+    silu(gate) * up: [T, I], in one launch."""
+    T, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up has {width} columns: gate and up need the same width")
+    I = width // 2
+    gate_up = _unit_rows(gate_up)
+    out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
+    if T and I:
+        block = min(1024, next_pow2(I))
+        kernel = jit_kernel(_silu_mul_kernel, gate_up.device)
+        kernel[(T, triton.cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0),
+                                           RNE_BITS=is_interpreted(kernel), BLOCK=block, num_warps=4)
+    return out
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

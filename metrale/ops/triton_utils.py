@@ -53,6 +53,13 @@ def jit_kernel(fn, device: torch.device):
     return _JITTED[fn]
 
 
+def device_function(fn):
+    """fn as a Triton device function that kernels can call: jitted when defined, unlike
+    kernels, since the compiler of a kernel that calls it takes it from the module's
+    globals and accepts only a jitted function (without triton, fn itself: no kernel runs)."""
+    return fn if triton is None else triton.jit(fn)
+
+
 def is_interpreted(kernel) -> bool:
     """Whether a jit_kernel result runs in the CPU interpreter, whose tl.dot differs from
     the compiled one (the kernels pick exact fp32 dots there)."""
