@@ -180,8 +180,10 @@ class AdapterExporter:
                 raise TooManyLeasesError(
                     f"{len(self._leases)} leases are open (max {self.max_leases}); retry later"
                 )
-        slot, info, tables = self._call(lambda: self._take(adapter_id))
+        slot, info, tables, gone = self._call(lambda: self._take(adapter_id))
         try:
+            for uid in gone:  # off the engine loop: a drop may wait for another stream's copy
+                self._host.drop(uid)
             lease_id = secrets.token_urlsafe(18)
             export = self._export(slot, info, tables)
             header = {"version": MANIFEST_VERSION, "lease": {"id": lease_id, "expires_in_s": ttl},
@@ -263,14 +265,12 @@ class AdapterExporter:
         info = table.info(slot)
         uids = {i.slot: i.uid for i in table.infos() if i.state is SlotState.READY}
         with self._lock:
-            # exports of landings gone from their slot (and their host copies) go now
+            # exports of landings gone from their slot go now, their host copies after
             stale = [s for s, e in self._exports.items() if uids.get(s) != e.uid]
-            gone = [self._exports.pop(s) for s in stale]
+            gone = [self._exports.pop(s).uid for s in stale]
             cached = self._exports.get(slot)
-        for export in gone:
-            self._host.drop(export.uid)
         fresh = cached is not None and cached.uid == info.uid
-        return slot, info, None if fresh else self.pool.host_tables(slot)
+        return slot, info, None if fresh else self.pool.host_tables(slot), gone
 
     def _drop(self, lease: _Lease) -> None:
         self._call(lambda: self.slots.table.release(lease.slot))
