@@ -183,6 +183,23 @@ def test_host_copies_follow_the_landing_never_the_slot():
     assert slots.table.ref_count(0) == slots.table.ref_count(1) == 0
 
 
+def test_a_host_copy_lands_through_the_server_byte_for_byte():
+    """The device pool's path end to end (forced on this CPU pool), twice: the second
+    landing streams the kept copy."""
+    slots = new_slots(max_loras=1)
+    slots.swap_lora_slot_from_disk(adapter_dir("b"), "b", 0)
+    exporter = AdapterExporter(slots, copy_to_host=True)
+    server = PeerHTTPServer(exporter).start()
+    try:
+        engine = new_slots()
+        for slot in (0, 1):
+            swap_from_peer(engine, server.url, "b", f"b{slot}", slot, transport="http", timeout_s=10)
+            assert_matches_disk(engine, slot, "b")
+    finally:
+        server.close()
+    assert exporter.host_copies == [slots.table.info(0).uid] and slots.table.ref_count(0) == 0
+
+
 def test_sweeper_expires_in_real_time():
     slots = new_slots(max_loras=1)
     slots.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
