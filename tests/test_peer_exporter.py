@@ -118,6 +118,88 @@ def test_open_stream_defers_expiry_and_release(leased):
     assert slots.table.ref_count(0) == 0
 
 
+def test_a_stream_closed_before_its_first_slice_still_lets_the_slot_go(leased):
+    """The server closes a stream whose headers failed to send (a client gone at once)."""
+    slots, exporter, _, lease_id = leased
+    _, chunks = exporter.open_data(lease_id)
+    chunks.close()
+    exporter.release(lease_id)
+    assert slots.table.ref_count(0) == 0
+
+
+def _stream(exporter, name):
+    lease_id = exporter.lease(name).lease_id
+    n, chunks = exporter.open_data(lease_id)
+    data = b"".join(bytes(c) for c in chunks)
+    exporter.release(lease_id)
+    assert len(data) == n
+    return data
+
+
+def test_host_copies_follow_the_landing_never_the_slot():
+    """A device pool's streams send a host copy kept per landing (uid): a slot that takes
+    another adapter streams the new bytes, and the old copy goes; copies beyond the
+    budget go, least recently streamed first. (copy_to_host forces the device pool's
+    path on this CPU pool; the bytes without it come straight from the pool.)"""
+    slots = new_slots(max_loras=2)
+    slots.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
+    slots.swap_lora_slot_from_disk(adapter_dir("b"), "b", 1)
+    direct = AdapterExporter(slots)
+    want = {name: _stream(direct, name) for name in ("a", "b")}
+    exporter = AdapterExporter(slots, copy_to_host=True,
+                               host_copy_bytes=len(want["a"]) + len(want["b"]))
+    uid = {name: slots.table.info(slots.table.slot_of(name)).uid for name in ("a", "b")}
+    assert _stream(exporter, "a") == want["a"] and exporter.host_copies == [uid["a"]]
+    assert _stream(exporter, "a") == want["a"]  # from the kept copy
+    # two open leases of different landings, streamed interleaved
+    leases = {name: exporter.lease(name).lease_id for name in ("a", "b")}
+    streams = {name: exporter.open_data(lease)[1] for name, lease in leases.items()}
+    got = {name: bytearray() for name in streams}
+    while streams:
+        for name in list(streams):
+            piece = next(streams[name], None)
+            if piece is None:
+                del streams[name]
+            else:
+                got[name] += piece
+    for lease in leases.values():
+        exporter.release(lease)
+    assert got == want and exporter.host_copies == [uid["a"], uid["b"]]
+
+    slots.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)  # slot 0: a new landing
+    want["c"] = _stream(direct, "c")
+    assert _stream(exporter, "b") == want["b"]  # the next lease sees slot 0 changed
+    assert uid["a"] not in exporter.host_copies
+    assert _stream(exporter, "c") == want["c"]
+    uid["c"] = slots.table.info(0).uid
+    assert exporter.host_copies == [uid["b"], uid["c"]]  # b's and c's copies fit the budget
+
+    assert len(want["c"]) < len(want["b"])
+    small = AdapterExporter(slots, copy_to_host=True, host_copy_bytes=len(want["b"]))
+    assert _stream(small, "b") == want["b"] and small.host_copies == [uid["b"]]
+    assert _stream(small, "c") == want["c"] and small.host_copies == [uid["c"]]
+    tiny = AdapterExporter(slots, copy_to_host=True, host_copy_bytes=len(want["c"]))
+    assert _stream(tiny, "b") == want["b"] and tiny.host_copies == []  # served, not kept
+    assert slots.table.ref_count(0) == slots.table.ref_count(1) == 0
+
+
+def test_a_host_copy_lands_through_the_server_byte_for_byte():
+    """The device pool's path end to end (forced on this CPU pool), twice: the second
+    landing streams the kept copy."""
+    slots = new_slots(max_loras=1)
+    slots.swap_lora_slot_from_disk(adapter_dir("b"), "b", 0)
+    exporter = AdapterExporter(slots, copy_to_host=True)
+    server = PeerHTTPServer(exporter).start()
+    try:
+        engine = new_slots()
+        for slot in (0, 1):
+            swap_from_peer(engine, server.url, "b", f"b{slot}", slot, transport="http", timeout_s=10)
+            assert_matches_disk(engine, slot, "b")
+    finally:
+        server.close()
+    assert exporter.host_copies == [slots.table.info(0).uid] and slots.table.ref_count(0) == 0
+
+
 def test_sweeper_expires_in_real_time():
     slots = new_slots(max_loras=1)
     slots.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)

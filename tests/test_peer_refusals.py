@@ -15,6 +15,9 @@ import torch
 
 from metrale import errors
 from metrale.peer import promote_from_peer, swap_from_peer, wire
+from metrale.peer.allow import resolve_peer
+from metrale.peer.client import DATA_SPAN, PeerClient
+from metrale.peer.deadline import Deadline
 from metrale.peer.errors import (
     ManifestVersionError,
     PeerManifestError,
@@ -194,6 +197,31 @@ def test_broken_stream_refused_within_timeout(mode, error, op, genuine, engine):
         peer.close()
     assert time.monotonic() - start < 4.5
     assert snapshot(engine) == before
+    assert ("DELETE", f"/peer/v1/leases/{LEASE}") in peer.requests  # the lease was released
+
+
+@pytest.mark.parametrize("mode", ["full", "half-close"])
+def test_large_streams_land_in_spans_and_truncation_is_caught(mode):
+    """Bodies of several read spans arrive whole, with progress reported in order; one
+    cut off mid-span is a transfer error that says how far it got."""
+    data = torch.randint(0, 256, (2 * DATA_SPAN + 12345,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    peer = FakePeer(None, data, mode)
+    out, seen = bytearray(len(data)), []
+    client = PeerClient(resolve_peer(peer.url, None), Deadline(10))
+    try:
+        if mode == "full":
+            client.read_exact(f"/peer/v1/leases/{LEASE}/data", memoryview(out), seen.append)
+        else:
+            with pytest.raises(PeerTransferError, match=f"ended after {len(data) // 2} of"):
+                client.read_exact(f"/peer/v1/leases/{LEASE}/data", memoryview(out), seen.append)
+    finally:
+        peer.close()
+    assert seen == sorted(set(seen)) and all(b - a <= DATA_SPAN for a, b in zip([0, *seen], seen))
+    if mode == "full":
+        assert bytes(out) == data and seen[-1] == len(data)
+    else:
+        assert seen[-1] == len(data) // 2 and out[:seen[-1]] == data[:seen[-1]]
 
 
 def test_the_fake_peer_serves_a_good_adapter(genuine, engine):

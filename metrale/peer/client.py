@@ -43,6 +43,10 @@ RELEASE_TIMEOUT_S = 1.0
 FRAMING_BYTES = 256 << 10
 MAX_REPLY_INT_DIGITS = 20  # JSON integers: 2**63 has 19 digits
 _CHUNK = 1 << 20
+# Bytes per readinto of the data stream: http.client's reader recv_into()s each one
+# straight into the caller's (pinned) buffer, so large spans leave Python only a few
+# calls per adapter, and each progress report can start a large device upload.
+DATA_SPAN = 8 << 20
 
 
 class PeerClient:
@@ -137,7 +141,7 @@ class PeerClient:
             got = 0
             while got < n:
                 self._check_deadline(what)
-                k = resp.readinto(out[got:min(n, got + _CHUNK)])
+                k = resp.readinto(out[got:got + DATA_SPAN])
                 if not k:
                     raise PeerTransferError(
                         f"peer {self.addr}: {what} ended after {got} of {n} bytes; the peer "

@@ -7,6 +7,14 @@ change under it. The reference is dropped when the lease is released or
 expires; an expiry that falls during an HTTP stream waits for the stream to
 end (the server's socket timeout bounds that).
 
+HTTP streams from a device pool send a host copy of the slot's bytes, built at
+the first stream of a landing (one device->host copy per tensor, one sync) and
+reused by later streams of the same uid: a READY slot's bytes cannot change under
+one uid, and a lease holds the export it was granted, so a stream never reads
+another landing's copy. Copies are dropped with their export (its slot took another
+landing, seen at the next lease) and beyond `host_copy_bytes`, least recently
+streamed first. A host pool's bytes are sent from the pool itself.
+
 The exporter never touches the slot table from its own threads: every table
 access goes through `call`, which a running engine points at its loop
 (`lambda fn: engine.call_soon(fn).result(timeout)`); the default runs it under a
@@ -22,6 +30,7 @@ import re
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -42,6 +51,10 @@ log = logging.getLogger("metrale.peer")
 
 Call = Callable[[Callable[[], object]], object]
 TRANSPORTS = ("http", "nixl")
+# Bytes per socket write: few enough calls that Python's share is noise, and sendall
+# releases the GIL for each.
+SEND_SLICE = 8 << 20
+HOST_COPY_BYTES = 2 << 30  # default bound on the host copies kept for later streams
 
 
 @dataclass(frozen=True)
@@ -67,8 +80,7 @@ class _Lease:
     adapter_id: str
     slot: int
     expires: float
-    tensors: list[torch.Tensor]  # contiguous canonical views into the pool, manifest order
-    data_bytes: int
+    export: _Export  # the landing it was granted: its streams send that landing's bytes
     streams: int = 0
     ended: bool = False  # released or expired; the reference goes when streams == 0
     ref_held: bool = True
@@ -80,6 +92,7 @@ class AdapterExporter:
         peft_for: Callable[[str], PeftAdapterConfig | None] | None = None,
         transports: tuple[str, ...] = ("http",), default_ttl_s: float = 30.0,
         max_ttl_s: float = 300.0, max_leases: int = 256, clock: Callable[[], float] = time.monotonic,
+        host_copy_bytes: int = HOST_COPY_BYTES, copy_to_host: bool | None = None,
     ) -> None:
         if lora_slots.pool is None:
             raise UnknownAdapterError("this engine has no adapter pool: there is nothing to export")
@@ -93,9 +106,12 @@ class AdapterExporter:
         self._peft_for = peft_for or (lambda name: None)
         self.default_ttl_s, self.max_ttl_s, self.max_leases = default_ttl_s, max_ttl_s, max_leases
         self._clock = clock
-        self._lock = threading.Lock()  # guards _leases only; never held across _call
+        self._lock = threading.Lock()  # guards _leases and _exports; never held across _call
         self._leases: dict[str, _Lease] = {}
         self._exports: dict[int, _Export] = {}  # slot -> what its current landing exports
+        # None: copy when the pool is off the host (a host pool is sent from where it is)
+        copy = self.pool.device.type != "cpu" if copy_to_host is None else copy_to_host
+        self._host = _HostCopies(self.pool.device, host_copy_bytes, copy)
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         self.nixl = None
@@ -164,8 +180,10 @@ class AdapterExporter:
                 raise TooManyLeasesError(
                     f"{len(self._leases)} leases are open (max {self.max_leases}); retry later"
                 )
-        slot, info, tables = self._call(lambda: self._take(adapter_id))
+        slot, info, tables, gone = self._call(lambda: self._take(adapter_id))
         try:
+            for uid in gone:  # off the engine loop: a drop may wait for another stream's copy
+                self._host.drop(uid)
             lease_id = secrets.token_urlsafe(18)
             export = self._export(slot, info, tables)
             header = {"version": MANIFEST_VERSION, "lease": {"id": lease_id, "expires_in_s": ttl},
@@ -177,12 +195,11 @@ class AdapterExporter:
         except BaseException:
             self._call(lambda: self.slots.table.release(slot))
             raise
-        lease = _Lease(lease_id, adapter_id, slot, self._clock() + ttl, export.views,
-                       export.data_bytes)
+        lease = _Lease(lease_id, adapter_id, slot, self._clock() + ttl, export)
         with self._lock:
             self._leases[lease_id] = lease
         log.debug("peer exporter: lease %s on %r (slot %d, %d bytes, %.0fs)", lease_id[:8],
-                  adapter_id, slot, lease.data_bytes, ttl)
+                  adapter_id, slot, export.data_bytes, ttl)
         return LeaseReply(lease_id, ttl, body)
 
     def release(self, lease_id: str) -> None:
@@ -208,8 +225,10 @@ class AdapterExporter:
             except LeaseNotFoundError:
                 pass  # released meanwhile
 
-    def open_data(self, lease_id: str) -> tuple[int, Iterator[memoryview]]:
-        """(nbytes, chunks) of the leased tensors, concatenated in manifest order."""
+    def open_data(self, lease_id: str) -> tuple[int, DataStream]:
+        """(nbytes, stream) of the leased tensors, concatenated in manifest order. The
+        caller must close the stream (exhausting it also does): until then it holds
+        the lease's slot."""
         if "http" not in self.transports:
             raise LeaseNotFoundError("this exporter does not serve the HTTP data plane")
         with self._lock:
@@ -217,12 +236,22 @@ class AdapterExporter:
             if lease is None or lease.expires <= self._clock():
                 raise LeaseNotFoundError(f"lease {lease_id[:16]!r} is unknown, released or expired")
             lease.streams += 1  # an expiry now waits for this stream to end
-        return lease.data_bytes, self._chunks(lease)
+        try:
+            pieces = self._host.pieces(lease.export)  # the slot is held: its bytes are the lease's
+        except BaseException:
+            self._end_stream(lease)
+            raise
+        return lease.export.data_bytes, DataStream(pieces, lambda: self._end_stream(lease))
 
     @property
     def open_leases(self) -> int:
         with self._lock:
             return len(self._leases)
+
+    @property
+    def host_copies(self) -> list[int]:
+        """The landing uids whose host copy is kept for later streams, oldest first."""
+        return self._host.uids
 
     # --- internals -------------------------------------------------------------------------
 
@@ -234,10 +263,14 @@ class AdapterExporter:
                                       f"serves: {describe_ids(held)}")
         slot, _ = table.acquire(adapter_id)
         info = table.info(slot)
+        uids = {i.slot: i.uid for i in table.infos() if i.state is SlotState.READY}
         with self._lock:
+            # exports of landings gone from their slot go now, their host copies after
+            stale = [s for s, e in self._exports.items() if uids.get(s) != e.uid]
+            gone = [self._exports.pop(s).uid for s in stale]
             cached = self._exports.get(slot)
         fresh = cached is not None and cached.uid == info.uid
-        return slot, info, None if fresh else self.pool.host_tables(slot)
+        return slot, info, None if fresh else self.pool.host_tables(slot), gone
 
     def _drop(self, lease: _Lease) -> None:
         self._call(lambda: self.slots.table.release(lease.slot))
@@ -280,22 +313,118 @@ class AdapterExporter:
                   "transports": transports}
         export = _Export(info.uid, header, json.dumps(peft_dict).encode(), table, views, data_bytes)
         with self._lock:
+            old = self._exports.get(slot)
             self._exports[slot] = export
+        if old is not None and old.uid != export.uid:  # not a racing lease of the same landing
+            self._host.drop(old.uid)
         return export
 
-    def _chunks(self, lease: _Lease) -> Iterator[memoryview]:
-        try:
-            for view in lease.tensors:
-                host = view if view.device.type == "cpu" else view.cpu()  # VRAM: one D2H per tensor
-                yield memoryview(host.reshape(-1).view(torch.uint8).numpy())
-        finally:
-            with self._lock:
-                lease.streams -= 1
-                drop = lease.ended and lease.streams == 0 and lease.ref_held
-                if drop:
-                    lease.ref_held = False
+    def _end_stream(self, lease: _Lease) -> None:
+        with self._lock:
+            lease.streams -= 1
+            drop = lease.ended and lease.streams == 0 and lease.ref_held
             if drop:
-                self._drop(lease)
+                lease.ref_held = False
+        if drop:
+            self._drop(lease)
+
+
+class DataStream:
+    """One HTTP stream of a lease: its bytes as memoryviews of at most SEND_SLICE. It
+    ends its hold on the lease once, when exhausted or closed, whichever comes first
+    (a generator's finally would never run for a stream closed before its first
+    slice, pinning the slot for good)."""
+
+    def __init__(self, pieces: list[memoryview], on_end: Callable[[], None]) -> None:
+        self._slices = [p[a:a + SEND_SLICE] for p in pieces for a in range(0, len(p), SEND_SLICE)]
+        self._next = 0
+        self._on_end: Callable[[], None] | None = on_end
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return self
+
+    def __next__(self) -> memoryview:
+        if self._on_end is None or self._next == len(self._slices):
+            self.close()
+            raise StopIteration
+        self._next += 1
+        return self._slices[self._next - 1]
+
+    def close(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+
+
+class _HostCopies:
+    """What HTTP streams send, per export. A host pool's bytes go from where they are
+    (the lease keeps them from changing). A device pool's go from a host copy made at
+    the first stream of a landing and kept, by uid, for the next ones: one buffer
+    (pinned on CUDA) filled with one async device->host copy per tensor and a single
+    sync, least recently used dropped beyond `budget` bytes. A stream keeps the
+    buffer it got, so dropping one never pulls bytes from under a running send."""
+
+    def __init__(self, device: torch.device, budget: int, copy: bool) -> None:
+        self.device, self.budget, self.copy = device, budget, copy
+        self._pin = device.type == "cuda"
+        self._stream: torch.cuda.Stream | None = None
+        self._lock = threading.Lock()  # held across a build: concurrent first streams build once
+        self._copies: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def pieces(self, export: _Export) -> list[memoryview]:
+        if not self.copy:
+            return [_bytes_of(view) for view in export.views]
+        return [_bytes_of(self._copy(export))]
+
+    def drop(self, uid: int) -> None:
+        with self._lock:
+            self._copies.pop(uid, None)
+
+    @property
+    def uids(self) -> list[int]:
+        with self._lock:
+            return list(self._copies)
+
+    def _copy(self, export: _Export) -> torch.Tensor:
+        with self._lock:
+            host = self._copies.get(export.uid)
+            if host is not None:
+                self._copies.move_to_end(export.uid)
+                return host
+            host = self._build(export)
+            if export.data_bytes <= self.budget:
+                self._copies[export.uid] = host
+                while sum(h.numel() for h in self._copies.values()) > self.budget:
+                    self._copies.popitem(last=False)
+            return host
+
+    def _build(self, export: _Export) -> torch.Tensor:
+        host = torch.empty(export.data_bytes, dtype=torch.uint8, pin_memory=self._pin)
+        if not self._pin:
+            _fill(host, export.views, non_blocking=False)
+            return host
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        # the landing that filled the slot may still be queued on the current stream
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            _fill(host, export.views, non_blocking=True)
+        self._stream.synchronize()  # the only sync: the bytes are sent from `host` next
+        return host
+
+
+def _fill(host: torch.Tensor, views: list[torch.Tensor], non_blocking: bool) -> None:
+    """host[:] = the views' bytes, concatenated: one copy per view."""
+    pos = 0
+    for view in views:
+        raw = view.reshape(-1).view(torch.uint8)
+        host[pos:pos + raw.numel()].copy_(raw, non_blocking=non_blocking)
+        pos += raw.numel()
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def peft_from_tables(layout, ranks: torch.Tensor, scales: torch.Tensor,

@@ -26,7 +26,7 @@ from urllib.parse import unquote
 from metrale.errors import AdapterError, MetraleError, SlotBusyError, UnknownAdapterError
 from metrale.peer.allow import AllowList, as_allow_list
 from metrale.peer.errors import LeaseNotFoundError, TooManyLeasesError
-from metrale.peer.exporter import AdapterExporter
+from metrale.peer.exporter import AdapterExporter, DataStream
 from metrale.peer.wire import CONTENT_TYPE
 
 log = logging.getLogger("metrale.peer")
@@ -114,7 +114,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(raw)
 
-    def _send_data(self, nbytes: int, chunks) -> None:
+    def _send_data(self, nbytes: int, chunks: DataStream) -> None:
         try:
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")

@@ -93,40 +93,39 @@ class StagingBuffers:
         fill(out, progress) must fill `out` in order and call progress(n) as the first n
         bytes are in; every CHUNK that completes goes on to the device while the next
         one arrives, as read_file's pieces do. Raises whatever fill raises."""
-        host = self.host(nbytes)
-        mv = memoryview(host.numpy()).cast("B")
-        if self._stream is None:
-            fill(mv, None)
-            return host
-        dev = self._device(nbytes)
-        current = torch.cuda.current_stream(self.device)
-        side = self._stream
-        side.wait_stream(current)  # earlier landings may still read the device buffer
-        sent = 0
 
-        def progress(got: int) -> None:
-            nonlocal sent
-            if got - sent >= CHUNK or (got == nbytes and got > sent):
-                with torch.cuda.stream(side):
-                    dev[sent:got].copy_(host[sent:got], non_blocking=True)
-                sent = got
+        def fill_host(host: torch.Tensor, upload: Callable[[int, int], None] | None) -> None:
+            out = memoryview(host.numpy())
+            if upload is None:
+                fill(out, None)
+                return
+            sent = 0
 
-        try:
-            fill(mv, progress)
-        finally:  # also after a failed read: the copies already queued still use `host`
-            done = torch.cuda.Event()
-            done.record(side)
-            current.wait_event(done)
-            self._copies_done = done
-        return dev
+            def progress(got: int) -> None:
+                nonlocal sent
+                if got - sent >= CHUNK or (got == nbytes and got > sent):
+                    upload(sent, got)
+                    sent = got
+
+            fill(out, progress)
+
+        return self._staged(nbytes, fill_host)
 
     def read_file(self, path: str, offset: int, nbytes: int) -> torch.Tensor:
         """nbytes of the file at offset, on the device (the host buffer on a CPU engine).
 
         Raises OSError (ShortReadError if the file is shorter than promised)."""
+        return self._staged(nbytes, lambda host, upload: read_chunks(path, offset, host, upload))
+
+    def _staged(self, nbytes: int,
+                fill: Callable[[torch.Tensor, Callable[[int, int], None] | None], None]) -> torch.Tensor:
+        """fill(host, upload) fills a host buffer of nbytes and calls upload(a, b) as
+        host[a:b] is complete, which queues its copy to the device on the side stream (no
+        upload on a CPU engine: the host buffer is the result). The current stream waits
+        for the copies through an event, so no host sync is needed."""
         host = self.host(nbytes)
         if self._stream is None:
-            read_chunks(path, offset, host, on_chunk=None)
+            fill(host, None)
             return host
         dev = self._device(nbytes)
         current = torch.cuda.current_stream(self.device)
@@ -138,14 +137,13 @@ class StagingBuffers:
                 dev[a:b].copy_(host[a:b], non_blocking=True)
 
         try:
-            read_chunks(path, offset, host, on_chunk=upload)
+            fill(host, upload)
         finally:  # also after a failed read: the copies already queued still use `host`
             done = torch.cuda.Event()
             done.record(side)
             current.wait_event(done)
             self._copies_done = done
         return dev
-
 
 
 def read_chunks(path: str, offset: int, host: torch.Tensor,
