@@ -171,7 +171,9 @@ def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: 
     engine = _engine(pair, device, policy, 1, prompt_len + 256, budget=budget, attention=attention)
     vocab = pair.config.vocab_size
     rng = random.Random(7)
-    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    # the decoders must outlive the prefill: at worst 16 tokens a step (an attention cap
+    # at long context), plus the 40 steps before it arrives
+    params = SamplingParams(max_tokens=prompt_len // 16 + 64, temperature=0, ignore_eos=True)
     ids = [engine.add_request([rng.randrange(10, vocab - 10) for _ in range(64)], params)
            for _ in range(decoders)]
     last: dict[str, float] = {}
@@ -181,6 +183,8 @@ def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: 
     after_first: set[str] = set()  # decoders with a token after the long prompt's first
     steps: list[tuple[float, str]] = []  # (ms, graph used) of each step since it arrived
     while len(after_first) < decoders:
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("the decoders finished before the long prompt's first token")
         replays = dict(engine.runner.graphs.replays) if engine.runner.graphs else {}
         t0 = time.perf_counter()
         outs = engine.step()
@@ -251,12 +255,17 @@ def main() -> None:
                     help="promote from disk every time (exercises the async disk promotion path)")
     ap.add_argument("--long-prompt-only", action="store_true",
                     help="only the long-prompt runs (printed, not written to the JSON)")
+    ap.add_argument("--long-prompt-run", metavar="BUDGET[:ATTENTION]",
+                    help="with --long-prompt-only: just this step budget (and prefill attention cap)")
     args = ap.parse_args()
     if args.long_prompt_only:
+        runs = [(MIXED_BUDGET, None), (128, None), (128, LONG_PROMPT_ATTENTION)]
+        if args.long_prompt_run:
+            budget, _, attention = args.long_prompt_run.partition(":")
+            runs = [(int(budget), int(attention) if attention else None)]
         with tempfile.TemporaryDirectory() as tmp:
             pair = build_pair(args.model, args.device, Path(tmp))
-            for budget, attention in ((MIXED_BUDGET, None), (128, None),
-                                      (128, LONG_PROMPT_ATTENTION)):
+            for budget, attention in runs:
                 print(budget, attention, long_prompt(pair, args.device, "mixed", budget=budget,
                                                      attention=attention))
         return
