@@ -34,18 +34,29 @@ from metrale.engine.scheduler import ScheduledBatch
 from metrale.engine.sequence import Sequence
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
+from metrale.ops import lora_triton
 from metrale.ops.attention_triton import max_prefill_tiles, prefill_block_m, prefill_tiles
 from metrale.pool.pool import AdapterPool
 
-# Batch sizes captured (those <= max_num_seqs, plus max_num_seqs itself up to the cap).
-# Capped at the LoRA kernels' per-token decode limit (lora_triton.DECODE_MAX_T): above it
-# they sort tokens by slot, which is untested under capture; bigger batches run eagerly.
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-MAX_GRAPH_BATCH = 64
+# Batch sizes captured (those <= max_num_seqs, plus max_num_seqs itself up to the cap);
+# bigger batches run eagerly. Past the LoRA kernels' per-token decode limit
+# (lora_triton.DECODE_MAX_T) a batch's tokens go to the kernels in slot order, which the
+# step computes on the host and uploads with its other inputs, as mixed steps do (eager,
+# a batch of 256 paid ~0.3 ms of Python and Triton launches per LoRA group: 8B decode
+# at batch 256 with adapters ran at 0.3x base).
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MAX_GRAPH_BATCH = 256
+# Mixed steps are captured only when every sequence row of a step fits this many rows.
+MAX_MIXED_GRAPH_BATCH = 64
 # Token buckets of mixed steps (those <= max_num_batched_tokens); bigger steps run eagerly.
 MIXED_TOKEN_BUCKETS = (64, 128, 256, 512)
 _TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "slot_ids", "order")
 _SEQ_FIELDS = ("context_lens", "logits_index")
+
+
+def sorts_decode(batch: int) -> bool:
+    """Whether a decode step of this many rows hands the LoRA kernels a slot order."""
+    return batch > lora_triton.DECODE_MAX_T
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -68,7 +79,7 @@ class StepGraphs:
         self.sizes = graph_batch_sizes(max_num_seqs)
         # mixed steps need every sequence row of a step: only when all fit one graph
         self.buckets = mixed_token_buckets(max_num_batched_tokens) \
-            if max_num_seqs <= MAX_GRAPH_BATCH else []
+            if max_num_seqs <= MAX_MIXED_GRAPH_BATCH else []
         self.block_size, self.pad_block = block_size, pad_block
         self.max_model_len = max_model_len
         B, W = self.sizes[-1], max_blocks
@@ -131,7 +142,8 @@ class StepGraphs:
             block_tables=self._tables[:b], cu_query=self._decode_cu[:b + 1], max_query_len=1,
             max_context_len=self.max_model_len,  # an upper bound: decode kernels never read it
         )
-        batch = LoraBatch(self.pool, v["slot_ids"][:b]) if lora else None
+        order = v["order"][:b] if sorts_decode(b) else None  # filled by _fill
+        batch = LoraBatch(self.pool, v["slot_ids"][:b], order) if lora else None
         with forward_context(ForwardContext(meta, batch)):
             hidden = self.model(v["input_ids"][:b], v["positions"][:b])  # [b, hidden]
             return self.model.compute_logits(hidden)  # [b, V] float32
@@ -225,6 +237,8 @@ class StepGraphs:
                             ("slot_ids", -1), ("slot_mapping", self.pad_block * bs)):
             f[name][n:b] = value
         tables[n:b] = self.pad_block
+        if sorts_decode(b):
+            f["order"][:b] = np.argsort(f["slot_ids"][:b], kind="stable")
 
     def _fill_mixed(self, batch: ScheduledBatch, t: int) -> int:
         """The step's tokens into rows [0, t) and its sequences into rows [0, B); returns
