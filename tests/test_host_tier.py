@@ -109,6 +109,35 @@ def test_landing_kernel_equals_per_tensor_copies(adapters, dtype, how):
             torch.testing.assert_close(region, pool.slot_region(slot), rtol=2 ** -7, atol=0)
 
 
+@pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
+def test_recipe_of_bt_staged_bytes_lands_like_a_file(adapters):
+    """A peer's HTTP bytes carry each B as the pool's Bt ([r, out]): a recipe built with
+    staged_bt lands them exactly where a disk landing of the same adapter puts PEFT's
+    [out, r] B (and the recipe without it would not: the test can tell)."""
+    from metrale.ops.landing_triton import land_rows
+    from metrale.pool.recipe import build_recipe
+
+    slots = _slots(torch.float32, tier_slots=0)
+    slots.swap_lora_slot_from_disk(adapters / "a", "a", 1)
+    plan = plan_adapter(adapters / "a", "a", slots.model_config, slots.pool_config)
+    data = read_adapter_data(plan, staging.StagingBuffers(torch.device("cpu")))
+    peer = data.clone()  # the same tensors at the same offsets, B as [r, out]
+    for landing, view in zip(plan.landings, slots.pool.stage_views(plan, data)):
+        if landing.kind == "B":
+            begin = plan.staged_begin(landing.entry)
+            raw = view.t().contiguous().view(torch.uint8).reshape(-1)  # [r, out] bytes
+            peer[begin:begin + raw.numel()] = raw
+    layout, n = slots.pool.layout, slots.pool.layout.slot_elems
+    landed = {}
+    for staged_bt in (True, False):
+        got = torch.zeros(n)
+        recipe = build_recipe(plan, layout, torch.device("cpu"), staged_bt=staged_bt)
+        land_rows(got, peer.view(recipe.dtype), recipe.desc, recipe.tiles)
+        landed[staged_bt] = got
+    assert torch.equal(landed[True], slots.pool.slot_region(1))
+    assert not torch.equal(landed[False], slots.pool.slot_region(1))
+
+
 def test_recipe_tables_match_the_plan(adapters):
     """A recipe's rank/scale/DoRA rows are the plan's, and it is refused (None) for
     staged tensors of mixed dtypes."""

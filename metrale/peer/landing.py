@@ -244,12 +244,19 @@ class _PeerFetch:
                      plan: AdapterPlan) -> Callable[[Landing], None]:
         """Stream the bytes into pinned staging, each chunk going on to the device as it
         arrives (StagingBuffers.stream), then the disk path's checks (NaN/Inf on the
-        device) before any slot is touched."""
+        device) before any slot is touched. On CUDA the plan's recipe (B sent as Bt)
+        lands it in one kernel, as a disk landing does; else typed views, one by one."""
         staging = self.staging or self.slots.staging
+        pool = self.slots.pool
         start = time.perf_counter()
         data = staging.stream(plan.data_bytes, lambda out, progress: client.read_exact(
             manifest.http_path, out, progress))
-        views = canonical_views(plan, self.slots.pool.stage_views(plan, data))
+        recipe = pool.recipe(plan, staged_bt=True)
+        if recipe is not None:
+            staged = pool.stage(plan, data, recipe)  # raises, naming a tensor, on NaN/Inf
+            self.stats["transfer_ms"] = (time.perf_counter() - start) * 1e3
+            return lambda landing: landing.write_staged(staged)
+        views = canonical_views(plan, pool.stage_views(plan, data))
         self.stats["transfer_ms"] = (time.perf_counter() - start) * 1e3
         return lambda landing: landing.write_views(plan, views)
 

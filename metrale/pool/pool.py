@@ -131,18 +131,18 @@ class AdapterPool:
 
     # --- landing ----------------------------------------------------------------
 
-    def recipe(self, plan: AdapterPlan) -> LandingRecipe | None:
+    def recipe(self, plan: AdapterPlan, staged_bt: bool = False) -> LandingRecipe | None:
         """The plan's landing recipe for this pool, built at its first landing and shared
         by plans with the same tensors and targets (CUDA only: elsewhere tensors land one
-        by one). Promotion workers call it too."""
+        by one). Promotion workers call it too. staged_bt: see build_recipe."""
         if not self.buffer.is_cuda or not plan.landings:
             return None
-        key = id(plan.landings)
+        key = (id(plan.landings), staged_bt)
         with self._recipes_lock:
             known = self._recipes.get(key)
             if known is not None and known[0] is plan.landings and known[1] is plan.targets:
                 return known[2]
-        recipe = build_recipe(plan, self.layout, self.device)
+        recipe = build_recipe(plan, self.layout, self.device, staged_bt)
         with self._recipes_lock:
             while len(self._recipes) >= _RECIPES:
                 del self._recipes[next(iter(self._recipes))]

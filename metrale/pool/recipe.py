@@ -55,10 +55,11 @@ def table_rows(plan: AdapterPlan, layout: SlotLayout,
     return ranks, scales, doras
 
 
-def build_recipe(plan: AdapterPlan, layout: SlotLayout,
-                 device: torch.device) -> LandingRecipe | None:
+def build_recipe(plan: AdapterPlan, layout: SlotLayout, device: torch.device,
+                 staged_bt: bool = False) -> LandingRecipe | None:
     """The plan's recipe, or None when its tensors are not one aligned dtype tiling the
-    staged bytes (then the caller lands typed views)."""
+    staged bytes (then the caller lands typed views). staged_bt: the staged B tensors
+    hold [r, out] bytes, the pool's Bt layout (a peer sends them so), not PEFT's [out, r]."""
     entries = [landing.entry for landing in plan.landings]
     if not entries:
         return None
@@ -75,7 +76,7 @@ def build_recipe(plan: AdapterPlan, layout: SlotLayout,
         t = landing.target
         region = layout.region(t.layer, t.module, landing.kind)
         rows.append(landing_row(begin // size, region.offset, landing.rows, region.cols,
-                                landing.kind == "B"))
+                                landing.kind == "B" and not staged_bt))
     pin = device.type == "cuda"
     desc = torch.tensor(rows, dtype=torch.int64).to(device)
     return LandingRecipe(dtype, desc, max_tiles(rows), *table_rows(plan, layout, pin))
