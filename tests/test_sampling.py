@@ -132,6 +132,56 @@ def test_a_bad_row_fails_alone_and_the_others_are_unchanged():
     assert [results[row] for row in good_at] == alone
 
 
+def _expected(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """The distribution SamplingParams describe, from the definitions (float64, by hand):
+    softmax(logits / T) over the top_k largest, then the smallest most-likely prefix
+    whose mass reaches top_p, renormalised."""
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])
+    keep = order[:top_k] if top_k else order
+    weights = {i: math.exp((logits[i] - max(logits)) / temperature) for i in keep}
+    total = sum(weights.values())
+    kept, mass = [], 0.0
+    for i in keep:  # most likely first
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += weights[i] / total
+    z = sum(weights[i] for i in kept)
+    return [weights[i] / z if i in kept else 0.0 for i in range(len(logits))]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.3, 5, 1.0),
+                                                       (1.0, 0, 0.8), (0.9, 6, 0.9)])
+def test_unseeded_rows_draw_from_the_described_distribution(temperature, top_k, top_p):
+    """Rows without a seed are drawn together: 6000 identical rows in one batch match the
+    distribution the parameters describe (computed by hand), and tokens it excludes are
+    never drawn. Fixed global seed: the check is deterministic."""
+    torch.manual_seed(0)
+    row = [2.0, 1.5, 1.4, 0.3, -0.2, -1.0, 0.9, 3.1]
+    n = 6000
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    results = sample(torch.tensor([row] * n), _seqs([params] * n))
+    counts = torch.bincount(torch.tensor([r.token for r in results]), minlength=len(row))
+    want = _expected(row, temperature, top_k, top_p)
+    for token, (got, p) in enumerate(zip(counts.tolist(), want)):
+        if p == 0:
+            assert got == 0, f"token {token} is excluded but was drawn {got} times"
+        else:
+            assert abs(got / n - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-3, (token, got / n, p)
+
+
+def test_a_bad_unseeded_row_fails_alone():
+    """A NaN row among rows drawn together fails by itself; the others draw valid tokens."""
+    logits = _logits(3)
+    logits[1, 5] = float("nan")
+    params = [SamplingParams(temperature=0.8, top_k=4)] * 3
+    results = sample(logits, _seqs(params))
+    assert isinstance(results[1].error, SamplingError) and results[1].token is None
+    for i in (0, 2):
+        assert results[i].error is None
+        assert results[i].token in torch.topk(logits[i], 4).indices.tolist()
+
+
 def test_tiny_temperature_and_top_p_keep_the_top_token():
     logits = _logits(3) * 1e4  # huge logits: (logits / 1e-5) alone would overflow to inf
     params = [SamplingParams(temperature=GREEDY_EPS, seed=1),
@@ -139,6 +189,11 @@ def test_tiny_temperature_and_top_p_keep_the_top_token():
               SamplingParams(temperature=2.0, top_p=1e-45, top_k=1, seed=3)]
     results = sample(logits, _seqs(params))
     assert [r.token for r in results] == logits.argmax(-1).tolist()
+    unseeded = [SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+                for p in params]  # drawn together, not one by one
+    for _ in range(20):
+        results = sample(logits, _seqs(unseeded))
+        assert [r.token for r in results] == logits.argmax(-1).tolist()
 
 
 def test_masked_logits_keep_finite_logprobs():
