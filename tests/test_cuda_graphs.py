@@ -142,14 +142,22 @@ def assert_greedy_close(tokens, logprobs, ref_tokens, ref_lp, tol, label):
     return len(tokens)
 
 
+GPU_DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                num_key_value_heads=2, num_hidden_layers=3)
+
+
+def gpu_model(root, seed: int, names: str, adapter_seed: int):
+    """A small Llama saved under root/model and r=8 all-linear PEFT adapters root/<name>."""
+    base = make_model("llama", seed=seed, **GPU_DIMS)
+    save_model(base, root / "model")
+    peft = {n: make_adapter(base, root / n, seed=adapter_seed + i, r=8, lora_alpha=16,
+                            target_modules="all-linear") for i, n in enumerate(names)}
+    return base, peft
+
+
 @pytest.mark.gpu
 def test_gpu_graphs_survive_swap_and_match_peft(tmp_path):
-    dims = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                num_key_value_heads=2, num_hidden_layers=3)
-    base = make_model("llama", seed=6, **dims)
-    save_model(base, tmp_path / "model")
-    peft = {n: make_adapter(base, tmp_path / n, seed=40 + i, r=8, lora_alpha=16,
-                            target_modules="all-linear") for i, n in enumerate("AB")}
+    base, peft = gpu_model(tmp_path, 6, "AB", 40)
     kw = dict(max_loras=2, max_lora_rank=8, block_size=16, max_model_len=128,
               num_kv_blocks=64, max_num_seqs=8, device="cuda", dtype="bfloat16")
     llm = LLM(tmp_path / "model", **kw)
@@ -192,12 +200,7 @@ def compare_to_eager_and_peft(prompt, out, eager_out, model, who) -> int:
 def test_gpu_mixed_step_graphs_match_peft(tmp_path):
     """Prompt chunks beside decodes through captured mixed-step graphs, mixed adapters:
     the same tokens as transformers + PEFT (bf16 tolerance) and as the eager path."""
-    dims = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                num_key_value_heads=2, num_hidden_layers=3)
-    base = make_model("llama", seed=7, **dims)
-    save_model(base, tmp_path / "model")
-    peft = {n: make_adapter(base, tmp_path / n, seed=50 + i, r=8, lora_alpha=16,
-                            target_modules="all-linear") for i, n in enumerate("AB")}
+    base, peft = gpu_model(tmp_path, 7, "AB", 50)
     kw = dict(max_loras=2, max_lora_rank=8, block_size=16, max_model_len=256,
               num_kv_blocks=128, max_num_seqs=8, device="cuda", dtype="bfloat16",
               max_num_batched_tokens=128, scheduler=SchedulerConfig(max_prefill_chunk=24))
@@ -224,12 +227,7 @@ def test_gpu_decode_graphs_past_64_rows_match_eager_and_peft(tmp_path):
     kernels' limit), three adapters and the base mixed: the eager path's tokens and
     transformers + PEFT's (bf16 tolerance). NOT yet run on a GPU (written after the
     session's device time was spent)."""
-    dims = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                num_key_value_heads=2, num_hidden_layers=3)
-    base = make_model("llama", seed=8, **dims)
-    save_model(base, tmp_path / "model")
-    peft = {n: make_adapter(base, tmp_path / n, seed=60 + i, r=8, lora_alpha=16,
-                            target_modules="all-linear") for i, n in enumerate("ABC")}
+    base, peft = gpu_model(tmp_path, 8, "ABC", 60)
     kw = dict(max_loras=3, max_lora_rank=8, block_size=16, max_model_len=64,
               num_kv_blocks=512, max_num_seqs=96, max_num_batched_tokens=96 * 16,
               device="cuda", dtype="bfloat16")
