@@ -18,7 +18,7 @@ from metrale.adapters.input_limits import MAX_JSON_DEPTH
 from metrale.adapters.peft_config import MAX_CONFIG_BYTES, MAX_SCALE, PeftAdapterConfig
 from metrale.adapters.plan import plan_adapter, resolve_targets
 from metrale.adapters.safetensors_file import MAX_HEADER_BYTES, read_header
-from metrale.adapters.weights_check import WeightsOverflowError, check_weights
+from metrale.adapters.weights_check import WeightsOverflowError, all_finite, check_weights
 from metrale.config import ModelConfig, PoolConfig
 from tests.helpers.tiny_models import hf_config, write_lora
 
@@ -530,6 +530,27 @@ def test_check_weights_refuses_non_finite(good, value):
         check_weights(plan(good), torch.float32)
     assert type(info.value) is errors.NonFiniteWeightsError
     assert "lora_B" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_all_finite_agrees_with_isfinite(dtype):
+    """The landing and registration check (aminmax on the CPU) against torch's isfinite:
+    NaN (either sign), +-Inf at the start, middle and end of tensors of many sizes (and
+    past one thread's share), the dtype's extremes and subnormals, empty tensors."""
+    g = torch.Generator().manual_seed(0)
+    info = torch.finfo(dtype)
+    edge = torch.tensor([info.max, info.min, info.tiny, info.tiny / 4, -0.0], dtype=dtype)
+    cases = [torch.empty(0, dtype=dtype), edge]
+    for n in (1, 2, 15, 16, 17, 255, 4099, 300_007):
+        for bad in (float("nan"), -float("nan"), float("inf"), float("-inf")):
+            for at in sorted({0, n // 2, n - 1}):
+                x = torch.randn(n, generator=g).to(dtype)
+                x[at] = bad
+                cases.append(x)
+        cases.append(torch.randn(n, generator=g).to(dtype))
+    cases.append(torch.randn(64, 33, generator=g).to(dtype).t())  # non-contiguous
+    for x in cases:
+        assert all_finite(x) == bool(x.isfinite().all()), (x.shape, x.flatten()[:4])
 
 
 @pytest.mark.parametrize("value, file_dtype, pool_dtype", [

@@ -10,6 +10,7 @@ check_weights at registration refuses such an adapter before it is ever promoted
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -41,13 +42,26 @@ def check_weights(plan: AdapterPlan, pool_dtype: torch.dtype) -> None:
                 check_tensor(plan.source, e.name, values, pool_dtype)
 
 
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether a floating tensor holds no NaN and no +-Inf (one host sync). On the CPU
+    through aminmax, which NaN and Inf reach as they reach a sum: isfinite().all() on a
+    bf16 tensor ran ~50x slower there (170 ms against 3.6 ms for 86 MB on one core), and
+    every landing and registration pays this check."""
+    if values.numel() == 0 or not values.is_floating_point():
+        return True
+    if values.is_cuda:
+        return bool(values.isfinite().all())
+    lo, hi = torch.aminmax(values.reshape(-1))
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
 def check_tensor(source: str, name: str, values: torch.Tensor, pool_dtype: torch.dtype) -> None:
     """One tensor (or a piece of it), any device: finite, and finite in pool_dtype."""
-    if not bool(values.isfinite().all()):
+    if not all_finite(values):
         raise NonFiniteWeightsError(f"{source}: tensor {brief(name)} holds NaN or Inf")
     if values.dtype == pool_dtype or values.numel() == 0:
         return
-    if bool(values.to(pool_dtype).isfinite().all()):
+    if all_finite(values.to(pool_dtype)):
         return
     peak = float(values.abs().max())
     raise WeightsOverflowError(

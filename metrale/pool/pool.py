@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from metrale.adapters.plan import AdapterPlan
+from metrale.adapters.weights_check import all_finite
 from metrale.errors import NonFiniteWeightsError
 from metrale.ops.landing_triton import base_of, land_rows, land_views
 from metrale.pool.layout import SlotLayout
@@ -127,7 +128,7 @@ class AdapterPool:
         return self.buffer[slot * n:(slot + 1) * n]
 
     def slot_is_finite(self, slot: int) -> bool:
-        return bool(self.slot_region(slot).isfinite().all())
+        return all_finite(self.slot_region(slot))
 
     # --- landing ----------------------------------------------------------------
 
@@ -191,7 +192,7 @@ class AdapterPool:
         if not views or self._all_finite(data, views):
             return views
         bad = next(landing.entry.name for landing, v in zip(plan.landings, views)
-                   if not bool(v.isfinite().all()))
+                   if not all_finite(v))
         raise NonFiniteWeightsError(f"{plan.source}: tensor {bad!r} holds NaN or Inf")
 
     @staticmethod
@@ -205,7 +206,9 @@ class AdapterPool:
                  and sum(v.numel() for v in views) * size == data.numel()
                  and data.data_ptr() % size == 0)
         if whole:
-            return bool(data.view(dtype).isfinite().all())
+            return all_finite(data.view(dtype))
+        if not data.is_cuda:
+            return all(all_finite(v) for v in views)
         return bool(torch.stack([v.isfinite().all() for v in views]).all())
 
     def zero_slot(self, slot: int) -> None:
