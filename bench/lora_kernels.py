@@ -14,7 +14,9 @@ must move over --hbm-gbps: adapter weights of the slots used at --used-rank, x r
 and written) and the bandwidth the default path reaches over those bytes; and in a layer's
 context: the base GEMM of the group alone (gemm_us), with its LoRA as the model runs it
 (gemm_lora_us: lora_triton.lora_linear, the shrink on a side stream beside the GEMM) and
-on one stream (gemm_then_lora_us); lora_in_layer_us is what the LoRA adds to the GEMM.
+on one stream (gemm_then_lora_us); lora_in_layer_us is what the LoRA adds to the GEMM;
+sorted_us (2..DECODE_MAX_T tokens) the default path with the tokens sorted by slot, the
+prefill mapping, against the per-token decode mapping the default uses there.
 --used-rank below --rank fills the ranks table with it (the pool stays R wide): a rank-4
 adapter should cost about a quarter of a rank-16 one.
 Slot spreads: "spread" puts token t on slot t % S (decode's worst case: every token its own
@@ -133,6 +135,11 @@ def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(T
                            gemm_then_lora_us=_gemm_with_lora_us(x, weight, group_args, order,
                                                                 False))
                 row["lora_in_layer_us"] = row["gemm_lora_us"] - row["gemm_us"]
+                # the other token mapping at decode sizes: tokens sorted by slot, a block
+                # of rows per program (what batches past DECODE_MAX_T get), to set it
+                row["sorted_us"] = _graph_us(functools.partial(
+                    lt.lora_apply_fused, *args, order=lt.sort_tokens_by_slot(ids))) \
+                    if 1 < T <= lt.DECODE_MAX_T else None
                 row.update(shrink_us=_graph_us(shrink), expand_us=_graph_us(expand),
                            eager_us=_median_ms(apply) * 1e3,
                            ref_us=_median_ms(functools.partial(ref.lora_apply_fused_ref, *args))
