@@ -170,6 +170,25 @@ def test_unseeded_rows_draw_from_the_described_distribution(temperature, top_k, 
             assert abs(got / n - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-3, (token, got / n, p)
 
 
+@pytest.mark.parametrize("spread", [2.0, 0.01])  # a peaked row; a near-flat one
+def test_top_p_over_a_large_vocabulary_draws_from_its_nucleus(spread):
+    """3000 tokens (more than sampler.NUCLEUS_CANDIDATES): the peaked row's nucleus lies
+    in the top candidates, the near-flat row's does not (the full sort); either way the
+    draws follow the described distribution and never leave the nucleus."""
+    torch.manual_seed(1)
+    vocab, n = 3000, 4000
+    row = (torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * spread).tolist()
+    row[7], row[99] = max(row) + 2.0, max(row) + 1.0
+    want = _expected(row, 1.0, 0, 0.8)
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    results = sample(torch.tensor([row] * n), _seqs([params] * n))
+    counts = torch.bincount(torch.tensor([r.token for r in results]), minlength=vocab).tolist()
+    assert all(c == 0 for c, p in zip(counts, want) if p == 0), "a token outside the nucleus"
+    for token in (7, 99):
+        p = want[token]
+        assert abs(counts[token] / n - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-3, token
+
+
 def test_a_bad_unseeded_row_fails_alone():
     """A NaN row among rows drawn together fails by itself; the others draw valid tokens."""
     logits = _logits(3)

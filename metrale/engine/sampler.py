@@ -8,8 +8,8 @@ trip a device-side assert and take the whole engine down).
 Rows without a seed are drawn together, a few kernels for the batch and one inverse-CDF
 draw per row; a seeded row draws alone from its own generator (so its tokens do not
 depend on what shares its batch). Before, every sampled row cost ~6 launches and a host
-sync, and multinomial drew one random number per vocabulary entry: a batch of 32 rows
-at temperature 0.8 took 26.5 ms on one CPU core, now 8.9 ms (49k vocabulary).
+sync, and multinomial drew one random number per vocabulary entry (bench/sampler.py
+times both paths side by side).
 """
 
 from __future__ import annotations
@@ -106,10 +106,11 @@ def _sample_rows(x: torch.Tensor, row_max: torch.Tensor,
     probs = torch.softmax(x, dim=-1)  # [N, V]
     top_p = [p.top_p for p in params]
     if min(top_p) < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # [N, V]
-        drop = sorted_p.cumsum(-1) - sorted_p >= torch.tensor(top_p, device=dev)[:, None]
+        p_t = torch.tensor(top_p, device=dev)[:, None]  # [N, 1]
+        sorted_p, order = _nucleus_candidates(probs, p_t)  # [N, C], C <= V
+        drop = sorted_p.cumsum(-1) - sorted_p >= p_t
         drop[:, 0] = False  # the top token always stays: every row keeps a positive sum
-        probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
     # inverse CDF with one uniform per row: multinomial's distribution at a fraction of
     # its cost (it draws per element: 0.7 ms a row of 49k on one CPU core). A token of
     # zero probability adds nothing to the CDF, so no u can land on it; u stays below
@@ -118,6 +119,22 @@ def _sample_rows(x: torch.Tensor, row_max: torch.Tensor,
     total = cdf[:, -1:]  # [N, 1]
     u = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).squeeze(1)  # [N]
+
+
+NUCLEUS_CANDIDATES = 1024  # on the CPU, top-p first looks among this many tokens
+
+
+def _nucleus_candidates(probs: torch.Tensor, top_p: torch.Tensor):
+    """(probabilities, token ids) [N, C] in descending order, C <= V, holding every row's
+    top-p nucleus: any token left out comes after a mass >= its row's top_p, so top-p
+    drops it anyway. On the CPU a full sort of a 49k vocabulary costs ~1.4 ms a row,
+    and the top NUCLEUS_CANDIDATES hold the nucleus of any but a near-flat row (then the
+    full sort, as on a GPU, where sorting is cheap and the check would cost a sync)."""
+    if not probs.is_cuda and probs.shape[1] > NUCLEUS_CANDIDATES:
+        vals, ids = probs.topk(NUCLEUS_CANDIDATES, dim=-1)  # [N, C], descending
+        if bool((vals.sum(-1, keepdim=True) >= top_p).all()):
+            return vals, ids
+    return probs.sort(dim=-1, descending=True)
 
 
 def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
