@@ -96,7 +96,7 @@ def _sample_rows(x: torch.Tensor, row_max: torch.Tensor,
     vocab, dev = x.shape[1], x.device
     finite = torch.isfinite(row_max)[:, None]  # [N, 1]
     inv_temp = torch.tensor([1 / p.temperature for p in params], device=dev)[:, None]  # [N, 1]
-    # max 0 before dividing: a tiny temperature must not overflow finite logits to inf
+    # max 0 before scaling by 1/T: a tiny temperature must not overflow finite logits to inf
     x = x.sub(torch.where(finite, row_max[:, None], 0.0)).mul_(inv_temp).masked_fill_(~finite, 0.0)
     ks = [min(p.top_k, vocab) if p.top_k else vocab for p in params]
     if min(ks) < vocab:
