@@ -75,3 +75,30 @@ def test_stop_string_split_over_tokens(tokenizer, stop):
     want = text[:text.index(stop)]
     assert final is not None and final.finish_reason == "stop"
     assert final.text == want and streamed == want
+
+
+def test_outputs_hold_their_step_s_tokens_and_logprobs(tokenizer):
+    """Each RequestOutput's token_ids and logprobs stay what they were at its step while
+    the request goes on (they are fixed-length views of the growing lists, not copies),
+    read like lists and survive pickling (Ray replicas send outputs across processes)."""
+    import pickle
+
+    from metrale.engine.outputs import Prefix
+
+    processor = OutputProcessor(tokenizer, set(), 10_000)
+    seq = Sequence("r", [1], SamplingParams(max_tokens=50, logprobs=1), None)
+    ids = tokenizer.encode(TEXTS[0])[:12]
+    outs = [processor.process([seq], [SampleResult(t, {"token": t, "logprob": -0.5 * i,
+                                                       "top": []})])[0]
+            for i, t in enumerate(ids)]
+    for n, out in enumerate(outs, start=1):
+        assert out.token_ids == ids[:n] and list(out.token_ids) == ids[:n]
+        assert len(out.logprobs) == n and out.logprobs[-1]["logprob"] == -0.5 * (n - 1)
+        assert out.token_ids[-1] == ids[n - 1] and out.token_ids[1:3] == ids[1:3][:n - 1]
+        assert pickle.loads(pickle.dumps(out)).token_ids == ids[:n]
+    view = outs[3].token_ids
+    assert isinstance(view, Prefix) and repr(view) == repr(ids[:4])
+    assert view == tuple(ids[:4]) and view != ids[:5] and ids[:4] == view
+    with pytest.raises(IndexError):
+        view[4]
+    assert [*view] == ids[:4] and view.index(ids[2]) == ids[:4].index(ids[2])

@@ -5,7 +5,7 @@ nothing itself: the engine releases the finished requests' KV and slot reference
 from __future__ import annotations
 
 from metrale.engine.detokenizer import detokenize_new
-from metrale.engine.outputs import RequestOutput
+from metrale.engine.outputs import Prefix, RequestOutput
 from metrale.engine.sampler import SampleResult
 from metrale.engine.sequence import Sequence
 
@@ -65,9 +65,9 @@ class OutputProcessor:
 def output_of(seq: Sequence, delta_text: str = "", delta_ids: list[int] | None = None) -> RequestOutput:
     bound, ran = seq.bound_at, seq.scheduled_at
     return RequestOutput(
-        seq.request_id, seq.prompt_ids, seq.text, list(seq.output_ids), False,
+        seq.request_id, seq.prompt_ids, seq.text, Prefix(seq.output_ids), False,
         delta_text=delta_text, delta_token_ids=delta_ids or [],
-        logprobs=list(seq.logprobs), adapter=seq.adapter, num_cached_tokens=seq.num_cached_tokens,
+        logprobs=Prefix(seq.logprobs), adapter=seq.adapter, num_cached_tokens=seq.num_cached_tokens,
         adapter_wait_s=None if bound is None else bound - seq.arrival,
         queue_wait_s=None if bound is None or ran is None else ran - bound,
     )
