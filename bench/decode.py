@@ -102,8 +102,10 @@ def graph_replay_ms(engine: LLMEngine, batch: int, lora: bool, reps: int = 50) -
     """GPU time of one decode step's CUDA graph replayed alone (its static inputs hold the
     last step's batch): the step's wall time minus this is the host's share."""
     graphs = engine.runner.graphs
-    key = (graph_batch_size(engine, batch), lora)
-    if graphs is None or key not in graphs.graphs:
+    if graphs is None:  # enforce_eager
+        return float("nan")
+    key = (min((b for b in graphs.sizes if b >= batch), default=-1), lora)
+    if key not in graphs.graphs:  # a batch past the largest graph runs eagerly
         return float("nan")
     graph, _ = graphs.graphs[key]
     graph.replay()
@@ -115,10 +117,6 @@ def graph_replay_ms(engine: LLMEngine, batch: int, lora: bool, reps: int = 50) -
     end.synchronize()
     return start.elapsed_time(end) / reps
 
-
-def graph_batch_size(engine: LLMEngine, batch: int) -> int:
-    sizes = engine.runner.graphs.sizes
-    return min((b for b in sizes if b >= batch), default=-1)
 
 
 def peft_mixed_tok_s(peft, batch: int, n_adapters: int, vocab: int, device: str,
