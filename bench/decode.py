@@ -170,6 +170,11 @@ def run(pair, adapters_root: Path, peft, device: str, batches=(32, 64), n_adapte
             row[f"{key}_tok_s"], row[f"{key}_step_ms"] = decode_run(engine, names, device, gen)
             if device.startswith("cuda"):
                 row[f"{key}_graph_ms"] = graph_replay_ms(engine, b, lora)
+            if engine.async_scheduling and key != "lora1":  # A/B: the same engine, steps synchronous
+                engine.async_scheduling = False
+                row[f"{key}_sync_tok_s"], row[f"{key}_sync_step_ms"] = decode_run(
+                    engine, names, device, gen)
+                engine.async_scheduling = True
         tok_s, step_bytes = roofline_tok_s(pair, b, PROMPT + gen / 2, bw)
         row.update(hbm_roofline_tok_s=tok_s, step_bytes=step_bytes)
         # the byte bound of a LoRA batch: base speed scaled by the step's bytes over the
@@ -265,12 +270,13 @@ def report(name: str, res: dict) -> str:
             r["lora32/bound"] = row.get("lora32_over_byte_bound", float("nan"))
             r["base/roof"] = base / roof
             r["host share"] = row.get("base_host_share", float("nan"))
+            r["base async/sync"] = base / row.get("base_sync_tok_s", float("nan"))
             if "peft_mixed32_tok_s" in row:
                 r["lora32/peft"] = row["lora32_tok_s"] / row["peft_mixed32_tok_s"]
             rows.append(r)
     cols = ["model", "batch", "base_tok_s", "lora1_tok_s", "lora32_tok_s", "peft_mixed32_tok_s",
             "hbm_roofline_tok_s", "lora32/base", "lora1/base", "lora32/bound", "base/roof",
-            "host share", "lora32/peft"]
+            "host share", "base async/sync", "lora32/peft"]
     return table(rows, cols)
 
 

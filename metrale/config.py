@@ -283,6 +283,9 @@ class EngineConfig:
     peer_transport: str = "auto"  # "nixl" | "http" | "auto" (NIXL when both sides have it)
     # CUDA only: run every decode step eagerly instead of replaying CUDA graphs.
     enforce_eager: bool = False
+    # Launch each step before processing the previous one's outputs, so the host's work
+    # (scheduling, inputs, outputs) overlaps the device's. None: on for a CUDA device.
+    async_scheduling: bool | None = None
     # model-level LoRA targets to size pool memory for (EXTRA_TARGETS); mirrors pool.extra_targets
     lora_extra_targets: tuple[str, ...] = ()
 
@@ -306,5 +309,8 @@ class EngineConfig:
         if self.peer_transport not in ("auto", "nixl", "http"):
             raise ConfigError(f"peer_transport must be auto, nixl or http, got {self.peer_transport!r}")
         object.__setattr__(self, "peer_allow", tuple(self.peer_allow))
+        if self.async_scheduling and self.scheduler.policy == "legacy":
+            raise ConfigError("async_scheduling needs the mixed scheduler policy (legacy steps "
+                              "wait for every decode)")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ConfigError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

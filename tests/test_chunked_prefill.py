@@ -46,9 +46,9 @@ def _record_steps(llm: LLM) -> list[tuple[list[int], list[bool]]]:
     """(tokens per sequence, sampled per sequence) of every step the runner runs."""
     steps, run = [], llm.engine.runner.run
 
-    def recording(batch):
+    def recording(batch, *args):
         steps.append((list(batch.num_new), list(batch.samples)))
-        return run(batch)
+        return run(batch, *args)
 
     llm.engine.runner.run = recording
     return steps

@@ -59,11 +59,15 @@ def _reference(model, prompt) -> tuple[list[int], int]:
     return tokens, comparable
 
 
-def test_every_token_matches_its_version_under_churn(world, tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_every_token_matches_its_version_under_churn(world, tmp_path, async_scheduling):
+    """async: each step is launched before the previous one's outputs are processed, so
+    requests end, abort and release their slots with a step already planned for them."""
     root, refs = world
     rng = random.Random(7)
     llm = LLM(root / "model", max_loras=8, max_lora_rank=8, block_size=4, max_model_len=64,
-              num_kv_blocks=512, max_num_seqs=32, host_tier_bytes=1 << 22)
+              num_kv_blocks=512, max_num_seqs=32, host_tier_bytes=1 << 22,
+              async_scheduling=async_scheduling)
     engine, table = llm.engine, llm.engine.lora.table
     names = [f"n{i}" for i in range(N_NAMES)]
     content: dict[str, int] = {}  # name -> content of its current version

@@ -22,6 +22,8 @@ from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="needs triton or its interpreter")
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+# no logprobs: async scheduling overlaps these steps (logprobs make a step synchronous)
+OVERLAPPED = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @torch.no_grad()
@@ -36,6 +38,14 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
     return ids[len(prompt):], torch.stack(rows)
 
 
+def check_run(out, ref: tuple[list[int], torch.Tensor]) -> None:
+    """out against hf_greedy's (tokens, logprobs): logprobs too where it has them."""
+    if out.logprobs:
+        check(out, *ref)
+    else:
+        assert out.token_ids == ref[0]
+
+
 @pytest.fixture(scope="module")
 def cpu_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs")
@@ -46,51 +56,58 @@ def cpu_root(tmp_path_factory):
     return root, base, peft
 
 
-def test_static_buffer_path_matches_hf_across_swap(cpu_root):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_static_buffer_path_matches_hf_across_swap(cpu_root, overlap):
+    """overlap: async scheduling, each decode's input token read from the step before
+    it on the device (graphs' pend_rows/pend_src)."""
     root, base, peft = cpu_root
     llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
-              num_kv_blocks=64, max_num_seqs=6)
+              num_kv_blocks=64, max_num_seqs=6, async_scheduling=overlap)
+    greedy = OVERLAPPED if overlap else GREEDY
     graphs = llm.engine.runner.enable_graphs(capture=False)
     assert graphs.sizes == [1, 2, 4, 6]
     engine = llm.engine
     engine.swap_lora_slot_from_disk(root / "A", "A", 1)
     ps = prompts(7, 3)  # 3 rows padded to the size-4 graph
-    outs = llm.generate(ps, GREEDY, ["A", None, "A"])
+    outs = llm.generate(ps, greedy, ["A", None, "A"])
     for p, out, model in zip(ps, outs, [peft["A"], base, peft["A"]]):
-        check(out, *hf_greedy(model, p, 8))
+        check_run(out, hf_greedy(model, p, 8))
     assert graphs.replays[(4, True)] == 7  # 8 tokens: one prefill, 7 decode steps
     engine.swap_lora_slot_from_disk(root / "B", "B", 1)
-    outs = llm.generate(ps[:2], GREEDY, ["B", "B"])
+    outs = llm.generate(ps[:2], greedy, ["B", "B"])
     for p, out in zip(ps[:2], outs):
-        check(out, *hf_greedy(peft["B"], p, 8))
+        check_run(out, hf_greedy(peft["B"], p, 8))
     assert graphs.replays[(2, True)] == 7
-    outs = llm.generate(ps[:1], GREEDY, [None])  # no adapter token: the no-LoRA variant
-    check(outs[0], *hf_greedy(base, ps[0], 8))
+    outs = llm.generate(ps[:1], greedy, [None])  # no adapter token: the no-LoRA variant
+    check_run(outs[0], hf_greedy(base, ps[0], 8))
     assert graphs.replays[(1, False)] == 7
 
 
-def test_mixed_step_graph_path_matches_hf(cpu_root):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_mixed_step_graph_path_matches_hf(cpu_root, overlap):
     """Prompt chunks beside decodes through the mixed-step static buffers: token padding,
     sequence rows with no queries, the logits index and the slot-sorted token order."""
     root, base, peft = cpu_root
     llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
               num_kv_blocks=64, max_num_seqs=6, max_num_batched_tokens=64,
-              scheduler=SchedulerConfig(max_prefill_chunk=5))
+              scheduler=SchedulerConfig(max_prefill_chunk=5), async_scheduling=overlap)
+    greedy = OVERLAPPED if overlap else GREEDY
     graphs = llm.engine.runner.enable_graphs(capture=False)
     assert graphs.buckets == [64]
     llm.engine.swap_lora_slot_from_disk(root / "A", "A", 0)
     llm.engine.swap_lora_slot_from_disk(root / "B", "B", 1)
     ps = prompts(9, 4)
     names = ["A", None, "B", "A"]
-    outs = llm.generate(ps, GREEDY, names)
+    outs = llm.generate(ps, greedy, names)
     for p, out, name in zip(ps, outs, names):
-        check(out, *hf_greedy(base if name is None else peft[name], p, 8))
+        check_run(out, hf_greedy(base if name is None else peft[name], p, 8))
     mixed = sum(n for key, n in graphs.replays.items() if key[0] == "mixed")
     assert mixed >= 3 and graphs.replays[("mixed", 64, True)] == mixed
 
 
 @needs_kernels
-def test_decode_graphs_past_the_per_token_limit_pass_a_slot_order(cpu_root, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_decode_graphs_past_the_per_token_limit_pass_a_slot_order(cpu_root, monkeypatch, overlap):
     """Decode rows past lora_triton.DECODE_MAX_T reach the kernels with a slot order the
     step fills on the host (the path batches of 96-256 take on a GPU), here with the
     limit at 2 and the kernels in Triton's interpreter: every token of a batch mixing two
@@ -100,17 +117,18 @@ def test_decode_graphs_past_the_per_token_limit_pass_a_slot_order(cpu_root, monk
     monkeypatch.setattr(lora_triton, "DECODE_MAX_T", 2)
     root, base, peft = cpu_root
     llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
-              num_kv_blocks=64, max_num_seqs=6)
+              num_kv_blocks=64, max_num_seqs=6, async_scheduling=overlap)
     graphs = llm.engine.runner.enable_graphs(capture=False)
     llm.engine.swap_lora_slot_from_disk(root / "A", "A", 0)
     llm.engine.swap_lora_slot_from_disk(root / "B", "B", 1)
     ps = prompts(11, 5)
     names = ["B", None, "A", "B", "A"]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                             logprobs=None if overlap else 2)
               for n in (8, 8, 5, 8, 3)]  # rows finish early: the batch shrinks to size 4
     outs = llm.generate(ps, params, names)
     for p, out, name, sp in zip(ps, outs, names, params):
-        check(out, *hf_greedy(base if name is None else peft[name], p, sp.max_tokens))
+        check_run(out, hf_greedy(base if name is None else peft[name], p, sp.max_tokens))
     assert graphs.replays[(6, True)] >= 1 and graphs.replays[(4, True)] >= 1
 
 
@@ -225,8 +243,7 @@ def test_gpu_mixed_step_graphs_match_peft(tmp_path):
 def test_gpu_decode_graphs_past_64_rows_match_eager_and_peft(tmp_path):
     """A captured decode graph of 96 rows (slot order filled per step, past the per-token
     kernels' limit), three adapters and the base mixed: the eager path's tokens and
-    transformers + PEFT's (bf16 tolerance). NOT yet run on a GPU (written after the
-    session's device time was spent)."""
+    transformers + PEFT's (bf16 tolerance)."""
     base, peft = gpu_model(tmp_path, 8, "ABC", 60)
     kw = dict(max_loras=3, max_lora_rank=8, block_size=16, max_model_len=64,
               num_kv_blocks=512, max_num_seqs=96, max_num_batched_tokens=96 * 16,
@@ -247,3 +264,36 @@ def test_gpu_decode_graphs_past_64_rows_match_eager_and_peft(tmp_path):
     compared = sum(compare_to_eager_and_peft(p, out, ref, base if who is None else peft[who], who)
                    for p, out, ref, who in zip(ps, outs, ref_outs, names))
     assert compared >= 300, "too few tokens compared before bf16 divergence"
+
+
+@pytest.mark.gpu
+def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path):
+    """On a GPU (async scheduling is the default there) each step is queued before the
+    previous step's tokens reach the host and reads its pending inputs on the device:
+    through mixed steps and decode graphs with and without LoRA, requests ending at
+    different lengths, the greedy tokens equal a synchronous engine's (the same batches
+    through the same kernels), which the tests above hold to transformers + PEFT."""
+    gpu_model(tmp_path, 9, "AB", 70)
+    kw = dict(max_loras=2, max_lora_rank=8, block_size=16, max_model_len=128,
+              num_kv_blocks=512, max_num_seqs=32, max_num_batched_tokens=128,
+              device="cuda", dtype="bfloat16")
+    overlapped = LLM(tmp_path / "model", **kw)
+    sync = LLM(tmp_path / "model", async_scheduling=False, **kw)
+    assert overlapped.engine.async_scheduling and not sync.engine.async_scheduling
+    for e in (overlapped.engine, sync.engine):
+        for slot, name in enumerate("AB"):
+            e.swap_lora_slot_from_disk(tmp_path / name, name, slot)
+    ps = prompts(12, 24)
+    names = [("A", None, "B")[i % 3] for i in range(24)]
+    params = [SamplingParams(max_tokens=4 + i % 9, temperature=0, ignore_eos=True)
+              for i in range(24)]
+    for first in (True, False):  # all rows with an adapter, then only the base model
+        who = names if first else [None] * 24
+        got = overlapped.generate(ps, params, who)
+        want = sync.generate(ps, params, who)
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids
+    replays = overlapped.engine.runner.graphs.replays
+    decode = [k for k in replays if k[0] != "mixed"]
+    assert len(decode) < len(replays)  # some mixed steps
+    assert any(lora for _, lora in decode) and any(not lora for _, lora in decode)

@@ -260,15 +260,15 @@ def alone(root):
 
 def _poison(monkeypatch, request_id: str, after_tokens: int) -> None:
     """NaN logits for one request's row once it has `after_tokens` output tokens."""
-    real = runner_module.sample
+    real = runner_module.draw
 
     def poisoned(logits, seqs):
         for i, seq in enumerate(seqs):
-            if seq.request_id == request_id and len(seq.output_ids) >= after_tokens:
+            if seq.request_id == request_id and seq.num_generated >= after_tokens:
                 logits[i] = float("nan")
         return real(logits, seqs)
 
-    monkeypatch.setattr(runner_module, "sample", poisoned)
+    monkeypatch.setattr(runner_module, "draw", poisoned)
 
 
 @pytest.mark.parametrize("after_tokens", [0, 4])  # fails at its prefill, or mid-decode

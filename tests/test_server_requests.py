@@ -214,7 +214,7 @@ def test_nan_logits_fail_one_request_while_the_others_complete(served, monkeypat
             for p in ("hello world", "the moon", "tell me") for t in (0, 0.9)]
     alone = [post(client, "/v1/completions", body).json()["choices"][0]["text"] for body in good]
 
-    real = runner_module.sample
+    real = runner_module.draw
 
     def poisoned(logits, seqs):
         for i, seq in enumerate(seqs):
@@ -222,7 +222,7 @@ def test_nan_logits_fail_one_request_while_the_others_complete(served, monkeypat
                 logits[i] = float("nan")
         return real(logits, seqs)
 
-    monkeypatch.setattr(runner_module, "sample", poisoned)
+    monkeypatch.setattr(runner_module, "draw", poisoned)
     bad = {"prompt": POISONED_PROMPT, "max_tokens": 4, "temperature": 0.5}
     with ThreadPoolExecutor(len(good) + 2) as pool:
         bads = [pool.submit(post, client, "/v1/completions", bad),

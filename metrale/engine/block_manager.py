@@ -86,14 +86,20 @@ class BlockManager:
         seq.num_published = 0
 
     def publish(self, seq: Sequence) -> None:
-        """Make seq's full blocks whose KV is computed findable by later requests."""
+        """Make seq's full blocks whose KV is computed (or queued) and whose tokens are on
+        the host findable by later requests. A block that decoding filled gets its key
+        here: its last token may have been pending when its KV was scheduled."""
         if not self.prefix_caching:
             return
-        done = min(seq.num_computed // self.block_size, len(seq.block_keys))
-        for i in range(seq.num_published, done):
+        bs = self.block_size
+        done = min(seq.num_computed, seq.known_len) // bs
+        for i in range(seq.num_published, min(done, len(seq.block_keys))):
             key = seq.block_keys[i]
             if key is None:
-                break  # a chain is only as findable as its first unkeyed block
+                prev = seq.block_keys[i - 1] if i > 0 else b""
+                if prev is None:
+                    break  # a chain is only as findable as its first unkeyed block
+                key = seq.block_keys[i] = block_key(prev, seq.adapter_uid, seq.tokens(i * bs, (i + 1) * bs))
             self._set_key(seq.block_table[i], key)
             seq.num_published = i + 1
 
@@ -108,14 +114,6 @@ class BlockManager:
             self.ref[block] = 1
             seq.block_table.append(block)
             seq.block_keys.append(None)
-        if self.prefix_caching and len(seq) % self.block_size == 0:
-            # the newest token completes its block: make it findable
-            i = len(seq) // self.block_size - 1
-            prev = seq.block_keys[i - 1] if i > 0 else b""
-            if prev is not None and seq.block_keys[i] is None:
-                # published once the step that computes the newest token's KV has run
-                start = i * self.block_size
-                seq.block_keys[i] = block_key(prev, seq.adapter_uid, seq.tokens(start, len(seq)))
 
     def reset_prefix_cache(self) -> int:
         """Forget the contents of every cached block no sequence holds; returns how many.

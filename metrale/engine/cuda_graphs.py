@@ -30,6 +30,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.engine.scheduler import ScheduledBatch
 from metrale.engine.sequence import Sequence
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
@@ -50,7 +51,10 @@ MAX_GRAPH_BATCH = 256
 MAX_MIXED_GRAPH_BATCH = 64
 # Token buckets of mixed steps (those <= max_num_batched_tokens); bigger steps run eagerly.
 MIXED_TOKEN_BUCKETS = (64, 128, 256, 512)
-_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "slot_ids", "order")
+# pend_rows/pend_src: the input rows whose tokens a step still in flight samples, and
+# their rows in its tokens (runner.pending_inputs)
+_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "slot_ids", "order", "pend_rows",
+                 "pend_src")
 _SEQ_FIELDS = ("context_lens", "logits_index")
 
 
@@ -189,21 +193,25 @@ class StepGraphs:
 
     # --- a step ------------------------------------------------------------------------
 
-    def run(self, seqs: list[Sequence], lora: bool) -> torch.Tensor:
-        """Logits [len(seqs), V] of one decode step (each sequence's newest token)."""
+    def run(self, seqs: list[Sequence], lora: bool,
+            in_flight: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(seqs), V] of one decode step (each sequence's newest token).
+        in_flight: the sampled tokens of the step still running (pending inputs)."""
         n = len(seqs)
         b = self.sizes[bisect.bisect_left(self.sizes, n)]
         lora = lora and self.pool is not None
         self._fill(seqs, b)
-        self._upload()
+        self._upload(self._fill_pending(seqs, range(1, n + 1)), in_flight)
         return self._replay((b, lora), lambda: self._forward(b, lora))[:n]
 
-    def run_mixed(self, batch: ScheduledBatch, lora: bool) -> torch.Tensor:
+    def run_mixed(self, batch: ScheduledBatch, lora: bool,
+                  in_flight: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [sampling sequences, V] of one mixed step."""
         t = self.buckets[bisect.bisect_left(self.buckets, batch.num_tokens)]
         lora = lora and self.pool is not None
         n_samples = self._fill_mixed(batch, t)
-        self._upload()
+        cu = self._host_views["cu_query"][:len(batch) + 1].tolist()
+        self._upload(self._fill_pending(batch.seqs, cu[1:]), in_flight)
         return self._replay(("mixed", t, lora), lambda: self._forward_mixed(t, lora))[:n_samples]
 
     def _replay(self, key: tuple, eager) -> torch.Tensor:
@@ -224,7 +232,7 @@ class StepGraphs:
         for i, seq in enumerate(seqs):
             pos = len(seq) - 1
             bt = seq.block_table
-            f["input_ids"][i] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
+            f["input_ids"][i] = seq.tokens(pos, pos + 1)[0]  # 0 when pending
             f["positions"][i] = pos
             f["slot_mapping"][i] = bt[pos // bs] * bs + pos % bs
             f["context_lens"][i] = pos + 1
@@ -282,8 +290,20 @@ class StepGraphs:
         f["tiles"][:2 * n_tiles] = np.asarray(prefill_tiles(cu, n_tiles, block_m)).reshape(-1)
         return n_samples
 
-    def _upload(self) -> None:
+    def _fill_pending(self, seqs: list[Sequence], ends) -> int:
+        """The pending input tokens' rows (ends: each sequence's token rows' end); returns
+        how many."""
+        rows, src = pending_inputs(seqs, [0, *ends])
+        self._host_views["pend_rows"][:len(rows)] = rows
+        self._host_views["pend_src"][:len(src)] = src
+        return len(rows)
+
+    def _upload(self, num_pending: int = 0, in_flight: torch.Tensor | None = None) -> None:
         self._dev.copy_(self._host, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
+        if num_pending:  # before the replay, on its stream: the graph reads input_ids
+            v = self._views
+            resolve_pending(v["input_ids"], v["pend_rows"][:num_pending],
+                            v["pend_src"][:num_pending], in_flight)

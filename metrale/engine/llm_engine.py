@@ -13,6 +13,7 @@ import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,8 +27,9 @@ from metrale.engine.output_processor import OutputProcessor, failed_output
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion, PeerRef
 from metrale.engine.runner import ModelRunner
+from metrale.engine.sampler import SampledTokens
 from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
-from metrale.engine.scheduler import Scheduler
+from metrale.engine.scheduler import ScheduledBatch, Scheduler
 from metrale.engine.sequence import Sequence
 from metrale.errors import MetraleError, UnknownAdapterError
 from metrale.model.llama import LlamaForCausalLM
@@ -38,6 +40,14 @@ from metrale.pool.slots import SlotInfo
 from metrale.pool.swap import LoraSlots, Prepared
 
 log = logging.getLogger("metrale.engine")
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A launched step whose tokens the host has not processed yet."""
+
+    batch: ScheduledBatch
+    sampled: SampledTokens
 
 
 class LLMEngine:
@@ -85,6 +95,10 @@ class LLMEngine:
         self.eos_ids = tuple(sorted(eos_ids))
         self.max_seq_tokens = min(cfg.max_model_len, self.runner.num_blocks * cfg.block_size)
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self.max_seq_tokens)
+        # overlap the host's work with the device's: only a device runs ahead of the host
+        self.async_scheduling = cfg.async_scheduling if cfg.async_scheduling is not None \
+            else self.device.type == "cuda" and cfg.scheduler.policy != "legacy"
+        self._in_flight: _InFlight | None = None
 
     # --- requests ----------------------------------------------------------------------
 
@@ -102,7 +116,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise MetraleError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, adapter)
+        seq = Sequence(request_id, ids, params, adapter,
+                       max_len=min(len(ids) + params.max_tokens, self.max_seq_tokens))
         if params.min_tokens and not params.ignore_eos:
             seq.suppress_ids = self.eos_ids
         self.adapters.bind(seq)  # raises UnknownAdapterError before anything is queued
@@ -149,12 +164,31 @@ class LLMEngine:
         return future
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, launch, process outputs. With async scheduling the step launched
+        here runs on the device while the host processes the previous step's outputs
+        (and, at the next call, schedules and fills the step after it); a step returns
+        the outputs of the one before it."""
         outputs = self._between_steps()
         batch = self.scheduler.schedule()
+        launched = None
         if batch:
-            results = self.runner.run(batch)
-            self.scheduler.computed(batch)
-            outputs += self.output_processor.process(batch.sampling_seqs, results)
+            in_flight = self._in_flight.sampled.tokens if self._in_flight else None
+            launched = _InFlight(batch, self.runner.run(batch, in_flight))
+            self.scheduler.launched(batch)
+        if self._in_flight is not None:
+            outputs += self._complete(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and (not self.async_scheduling or launched.sampled.ready):
+            outputs += self._complete(launched)
+            self._in_flight = None
+        return outputs
+
+    def _complete(self, step: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, turn them into outputs and finish the
+        requests they end (a later step already launched drops their tokens)."""
+        batch = step.batch
+        outputs = self.output_processor.process(batch.sampling_seqs, step.sampled.results())
+        self.scheduler.completed(batch)
         for out in outputs:
             self._finish(out)
         return outputs
@@ -163,6 +197,8 @@ class LLMEngine:
         """For the loop that calls step(): when a step produced nothing, block up to
         `timeout` for an in-flight promotion to move instead of spinning. False when
         nothing is in flight (nothing to wait for here)."""
+        if self._in_flight is not None:
+            return True  # a launched step: the next step() returns its outputs
         if not self.adapters.busy():
             return False
         if self._commands.empty():
@@ -170,10 +206,15 @@ class LLMEngine:
         return True
 
     def _between_steps(self) -> list[RequestOutput]:
-        """Commands, then promotions and unloads: every adapter change lands here."""
+        """Commands, then promotions and unloads: every adapter change lands here (a
+        landing's device writes queue behind the step in flight, which may still read
+        the slot: a row of a request that ended at the step before it)."""
         self._run_commands()
         self.adapters.finish_unloads()
-        return [failed_output(seq) for seq in self.adapters.advance(time.monotonic())]
+        outputs = [failed_output(seq) for seq in self.adapters.advance(time.monotonic())]
+        for out in outputs:
+            self._finish(out)
+        return outputs
 
     def _run_commands(self) -> None:
         while True:

@@ -15,9 +15,13 @@ class OutputProcessor:
         self.tokenizer, self.eos_ids, self.max_seq_tokens = tokenizer, eos_ids, max_seq_tokens
 
     def process(self, seqs: list[Sequence], results: list[SampleResult]) -> list[RequestOutput]:
-        """seqs: the step's sampling sequences, one result each."""
+        """seqs: the step's sampling sequences, one result each. A sequence that finished
+        (or was aborted) while the step ran has no more output: its token is dropped."""
         outputs = []
         for seq, result in zip(seqs, results, strict=True):
+            if seq.is_finished:
+                continue
+            seq.num_pending -= 1
             if result.error is not None:  # a bad row fails its own sequence, never the batch
                 seq.error = result.error
                 outputs.append(failed_output(seq))
@@ -32,7 +36,7 @@ class OutputProcessor:
         p = seq.params
         early = len(seq.output_ids) < p.min_tokens
         reason = "stop" if token in self.eos_ids and not p.ignore_eos and not early else None
-        if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_seq_tokens):
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.known_len >= self.max_seq_tokens):
             reason = "length"
         searched = len(seq.detok.text)  # stop strings ending before here were looked for
         if self.tokenizer is not None:

@@ -12,8 +12,9 @@ import torch
 
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.cuda_graphs import StepGraphs
-from metrale.engine.sampler import SampleResult, sample
+from metrale.engine.sampler import SampledTokens, draw
 from metrale.engine.scheduler import ScheduledBatch
+from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
 from metrale.ops.attention_triton import prefill_block_m, prefill_tiles
@@ -67,19 +68,21 @@ class ModelRunner:
         return max(min(wanted, budget // self._block_bytes()), 1)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[SampleResult]:
-        """One forward pass over the batch; a result per sampling sequence, in order."""
+    def run(self, batch: ScheduledBatch, in_flight: torch.Tensor | None = None) -> SampledTokens:
+        """Queue one forward pass over the batch and its draws: a token per sampling
+        sequence, in order. in_flight: the tokens [B'] the step still running samples,
+        where a sequence's pending input token is (Sequence.pending_row)."""
         seqs, graphs = batch.seqs, self.graphs
         lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
         if graphs is not None and batch.is_decode and graphs.can_run(len(seqs)):
-            logits = graphs.run(seqs, lora)  # [B, V]
+            logits = graphs.run(seqs, lora, in_flight)  # [B, V]
         elif graphs is not None and graphs.can_run_mixed(batch):
-            logits = graphs.run_mixed(batch, lora)  # [sampling B, V]
+            logits = graphs.run_mixed(batch, lora, in_flight)  # [sampling B, V]
         else:
-            logits = self._run_eager(batch)  # [sampling B, V]
-        return sample(logits, batch.sampling_seqs)
+            logits = self._run_eager(batch, in_flight)  # [sampling B, V]
+        return draw(logits, batch.sampling_seqs)
 
-    def _run_eager(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _run_eager(self, batch: ScheduledBatch, in_flight: torch.Tensor | None) -> torch.Tensor:
         ids, positions, slot_mapping, cu, slot_ids, ctx = [], [], [], [0], [], []
         bs = self.cfg.block_size
         for seq, n in zip(batch.seqs, batch.num_new):
@@ -121,10 +124,15 @@ class ModelRunner:
             lora = LoraBatch(self.pool, slot_ids_t, order, groups)
         # the last token of each sampling sequence
         last = [end - 1 for end, sampled in zip(cu[1:], batch.samples) if sampled]
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)  # [T]
+        rows, src = pending_inputs(batch.seqs, cu)
+        if rows:
+            resolve_pending(ids_t, torch.tensor(rows, device=dev), torch.tensor(src, device=dev),
+                            in_flight)
         with forward_context(ForwardContext(meta, lora)):
             hidden = self.model(
-                torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev),
+                ids_t, torch.tensor(positions, dtype=torch.int64, device=dev),
             )  # [T, hidden]
             last_t = torch.tensor(last, dtype=torch.int64, device=dev)
             return self.model.compute_logits(hidden[last_t], last_t)  # [B', V] (last_t: lm_head LoRA)
+

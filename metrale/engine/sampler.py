@@ -36,15 +36,78 @@ class SampleResult:
         return cls(None, None, error)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-    """logits: [B, V] float32 -> one result per sequence, in order."""
+class SampledTokens:
+    """One step's draws. tokens [B] stays on the device, where the next step may read its
+    inputs from it before the host has seen them (async scheduling); results() waits for
+    the host copy, started when the draws were queued. A batch with a seeded sampled row
+    or logprobs needs its logits on the host side at once (the next step overwrites a
+    graph's logits): it is resolved when drawn."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, row_max: torch.Tensor,
+                 finite: torch.Tensor) -> None:
+        self.seqs, self.tokens, self.row_max = seqs, tokens, row_max  # [B] each
+        pin = tokens.is_cuda
+        self._host = torch.empty((2, len(seqs)), dtype=torch.int64, pin_memory=pin)  # [2, B]
+        self._host.copy_(torch.stack((finite.long(), tokens)), non_blocking=pin)
+        self._copied = torch.cuda.Event() if pin else None
+        if self._copied is not None:
+            self._copied.record()
+        self._results: list[SampleResult] | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether results() is known without waiting on the device for it."""
+        return self._results is not None
+
+    def results(self) -> list[SampleResult]:
+        if self._results is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            usable, tokens = self._host.tolist()
+            self._results = [SampleResult(t) if ok else self._failed(i)
+                             for i, (ok, t) in enumerate(zip(usable, tokens))]
+        return self._results
+
+    def _failed(self, i: int) -> SampleResult:
+        return SampleResult.failed(SamplingError(
+            f"request {self.seqs[i].request_id}: the model produced non-finite logits "
+            f"(max {float(self.row_max[i])}); no token can be drawn"))
+
+    def resolve(self, logits: torch.Tensor) -> None:
+        """Now, on the host: the seeded sampled rows and the logprobs (both read logits)."""
+        results, seqs = self.results(), self.seqs
+        seeded = {}
+        for i, seq in enumerate(seqs):
+            if results[i].error is None and not seq.params.greedy and seq.params.seed is not None:
+                try:
+                    seeded[i] = _sample_row(logits[i], seq)
+                except RuntimeError as e:  # a backstop: the row is checked, this must not happen
+                    results[i] = SampleResult.failed(
+                        SamplingError(f"request {seq.request_id}: sampling failed: {e}"))
+        if seeded:  # the device copy too: a next step may read its inputs from it
+            self.tokens[list(seeded)] = torch.tensor(list(seeded.values()), device=self.tokens.device)
+        tokens = [seeded.get(i, r.token) for i, r in enumerate(results)]
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and results[i].error is None]
+        logprobs = _logprobs(logits, seqs, tokens, wanted)
+        self._results = [r if r.error is not None else SampleResult(tokens[i], logprobs.get(i))
+                         for i, r in enumerate(results)]
+
+
+def needs_logits(seq: Sequence) -> bool:
+    """Whether drawing seq's token reads its logits on the host (no deferred result)."""
+    p = seq.params
+    return p.logprobs is not None or (not p.greedy and p.seed is not None)
+
+
+def draw(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+    """logits: [B, V] float32 -> the batch's tokens, queued on logits' device."""
     logits = _suppress(logits, seqs)
     # One reduction for the batch: the argmax of every greedy row, and the row max,
     # which is finite exactly when the row has no NaN, no +inf and some finite value.
     row_max, argmax = logits.max(dim=-1)  # [B], [B]
     finite = torch.isfinite(row_max)  # [B]
     # rows without a seed draw together (one kernel per stage for all of them); seeded
-    # rows draw alone from their own generator below, so a seed gives the same tokens
+    # rows draw alone from their own generator (resolve), so a seed gives the same tokens
     # whatever shares the batch
     batched = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.seed is None]
     drawn = argmax
@@ -52,23 +115,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         rows = torch.tensor(batched, device=logits.device)  # [N]
         drawn = argmax.index_put((rows,), _sample_rows(logits[rows], row_max[rows],
                                                        [seqs[i].params for i in batched]))
-    usable, tokens = torch.stack((finite.long(), drawn)).tolist()  # one sync
-    results: list[SampleResult | None] = [None] * len(seqs)
-    for i, seq in enumerate(seqs):
-        if not usable[i]:
-            results[i] = SampleResult.failed(SamplingError(
-                f"request {seq.request_id}: the model produced non-finite logits "
-                f"(max {float(row_max[i])}); no token can be drawn"))
-        elif not seq.params.greedy and seq.params.seed is not None:
-            try:
-                tokens[i] = _sample_row(logits[i], seq)
-            except RuntimeError as e:  # a backstop: the row is checked above, this must not happen
-                results[i] = SampleResult.failed(
-                    SamplingError(f"request {seq.request_id}: sampling failed: {e}"))
-    wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and results[i] is None]
-    logprobs = _logprobs(logits, seqs, tokens, wanted)
-    return [r if r is not None else SampleResult(tokens[i], logprobs.get(i))
-            for i, r in enumerate(results)]
+    sampled = SampledTokens(seqs, drawn, row_max, finite)
+    if any(needs_logits(s) for s in seqs):
+        sampled.resolve(logits)
+    return sampled
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+    """logits: [B, V] float32 -> one result per sequence, in order (waits for them)."""
+    return draw(logits, seqs).results()
 
 
 def _suppress(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -77,7 +132,7 @@ def _suppress(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     (a CUDA graph's output buffer) stay as they were."""
     rows, cols = [], []
     for i, seq in enumerate(seqs):
-        if seq.suppress_ids and len(seq.output_ids) < seq.params.min_tokens:
+        if seq.suppress_ids and seq.num_generated < seq.params.min_tokens:
             rows += [i] * len(seq.suppress_ids)
             cols += seq.suppress_ids
     if not rows:

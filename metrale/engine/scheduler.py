@@ -92,11 +92,21 @@ class Scheduler:
         self._admit(batch, budget)
         return batch
 
-    def computed(self, batch: ScheduledBatch) -> None:
-        """After the step ran: its tokens' KV is in the cache, and the full blocks it
-        completed may now serve other requests from the prefix cache."""
-        for seq, n in zip(batch.seqs, batch.num_new):
+    def launched(self, batch: ScheduledBatch) -> None:
+        """The step is queued on the device: plan the next one as if it had run (its
+        KV is written before any later step reads it: they share a stream), each
+        sampling sequence one token longer, that token pending."""
+        row = 0
+        for seq, n, sampled in zip(batch.seqs, batch.num_new, batch.samples):
             seq.num_computed += n
+            if sampled:
+                seq.num_pending += 1
+                seq.pending_row, row = row, row + 1
+
+    def completed(self, batch: ScheduledBatch) -> None:
+        """The step's tokens are on the host: the full blocks it completed may now serve
+        other requests from the prefix cache (their keys hash those tokens)."""
+        for seq in batch.seqs:
             self.blocks.publish(seq)
 
     # --- mixed ----------------------------------------------------------------------------
@@ -107,6 +117,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: len(s) - s.num_computed > 1):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted below, for an older sequence's decode
+            if seq.num_pending and len(seq) >= seq.max_len:
+                continue  # its token in flight ends it (length): no step past it
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
@@ -155,7 +167,8 @@ class Scheduler:
         round-robin across adapters (each adapter's in arrival order, adapters in order
         of their oldest request)."""
         bound_limit = self.sched.max_admission_wait_s
-        runnable = [s for s in self.waiting if s.bound]
+        # a preempted sequence with a token in flight waits for it: its blocks' keys hash it
+        runnable = [s for s in self.waiting if s.bound and not s.num_pending]
         yield from (s for s in runnable if now - s.arrival > bound_limit)
         queues: OrderedDict[str | None, deque[Sequence]] = OrderedDict()
         for s in runnable:

@@ -27,6 +27,12 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
+    # Tokens sampled by a launched step whose result has not reached the host yet (async
+    # scheduling): they count in len(seq) and the next step reads the newest one on the
+    # device, from row `pending_row` of the in-flight step's sampled tokens.
+    num_pending: int = 0
+    pending_row: int = -1
+    max_len: int = 1 << 62  # prompt + max_tokens, within the engine's limit: it stops here
     # adapter binding: held from the moment the adapter is resident until finish/abort
     slot: int = -1  # -1 = base model
     adapter_uid: int = 0  # 0 = base model; part of every prefix-cache key
@@ -53,20 +59,33 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
+        """The tokens on the host (not the pending ones)."""
         return self.prompt_ids + self.output_ids
 
     def tokens(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building the whole list: a step reads a few new
-        tokens of what may be a long sequence."""
-        p = len(self.prompt_ids)
+        tokens of what may be a long sequence. A pending token reads as 0: the step that
+        takes it as input resolves it on the device."""
+        p, known = len(self.prompt_ids), self.known_len
+        pad = [0] * (end - known) if end > known else []
+        end = min(end, known)
         if end <= p:
-            return self.prompt_ids[start:end]
+            return self.prompt_ids[start:end] + pad
         if start >= p:
-            return self.output_ids[start - p:end - p]
-        return self.prompt_ids[start:] + self.output_ids[:end - p]
+            return self.output_ids[start - p:end - p] + pad
+        return self.prompt_ids[start:] + self.output_ids[:end - p] + pad
 
     def __len__(self) -> int:
+        """Every token, the pending ones included (what the scheduler plans with)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def known_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_pending
 
     @property
     def is_finished(self) -> bool:
