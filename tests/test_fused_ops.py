@@ -151,6 +151,38 @@ def test_rotary_matches_torch(dtype, arch, heads):
     torch.testing.assert_close(got_k.cpu(), want_k, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2), (32, 8)])
+def test_rotary_store_kv_matches_rotary_then_store(dtype, heads):
+    """The fused rotary + cache write against the torch path (rotary, then store_kv's
+    index_copy): q returned, rotated k and v (unrotated) at their slots, every other
+    cache row untouched."""
+    from metrale.ops.attention import store_kv
+
+    H, KV = heads
+    cfg = ModelConfig.from_hf_dict(hf_config("llama", num_attention_heads=H, num_key_value_heads=KV,
+                                             hidden_size=16 * H, rope_theta=500000.0).to_dict())
+    rot = RotaryEmbedding(cfg, 300)
+    g = torch.Generator().manual_seed(H + 1)
+    T, D = 7, cfg.head_dim
+    qkv = torch.randn(T, (H + 2 * KV) * D, generator=g).to(dtype)  # q, k, v as strided views
+    q = qkv[:, :H * D].view(T, H, D)
+    k = qkv[:, H * D:(H + KV) * D].view(T, KV, D)
+    v = qkv[:, (H + KV) * D:].view(T, KV, D)
+    pos = torch.tensor([0, 1, 17, 5, 299, 64, 3])
+    slots = torch.randperm(6 * 4, generator=g)[:T]  # 6 blocks of 4
+    caches = [torch.randn(6, 4, KV, D, generator=g).to(dtype) for _ in range(2)]
+    want_q, want_k = rot(pos, q, k)  # CPU: the torch path
+    want_caches = [c.clone() for c in caches]
+    store_kv(want_k, v, *want_caches, slots)
+    got_caches = [c.to(DEV) for c in caches]
+    got_q = fused.rotary_store_kv(pos.to(DEV), q.to(DEV), k.to(DEV), v.to(DEV), rot.cos.to(DEV),
+                                  rot.sin.to(DEV), *got_caches, slots.to(DEV))
+    torch.testing.assert_close(got_q.cpu(), want_q, **TOL[dtype])
+    torch.testing.assert_close(got_caches[0].cpu(), want_caches[0], **TOL[dtype])
+    torch.testing.assert_close(got_caches[1].cpu(), want_caches[1], **EXACT)  # v: a copy
+
+
 @pytest.mark.gpu
 def test_gpu_llama8b_sizes():
     g = torch.Generator().manual_seed(0)

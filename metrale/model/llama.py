@@ -13,7 +13,7 @@ from metrale.config import ModelConfig
 from metrale.forward_context import get_context
 from metrale.model.layers import LoraProjection, RMSNorm, RotaryEmbedding
 from metrale.ops import fused_triton as fused
-from metrale.ops.attention import paged_attention, store_kv
+from metrale.ops.attention import paged_attention
 from metrale.ops.head import head_logits
 from metrale.ops.lora import lora_embed, lora_logits
 
@@ -43,9 +43,9 @@ class Attention(nn.Module):
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
         meta = get_context().attn
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        q = self.rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache,
+                                         meta.slot_mapping)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, positions)  # [T, H, D]
         return self.o_proj(o.reshape(T, cfg.q_size))
 

@@ -1,5 +1,5 @@
 """Fused elementwise kernels for the decoder on CUDA: RMSNorm (alone, or with the
-residual add before it), rotary embedding, and SiLU-and-multiply.
+residual add before it), rotary embedding (with the K/V cache write), and SiLU-and-multiply.
 
 In torch, RMSNorm is ~7 launches and rotary ~18 per layer (casts, slices, cat, neg, muls);
 at decode batch sizes each is a few microseconds of mostly launch gap, ~1300 launches per
@@ -74,30 +74,42 @@ def _silu_mul_kernel(g_ptr, y_ptr, I, g_st, y_st, RNE_BITS: tl.constexpr, BLOCK:
     tl.store(y_ptr + row * y_st + i, _round(silu.to(tl.float32) * up, dt, RNE_BITS), mask=ok)
 
 
-def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
-                   q_st, q_sh, k_st, k_sh, qo_st, ko_st, H, KV, tab_st,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rotary_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
+                   q_st, q_sh, k_st, k_sh, v_st, v_sh, qo_st, ko_st, H, KV, tab_st,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr):
+    """Heads [0, H) are q's, [H, H + KV) k's, and with STORE [H + KV, H + 2 KV) v's
+    (copied, not rotated). Without STORE, k goes to row t of ko; with it, k and v go to
+    row slot_ptr[t] of the caches ko/vo (their KV write, no pass of its own)."""
     t, hb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
+    row = t
+    if STORE:
+        row = tl.load(slot_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)
     c1 = tl.load(cos_ptr + pos * tab_st + d)  # [HALF] fp32: first and second halves
     c2 = tl.load(cos_ptr + pos * tab_st + HALF + d)
     s1 = tl.load(sin_ptr + pos * tab_st + d)
     s2 = tl.load(sin_ptr + pos * tab_st + HALF + d)
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] over q heads then k heads
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] over q heads, k heads, v heads
     is_q = h < H
     is_k = (h >= H) & (h < H + KV)
-    hk = tl.where(is_k, h - H, 0)
+    is_v = h < 0
+    if STORE:
+        is_v = (h >= H + KV) & (h < H + 2 * KV)
+    hk = tl.where(is_k, h - H, tl.where(is_v, h - H - KV, 0))
     src = tl.where(is_q[:, None], q_ptr + t * q_st + h[:, None] * q_sh,
-                   k_ptr + t * k_st + hk[:, None] * k_sh)  # [BH, 1]
+                   tl.where(is_k[:, None], k_ptr + t * k_st + hk[:, None] * k_sh,
+                            v_ptr + t * v_st + hk[:, None] * v_sh))  # [BH, 1]
     dst = tl.where(is_q[:, None], qo_ptr + t * qo_st + h[:, None] * (2 * HALF),
-                   ko_ptr + t * ko_st + hk[:, None] * (2 * HALF))
-    m = (is_q | is_k)[:, None]
-    x1 = tl.load(src + d[None, :], mask=m, other=0.0)  # [BH, HALF]
-    x2 = tl.load(src + HALF + d[None, :], mask=m, other=0.0)
-    # out = x * cos + cat(-x2, x1) * sin, in fp32 (as _rotate), rounded once
-    o1 = x1.to(tl.float32) * c1[None, :] - x2.to(tl.float32) * s1[None, :]
-    o2 = x2.to(tl.float32) * c2[None, :] + x1.to(tl.float32) * s2[None, :]
+                   tl.where(is_k[:, None], ko_ptr + row * ko_st + hk[:, None] * (2 * HALF),
+                            vo_ptr + row * ko_st + hk[:, None] * (2 * HALF)))
+    m = (is_q | is_k | is_v)[:, None]
+    x1 = tl.load(src + d[None, :], mask=m, other=0.0).to(tl.float32)  # [BH, HALF]
+    x2 = tl.load(src + HALF + d[None, :], mask=m, other=0.0).to(tl.float32)
+    # out = x * cos + cat(-x2, x1) * sin, in fp32 (as _rotate), rounded once; v as it is
+    rot = (~is_v)[:, None]
+    o1 = tl.where(rot, x1 * c1[None, :] - x2 * s1[None, :], x1)
+    o2 = tl.where(rot, x2 * c2[None, :] + x1 * s2[None, :], x2)
     tl.store(dst + d[None, :], o1.to(qo_ptr.dtype.element_ty), mask=m)
     tl.store(dst + HALF + d[None, :], o2.to(qo_ptr.dtype.element_ty), mask=m)
 
@@ -118,6 +130,16 @@ def rotary_usable(q: torch.Tensor, cos: torch.Tensor) -> bool:
     half = q.shape[-1] // 2
     return (usable(q) and q.shape[-1] % 2 == 0 and half & (half - 1) == 0
             and cos.dtype == torch.float32 and cos.stride(1) == 1)
+
+
+def rotary_store_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether rotary_store_kv takes these: unit last strides, contiguous caches of
+    q's dtype, v shaped as k."""
+    return (rotary_usable(q, cos) and all(x.stride(-1) == 1 for x in (q, k, v))
+            and v.shape == k.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape == v_cache.shape
+            and all(x.dtype == q.dtype for x in (k, v, k_cache, v_cache)))
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -203,13 +225,33 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     """q: [T, H, D], k: [T, KV, D] (any row/head strides, unit last) -> rotated copies;
     cos, sin: [P, D] float32 tables indexed by positions [T]."""
     T, H, D = q.shape
-    KV = k.shape[1]
     qo = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    ko = torch.empty((T, KV, D), dtype=k.dtype, device=k.device)
-    if T:
-        block_h = min(16, next_pow2(H + KV))
-        jit_kernel(_rotary_kernel, q.device)[(T, triton.cdiv(H + KV, block_h))](
-            q, k, qo, ko, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            qo.stride(0), ko.stride(0), H, KV, cos.stride(0), HALF=D // 2, BLOCK_H=block_h,
-            num_warps=4)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch_rotary(positions, q, k, k, qo, ko, ko, positions, cos, sin, store=False)
     return qo, ko
+
+
+def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """rotary, with the rotated k and v written straight into the caches [blocks, bs, KV, D]
+    at slot_mapping [T] (attention.store_kv's two index_copy passes, ~3 us each a layer
+    at decode, ride in this launch); returns the rotated q [T, H, D]."""
+    T, H, D = q.shape
+    qo = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    _launch_rotary(positions, q, k, v, qo, k_cache, v_cache, slot_mapping, cos, sin, store=True)
+    return qo
+
+
+def _launch_rotary(positions, q, k, v, qo, ko, vo, rows, cos, sin, store: bool) -> None:
+    """ko/vo: [T, KV, D] outputs, or with store the caches, row t at rows[t]."""
+    T, H, D = q.shape
+    KV = k.shape[1]
+    if not T:
+        return
+    heads = H + (2 if store else 1) * KV
+    block_h = min(16, next_pow2(heads))
+    jit_kernel(_rotary_kernel, q.device)[(T, triton.cdiv(heads, block_h))](
+        q, k, v, qo, ko, vo, positions, rows, cos, sin, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), qo.stride(0), KV * D, H, KV,
+        cos.stride(0), HALF=D // 2, BLOCK_H=block_h, STORE=store, num_warps=4)
