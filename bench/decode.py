@@ -27,6 +27,7 @@ overhead (scheduling, sampling, the per-step host sync) included.
 from __future__ import annotations
 
 import argparse
+import importlib
 import random
 import tempfile
 import time
@@ -291,7 +292,17 @@ def main() -> None:
     ap.add_argument("--mixed", action="store_true",
                     help="also: plain LoRA vs DoRA and embed/lm_head LoRA mixed in one batch")
     ap.add_argument("--only-mixed", action="store_true", help="only the --mixed runs")
+    ap.add_argument("--override", metavar="MODULE.NAME=INT", action="append", default=[],
+                    help="A/B a tuning constant, e.g. metrale.ops.lora_triton.DECODE_MAX_T=16: "
+                         "results go to decode_ab[model][override]")
     args = ap.parse_args()
+    for o in args.override:
+        target, value = o.split("=")
+        module, name = target.rsplit(".", 1)
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            raise SystemExit(f"{module} has no {name}")
+        setattr(mod, name, int(value))
     with tempfile.TemporaryDirectory() as tmp:
         pair = build_pair(args.model, args.device, Path(tmp))
         peft = make_peft(pair, 32, Path(tmp) / "adapters")
@@ -300,7 +311,11 @@ def main() -> None:
                       tuple(args.batch))
             if args.kernels:
                 res["kernel_table"] = kernel_table(pair)
-            merge_results(results_path(args.device), "decode", args.model, res)
+            if args.override:
+                merge_results(results_path(args.device), "decode_ab",
+                              f"{args.model} {' '.join(args.override)}", res)
+            else:
+                merge_results(results_path(args.device), "decode", args.model, res)
             print(report(args.model, res))
         if args.mixed or args.only_mixed:
             mixed = run_mixed(pair, Path(tmp) / "adapters", args.device)

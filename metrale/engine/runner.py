@@ -19,7 +19,8 @@ from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch
 from metrale.model.llama import LlamaForCausalLM
 from metrale.ops.attention_triton import prefill_block_m, prefill_tiles
 from metrale.ops.lora_ref import token_groups
-from metrale.ops.lora_triton import DECODE_MAX_T, sort_tokens_by_slot
+from metrale.ops import lora_triton
+from metrale.ops.lora_triton import sort_tokens_by_slot
 from metrale.pool.pool import AdapterPool
 
 _CPU_KV_BUDGET = 2 << 30  # bytes of KV cache on a CPU engine when not told otherwise
@@ -117,7 +118,7 @@ class ModelRunner:
             # sort once per batch, not per layer: the prefill kernels want slot-sorted tokens,
             # and so do decode batches past the per-token kernels' limit (without an order
             # the kernel wrapper sorted them again in every call: 4 groups x every layer)
-            sort = meta.is_prefill or len(slot_ids) > DECODE_MAX_T
+            sort = meta.is_prefill or len(slot_ids) > lora_triton.DECODE_MAX_T
             order = sort_tokens_by_slot(slot_ids_t) if dev.type == "cuda" and sort else None
             # the CPU reference groups tokens by slot once here, not in each of its calls
             groups = token_groups(slot_ids, dev) if dev.type != "cuda" else None

@@ -36,6 +36,7 @@ MIN_SPLIT_TOKENS = 256  # never split a context into slices shorter than this
 # Table capacity per decode split at most: one program walking a whole long context made a
 # decode step with one 8k sequence among 33 take 5.4 ms against 2 ms (its keys run serially).
 DECODE_SPLIT_CAPACITY = 1024
+DECODE_WAVES = 2  # programs for this many waves of the SMs, split if need be
 MIN_SPLIT_PREFILL = 512  # varlen: keys per split, at least
 MAX_PREFILL_SPLITS = 16
 
@@ -221,10 +222,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head): enough programs for ~2 waves, and enough that no
+    """Splits per (sequence, KV head): enough programs for DECODE_WAVES waves, and enough that no
     program walks more than DECODE_SPLIT_CAPACITY of the table's capacity, but never
     slices shorter than MIN_SPLIT_TOKENS of it. Depends on shapes only (graph-safe)."""
-    want = -(-2 * _num_sms(device) // max(batch * kv_heads, 1))
+    want = -(-DECODE_WAVES * _num_sms(device) // max(batch * kv_heads, 1))
     want = max(want, -(-max_context // DECODE_SPLIT_CAPACITY))
     return max(1, min(want, max_context // MIN_SPLIT_TOKENS, 64))
 
