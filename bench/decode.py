@@ -99,16 +99,14 @@ def engine_tok_s(engine: LLMEngine, names: list[str | None], device: str, gen: i
     return decode_run(engine, names, device, gen)[0]
 
 
-def graph_replay_ms(engine: LLMEngine, batch: int, lora: bool, reps: int = 50) -> float:
-    """GPU time of one decode step's CUDA graph replayed alone (its static inputs hold the
-    last step's batch): the step's wall time minus this is the host's share."""
+def graph_replay_ms(engine: LLMEngine, replays_before: int, reps: int = 50) -> float:
+    """GPU time of the latest decode step's CUDA graph replayed alone (its static inputs
+    hold that step's batch): the step's wall time minus this is the host's share.
+    replays_before: the graphs' replay count before the run (none since: it ran eagerly)."""
     graphs = engine.runner.graphs
-    if graphs is None:  # enforce_eager
-        return float("nan")
-    key = (min((b for b in graphs.sizes if b >= batch), default=-1), lora)
-    if key not in graphs.graphs:  # a batch past the largest graph runs eagerly
-        return float("nan")
-    graph, _ = graphs.graphs[key]
+    if graphs is None or graphs.num_replays == replays_before or graphs.last_key[0] == "mixed":
+        return float("nan")  # enforce_eager, or the batch ran eagerly (past the largest graph)
+    graph, _ = graphs.graphs[graphs.last_key]
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -165,12 +163,14 @@ def run(pair, adapters_root: Path, peft, device: str, batches=(32, 64), n_adapte
     slot_bytes = engine.runner.pool.layout.slot_bytes
     for b in batches:
         row = {}
-        for key, names, lora in (("base", [None] * b, False), ("lora1", ["a0"] * b, True),
-                                 (f"lora{n_adapters}",
-                                  [f"a{i % n_adapters}" for i in range(b)], True)):
+        for key, names in (("base", [None] * b), ("lora1", ["a0"] * b),
+                           (f"lora{n_adapters}", [f"a{i % n_adapters}" for i in range(b)])):
+            graphs = engine.runner.graphs
+            before = graphs.num_replays if graphs is not None else 0
             row[f"{key}_tok_s"], row[f"{key}_step_ms"] = decode_run(engine, names, device, gen)
             if device.startswith("cuda"):
-                row[f"{key}_graph_ms"] = graph_replay_ms(engine, b, lora)
+                row[f"{key}_graph_ms"] = graph_replay_ms(engine, before)
+                row[f"{key}_graph"] = str(graphs.last_key if graphs is not None else None)
             if engine.async_scheduling and key != "lora1":  # A/B: the same engine, steps synchronous
                 engine.async_scheduling = False
                 row[f"{key}_sync_tok_s"], row[f"{key}_sync_step_ms"] = decode_run(

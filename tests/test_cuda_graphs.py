@@ -14,6 +14,7 @@ import torch
 
 from metrale import LLM, SamplingParams
 from metrale.config import SchedulerConfig
+from metrale.engine import cuda_graphs
 from metrale.ops import lora as lora_ops
 from metrale.ops import lora_triton
 from tests.helpers.kernels import KERNELS
@@ -130,6 +131,33 @@ def test_decode_graphs_past_the_per_token_limit_pass_a_slot_order(cpu_root, monk
     for p, out, name, sp in zip(ps, outs, names, params):
         check_run(out, hf_greedy(base if name is None else peft[name], p, sp.max_tokens))
     assert graphs.replays[(6, True)] >= 1 and graphs.replays[(4, True)] >= 1
+
+
+@needs_kernels
+def test_decode_steps_sharing_few_adapters_replay_the_slot_sorted_variant(cpu_root, monkeypatch):
+    """A LoRA decode step whose rows share few adapters replays the slot-sorted variant
+    (each adapter read once for its rows), one with more adapters per row the per-token
+    one; both give every token its own adapter (Triton's interpreter, thresholds scaled
+    down to a 6-row batch)."""
+    monkeypatch.setattr(lora_ops, "TRITON_ON_CPU", True)
+    monkeypatch.setattr(lora_triton, "DECODE_MAX_T", 8)
+    monkeypatch.setattr(cuda_graphs, "SORTED_MIN_BATCH", 4)
+    monkeypatch.setattr(cuda_graphs, "SORTED_MIN_ROWS_PER_SLOT", 3)
+    root, base, peft = cpu_root
+    llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
+              num_kv_blocks=64, max_num_seqs=6, async_scheduling=True)
+    graphs = llm.engine.runner.enable_graphs(capture=False)
+    llm.engine.swap_lora_slot_from_disk(root / "A", "A", 0)
+    llm.engine.swap_lora_slot_from_disk(root / "B", "B", 1)
+    ps = prompts(12, 6)
+    names = ["B", None, "A", "B", "A", "A"]
+    # 6 rows on 2 adapters: sorted; then 3 rows (padded to 4) on 2 adapters: per token
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+              for n in (8, 4, 8, 4, 4, 8)]
+    outs = llm.generate(ps, params, names)
+    for p, out, name, sp in zip(ps, outs, names, params):
+        assert out.token_ids == hf_greedy(base if name is None else peft[name], p, sp.max_tokens)[0]
+    assert graphs.replays[(6, True, "sorted")] >= 1 and graphs.replays[(4, True)] >= 1
 
 
 def test_batches_beyond_the_largest_graph_run_eagerly(cpu_root):
@@ -296,4 +324,4 @@ def test_gpu_async_scheduling_gives_the_synchronous_tokens(tmp_path):
     replays = overlapped.engine.runner.graphs.replays
     decode = [k for k in replays if k[0] != "mixed"]
     assert len(decode) < len(replays)  # some mixed steps
-    assert any(lora for _, lora in decode) and any(not lora for _, lora in decode)
+    assert any(k[1] for k in decode) and any(not k[1] for k in decode)
