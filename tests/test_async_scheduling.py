@@ -120,23 +120,25 @@ def test_eos_ends_requests_at_different_steps(setup, tmp_path):
     assert len(out.token_ids) == GEN and eos not in out.token_ids
 
 
-def test_the_next_step_launches_before_outputs_are_processed(setup, monkeypatch):
+@pytest.mark.parametrize("async_scheduling,first", [(True, ["run", "run", "process"]),
+                                                    (False, ["run", "process", "run"])])
+def test_the_next_step_launches_before_outputs_are_processed(setup, monkeypatch,
+                                                            async_scheduling, first):
     """The overlap is real: with async scheduling, step N+1 is queued before step N's
     tokens are turned into outputs; without it, never."""
-    for async_scheduling, first in ((True, ["run", "run", "process"]),
-                                    (False, ["run", "process", "run"])):
-        engine = _llm(setup[0], async_scheduling=async_scheduling).engine
-        events = []
-        run, process = engine.runner.run, engine.output_processor.process
-        monkeypatch.setattr(engine.runner, "run",
-                            lambda *a, **k: events.append("run") or run(*a, **k))
-        monkeypatch.setattr(engine.output_processor, "process",
-                            lambda *a, **k: events.append("process") or process(*a, **k))
-        engine.add_request(prompts(5, 1)[0], _greedy(4))
-        assert engine.step() == [] if async_scheduling else len(engine.step()) == 1
-        assert engine.wait_for_work(0) is async_scheduling  # no sleeping on a launched step
-        run_until_done(engine)
-        assert events[:3] == first, async_scheduling
+    engine = _llm(setup[0], async_scheduling=async_scheduling).engine
+    events = []
+    run, process = engine.runner.run, engine.output_processor.process
+    monkeypatch.setattr(engine.runner, "run",
+                        lambda *a, **k: events.append("run") or run(*a, **k))
+    monkeypatch.setattr(engine.output_processor, "process",
+                        lambda *a, **k: events.append("process") or process(*a, **k))
+    engine.add_request(prompts(5, 1)[0], _greedy(4))
+    produced = engine.step()
+    assert len(produced) == (0 if async_scheduling else 1)
+    assert engine.wait_for_work(0) is async_scheduling  # no sleeping on a launched step
+    run_until_done(engine)
+    assert events[:3] == first
 
 
 def test_seeded_and_logprob_rows_beside_overlapped_ones(setup):

@@ -12,14 +12,14 @@ import torch
 
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.cuda_graphs import StepGraphs
+from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.engine.sampler import SampledTokens, draw
 from metrale.engine.scheduler import ScheduledBatch
-from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
+from metrale.ops import lora_triton
 from metrale.ops.attention_triton import prefill_block_m, prefill_tiles
 from metrale.ops.lora_ref import token_groups
-from metrale.ops import lora_triton
 from metrale.ops.lora_triton import sort_tokens_by_slot
 from metrale.pool.pool import AdapterPool
 
@@ -136,4 +136,3 @@ class ModelRunner:
             )  # [T, hidden]
             last_t = torch.tensor(last, dtype=torch.int64, device=dev)
             return self.model.compute_logits(hidden[last_t], last_t)  # [B', V] (last_t: lm_head LoRA)
-
