@@ -57,6 +57,16 @@ def cpu_root(tmp_path_factory):
     return root, base, peft
 
 
+def _static_buffer_llm(root, **kw):
+    """6 rows through the CPU static-buffer graph path, adapters A and B in slots 0 and 1."""
+    llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
+              num_kv_blocks=64, max_num_seqs=6, **kw)
+    graphs = llm.engine.runner.enable_graphs(capture=False)
+    llm.engine.swap_lora_slot_from_disk(root / "A", "A", 0)
+    llm.engine.swap_lora_slot_from_disk(root / "B", "B", 1)
+    return llm, graphs
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 def test_static_buffer_path_matches_hf_across_swap(cpu_root, overlap):
     """overlap: async scheduling, each decode's input token read from the step before
@@ -117,11 +127,7 @@ def test_decode_graphs_past_the_per_token_limit_pass_a_slot_order(cpu_root, monk
     monkeypatch.setattr(lora_ops, "TRITON_ON_CPU", True)
     monkeypatch.setattr(lora_triton, "DECODE_MAX_T", 2)
     root, base, peft = cpu_root
-    llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
-              num_kv_blocks=64, max_num_seqs=6, async_scheduling=overlap)
-    graphs = llm.engine.runner.enable_graphs(capture=False)
-    llm.engine.swap_lora_slot_from_disk(root / "A", "A", 0)
-    llm.engine.swap_lora_slot_from_disk(root / "B", "B", 1)
+    llm, graphs = _static_buffer_llm(root, async_scheduling=overlap)
     ps = prompts(11, 5)
     names = ["B", None, "A", "B", "A"]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
@@ -144,11 +150,7 @@ def test_decode_steps_sharing_few_adapters_replay_the_slot_sorted_variant(cpu_ro
     monkeypatch.setattr(cuda_graphs, "SORTED_MIN_BATCH", 4)
     monkeypatch.setattr(cuda_graphs, "SORTED_MIN_ROWS_PER_SLOT", 3)
     root, base, peft = cpu_root
-    llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
-              num_kv_blocks=64, max_num_seqs=6, async_scheduling=True)
-    graphs = llm.engine.runner.enable_graphs(capture=False)
-    llm.engine.swap_lora_slot_from_disk(root / "A", "A", 0)
-    llm.engine.swap_lora_slot_from_disk(root / "B", "B", 1)
+    llm, graphs = _static_buffer_llm(root, async_scheduling=True)
     ps = prompts(12, 6)
     names = ["B", None, "A", "B", "A", "A"]
     # 6 rows on 2 adapters: sorted; then 3 rows (padded to 4) on 2 adapters: per token

@@ -230,8 +230,7 @@ class StepGraphs:
         b = self.sizes[bisect.bisect_left(self.sizes, n)]
         lora = lora and self.pool is not None
         sort = lora and has_sorted_variant(b) and few_slots(seqs)
-        self._fill(seqs, b, sort)
-        self._upload(self._fill_pending(seqs, range(1, n + 1)), in_flight)
+        self._upload(self._fill(seqs, b, sort), in_flight)
         key = (b, True, "sorted") if sort else (b, lora)
         return self._replay(key, lambda: self._forward(b, lora, sort))[:n]
 
@@ -240,9 +239,8 @@ class StepGraphs:
         """Logits [sampling sequences, V] of one mixed step."""
         t = self.buckets[bisect.bisect_left(self.buckets, batch.num_tokens)]
         lora = lora and self.pool is not None
-        n_samples = self._fill_mixed(batch, t)
-        cu = self._host_views["cu_query"][:len(batch) + 1].tolist()
-        self._upload(self._fill_pending(batch.seqs, cu[1:]), in_flight)
+        n_samples, n_pending = self._fill_mixed(batch, t)
+        self._upload(n_pending, in_flight)
         return self._replay(("mixed", t, lora), lambda: self._forward_mixed(t, lora))[:n_samples]
 
     def _replay(self, key: tuple, eager) -> torch.Tensor:
@@ -258,7 +256,8 @@ class StepGraphs:
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy must have read the host buffer
 
-    def _fill(self, seqs: list[Sequence], b: int, sort: bool = False) -> None:
+    def _fill(self, seqs: list[Sequence], b: int, sort: bool = False) -> int:
+        """The step's rows into [0, b); returns how many input tokens are pending."""
         self._wait_host_buffer()
         f, tables, bs = self._host_views, self._host_tables, self.block_size
         for i, seq in enumerate(seqs):
@@ -279,10 +278,12 @@ class StepGraphs:
         tables[n:b] = self.pad_block
         if sort or sorts_decode(b):
             f["order"][:b] = np.argsort(f["slot_ids"][:b], kind="stable")
+        return self._fill_pending(seqs, range(n + 1))
 
-    def _fill_mixed(self, batch: ScheduledBatch, t: int) -> int:
+    def _fill_mixed(self, batch: ScheduledBatch, t: int) -> tuple[int, int]:
         """The step's tokens into rows [0, t) and its sequences into rows [0, B); returns
-        how many sequences sample (their logits rows come first, in batch order)."""
+        how many sequences sample (their logits rows come first, in batch order) and how
+        many input tokens are pending."""
         self._wait_host_buffer()
         f, tables, bs = self._host_views, self._host_tables, self.block_size
         ids, positions, slot_mapping, slot_ids, cu, ctx, last = [], [], [], [], [0], [], []
@@ -320,12 +321,12 @@ class StepGraphs:
         block_m = self._block_m(t)
         n_tiles = max_prefill_tiles(t, self.max_batch, block_m)
         f["tiles"][:2 * n_tiles] = np.asarray(prefill_tiles(cu, n_tiles, block_m)).reshape(-1)
-        return n_samples
+        return n_samples, self._fill_pending(batch.seqs, cu)
 
-    def _fill_pending(self, seqs: list[Sequence], ends) -> int:
-        """The pending input tokens' rows (ends: each sequence's token rows' end); returns
-        how many."""
-        rows, src = pending_inputs(seqs, [0, *ends])
+    def _fill_pending(self, seqs: list[Sequence], cu) -> int:
+        """The pending input tokens' rows (cu: the token rows' prefix sums); returns how
+        many."""
+        rows, src = pending_inputs(seqs, cu)
         self._host_views["pend_rows"][:len(rows)] = rows
         self._host_views["pend_src"][:len(src)] = src
         return len(rows)
