@@ -68,7 +68,7 @@ class EngineReplica:
         self.engine = AsyncEngine(llm.engine, on_fatal=self._engine_failed)
         self.engine.start()
         exporter = AdapterExporter(
-            llm.engine.lora, call=lambda fn: self.engine.submit(fn).result(timeout=30),
+            llm.engine.lora, llm.engine.registry, call=lambda fn: self.engine.submit(fn).result(timeout=30),
             transports=resolve_transports(spec.peer_transport)).start()
         self.peer_server = PeerHTTPServer(exporter, host=spec.host, port=0,
                                           client_allow=spec.peer_allow or LOOPBACK).start()
@@ -125,7 +125,7 @@ class EngineReplica:
         try:
             # the fast check is a racy read of the slot map, only a hint: ensure() re-checks
             if adapter is not None:
-                resident = self.engine.engine.lora.table.slot_of(adapter) is not None
+                resident = self.engine.engine.registry.slot_of(adapter) is not None
                 self.arrivals += 1
                 self.hits += resident
                 if not resident and self.spec.stage_from_peers and self._holders(adapter):

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from metrale.engine.registry import AdapterSource, PeerRef
 from metrale.errors import MetraleError
-from metrale.pool.staging import StagingBuffers
 from metrale.server.async_engine import AsyncEngine
 
 log = logging.getLogger("metrale.cluster")
@@ -43,7 +42,6 @@ class PeerStager:
         """holders(name): export addresses of live replicas holding this replica's
         current version of `name` READY (from the registry, via RegistrySync)."""
         self.engine, self.holders, self.timeout_s = engine, holders, timeout_s
-        self._staging = StagingBuffers(engine.engine.device)  # one landing at a time
         self._lock = threading.Lock()
         self.records: list[StagingRecord] = []
 
@@ -60,12 +58,12 @@ class PeerStager:
                 version = self._call(lambda: engine.registry.current(name))
             except MetraleError:
                 return self._record(name, "none", None, start, "unknown adapter")
-            if self._call(lambda: engine.lora.table.slot_of(name)) is not None:
+            if self._call(lambda: engine.registry.slot_of(name)) is not None:
                 return self._record(name, "resident", None, start)
             for addr in self.holders(name):
                 source = AdapterSource(peer=PeerRef(addr, name))
                 try:
-                    prepared = engine.adapters.prepare(name, source, self._staging, False)
+                    prepared = engine.read_adapter(name, source).result()
                 except MetraleError as e:
                     log.info("staging %r from %s failed (%s); next", name, addr, e)
                     continue
@@ -75,7 +73,8 @@ class PeerStager:
                 except MetraleError as e:  # POOL_FULL, reloaded meanwhile: disk path
                     return self._record(name, "none", addr, start, f"{type(e).__name__}: {e}")
                 finally:
-                    prepared.close()  # idempotent: a refused landing may not have closed it
+                    if prepared is not None:  # a refused landing may not have closed it
+                        prepared.close()
             return self._record(name, "none", None, start)
 
     def _record(self, name: str, source: str, peer: str | None, start: float,

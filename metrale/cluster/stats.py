@@ -9,18 +9,14 @@ from metrale.engine.llm_engine import LLMEngine
 
 
 def routing_stats(engine: LLMEngine) -> dict:
-    table = engine.lora.table
-    ready, landing, idle, slots = [], [], 0, 0
+    table, registry = engine.lora.table, engine.registry
+    pinned = registry.pinned_slots()
+    ready = sorted(registry.routes())
+    landing, idle, slots = [], 0, len(table)
     for info in table.infos():
-        slots += 1
-        state = info.state.value
-        if state == "READY" and info.name is not None and table.slot_of(info.name) == info.slot:
-            ready.append(info.name)
-            idle += info.ref_count == 0 and not info.pinned  # a promotion may take it now
-        elif state == "LOADING" and info.name is not None:
-            landing.append(info.name)
-        elif state == "EMPTY":
-            idle += 1
+        # a promotion may take an idle READY slot or an EMPTY one now
+        idle += info.state.value == "EMPTY" or (
+            info.state.value == "READY" and info.ref_count == 0 and info.slot not in pinned)
     promoting = engine.adapters.promoting()
     if promoting:
         landing.append(promoting)

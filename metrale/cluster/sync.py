@@ -62,12 +62,12 @@ class RegistrySync:
 
     def _resident(self) -> dict[str, int]:
         """READY adapters of this engine -> the cluster version each one is (engine thread)."""
-        table = self.engine.engine.lora.table
+        registry = self.engine.engine.registry
         out = {}
-        for info in table.infos():
-            d = self.applied.get(info.name or "")
-            if d is not None and info.state.value == "READY" and table.slot_of(info.name) == info.slot:
-                out[info.name] = d.version
+        for name, slot in registry.routes().items():
+            d = self.applied.get(name)
+            if d is not None:
+                out[name] = d.version
         return out
 
     async def reconcile(self, desired: dict[str, Desired]) -> None:

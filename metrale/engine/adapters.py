@@ -1,119 +1,54 @@
-"""AdapterManager: binds requests to adapter slots and lands adapters into the pool.
+"""AdapterManager: binds requests to adapter slots and decides what to promote.
 
-Names and versions belong to the AdapterRegistry; slot policy to the SlotTable; bytes
-to the pool. This module asks each of them and orchestrates landings:
+Names, versions, pins and routing belong to the AdapterRegistry; slot policy to the
+SlotTable; bytes to the pool; moving a version into a slot to the Promoter. This module
+asks each of them:
 
-- explicit landings (`land`, `land_new`): synchronous, on the calling thread;
-- on-demand promotions for waiting requests: single-flight per name, one at a time,
-  FIFO by first request. Reading and checking the adapter (disk or peer) and writing
-  its bytes into the LOADING slot run on a worker thread (on CUDA on a side stream), so
-  the engine keeps decoding; the victim is chosen and the landing committed at step
-  boundaries, on the engine thread.
+- binding: a request takes a reference on the slot its adapter's current version is
+  routed to, or waits for a promotion (FIFO by first request, single-flight per name);
+- on-demand promotions: at most one in flight; the engine drives it between steps;
+- explicit landings (`land`, `land_new`): the same promotion, run inline;
+- unloads: the name leaves at once, its slot is freed after its last request.
 
-Every landing commits only if the version it read is still its name's current one;
-otherwise the slot ends EMPTY with a fresh uid and the current version is promoted.
 Waiters take their slot reference the moment their adapter lands, so it cannot be
 evicted before they run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 
-import torch
-
-from metrale.adapters.identity import adapter_identity
+from metrale.engine.promotion import PeerOptions, Phase, Promoter, Promotion
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion
 from metrale.engine.sequence import Sequence
-from metrale.errors import (
-    AdapterFileError,
-    AllSlotsPinnedError,
-    LandingError,
-    MetraleError,
-    PoolFullError,
-    StaleVersionError,
-    UnknownAdapterError,
-)
-from metrale.peer.landing import prepare_from_peer
-from metrale.pool.landing import Landing
-from metrale.pool.staging import StagingBuffers
-from metrale.pool.swap import LandingEvent, LoraSlots, Prepared, on_device
+from metrale.errors import MetraleError, PoolFullError, StaleVersionError, UnknownAdapterError
+from metrale.pool.slots import SlotState
+from metrale.pool.swap import LoraSlots, Prepared
 
 log = logging.getLogger("metrale.engine")
 
-
-@dataclass(frozen=True)
-class PeerOptions:
-    transport: str = "auto"
-    timeout_s: float = 30.0
-    peer_allow: tuple[str, ...] | None = None
-
-
-@dataclass
-class _Job:
-    """One on-demand promotion: staged (worker) -> launched (slot LOADING, bytes being
-    written by the worker) -> committed or failed at a step boundary."""
-
-    version: AdapterVersion
-    staged: Future  # -> Prepared, or None: a host-tier hit, landed on the engine thread
-    start: float
-    landing: Landing | None = None
-    prepared: Prepared | None = None
-    written: Future | None = None  # -> the CUDA event that completes the write, or None
-    evicted: str | None = None
-
-    @property
-    def progressing(self) -> bool:
-        """Moving without the engine's help (staging, or bytes being written)."""
-        if self.landing is None:
-            return not self.staged.done()
-        if not self.written.done():
-            return True
-        event = self.written.result() if self.written.exception() is None else None
-        return event is not None and not event.query()
+__all__ = ["AdapterManager", "PeerOptions"]
 
 
 class AdapterManager:
     def __init__(self, slots: LoraSlots, registry: AdapterRegistry, timeout_s: float,
                  peer: PeerOptions, async_promotions: bool = True,
-                 max_in_flight: int = 2, drain_busy_slots: bool = True) -> None:
-        self.slots, self.registry, self.timeout_s, self.peer = slots, registry, timeout_s, peer
-        self.max_in_flight, self.drain_busy_slots = max_in_flight, drain_busy_slots
+                 max_in_flight: int = 2) -> None:
+        self.slots, self.registry, self.timeout_s = slots, registry, timeout_s
+        self.max_in_flight = max_in_flight
+        self.promoter = Promoter(slots, registry, peer, background=async_promotions)
         self.pending: OrderedDict[str, list[Sequence]] = OrderedDict()
+        self.job: Promotion | None = None
         self.num_promotions = 0
-        self.num_drains = 0  # busy slots detached so that a landing can take them
+        self.num_drains = 0  # busy slots unrouted so that a landing can take them
         self.num_reattached = 0  # drains undone: a request for that adapter came first
-        # name -> (slot, landing uid, version) of a slot being drained, for reattach
-        self._drained: dict[str, tuple[int, int, AdapterVersion | None]] = {}
         # slot -> work left on it (tokens its requests may still compute); the engine sets it
         self.remaining_work: Callable[[], dict[int, int]] = dict
         # requests whose adapter was resident on arrival vs those that waited for a landing
         self.num_ready_on_arrival = self.num_waited_for_adapter = 0
-        self.device = slots.staging.device
-        self._async = async_promotions and slots.pool is not None
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="metrale-land") if self._async else None
-        self._staging = StagingBuffers(self.device)  # the worker's, never the engine thread's
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.job: _Job | None = None
-
-    # --- reading adapters ---------------------------------------------------------------
-
-    def prepare(self, name: str, source: AdapterSource, staging: StagingBuffers | None = None,
-                use_tier: bool = True) -> Prepared:
-        """Read and check `source` as `name`, touching no slot (see LoraSlots.prepare_disk)."""
-        if source.peer is not None:
-            p = self.peer
-            return prepare_from_peer(self.slots, source.peer.addr, source.peer.adapter_id, name,
-                                     source.peft, staging=staging, transport=p.transport,
-                                     timeout_s=p.timeout_s, peer_allow=p.peer_allow)
-        return self.slots.prepare_disk(source.path, name, staging, use_tier)
 
     # --- binding requests -----------------------------------------------------------------
 
@@ -124,19 +59,27 @@ class AdapterManager:
             seq.slot, seq.adapter_uid, seq.bound = -1, 0, True
             seq.bound_at = seq.arrival
             return
-        self.registry.current(seq.adapter)
-        drained = self._drained.pop(seq.adapter, None)
-        # only the version still current may come back (a reload or a swap since made a new one)
-        if drained is not None and drained[2] is not None and self.registry.is_current(drained[2]) \
-                and self.slots.table.reattach(seq.adapter, drained[0], drained[1]):
-            self.num_reattached += 1
-        if self.slots.table.slot_of(seq.adapter) is not None:
-            seq.slot, seq.adapter_uid = self.slots.table.acquire(seq.adapter)
+        slot = self._route(self.registry.current(seq.adapter))
+        if slot is not None:
+            seq.slot, seq.adapter_uid = slot, self.slots.table.acquire(slot)
             seq.bound, seq.bound_at = True, seq.arrival
             self.num_ready_on_arrival += 1
             return
         self.num_waited_for_adapter += 1
         self.pending.setdefault(seq.adapter, []).append(seq)
+
+    def _route(self, version: AdapterVersion) -> int | None:
+        """The slot serving `version`; a slot that still holds it but was unrouted (drained
+        for a landing that has not taken it yet) is routed again."""
+        slot = self.registry.slot_of(version.name)
+        if slot is not None:
+            return slot
+        table = self.slots.table
+        for info in table.infos():
+            if table.holds(info.slot, version.version) and self.registry.route(version, info.slot):
+                self.num_reattached += 1
+                return info.slot
+        return None
 
     def release(self, seq: Sequence) -> None:
         if seq.bound and seq.slot >= 0:
@@ -148,97 +91,62 @@ class AdapterManager:
             if not waiters:
                 del self.pending[seq.adapter]
 
-    def _bind_waiters(self, name: str) -> None:
+    def _bind_waiters(self, name: str, slot: int) -> None:
         now = time.monotonic()
         for seq in self.pending.pop(name, []):
-            seq.slot, seq.adapter_uid = self.slots.table.acquire(name)
+            seq.slot, seq.adapter_uid = slot, self.slots.table.acquire(slot)
             seq.bound, seq.bound_at = True, now
 
-    # --- explicit landings (synchronous) ------------------------------------------------
+    # --- explicit landings (inline promotions) ------------------------------------------
 
     def land(self, version: AdapterVersion, slot: int | None = None,
              prepared: Prepared | None = None,
              origin: AdapterSource | None = None) -> tuple[int, str | None]:
-        """Land a registered version into `slot` (None: a victim). `prepared`: bytes
-        already read off the engine thread; they are closed here. `origin`: where those
-        bytes came from when not the version's own source (a cluster replica staging the
-        version from a neighbour's slot), so metrics and logs name the real source."""
+        """Land a registered version into `slot` (None: the promoter chooses). `prepared`:
+        bytes already read; they are closed here. `origin`: where those bytes came from
+        when not the version's own source (a cluster replica reading a neighbour's slot)."""
         if not self.registry.is_current(version):
             if prepared is not None:
                 prepared.close()
             raise StaleVersionError(
                 f"adapter {version.name!r} was reloaded or unloaded meanwhile; retry")
-        source, name = version.source, version.name
-
-        def prepare() -> Prepared:
-            return prepared if prepared is not None else self.prepare(name, source)
-
-        slot, evicted = self._land_with(name, origin or source, slot, prepare)
-        self._landed(version, slot)
-        return slot, evicted
+        return self._landed(self.promoter.run_inline(version, target=slot, prepared=prepared,
+                                                     origin=origin))
 
     def land_new(self, name: str, source: AdapterSource, slot: int | None = None,
-                 prepared: Prepared | None = None) -> tuple[int, str | None]:
-        """Land `source` as `name` and make it the name's current version (a reload of an
-        existing name). A refusal changes nothing, the registry included."""
-        try:
-            self.registry.check_new(name, reload=True)
-        except MetraleError:
-            if prepared is not None:
-                prepared.close()
-            raise
+                 prepared: Prepared | None = None, pinned: bool = False) -> tuple[int, str | None]:
+        """Land `source` as a new version of `name`, current from its commit on (a reload
+        of an existing name). A refusal changes nothing, the registry included."""
+        version = self.registry.new_version(name, source, pinned)
+        return self._landed(self.promoter.run_inline(version, target=slot, installs=True,
+                                                     prepared=prepared))
 
-        def prepare() -> Prepared:
-            return prepared if prepared is not None else self.prepare(name, source)
-
-        slot, evicted = self._land_with(name, source, slot, prepare)
-        self._landed(self.registry.register(name, source, reload=True), slot)
-        return slot, evicted
-
-    def _land_with(self, name: str, source: AdapterSource, slot: int | None,
-                   prepare) -> tuple[int, str | None]:
-        kind = "peer" if source.peer is not None else "disk"
-        if slot is None:
-            return self.slots.promote_from(f"promote_lora_slot_from_{kind}", name, str(source),
-                                           prepare)
-        self.slots.swap_from(f"swap_lora_slot_from_{kind}", name, slot, str(source), prepare)
-        return slot, None
-
-    def _landed(self, version: AdapterVersion, slot: int) -> None:
-        if version.pinned:
-            self.slots.table.set_pinned(slot, True)
-        self._bind_waiters(version.name)
+    def _landed(self, p: Promotion) -> tuple[int, str | None]:
+        self._bind_waiters(p.name, p.slot)
+        return p.slot, p.evicted
 
     # --- names leaving ----------------------------------------------------------------------
-
-    def detach(self, name: str) -> None:
-        """A reload: the old version's slot finishes its in-flight requests, takes no new."""
-        self._drained.pop(name, None)  # never reattach the old version
-        self.slots.table.detach(name)
 
     def unload(self, name: str) -> str:
         """'unloaded' when the slot (if any) is free now, 'draining' when it is freed after
         its last in-flight request."""
-        table = self.slots.table
-        slot = table.slot_of(name)
-        busy = slot is not None and table.ref_count(slot) > 0
+        slot = self.registry.slot_of(name)
+        busy = slot is not None and self.slots.table.ref_count(slot) > 0
         self.registry.unload(name, slot if busy else None)
-        self._drained.pop(name, None)
         if slot is None:
             return "unloaded"
         if not busy:
             self.slots.unload_slot(slot)
             return "unloaded"
-        table.detach(name)
         return "draining"
 
     def finish_unloads(self) -> None:
-        table = self.slots.table
+        table, routed = self.slots.table, self.registry.routed_slots()
         for name, slot in self.registry.draining().items():
             info = table.info(slot)
             if info.ref_count:
                 continue
-            if info.name is None and info.state.value == "READY":
+            if info.state is SlotState.READY and slot not in routed:  # not taken meanwhile
                 self.slots.unload_slot(slot)
             self.registry.drained(name)
 
@@ -251,231 +159,105 @@ class AdapterManager:
     def promoting(self) -> str | None:
         """The name whose promotion is in flight (its waiters wait for bytes, not a slot)."""
         job = self.job
-        return job.version.name if job is not None and job.progressing else None
+        return job.name if job is not None and job.progressing else None
 
     def wait(self, timeout: float) -> None:
-        """Block up to timeout for the in-flight promotion's current phase."""
-        job = self.job
-        if job is None:
-            return
-        future = job.staged if job.landing is None else job.written
-        deadline = time.monotonic() + timeout
-        wait_futures([future], timeout)
-        while job.progressing and time.monotonic() < deadline:  # a CUDA event: no blocking wait
-            time.sleep(50e-6)
+        if self.job is not None:
+            self.job.wait(timeout)
 
     def advance(self, now: float) -> list[Sequence]:
         """Move promotions on by what happened since the last boundary; returns the
         sequences that failed (their adapter was refused, unloaded, or never got a slot)."""
-        failed = self._guarded(self._advance_job)
+        failed = self._advance_job()
         for _ in range(self.max_in_flight):
             # a host-tier landing completes inline, so the next name can start at once;
             # one that reads from disk or a peer stays in flight
-            if self.job is not None or not self.pending:
+            if self.job is not None:
                 break
-            before = len(self.pending)
-            failed += self._guarded(self._start_next)
-            if self.job is None and len(self.pending) == before:
+            started = self._start_next()
+            failed += started
+            if self.job is None and not started:
                 break  # nothing could start
-        if self.drain_busy_slots:
-            self._drain_for_waiting()
+            failed += self._advance_job()
+        self._drain_for_waiting()
         return failed + self._expire(now)
 
-    def _drain_for_waiting(self) -> None:
-        """Names waiting for a slot while every slot is busy: stop giving new requests to
-        the busy slot with the least work left (detach its adapter), so it drains instead
-        of being fed by new arrivals forever; at most max_in_flight slots are kept free or
-        draining for the waiting names. A request for the drained adapter that comes
-        before the slot is taken undoes the drain (bind reattaches it)."""
-        job = self.job
-        waiting = len(self.pending) - (1 if job is not None and job.landing is not None else 0)
-        table = self.slots.table
-        need = min(waiting, self.max_in_flight) - table.num_free_for_landing()
-        work = self.remaining_work() if need > 0 else {}
-        for _ in range(need):
-            name = table.drain_candidate(work)
-            if name is None:
-                return
-            version = self.registry.get(name)  # what a slot named `name` holds
-            slot = table.detach(name)
-            self._drained[name] = (slot, table.info(slot).uid, version)
-            self.num_drains += 1
-
-    def _guarded(self, advance) -> list[Sequence]:
-        """A failure nobody foresaw in one promotion fails that promotion's requests with a
-        typed error and frees its slot; it never reaches the engine loop."""
-        try:
-            return advance()
-        except Exception as e:
-            job, self.job = self.job, None
-            if job is None:
-                raise  # not a promotion's failure: a bug in the loop itself
-            log.exception("promotion of %r failed unexpectedly", job.version.name)
-            error = LandingError(f"landing adapter {job.version.name!r} failed: {e!r}")
-            if job.landing is not None and job.landing.is_open:
-                job.landing.fail(e)
-            if job.prepared is not None:
-                job.prepared.close()
-            self._notify(job, None, error)
-            return self._fail(job.version.name, error)
+    def _wanted(self) -> list[str]:
+        """Names to promote, oldest wait first; then pinned names whose reloaded version
+        waits for their own slot with no request yet."""
+        held = [n for n in self.registry.names()
+                if self.registry.held_slot(n) is not None and n not in self.pending
+                and not self.slots.table.ref_count(self.registry.held_slot(n))]
+        return list(self.pending) + held
 
     def _start_next(self) -> list[Sequence]:
         failed = []
-        for name in list(self.pending):
+        for name in self._wanted():
             version = self.registry.get(name)
             if version is None:
                 failed += self._fail(name, UnknownAdapterError(f"adapter {name!r} was unloaded"))
                 continue
-            if self.slots.table.slot_of(name) is not None:  # landed meanwhile by an explicit op
-                self._bind_waiters(name)
+            slot = self._route(version)
+            if slot is not None:  # landed meanwhile by an explicit operation
+                self._bind_waiters(name, slot)
                 continue
+            held = self.registry.held_slot(name)
+            if held is not None and self.slots.table.ref_count(held):
+                continue  # a pinned name's new version waits for its own slot to drain
             try:
                 self.slots.require_swappable("promote")
-                self.slots.table.select_victim()
-            except AllSlotsPinnedError as e:  # waiting cannot help: say so now
-                failed += self._fail(name, e)
-                continue
-            except PoolFullError:
-                pass  # stage now; a slot may drain by the time the bytes are ready
             except MetraleError as e:
                 failed += self._fail(name, e)
                 continue
-            self.job = _Job(version, self._submit(self._stage, version), time.perf_counter())
-            failed += self._advance_job()  # inline (not async): it may be done already
-            break  # one promotion at a time; later names keep their place
+            self.job = self.promoter.start(version)
+            return failed
         return failed
-
-    def _stage(self, version: AdapterVersion) -> Prepared | None:
-        """Worker: everything that may refuse the adapter, nothing that touches a slot."""
-        source = version.source
-        with on_device(self.device), self._on_stream():
-            if source.peer is not None:
-                return self.prepare(version.name, source, self._staging)
-            identity = adapter_identity(source.path)  # read once: for the tier and the plan
-            if self.slots.tier_has(identity):
-                return None  # a tier image is landed on the engine thread (it owns image memory)
-            return self.slots.prepare_disk(source.path, version.name, self._staging,
-                                           use_tier=False, identity=identity)
-
-    def _write(self, landing: Landing, prepared: Prepared) -> torch.cuda.Event | None:
-        """Worker: the bytes into the LOADING slot; on CUDA, queued on the side stream."""
-        with on_device(self.device), self._on_stream():
-            prepared.write(landing)
-            if self._stream is None:
-                return None
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            return event
 
     def _advance_job(self) -> list[Sequence]:
         job = self.job
-        if job is None or job.progressing:
+        if job is None:
             return []
-        name = job.version.name
-        if job.landing is None:
-            return self._launch(job)
+        if job.phase is Phase.READING and not job.read.done():
+            return []
+        if job.phase is not Phase.WRITING and job.name not in self.pending \
+                and self.registry.held_slot(job.name) is None:
+            self.job = None  # abandoned (its requests left) before touching a slot
+            self.promoter.abandon(job)
+            return []
+        self.promoter.advance(job)
+        if not job.done:
+            return []
         self.job = None
-        job.prepared.close()
-        try:
-            event = job.written.result()
-            if event is not None:
-                event.synchronize()  # complete already; raises a device error if any
-        except BaseException as e:
-            error = job.landing.fail(e)
-            self._notify(job, None, error)
-            return self._fail(name, error)
-        if not self.registry.is_current(job.version) or self.slots.table.slot_of(name) is not None:
-            job.landing.fail("superseded while landing")  # by a reload, an unload or an explicit land
+        if job.phase is Phase.COMMITTED:
+            self.num_promotions += 1
+            self._bind_waiters(job.name, job.slot)
             return []
-        try:
-            job.landing.commit(name)
-        except MetraleError as e:
-            self._notify(job, None, e)
-            return self._fail(name, e)
-        self.slots.fill_tier(job.prepared, job.landing.slot)
-        self._promoted(job, job.landing.slot)
-        return []
+        if isinstance(job.error, StaleVersionError):
+            return []  # superseded: its waiters wait for the version now current
+        return self._fail(job.name, job.error)
 
-    def _launch(self, job: _Job) -> list[Sequence]:
-        """Staged: pick a victim, open the landing and hand the write to the worker."""
-        name = job.version.name
-        if not self.registry.is_current(job.version) or name not in self.pending:
-            self.job = None  # superseded or abandoned before touching a slot
-            self._close_staged(job)
-            return []
-        try:
-            prepared = job.staged.result()
-        except BaseException as e:
-            self.job = None
-            error = e if isinstance(e, MetraleError) else AdapterFileError(
-                f"reading {job.version.source} failed: {e!r}")
-            self._notify(job, None, error)
-            return self._fail(name, error)
-        try:
-            slot = self.slots.table.select_victim()
-        except AllSlotsPinnedError as e:  # pinned meanwhile: no slot will ever drain
-            self.job = None
-            self._close_staged(job)
-            return self._fail(name, e)
-        except PoolFullError:
-            return []  # keep the staged bytes; wait for a slot to drain
-        job.evicted = self.slots.table.info(slot).name
-        if prepared is None:  # host-tier hit: one H2D copy, here
-            try:
-                self.slots.land(slot, name, self.prepare(name, job.version.source))
-            except MetraleError as e:
-                self.job = None
-                self._notify(job, None, e)
-                return self._fail(name, e)
-            self.job = None
-            self._promoted(job, slot)
-            return []
-        job.prepared = prepared
-        with on_device(self.device):
-            if self._stream is not None:
-                # after every kernel already queued: the last step may have read the victim
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            try:
-                with self._on_stream():
-                    job.landing = self.slots.begin(slot)
-            except MetraleError as e:
-                self.job = None
-                prepared.close()
-                self._notify(job, None, e)
-                return self._fail(name, e)
-        job.written = self._submit(self._write, job.landing, prepared)
-        return [] if self._async else self._advance_job()
-
-    def _on_stream(self):
-        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-
-    def _submit(self, fn, *args) -> Future:
-        if self._worker is not None:
-            return self._worker.submit(fn, *args)
-        future: Future = Future()  # not async: run it here
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:
-            future.set_exception(e)
-        return future
-
-    def _close_staged(self, job: _Job) -> None:
-        if job.staged.done() and job.staged.exception() is None and job.staged.result() is not None:
-            job.staged.result().close()
-
-    def _promoted(self, job: _Job, slot: int) -> None:
-        self.num_promotions += 1
-        log.info("promoted %r into slot %d (evicted %r) in %.1f ms for %d waiting request(s)",
-                 job.version.name, slot, job.evicted, (time.perf_counter() - job.start) * 1e3,
-                 len(self.pending.get(job.version.name, [])))
-        self._notify(job, slot, None)
-        self._landed(job.version, slot)
-
-    def _notify(self, job: _Job, slot: int | None, error: MetraleError | None) -> None:
-        kind = "peer" if job.version.source.peer is not None else "disk"
-        self.slots.notify(LandingEvent(f"promote_lora_slot_from_{kind}", job.version.name, slot,
-                                       job.evicted if slot is not None else None,
-                                       time.perf_counter() - job.start, error))
+    def _drain_for_waiting(self) -> None:
+        """Names waiting for a slot while every slot is busy: stop routing new requests to
+        the busy slot with the least work left, so it drains instead of being fed by new
+        arrivals forever; at most max_in_flight slots are kept free or draining for the
+        waiting names. A request for the drained adapter that comes before the slot is
+        taken routes it again (bind)."""
+        job = self.job
+        writing = job is not None and job.phase is Phase.WRITING
+        waiting = len(self.pending) - (1 if writing and job.name in self.pending else 0)
+        if waiting <= 0:
+            return
+        table, registry = self.slots.table, self.registry
+        pinned = registry.pinned_slots()
+        need = min(waiting, self.max_in_flight) - table.num_free_for_landing(
+            pinned, registry.routed_slots())
+        work = self.remaining_work() if need > 0 else {}
+        for _ in range(need):
+            slot = table.drain_candidate(work, registry.routed_slots() - pinned)
+            if slot is None:
+                return
+            registry.unroute(registry.name_in(slot))
+            self.num_drains += 1
 
     def _expire(self, now: float) -> list[Sequence]:
         """Waiters past the promotion timeout fail with POOL_FULL. The timeout bounds the
@@ -504,5 +286,4 @@ class AdapterManager:
         return waiters
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
+        self.promoter.close()

@@ -78,8 +78,7 @@ class LLMEngine:
             self.lora, self.registry, cfg.promotion_timeout_s,
             PeerOptions(cfg.peer_transport, cfg.peer_timeout_s, cfg.peer_allow or None),
             async_promotions=cfg.async_promotions,
-            max_in_flight=cfg.scheduler.max_promotions_in_flight,
-            drain_busy_slots=cfg.scheduler.policy != "legacy")
+            max_in_flight=cfg.scheduler.max_promotions_in_flight)
         self.adapters.remaining_work = self._work_per_slot
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
                                   self.lora.pool)
@@ -265,25 +264,32 @@ class LLMEngine:
             check_peer_holds(addr, source.peer.adapter_id, self.cfg.peer_timeout_s)
         return source
 
+    def read_adapter(self, name: str, source: AdapterSource) -> Future:
+        """Read and check an adapter's bytes on the engine's reader thread (thread-safe);
+        the future gives a Prepared to land later on the engine thread (None: a host-tier
+        hit, read there). See Promoter.read."""
+        return self.adapters.promoter.read(name, source)
+
     def register_adapter(self, name: str, source: str | Path | AdapterSource, pinned: bool = False,
                          reload: bool = False, checked: bool = False,
                          prepared: Prepared | None = None) -> AdapterVersion:
         """Register `name` (reload=True: a new version of an existing name; requests in
         flight finish on the old one, every later request gets the new one and none of
-        the old one's KV). Pinned adapters land now and their slot is never a victim.
-        checked: the files were validated by check_adapter already; prepared: their
-        bytes were read off this thread (used only when the adapter lands now)."""
+        the old one's KV). Pinned adapters land now and their slot is never a victim; a
+        pinned name's reload lands into its own slot, now if it is idle, else as soon as
+        its in-flight requests finish. checked: the files were validated by check_adapter
+        already; prepared: their bytes, read off this thread (used if it lands now)."""
         self.registry.check_new(name, reload)
         source = self.check_adapter(name, source) if not checked else AdapterSource.of(source)
         old = self.registry.get(name)
+        own = self.registry.slot_of(name)
         if pinned or (old is not None and old.pinned):
-            self.adapters.land_new(name, source, None, prepared)
-            return self.pin_adapter(name, True)
+            if own is None or not self.lora.table.ref_count(own):
+                self.adapters.land_new(name, source, own, prepared, pinned=True)
+                return self.registry.current(name)
         if prepared is not None:
             prepared.close()
-        version = self.registry.register(name, source, reload=reload)
-        self.adapters.detach(name)
-        return version
+        return self.registry.register(name, source, pinned=pinned, reload=reload)
 
     def unload_adapter(self, name: str) -> str:
         """'unloaded', or 'draining' while its slot still serves in-flight requests."""
@@ -293,13 +299,10 @@ class LLMEngine:
                     prepared: Prepared | None = None) -> AdapterVersion:
         """Pinning a non-resident adapter lands it now."""
         version = self.registry.current(name)
-        slot = self.lora.table.slot_of(name)
-        if pinned and slot is None:
-            slot, _ = self.land(version, None, prepared)
+        if pinned and self.registry.slot_of(name) is None:
+            self.land(version, None, prepared)
         elif prepared is not None:
             prepared.close()
-        if slot is not None:
-            self.lora.table.set_pinned(slot, pinned)
         return self.registry.set_pinned(name, pinned)
 
     def land(self, version: AdapterVersion, slot: int | None = None,
@@ -309,26 +312,36 @@ class LLMEngine:
         origin: where `prepared` was read from, when not the version's source."""
         return self.adapters.land(version, slot, prepared, origin)
 
-    # --- the seed's four operations: land these bytes as `name` now ----------------------
+    # --- the seed's four operations: land these bytes as a new version of `name` now ------
 
     def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int,
                                  prepared: Prepared | None = None) -> None:
         """prepared: the files' bytes, read off this thread (the server does)."""
-        self.adapters.land_new(name, AdapterSource(path=Path(adapter_dir)), slot, prepared)
+        self._land_new(name, AdapterSource(path=Path(adapter_dir)), slot, prepared)
 
     def promote_lora_slot_from_disk(self, adapter_dir: str | Path,
                                     name: str) -> tuple[int, str | None]:
-        return self.adapters.land_new(name, AdapterSource(path=Path(adapter_dir)))
+        return self._land_new(name, AdapterSource(path=Path(adapter_dir)))
 
     def swap_lora_slot_from_peer(self, peer_addr: str, adapter_id: str, adapter_name: str,
                                  slot: int, peft=None) -> None:
-        self.adapters.land_new(adapter_name, AdapterSource(peer=PeerRef(peer_addr, adapter_id),
-                                                           peft=peft), slot)
+        self._land_new(adapter_name, AdapterSource(peer=PeerRef(peer_addr, adapter_id), peft=peft),
+                       slot)
 
     def promote_lora_slot_from_peer(self, peer_addr: str, adapter_id: str, adapter_name: str,
                                     peft=None) -> tuple[int, str | None]:
-        return self.adapters.land_new(
-            adapter_name, AdapterSource(peer=PeerRef(peer_addr, adapter_id), peft=peft))
+        return self._land_new(adapter_name,
+                              AdapterSource(peer=PeerRef(peer_addr, adapter_id), peft=peft))
+
+    def _land_new(self, name: str, source: AdapterSource, slot: int | None = None,
+                  prepared: Prepared | None = None) -> tuple[int, str | None]:
+        try:
+            self.registry.check_new(name, reload=True)
+        except MetraleError:
+            if prepared is not None:
+                prepared.close()
+            raise
+        return self.adapters.land_new(name, source, slot, prepared)
 
     def slot_info(self) -> list[SlotInfo]:
         return self.lora.slot_info()

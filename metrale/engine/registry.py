@@ -1,10 +1,11 @@
-"""AdapterRegistry: the one owner of adapter names.
+"""AdapterRegistry: the one owner of adapter names, versions, pins and routing.
 
 Each registration is an immutable AdapterVersion; a reload makes a new one. Every
 landing carries the version it read, and commits only if that version is still its
 name's current one, so a reload can never be undone by a landing that started before
-it. The registry does no I/O and touches no slot: the engine validates files before
-asking it, and turns its answers into slot operations.
+it. Routing (name -> the slot serving its current version) lives here too: the slot
+table holds versions and references, never names, and is told which slots are pinned
+or routed when it chooses a victim. The registry does no I/O and touches no slot.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from metrale.errors import (
     SlotBusyError,
     UnknownAdapterError,
 )
+from metrale.pool.slots import SlotTable
 from metrale.pool.swap import validate_adapter_name
 
 PEER_SCHEME = "peer://"
@@ -77,6 +79,9 @@ class AdapterVersion:
 class AdapterRegistry:
     def __init__(self, reserved_names: tuple[str, ...] = ()) -> None:
         self._current: dict[str, AdapterVersion] = {}
+        self._routes: dict[str, int] = {}  # name -> slot serving its current version
+        # a pinned name's slot kept for its reloaded version while the old one drains
+        self._held: dict[str, int] = {}
         self._draining: dict[str, int] = {}  # unloaded name -> slot still serving it
         self._reserved = {n.lower() for n in reserved_names}
 
@@ -114,6 +119,29 @@ class AdapterRegistry:
     def draining(self) -> dict[str, int]:
         return dict(self._draining)
 
+    def slot_of(self, name: str) -> int | None:
+        """The slot serving `name`'s current version to new requests, or None."""
+        return self._routes.get(name)
+
+    def routes(self) -> dict[str, int]:
+        return dict(self._routes)
+
+    def held_slot(self, name: str) -> int | None:
+        """A pinned name's own slot, waiting for its reloaded version to land in it."""
+        return self._held.get(name)
+
+    def pinned_slots(self) -> set[int]:
+        """Slots no other adapter may take: those of pinned names, routed or held."""
+        return {s for n, s in self._routes.items() if self._current[n].pinned} \
+            | set(self._held.values())
+
+    def routed_slots(self) -> set[int]:
+        return set(self._routes.values())
+
+    def name_in(self, slot: int) -> str | None:
+        """The name routed to `slot`, if any (for views and logs)."""
+        return next((n for n, s in self._routes.items() if s == slot), None)
+
     # --- changes -----------------------------------------------------------------------
 
     def check_new(self, name: str, reload: bool) -> None:
@@ -131,18 +159,45 @@ class AdapterRegistry:
 
     def register(self, name: str, source: str | Path | AdapterSource, pinned: bool = False,
                  reload: bool = False) -> AdapterVersion:
-        """A new current version of `name` (its files validated by the caller). A reload
-        keeps the pin unless pinned is given as True."""
+        """A new current version of `name` (its files validated by the caller)."""
         self.check_new(name, reload)
+        return self.install(self.new_version(name, source, pinned))
+
+    def new_version(self, name: str, source: str | Path | AdapterSource,
+                    pinned: bool = False) -> AdapterVersion:
+        """A version not yet current: a landing installs it when it commits. A reload
+        keeps the pin unless pinned is given as True."""
         old = self._current.get(name)
-        version = AdapterVersion(name, AdapterSource.of(source), next(_versions),
-                                 pinned or bool(old and old.pinned))
-        self._current[name] = version
+        return AdapterVersion(name, AdapterSource.of(source), next(_versions),
+                              pinned or bool(old and old.pinned))
+
+    def install(self, version: AdapterVersion) -> AdapterVersion:
+        """`version` becomes its name's current one. The old version's slot finishes its
+        in-flight requests and takes no new ones; a pinned name keeps that slot, held for
+        the new version."""
+        self._current[version.name] = version
+        slot = self._routes.pop(version.name, None)
+        if version.pinned and slot is not None:
+            self._held[version.name] = slot
         return version
+
+    def route(self, version: AdapterVersion, slot: int) -> bool:
+        """`slot` now holds `version`: route its name there if it is still current."""
+        if not self.is_current(version):
+            return False
+        self._routes[version.name] = slot
+        self._held.pop(version.name, None)
+        return True
+
+    def unroute(self, name: str) -> int | None:
+        """`name` stops routing to its slot (drained for a landing); returns the slot."""
+        return self._routes.pop(name, None)
 
     def set_pinned(self, name: str, pinned: bool) -> AdapterVersion:
         version = replace(self.current(name), pinned=pinned)
         self._current[name] = version
+        if not pinned:
+            self._held.pop(name, None)
         return version
 
     def unload(self, name: str, draining_slot: int | None) -> AdapterVersion:
@@ -151,6 +206,8 @@ class AdapterRegistry:
         self.refuse_draining(name)
         version = self.current(name)
         del self._current[name]
+        self._routes.pop(name, None)
+        self._held.pop(name, None)
         if draining_slot is not None:
             self._draining[name] = draining_slot
         return version
@@ -163,3 +220,23 @@ class AdapterRegistry:
             raise SlotBusyError(
                 f"adapter {name!r} is being unloaded and still serves in-flight requests in "
                 f"slot {self._draining[name]}; retry when they finish")
+
+    # --- invariants ---------------------------------------------------------------------
+
+    def check_integrity(self, table: SlotTable) -> None:
+        """Registry and slot table agree: every route points at a READY slot holding the
+        name's current version, no slot is routed twice, held and draining slots exist."""
+        slots = list(self._routes.values())
+        assert len(slots) == len(set(slots)), f"a slot routed twice: {self._routes}"
+        for name, slot in self._routes.items():
+            version = self._current.get(name)
+            assert version is not None, f"route of unregistered {name!r}"
+            assert table.holds(slot, version.version), \
+                f"{name!r} routes to slot {slot}, which holds {table.info(slot)}"
+        for name, slot in self._held.items():
+            assert self._current[name].pinned and name not in self._routes, f"held {name!r}"
+            table.check_slot(slot)
+        for name, slot in self._draining.items():
+            assert name not in self._current, f"{name!r} both registered and draining"
+            table.check_slot(slot)
+        table.check_integrity()

@@ -2,7 +2,7 @@
 serve` store over NIXL (RDMA / NVLink / shared memory / TCP via UCX) or an HTTP
 byte stream, and export this engine's READY slots to peers.
 
-Engine side:    swap_from_peer, promote_from_peer      (metrale.peer.landing)
+Engine side:    prepare_from_peer (a byte source for the engine's promotions)  (metrale.peer.landing)
 Exporter side:  AdapterExporter + PeerHTTPServer       (metrale.peer.exporter, .http_server)
 Store:          AdapterStore, serve_store              (metrale.peer.store)
 NIXL is optional (pip install nixl-cu12); everything works over HTTP without it.
@@ -11,7 +11,6 @@ NIXL is optional (pip install nixl-cu12); everything works over HTTP without it.
 from metrale.peer.allow import LOOPBACK, AllowList
 from metrale.peer.exporter import AdapterExporter
 from metrale.peer.http_server import PeerHTTPServer
-from metrale.peer.landing import promote_from_peer, swap_from_peer
+from metrale.peer.landing import prepare_from_peer
 
-__all__ = ["LOOPBACK", "AdapterExporter", "AllowList", "PeerHTTPServer", "promote_from_peer",
-           "swap_from_peer"]
+__all__ = ["LOOPBACK", "AdapterExporter", "AllowList", "PeerHTTPServer", "prepare_from_peer"]

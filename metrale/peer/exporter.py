@@ -33,6 +33,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -50,6 +51,14 @@ from metrale.pool.swap import LoraSlots
 log = logging.getLogger("metrale.peer")
 
 Call = Callable[[Callable[[], object]], object]
+
+
+class SlotNames(Protocol):
+    """Who names the slots an exporter serves: the engine's registry, or a store's own."""
+
+    def slot_of(self, name: str) -> int | None: ...
+
+    def routes(self) -> dict[str, int]: ...
 TRANSPORTS = ("http", "nixl")
 # Bytes per socket write: few enough calls that Python's share is noise, and sendall
 # releases the GIL for each.
@@ -88,7 +97,7 @@ class _Lease:
 
 class AdapterExporter:
     def __init__(
-        self, lora_slots: LoraSlots, *, call: Call | None = None,
+        self, lora_slots: LoraSlots, names: SlotNames, *, call: Call | None = None,
         peft_for: Callable[[str], PeftAdapterConfig | None] | None = None,
         transports: tuple[str, ...] = ("http",), default_ttl_s: float = 30.0,
         max_ttl_s: float = 300.0, max_leases: int = 256, clock: Callable[[], float] = time.monotonic,
@@ -99,7 +108,7 @@ class AdapterExporter:
         unknown = set(transports) - set(TRANSPORTS)
         if unknown or not transports:
             raise ValueError(f"transports {transports!r}: choose from {TRANSPORTS}")
-        self.slots, self.pool = lora_slots, lora_slots.pool
+        self.slots, self.pool, self.names = lora_slots, lora_slots.pool, names
         self.transports = tuple(transports)
         self._table_lock = threading.Lock()
         self._call = call or self._locked
@@ -153,13 +162,13 @@ class AdapterExporter:
 
     def list_adapters(self) -> dict:
         def ready():
-            return [i for i in self.slots.table.infos()
-                    if i.state is SlotState.READY and i.name is not None]
+            table = self.slots.table
+            return [(name, table.info(slot)) for name, slot in sorted(self.names.routes().items())]
         dtype = DTYPE_NAMES[self.pool.layout.dtype]
         return {"adapters": [
-            {"id": i.name, "name": i.name, "uid": i.uid, "generation": i.generation,
+            {"id": name, "name": name, "uid": i.uid, "generation": i.generation,
              "dtype": dtype, "transports": list(self.transports)}
-            for i in self._call(ready)]}
+            for name, i in self._call(ready)]}
 
     def lease(self, adapter_id: str, ttl_s: float | None = None,
               manifest_version: object = MANIFEST_VERSION) -> LeaseReply:
@@ -185,7 +194,7 @@ class AdapterExporter:
             for uid in gone:  # off the engine loop: a drop may wait for another stream's copy
                 self._host.drop(uid)
             lease_id = secrets.token_urlsafe(18)
-            export = self._export(slot, info, tables)
+            export = self._export(slot, adapter_id, info, tables)
             header = {"version": MANIFEST_VERSION, "lease": {"id": lease_id, "expires_in_s": ttl},
                       "adapter_id": adapter_id, **export.header}
             if "http" in self.transports:
@@ -257,11 +266,11 @@ class AdapterExporter:
 
     def _take(self, adapter_id: str):
         table = self.slots.table
-        if table.slot_of(adapter_id) is None:
-            held = [i.name for i in table.infos() if i.state is SlotState.READY and i.name is not None]
+        slot = self.names.slot_of(adapter_id)
+        if slot is None:
             raise UnknownAdapterError(f"adapter {adapter_id!r} is not resident here; this peer "
-                                      f"serves: {describe_ids(held)}")
-        slot, _ = table.acquire(adapter_id)
+                                      f"serves: {describe_ids(sorted(self.names.routes()))}")
+        table.acquire(slot)
         info = table.info(slot)
         uids = {i.slot: i.uid for i in table.infos() if i.state is SlotState.READY}
         with self._lock:
@@ -275,7 +284,7 @@ class AdapterExporter:
     def _drop(self, lease: _Lease) -> None:
         self._call(lambda: self.slots.table.release(lease.slot))
 
-    def _export(self, slot: int, info, tables) -> _Export:
+    def _export(self, slot: int, name: str, info, tables) -> _Export:
         """What a lease on this slot says, built once per landing in the slot (its uid):
         a READY slot's bytes, tables and addresses cannot change under the same uid."""
         with self._lock:
@@ -300,7 +309,7 @@ class AdapterExporter:
                              0, view.numel() * itemsize, addr))
                 views.append(view)
         table = np.array(rows, dtype=wire.RECORD)
-        peft = self._peft_for(info.name)
+        peft = self._peft_for(name)
         peft_dict = peft.to_dict() if peft is not None else peft_from_tables(
             layout, ranks, scales, doras)
         transports: dict = {}
@@ -308,7 +317,7 @@ class AdapterExporter:
             transports["nixl"] = {"agent_metadata": wire.b64(self.nixl.metadata),
                                   "mem_type": self.nixl.mem_type, "device": self.nixl.device_id}
         data_bytes = int(table["nbytes"].sum())
-        header = {"name": info.name, "uid": info.uid, "generation": info.generation,
+        header = {"name": name, "uid": info.uid, "generation": info.generation,
                   "dtype": DTYPE_NAMES[layout.dtype], "data_bytes": data_bytes,
                   "transports": transports}
         export = _Export(info.uid, header, json.dumps(peft_dict).encode(), table, views, data_bytes)

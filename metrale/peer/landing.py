@@ -59,44 +59,20 @@ _LEASE_RE = re.compile(r"[A-Za-z0-9_-]{8,64}")
 PeftLike = PeftAdapterConfig | dict | None
 
 
-def swap_from_peer(
-    lora_slots: LoraSlots, peer_addr: str, adapter_id: str, adapter_name: str, slot: int,
-    peft: PeftLike = None, *, transport: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-    peer_allow: AllowList | Iterable[str] | None = None, stats: dict | None = None,
-) -> None:
-    """Land the peer's adapter `adapter_id` into `slot` as `adapter_name`.
-
-    `peft`, when given, is the config to serve the adapter with (the seed's
-    argument); otherwise the manifest's. peer_allow defaults to loopback only.
-    `stats`, when given, receives the phases' timings in ms (benchmarks)."""
-    fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
-                       timeout_s, peer_allow, stats=stats)
-    lora_slots.swap_from("swap_lora_slot_from_peer", adapter_name, slot, fetch.source,
-                         fetch.prepare)
-
-
-def promote_from_peer(
-    lora_slots: LoraSlots, peer_addr: str, adapter_id: str, adapter_name: str,
-    peft: PeftLike = None, *, transport: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-    peer_allow: AllowList | Iterable[str] | None = None, stats: dict | None = None,
-) -> tuple[int, str | None]:
-    """Pick a victim cache slot and land the peer's adapter there: (slot, evicted name)."""
-    fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
-                       timeout_s, peer_allow, stats=stats)
-    return lora_slots.promote_from("promote_lora_slot_from_peer", adapter_name, fetch.source,
-                                   fetch.prepare)
-
-
 def prepare_from_peer(
     lora_slots: LoraSlots, peer_addr: str, adapter_id: str, adapter_name: str,
     peft: PeftLike = None, *, staging: StagingBuffers | None = None, transport: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S, peer_allow: AllowList | Iterable[str] | None = None,
+    stats: dict | None = None,
 ) -> Prepared:
-    """Lease, validate and (over HTTP) fetch the peer's adapter without touching a slot;
-    safe on a worker thread with its own `staging`. The lease is released by
-    Prepared.close, after the landing."""
+    """Lease, validate and (over HTTP) fetch the peer's adapter `adapter_id` (to serve as
+    `adapter_name`) without touching a slot; safe on a worker thread with its own
+    `staging`. The lease is released by Prepared.close, after the landing. `peft`, when
+    given, is the config to serve the adapter with (the seed's argument); otherwise the
+    manifest's. peer_allow defaults to loopback only. `stats`, when given, receives the
+    phases' timings in ms (benchmarks)."""
     fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
-                       timeout_s, peer_allow, staging)
+                       timeout_s, peer_allow, staging, stats)
     return fetch.prepare()
 
 

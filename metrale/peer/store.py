@@ -47,6 +47,23 @@ def discover_adapters(adapters_dir: str | Path) -> dict[str, Path]:
     return found
 
 
+class StoreNames:
+    """The store's own small registry: each adapter lands once at start, under its name,
+    in its own slot (its version number is the slot's), and never leaves."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, int] = {}
+
+    def add(self, name: str, slot: int) -> None:
+        self._slots[name] = slot
+
+    def slot_of(self, name: str) -> int | None:
+        return self._slots.get(name)
+
+    def routes(self) -> dict[str, int]:
+        return dict(self._slots)
+
+
 class AdapterStore:
     def __init__(self, adapters_dir: str | Path, model: ModelConfig, *, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, max_lora_rank: int | None = None) -> None:
@@ -68,17 +85,19 @@ class AdapterStore:
                           tuple(m for m in modules if m in LINEAR_MODULES) or LINEAR_MODULES[:1],
                           extra_targets=tuple(m for m in modules if m in EXTRA_TARGETS))
         self.slots = LoraSlots(model, pool, device, dtype)
+        self.names = StoreNames()
         for slot, (name, path) in enumerate(self.paths.items()):
-            with _naming(path):
-                self.slots.swap_lora_slot_from_disk(path, name, slot)  # full validation
-            self.slots.table.set_pinned(slot, True)
+            with _naming(path):  # full validation
+                self.slots.land(slot, slot, self.slots.prepare_disk(path, name))
+            self.names.add(name, slot)
         self.pinned = _pin_host(self.slots.pool.buffer)
         log.info("peer store: %d adapters, %.1f MiB (%s, %s%s)", len(self.paths),
                  self.slots.pool.buffer.numel() * self.slots.pool.buffer.element_size() / 2**20,
                  device, dtype, ", pinned" if self.pinned else "")
 
     def exporter(self, transports: tuple[str, ...] = ("http",)) -> AdapterExporter:
-        return AdapterExporter(self.slots, peft_for=self.configs.get, transports=transports)
+        return AdapterExporter(self.slots, self.names, peft_for=self.configs.get,
+                               transports=transports)
 
 
 @contextmanager

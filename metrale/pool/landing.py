@@ -1,6 +1,7 @@
-"""Landing: one adapter going into one slot, from `LoraSlots.begin` to `commit` or `fail`.
+"""Landing: one adapter version going into one slot, from `LoraSlots.begin` to `commit` or
+`fail`.
 
-While a Landing is open its slot is LOADING: it has no name, routes no request and is
+While a Landing is open its slot is LOADING: it holds no version, routes no request and is
 never a victim, so its bytes may be written from a worker thread or a side stream while
 the engine keeps stepping. Every source of bytes (disk staging, the host tier, an HTTP
 or NIXL peer) writes through the methods here, never into the pool directly: a peer
@@ -91,18 +92,18 @@ class Landing:
 
     # --- the end -----------------------------------------------------------------------
 
-    def commit(self, name: str) -> LandingResult:
-        """LOADING -> READY under `name` (the bytes must have landed)."""
+    def commit(self, version: int) -> LandingResult:
+        """LOADING -> READY holding `version` (the bytes must have landed)."""
         self._close()
         try:
             if self._tables is not None:
                 self._pool.write_tables(self.slot, *self._tables)
         except BaseException as e:
             raise self._failed(e) from e
-        uid = self._table.finish_load(self.slot, name)
+        uid = self._table.finish_load(self.slot, version)
         seconds = time.perf_counter() - self.start
-        log.info("%r landed in slot %d (uid=%d, generation=%d) in %.2f ms", name, self.slot,
-                 uid, self._table.info(self.slot).generation, seconds * 1e3)
+        log.info("version %d landed in slot %d (uid=%d, generation=%d) in %.2f ms", version,
+                 self.slot, uid, self._table.info(self.slot).generation, seconds * 1e3)
         return LandingResult(self.slot, uid, seconds)
 
     def fail(self, reason: BaseException | str) -> LandingError:
@@ -114,7 +115,10 @@ class Landing:
         self._pool.zero_slot(self.slot)
         self._table.fail_load(self.slot)
         log.warning("landing into slot %d failed: %s", self.slot, reason)
-        return LandingError(f"landing into slot {self.slot} failed ({reason}); the slot is now EMPTY")
+        error = LandingError(f"landing into slot {self.slot} failed ({reason}); the slot is now EMPTY")
+        if isinstance(reason, BaseException):
+            error.__cause__ = reason  # also when returned, not raised: callers classify by it
+        return error
 
     def _close(self) -> None:
         if not self._open:

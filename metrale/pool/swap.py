@@ -1,10 +1,13 @@
-"""The seed's slot operations: swap an adapter into a given slot, or promote it
-into a victim slot, from disk (peers come in metrale.peer).
+"""LoraSlots: the slot table, the device pool and staging memory, and the two halves of
+every landing: reading an adapter into a `Prepared` (disk here; peers in metrale.peer),
+and writing a `Prepared` into a slot as a version (`land`, or `begin` for a landing
+driven from elsewhere). Names and the seed's operations live in the engine, which asks
+its registry; nothing here lands bytes under a name.
 
 Validate everything first, mutate second: the adapter is read, checked and
 staged before the slot is touched, so every refusal leaves the slot's bytes and
 identity as they were. A failure after zeroing leaves the slot EMPTY with a new
-identity (never the old name over half-new bytes).
+identity (never an old version over half-new bytes).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import contextlib
 import logging
 import re
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,9 +30,7 @@ from metrale.errors import (
     InvalidNameError,
     MetraleError,
     NoAdapterPoolError,
-    PoolFullError,
     RuntimeSwapsDisabledError,
-    UnknownAdapterError,
 )
 from metrale.pool.host_tier import HostTier
 from metrale.pool.landing import Landing, LandingResult
@@ -188,15 +188,16 @@ class LoraSlots:
             raise landing.fail(e) from e
         return landing
 
-    def land(self, slot: int, name: str, prepared: Prepared) -> LandingResult:
-        """begin, write, commit, all here: the synchronous path. Any failure after
-        begin leaves the slot EMPTY with a fresh identity (LandingError)."""
+    def land(self, slot: int, version: int, prepared: Prepared) -> LandingResult:
+        """begin, write, commit, all here: the synchronous write of `prepared` into `slot`
+        as `version` (a registry's, or a store's own number). Any failure after begin
+        leaves the slot EMPTY with a fresh identity (LandingError)."""
         landing = self.begin(slot, zero=not prepared.fills_slot)
         try:
             prepared.write(landing)
         except BaseException as e:
             raise landing.fail(e) from e
-        result = landing.commit(name)
+        result = landing.commit(version)
         self.fill_tier(prepared, slot)
         return result
 
@@ -208,95 +209,21 @@ class LoraSlots:
     def _write_image(self, entry, slot: int) -> None:
         self.host_tier.land(entry, slot)
 
-    # --- the seed's operations ------------------------------------------------------
-    # `prepare` reads and validates an adapter from some source without touching
-    # any slot; the landing writes it into a zeroed slot.
-
-    def swap_from(self, op: str, name: str, slot: int, source: str,
-                  prepare: Callable[[], Prepared]) -> None:
-        def run() -> tuple[int, None]:
-            self.require_swappable(op)
-            validate_adapter_name(name)
-            self.table.require_replaceable(slot)  # refuse a busy or pinned slot before any I/O
-            prepared = prepare()
-            try:
-                self.land(slot, name, prepared)
-            finally:
-                prepared.close()
-            return slot, None
-
-        self._observed(op, name, run)
-
-    def promote_from(self, op: str, name: str, source: str,
-                     prepare: Callable[[], Prepared]) -> tuple[int, str | None]:
-        def run() -> tuple[int, str | None]:
-            self.require_swappable(op)
-            validate_adapter_name(name)
-            self.table.select_victim()  # POOL_FULL before reading anything
-            prepared = prepare()
-            try:
-                slot = self.table.select_victim()
-                evicted = self.table.info(slot).name
-                self.land(slot, name, prepared)
-            finally:
-                prepared.close()
-            log.info("promote: %r hot in slot %d from %s (evicted=%r)", name, slot, source, evicted)
-            return slot, evicted
-
-        return self._observed(op, name, run)
-
-    def _observed(self, op: str, name: str,
-                  run: Callable[[], tuple[int, str | None]]) -> tuple[int, str | None]:
-        """Run an operation and tell every listener how it went (metrics, logs).
-        POOL_FULL is a wait, not an outcome: on-demand promotions retry every step."""
-        start = time.perf_counter()
-        try:
-            with on_device(self.staging.device):
-                slot, evicted = run()
-        except PoolFullError:
-            raise
-        except MetraleError as e:
-            self.notify(LandingEvent(op, name, None, None, time.perf_counter() - start, e))
-            raise
-        self.notify(LandingEvent(op, name, slot, evicted, time.perf_counter() - start, None))
-        return slot, evicted
-
     def notify(self, event: LandingEvent) -> None:
+        """Tell every listener how a landing went (metrics, logs)."""
         for listener in self.listeners:
             try:
                 listener(event)
             except Exception:  # an observer must never fail a landing
                 log.exception("landing listener failed")
 
-    def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int) -> None:
-        self.swap_from("swap_lora_slot_from_disk", name, slot, "disk",
-                       lambda: self.prepare_disk(adapter_dir, name))
-
-    def promote_lora_slot_from_disk(
-        self, adapter_dir: str | Path, name: str
-    ) -> tuple[int, str | None]:
-        return self.promote_from("promote_lora_slot_from_disk", name, "disk",
-                                 lambda: self.prepare_disk(adapter_dir, name))
-
-    def unload(self, name: str) -> int:
-        """Free the slot serving `name` (it must be idle); returns the slot."""
-        slot = self.resident_slot(name)
-        self.unload_slot(slot)
-        return slot
-
     def unload_slot(self, slot: int) -> None:
-        """An idle slot -> EMPTY, zeroed (also a detached one that no name routes to)."""
+        """An idle slot -> EMPTY, zeroed."""
         self.table.unload(slot)
         if self.pool is not None:
             if self.host_tier is not None:
                 self.host_tier.before_write(slot)
             self.pool.zero_slot(slot)
-
-    def resident_slot(self, name: str) -> int:
-        slot = self.table.slot_of(name)
-        if slot is None:
-            raise UnknownAdapterError(f"adapter {name!r} is not resident in the pool")
-        return slot
 
     def slot_info(self) -> list[SlotInfo]:
         return self.table.infos()

@@ -78,12 +78,12 @@ class AdapterOps:
 
     def is_resident(self, name: str) -> bool:
         self.registry.changeable(name)
-        return self.table.slot_of(name) is not None
+        return self.registry.slot_of(name) is not None
 
     def promote(self, name: str, prepared: Prepared | None) -> tuple[AdapterView, str | None]:
         """Make `name` resident; a resident adapter only gets its recency refreshed."""
         version = self.registry.changeable(name)
-        slot = self.table.slot_of(name)
+        slot = self.registry.slot_of(name)
         if slot is not None:
             self.table.touch(slot)
             return self.view(name), None
@@ -165,13 +165,13 @@ class AdapterOps:
         infos = infos if infos is not None else self.table.infos()
         version = self.registry.get(name)
         draining = self.registry.draining()
-        slot = self.table.slot_of(name)
+        slot = self.registry.slot_of(name)
         if slot is None and name in draining:
             slot = draining[name]
         info = infos[slot] if slot is not None else None
         return AdapterView(
             name=name, path=str(version.source) if version else None,
-            pinned=bool(info.pinned if info else version and version.pinned),
+            pinned=bool(version and version.pinned),
             slot=slot, uid=info.uid if info else None,
             state=info.state.value if info else "DISK",
             ref_count=info.ref_count if info else 0,
@@ -184,11 +184,13 @@ class AdapterOps:
         """Every adapter (registered or still draining) and every slot, consistently."""
         infos = self.table.infos()
         names = sorted(set(self.registry.names()) | set(self.registry.draining()))
+        pinned = self.registry.pinned_slots()
         return {
             "adapters": [self.view(n, infos) for n in names],
             "slots": [
-                {"slot": i.slot, "name": i.name, "uid": i.uid, "generation": i.generation,
-                 "state": i.state.value, "ref_count": i.ref_count, "pinned": i.pinned,
+                {"slot": i.slot, "name": self.registry.name_in(i.slot), "uid": i.uid,
+                 "generation": i.generation, "version": i.version,
+                 "state": i.state.value, "ref_count": i.ref_count, "pinned": i.slot in pinned,
                  "last_used": i.last_used}
                 for i in infos
             ],

@@ -24,7 +24,6 @@ from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterSource
 from metrale.engine.sampling_params import SamplingParams
-from metrale.pool.staging import StagingBuffers
 from metrale.pool.swap import Prepared
 from metrale.server.adapter_ops import AdapterOps, AdapterView
 from metrale.server.errors import EngineUnavailableError
@@ -64,8 +63,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # why the engine thread died, if it did
         self._accepting = True
-        self._io_lock = asyncio.Lock()
-        self._staging = StagingBuffers(engine.device)  # admin landings' own (see _with_bytes)
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -186,15 +183,14 @@ class AsyncEngine:
         return await self.call(lambda: self.engine.registry.get(name) is not None)
 
     async def _with_bytes(self, name: str, source: AdapterSource,
-                          land: Callable[[Prepared], T]) -> T:
-        """Read and check the adapter on a thread (a slow disk or peer stalls nobody), then
-        land it on the engine thread. One at a time: the staging buffers are reused."""
-        async with self._io_lock:
-            prepared = await asyncio.to_thread(self.engine.adapters.prepare, name, source,
-                                               self._staging, False)
-            try:
-                return await self.call(lambda: land(prepared))
-            finally:
+                          land: Callable[[Prepared | None], T]) -> T:
+        """Read and check the adapter on the engine's reader thread (a slow disk or peer
+        stalls nobody), then land it on the engine thread."""
+        prepared = await asyncio.wrap_future(self.engine.read_adapter(name, source))
+        try:
+            return await self.call(lambda: land(prepared))
+        finally:
+            if prepared is not None:
                 prepared.close()
 
     # --- the engine thread ---------------------------------------------------------------

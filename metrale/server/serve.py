@@ -132,7 +132,8 @@ def _start_exporter(async_engine, args: argparse.Namespace) -> None:
     from metrale.peer.store import resolve_transports
 
     exporter = AdapterExporter(
-        async_engine.engine.lora, call=lambda fn: async_engine.submit(fn).result(timeout=30),
+        async_engine.engine.lora, async_engine.engine.registry,
+        call=lambda fn: async_engine.submit(fn).result(timeout=30),
         transports=resolve_transports(args.peer_transport)).start()
     server = PeerHTTPServer(exporter, host=args.host, port=args.peer_export_port,
                             client_allow=tuple(args.peer_allow) or LOOPBACK).start()

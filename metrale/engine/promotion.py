@@ -1,0 +1,406 @@
+"""Promotions: one adapter version on its way into a slot, and the one driver that moves it.
+
+A promotion goes through named phases, one method per transition:
+
+    READING           the bytes are read and checked (disk, host tier, peer) on the worker;
+                      nothing touches a slot, so every refusal here changes nothing
+      -> WAITING      for a slot: the target given, a pinned name's own slot, or a victim
+      -> WRITING      the slot is LOADING; the worker writes the bytes (on CUDA on a side
+                      stream) while the engine keeps stepping
+      -> COMMITTED    the version still current: the slot READY, the registry routes to it
+      or FAILED       the one failure path: the slot (if one was opened) EMPTY with a new uid
+
+An explicit landing (register with a pin, the seed's swap/promote, pin) is the same
+promotion run inline: the worker's steps run on the calling thread and a failure is
+raised. On-demand promotions for waiting requests are driven by the engine between steps
+(`advance`). Victims are chosen and landings committed on the engine thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from enum import Enum
+
+import torch
+
+from metrale.adapters.identity import adapter_identity
+from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion
+from metrale.errors import (
+    AdapterFileError,
+    AllSlotsPinnedError,
+    LandingError,
+    MetraleError,
+    PoolFullError,
+    SlotBusyError,
+    SlotPinnedError,
+    StaleVersionError,
+)
+from metrale.peer.landing import prepare_from_peer
+from metrale.pool.landing import Landing
+from metrale.pool.staging import StagingBuffers
+from metrale.pool.swap import LandingEvent, LoraSlots, Prepared, on_device
+
+log = logging.getLogger("metrale.engine")
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    transport: str = "auto"
+    timeout_s: float = 30.0
+    peer_allow: tuple[str, ...] | None = None
+
+
+class Phase(Enum):
+    READING = "reading"
+    WAITING = "waiting for a slot"
+    WRITING = "writing"
+    COMMITTED = "committed"
+    FAILED = "failed"
+
+
+@dataclass
+class Promotion:
+    version: AdapterVersion
+    origin: AdapterSource  # where the bytes come from (a replica may read a neighbour's copy)
+    target: int | None  # the slot asked for (a seed swap), or None: the promoter chooses
+    installs: bool  # the version becomes its name's current one at commit (seed landings)
+    read: Future  # -> Prepared, or None: a host-tier hit, read on the engine thread
+    start: float
+    phase: Phase = Phase.READING
+    prepared: Prepared | None = None
+    landing: Landing | None = None
+    written: Future | None = None  # -> the CUDA event that completes the write, or None
+    evicted: str | None = None
+    slot: int | None = None
+    error: MetraleError | None = None
+    closed: bool = False  # what the read holds (a peer's lease) was released
+
+    @property
+    def name(self) -> str:
+        return self.version.name
+
+    @property
+    def done(self) -> bool:
+        return self.phase in (Phase.COMMITTED, Phase.FAILED)
+
+    @property
+    def progressing(self) -> bool:
+        """Moving without the engine's help (reading, or bytes being written)."""
+        if self.phase is Phase.READING:
+            return not self.read.done()
+        if self.phase is not Phase.WRITING or not self.written.done():
+            return self.phase is Phase.WRITING
+        event = self.written.result() if self.written.exception() is None else None
+        return event is not None and not event.query()
+
+    def wait(self, timeout: float) -> None:
+        """Block up to timeout for the current phase's worker step."""
+        future = self.read if self.phase is Phase.READING else self.written
+        if future is None:
+            return
+        deadline = time.monotonic() + timeout
+        try:
+            future.exception(timeout)
+        except TimeoutError:
+            return
+        while self.progressing and time.monotonic() < deadline:  # a CUDA event: no blocking wait
+            time.sleep(50e-6)
+
+
+class Promoter:
+    """Drives promotions: reads on one worker (the engine's only reader of adapter bytes),
+    slot choice and commit on the engine thread."""
+
+    def __init__(self, slots: LoraSlots, registry: AdapterRegistry, peer: PeerOptions,
+                 background: bool) -> None:
+        self.slots, self.registry, self.peer = slots, registry, peer
+        self.device = slots.staging.device
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="metrale-read") \
+            if background and slots.pool is not None else None
+        # staging memory for reads off the engine thread, one set per Prepared not yet closed
+        self._free_staging: list[StagingBuffers] = []
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    # --- starting -----------------------------------------------------------------------
+
+    def start(self, version: AdapterVersion, *, target: int | None = None, installs: bool = False,
+              prepared: Prepared | None = None, origin: AdapterSource | None = None,
+              inline: bool = False) -> Promotion:
+        """READING begins: on the worker, or here when inline (or `prepared` was read)."""
+        read = Future()
+        if prepared is not None:
+            read.set_result(prepared)
+        elif inline or self._worker is None:
+            self._run(read, self._read_inline, version.name, origin or version.source)
+        else:
+            read = self.read(version.name, origin or version.source)
+        return Promotion(version, origin or version.source, target, installs, read,
+                         time.perf_counter())
+
+    def run_inline(self, version: AdapterVersion, *, target: int | None = None,
+                   installs: bool = False, prepared: Prepared | None = None,
+                   origin: AdapterSource | None = None) -> Promotion:
+        """The synchronous landing: every phase here, now; a failure is raised (a refusal
+        before WRITING changed nothing)."""
+        try:
+            self.slots.require_swappable(self._op(version, origin, target))
+            if target is None and self.registry.held_slot(version.name) is None:
+                self._victim()  # POOL_FULL before reading anything
+            elif target is not None:
+                self._check_target(version, target)
+        except MetraleError:
+            if prepared is not None:
+                prepared.close()
+            raise
+        promotion = self.start(version, target=target, installs=installs, prepared=prepared,
+                               origin=origin, inline=True)
+        self.advance(promotion, inline=True)
+        if promotion.phase is Phase.WAITING:  # no slot came free: nothing was touched
+            self._closed(promotion)
+            raise self._victim_error(promotion)
+        if promotion.error is not None:
+            raise promotion.error
+        return promotion
+
+    # --- the transitions ------------------------------------------------------------------
+
+    def advance(self, p: Promotion, inline: bool = False) -> None:
+        """Move `p` through every transition that is ready now."""
+        try:
+            if p.phase is Phase.READING and p.read.done():
+                self._read_done(p)
+            if p.phase is Phase.WAITING:
+                self._take_slot(p, inline)
+            if p.phase is Phase.WRITING and not p.progressing:
+                self._written(p)
+        except Exception as e:  # nobody foresaw it: fail this promotion, never the loop
+            if p.done:
+                raise
+            log.exception("promotion of %r failed unexpectedly", p.name)
+            self._fail(p, e if isinstance(e, MetraleError)
+                       else LandingError(f"landing adapter {p.name!r} failed: {e!r}"))
+
+    def _read_done(self, p: Promotion) -> None:
+        """READING -> WAITING, or FAILED: the bytes were refused, or the version was
+        superseded before a slot was touched."""
+        try:
+            p.prepared = p.read.result()
+        except BaseException as e:
+            self._fail(p, e if isinstance(e, MetraleError)
+                       else AdapterFileError(f"reading {p.origin} failed: {e!r}"))
+            return
+        if not self._still_wanted(p):
+            self._fail(p, StaleVersionError(
+                f"adapter {p.name!r} was reloaded or unloaded meanwhile; retry"), quiet=True)
+            return
+        p.phase = Phase.WAITING
+
+    def _take_slot(self, p: Promotion, inline: bool) -> None:
+        """WAITING -> WRITING once a slot is free; stays WAITING while none is (POOL_FULL
+        is a wait, not an outcome; AllSlotsPinned is an outcome: nothing will drain)."""
+        try:
+            slot = self._slot_for(p)
+        except (AllSlotsPinnedError, SlotPinnedError) as e:
+            self._fail(p, e)
+            return
+        except (PoolFullError, SlotBusyError):
+            return
+        if p.prepared is None:  # a host-tier hit: its image is read here (engine thread)
+            p.prepared = self._read_inline(p.name, p.origin)
+        evicted = self.registry.name_in(slot)
+        with on_device(self.device):
+            if self._stream is not None:
+                # after every kernel already queued: the last step may have read the victim
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with self._on_stream():
+                p.landing = self.slots.begin(slot, zero=not p.prepared.fills_slot)
+        if evicted is not None:
+            self.registry.unroute(evicted)
+        p.slot, p.phase = slot, Phase.WRITING
+        p.evicted = evicted if evicted != p.name else None  # a pinned name's own slot
+        if inline or self._worker is None:
+            p.written = Future()
+            self._run(p.written, self._write, p.landing, p.prepared)
+        else:
+            p.written = self._worker.submit(self._write, p.landing, p.prepared)
+
+    def _written(self, p: Promotion) -> None:
+        """WRITING -> COMMITTED, or FAILED (a write error, or superseded meanwhile)."""
+        try:
+            event = p.written.result()
+            if event is not None:
+                event.synchronize()  # complete already; raises a device error if any
+        except BaseException as e:
+            self._fail(p, e if isinstance(e, MetraleError) else LandingError(
+                f"landing adapter {p.name!r} failed: {e!r}"))
+            return
+        if not self._still_wanted(p):  # by a reload, an unload or an explicit landing
+            self._fail(p, StaleVersionError(
+                f"adapter {p.name!r} was reloaded or unloaded while landing; retry"), quiet=True)
+            return
+        if p.installs:
+            self.registry.install(p.version)
+        p.landing.commit(p.version.version)  # a LandingError here failed the slot already
+        self.registry.route(p.version, p.slot)
+        self.slots.fill_tier(p.prepared, p.slot)
+        self._closed(p)
+        p.phase = Phase.COMMITTED
+        log.info("%r landed in slot %d from %s (evicted %r) in %.1f ms", p.name, p.slot,
+                 p.origin, p.evicted, (time.perf_counter() - p.start) * 1e3)
+        self._notify(p)
+
+    def _fail(self, p: Promotion, error: MetraleError, quiet: bool = False) -> None:
+        """The one failure path: an open landing leaves its slot EMPTY with a new uid."""
+        if p.landing is not None and p.landing.is_open:
+            landing_error = p.landing.fail(error)  # a LandingError caused by `error`
+            if not isinstance(error, StaleVersionError):
+                error = landing_error
+        self._closed(p)
+        p.error, p.phase = error, Phase.FAILED
+        if not quiet:
+            log.warning("promotion of %r failed: %s", p.name, error)
+            self._notify(p)
+
+    def abandon(self, p: Promotion) -> None:
+        """Nobody waits for `p` any more and it touched no slot: let its read go."""
+        self._closed(p)
+        p.error, p.phase = StaleVersionError(f"promotion of {p.name!r} abandoned"), Phase.FAILED
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _still_wanted(self, p: Promotion) -> bool:
+        if p.installs:
+            return True  # a seed landing makes its version current at commit
+        return self.registry.is_current(p.version) and self.registry.slot_of(p.name) is None
+
+    def _slot_for(self, p: Promotion) -> int:
+        if p.target is not None:
+            self._check_target(p.version, p.target)
+            return p.target
+        held = self.registry.held_slot(p.name)
+        if held is not None:  # a pinned name's reload waits for its own slot
+            self.slots.table.require_idle(held)
+            return held
+        return self._victim()
+
+    def _victim(self) -> int:
+        return self.slots.table.select_victim(self.registry.pinned_slots(),
+                                              self.registry.routed_slots())
+
+    def _victim_error(self, p: Promotion) -> MetraleError:
+        try:
+            self._slot_for(p)
+        except MetraleError as e:
+            return e
+        return LandingError(f"no slot for {p.name!r}")
+
+    def _check_target(self, version: AdapterVersion, slot: int) -> None:
+        """A swap into `slot` needs it idle and not pinned by another name: a pin never
+        moves to another adapter."""
+        table = self.slots.table
+        table.require_idle(slot)
+        if slot in self.registry.pinned_slots() and self.registry.held_slot(version.name) != slot \
+                and self.registry.name_in(slot) != version.name:
+            raise SlotPinnedError(
+                f"slot {slot} holds pinned adapter {self.registry.name_in(slot)!r}; unpin it first")
+
+    def read(self, name: str, source: AdapterSource) -> Future:
+        """Read and check `source` as `name` on the worker, touching no slot (thread-safe):
+        the engine's one reader of adapter bytes, for its promotions and for callers that
+        land bytes through the engine thread later (the server, cluster staging). The
+        future gives a Prepared, or None for a host-tier hit (its image is read on the
+        engine thread, which alone reuses image memory). Each read has staging memory of
+        its own until its Prepared is closed."""
+        if self._worker is None:
+            future = Future()
+            self._run(future, self._read_background, name, source)
+            return future
+        return self._worker.submit(self._read_background, name, source)
+
+    def _read_inline(self, name: str, source: AdapterSource) -> Prepared:
+        return self._read(name, source, self.slots.staging, use_tier=True)
+
+    def _read_background(self, name: str, source: AdapterSource) -> Prepared | None:
+        if source.path is not None:
+            identity = adapter_identity(source.path)  # read once: for the tier and the plan
+            if self.slots.tier_has(identity):
+                return None
+        staging = self._free_staging.pop() if self._free_staging else StagingBuffers(self.device)
+        try:
+            with on_device(self.device), self._on_stream():
+                if source.path is not None:
+                    prepared = self.slots.prepare_disk(source.path, name, staging, use_tier=False,
+                                                       identity=identity)
+                else:
+                    prepared = self._read(name, source, staging, use_tier=False)
+        except BaseException:
+            self._free_staging.append(staging)
+            raise
+        returned = threading.Event()
+
+        def close() -> None:
+            prepared.close()
+            if not returned.is_set():
+                returned.set()
+                self._free_staging.append(staging)
+
+        return replace(prepared, close=close)
+
+    def _read(self, name: str, source: AdapterSource, staging: StagingBuffers,
+              use_tier: bool) -> Prepared:
+        if source.peer is not None:
+            p = self.peer
+            return prepare_from_peer(self.slots, source.peer.addr, source.peer.adapter_id, name,
+                                     source.peft, staging=staging, transport=p.transport,
+                                     timeout_s=p.timeout_s, peer_allow=p.peer_allow)
+        return self.slots.prepare_disk(source.path, name, staging, use_tier)
+
+    def _write(self, landing: Landing, prepared: Prepared) -> torch.cuda.Event | None:
+        """The bytes into the LOADING slot; on CUDA, queued on the side stream."""
+        with on_device(self.device), self._on_stream():
+            prepared.write(landing)
+            if self._stream is None:
+                return None
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            return event
+
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def _run(future: Future, fn, *args) -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    def _closed(self, p: Promotion) -> None:
+        """Release what the read holds (e.g. a peer's lease), once."""
+        if p.closed:
+            return
+        p.closed = True
+        if p.prepared is None and p.read.done() and p.read.exception() is None:
+            p.prepared = p.read.result()
+        if p.prepared is not None:
+            p.prepared.close()
+
+    def _op(self, version: AdapterVersion, origin: AdapterSource | None, target: int | None) -> str:
+        kind = "peer" if (origin or version.source).peer is not None else "disk"
+        return f"{'swap' if target is not None else 'promote'}_lora_slot_from_{kind}"
+
+    def _notify(self, p: Promotion) -> None:
+        self.slots.notify(LandingEvent(self._op(p.version, p.origin, p.target), p.name,
+                                       p.slot if p.phase is Phase.COMMITTED else None,
+                                       p.evicted if p.phase is Phase.COMMITTED else None,
+                                       time.perf_counter() - p.start, p.error))
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+
