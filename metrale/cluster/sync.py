@@ -64,7 +64,7 @@ class RegistrySync:
         """READY adapters of this engine -> the cluster version each one is (engine thread)."""
         registry = self.engine.engine.registry
         out = {}
-        for name, slot in registry.routes().items():
+        for name in registry.routes():
             d = self.applied.get(name)
             if d is not None:
                 out[name] = d.version

@@ -3,21 +3,53 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
+from pathlib import Path
 
 import torch
 
 from metrale.config import ModelConfig, PoolConfig
+from metrale.peer.landing import prepare_from_peer
 from metrale.pool.swap import LoraSlots
 from tests.helpers.tiny_models import hf_config
 
 
 def snapshot(slots: LoraSlots) -> tuple:
-    """Pool bytes, rank/scale tables and every slot's identity."""
+    """Pool bytes, rank/scale tables and every slot's identity (version, uid, state...)."""
     pool = slots.pool
     digest = hashlib.sha256()
     for t in (pool.buffer, pool.ranks, pool.scales):
         digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest(), slots.table.infos(), dict(slots.table._by_name)
+    return digest.hexdigest(), slots.table.infos()
+
+
+_versions = itertools.count(10_000)  # bare pools in tests number their own versions
+
+
+def land_disk(slots: LoraSlots, adapter_dir, slot: int, version: int | None = None) -> int:
+    """A PEFT directory into `slot` of a bare pool (no registry): the pool-level landing the
+    engine's promotions use. Returns the version number the slot now holds."""
+    version = next(_versions) if version is None else version
+    slots.land(slot, version, slots.prepare_disk(adapter_dir, Path(adapter_dir).name))
+    return version
+
+
+def land_peer(slots: LoraSlots, addr: str, adapter_id: str, slot: int | None = None,
+              version: int | None = None, **kw) -> tuple[int, int]:
+    """A peer's adapter into `slot` (None: the table's victim) of a bare pool; kw go to
+    prepare_from_peer (peft, transport, timeout_s, peer_allow, stats, staging). Everything
+    that may refuse runs before the slot is touched. Returns (slot, version)."""
+    version = next(_versions) if version is None else version
+    if slot is None:
+        slot = slots.table.select_victim()  # POOL_FULL before contacting the peer
+    else:
+        slots.table.require_idle(slot)
+    prepared = prepare_from_peer(slots, addr, adapter_id, kw.pop("name", adapter_id), **kw)
+    try:
+        slots.land(slot, version, prepared)
+    finally:
+        prepared.close()
+    return slot, version
 
 
 def tiny_llama_slots(**pool_kw) -> LoraSlots:
