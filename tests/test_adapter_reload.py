@@ -75,7 +75,7 @@ def test_reload_of_a_resident_name_serves_the_new_version(root, refs, tmp_path):
     assert done[after].token_ids == refs["new"]
     assert done[after].num_cached_tokens == 0  # no prefix hit on the old version's KV
     assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["new"]
-    engine.lora.table.check_integrity()
+    engine.check_integrity()
 
 
 def test_reload_in_place_while_a_promotion_is_in_flight(root, refs, tmp_path, monkeypatch):
@@ -107,7 +107,7 @@ def test_reload_in_place_while_a_promotion_is_in_flight(root, refs, tmp_path, mo
     # `before` was still waiting for its slot at the reload: it binds the current version
     assert done[before].token_ids == refs["new"]
     assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["new"]
-    engine.lora.table.check_integrity()
+    engine.check_integrity()
 
 
 def test_rewrite_that_keeps_size_and_mtime_lands_the_new_contents(root, tmp_path):
@@ -141,14 +141,15 @@ def test_landing_a_pinned_name_elsewhere_moves_the_pin(root, refs):
     cache space again, never an orphan."""
     llm = _llm(root)
     engine, table = llm.engine, llm.engine.lora.table
+    registry = engine.registry
     llm.register_adapter("x", root / "old", pinned=True)
-    old = table.slot_of("x")
+    old = registry.slot_of("x")
     engine.swap_lora_slot_from_disk(root / "new", "x", 1 - old)
-    assert table.slot_of("x") == 1 - old and table.info(1 - old).pinned
-    assert table.info(old).name is None and not table.info(old).pinned
-    assert table.select_victim() == old
+    assert registry.slot_of("x") == 1 - old and registry.pinned_slots() == {1 - old}
+    assert registry.name_in(old) is None
+    assert table.select_victim(registry.pinned_slots(), registry.routed_slots()) == old
     assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["new"]
-    table.check_integrity()
+    engine.check_integrity()
 
 
 @pytest.mark.parametrize("name", ["base", "BASE", "model"])
@@ -170,14 +171,14 @@ def test_every_slot_pinned_fails_at_once_naming_the_pins(root):
     done = run_until_done(engine)  # no hour-long wait: it can never land
     assert isinstance(done[rid].error, AllSlotsPinnedError)
     assert "all 2 slot(s) are pinned" in str(done[rid].error)
-    engine.lora.table.check_integrity()
+    engine.check_integrity()
 
 
 def test_a_pinned_slot_is_never_swapped_over(root, refs):
     llm = _llm(root)
     engine, table = llm.engine, llm.engine.lora.table
     llm.register_adapter("x", root / "old", pinned=True)
-    slot = table.slot_of("x")
+    slot = engine.registry.slot_of("x")
     before = (engine.lora.pool.slot_region(slot).clone(), table.info(slot))
     with pytest.raises(SlotPinnedError, match="unpin it first"):
         engine.swap_lora_slot_from_disk(root / "new", "y", slot)
@@ -185,6 +186,6 @@ def test_a_pinned_slot_is_never_swapped_over(root, refs):
     assert table.info(slot) == before[1] and engine.registry.get("y") is None
     engine.pin_adapter("x", False)
     engine.swap_lora_slot_from_disk(root / "new", "y", slot)
-    assert table.info(slot).name == "y" and not table.info(slot).pinned  # the pin did not move
+    assert engine.registry.name_in(slot) == "y" and not engine.registry.pinned_slots()  # the pin did not move
     assert llm.generate([PROMPT], GREEDY, ["y"])[0].token_ids == refs["new"]
-    table.check_integrity()
+    engine.check_integrity()

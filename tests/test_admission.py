@@ -116,9 +116,9 @@ def test_a_drained_slot_comes_back_only_for_its_own_version(tmp_path):
     engine.step()
     engine.add_request(ps[2], greedy, "c", request_id="rc")  # no free slot: a's is drained
     engine.step()
-    assert engine.adapters.num_drains == 1 and engine.lora.table.slot_of("a") is None
+    assert engine.adapters.num_drains == 1 and engine.registry.slot_of("a") is None
     engine.add_request(ps[3], greedy, "a", request_id="ra_again")  # undoes the drain
-    assert engine.adapters.num_reattached == 1 and engine.lora.table.slot_of("a") == 0
+    assert engine.adapters.num_reattached == 1 and engine.registry.slot_of("a") == 0
     outs = run_until_done(engine)  # ra, ra_again finish on slot 0; c lands once a slot is free
     check(outs["ra_again"], *hf_greedy(peft["a"], ps[3]))
     check(outs["rc"], *hf_greedy(peft["c"], ps[2]))
@@ -129,14 +129,17 @@ def test_a_drained_slot_comes_back_only_for_its_own_version(tmp_path):
     engine.step()
     engine.add_request(ps[2], greedy, "c", request_id="rc2")
     engine.step()
-    drained_slot = next(i.slot for i in engine.slot_info() if i.name is None and i.ref_count)
+    drained_slot = next(i.slot for i in engine.slot_info()
+                        if engine.registry.name_in(i.slot) is None and i.ref_count)
     engine.pin_adapter("d", False)
-    free = engine.lora.table.slot_of("d")
+    free = engine.registry.slot_of("d")
     engine.swap_lora_slot_from_disk(tmp_path / "a2", "a", free)  # a's new version, elsewhere
     engine.step()  # c's landing takes that idle slot: a's new version is evicted
-    assert engine.lora.table.slot_of("a") is None
-    assert engine.slot_info()[drained_slot].name is None  # the old bytes are still there
+    assert engine.registry.slot_of("a") is None
+    # the old bytes are still there, routed by no name
+    assert engine.slot_info()[drained_slot].state.value == "READY"
+    assert engine.registry.name_in(drained_slot) is None
     engine.add_request(ps[3], greedy, "a", request_id="ra2_again")
-    assert engine.lora.table.slot_of("a") != drained_slot
+    assert engine.registry.slot_of("a") != drained_slot
     outs = run_until_done(engine)
     check(outs["ra2_again"], *hf_greedy(peft["a2"], ps[3]))

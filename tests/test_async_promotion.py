@@ -46,7 +46,8 @@ def _pool_hash(engine) -> tuple:
     digest = hashlib.sha256()
     for t in (pool.buffer, pool.ranks, pool.scales):
         digest.update(t.contiguous().view(-1).view(dtype=t.dtype).numpy().tobytes())
-    ids = tuple((i.slot, i.name, i.uid, i.generation, i.state) for i in engine.lora.slot_info())
+    ids = tuple((i.slot, i.version, i.uid, i.generation, i.state) for i in engine.lora.slot_info())
+    ids += tuple(sorted(engine.registry.routes().items()))
     return digest.hexdigest(), ids
 
 
@@ -82,7 +83,7 @@ def test_decoding_goes_on_while_a_promotion_reads(root, monkeypatch):
     assert done[base].finish_reason == "length" and done[waiting].finish_reason == "length"
     assert engine.adapters.num_promotions == 1
     assert [(e.name, e.source, e.error) for e in events] == [("a", "disk", None)]
-    engine.lora.table.check_integrity()
+    engine.check_integrity()
 
 
 def test_waiter_tokens_equal_synchronous_path(root):
@@ -98,7 +99,7 @@ def test_waiter_tokens_equal_synchronous_path(root):
     for rid in ("base", "a", "b"):
         assert fast.done[rid].token_ids == sync.done[rid].token_ids, rid
     assert fast.engine.adapters.num_promotions == sync.engine.adapters.num_promotions == 2
-    fast.engine.lora.table.check_integrity()
+    fast.engine.check_integrity()
 
 
 @pytest.mark.parametrize("damage", ["nan", "truncated"])
@@ -130,7 +131,7 @@ def test_broken_file_found_by_worker_fails_only_its_requests(root, tmp_path, dam
     assert _pool_hash(engine)[1] == before[1]  # identities untouched
     assert _pool_hash(engine)[0] == before[0]  # bytes and tables untouched
     assert [(e.name, e.slot) for e in events] == [("bad", None)] and events[0].error
-    engine.lora.table.check_integrity()
+    engine.check_integrity()
 
 
 def test_abandoned_promotion_never_lands(root, monkeypatch):
@@ -177,7 +178,7 @@ def test_async_landings_on_cuda_serve_the_right_adapter(root):
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, logprobs=1)
         outs[mode] = llm.generate(prompts, params, names)
         assert llm.engine.adapters.num_promotions >= 4
-        llm.engine.lora.table.check_integrity()
+        llm.engine.check_integrity()
     for fast, sync in zip(outs[True], outs[False]):
         assert fast.token_ids[0] == sync.token_ids[0]
         assert abs(fast.logprobs[0]["logprob"] - sync.logprobs[0]["logprob"]) < 0.05

@@ -73,7 +73,7 @@ def test_mixed_adapters_and_lengths_match_peft(setup, kv):
     assert engine.adapters.num_promotions >= 3
     if kv == "preempting":
         assert engine.scheduler.num_preemptions > 0
-    engine.lora.table.check_integrity()
+    engine.check_integrity()
     assert all(info.ref_count == 0 for info in engine.slot_info())
     assert engine.blocks.num_free == engine.blocks.num_blocks
 

@@ -40,7 +40,7 @@ def test_busy_slot_refused_while_running_then_swappable(root):
     engine = llm.engine
     rid = engine.add_request(PROMPT, LONG, "a")
     step_until_running(engine, rid)  # "a" is promoted and its sequence runs
-    slot = engine.lora.table.slot_of("a")
+    slot = engine.registry.slot_of("a")
     before = engine.lora.pool.slot_region(slot).clone()
     with pytest.raises(SlotBusyError, match="mid-decode"):
         engine.swap_lora_slot_from_disk(root / "b", "b", slot)
@@ -50,8 +50,8 @@ def test_busy_slot_refused_while_running_then_swappable(root):
     done = run_until_done(engine)
     assert done[rid].finish_reason == "length"
     engine.swap_lora_slot_from_disk(root / "c", "c", slot)
-    assert engine.lora.table.info(slot).name == "c"
-    engine.lora.table.check_integrity()
+    assert engine.registry.name_in(slot) == "c"
+    engine.check_integrity()
 
 
 def test_abort_releases_reference(root):
@@ -59,7 +59,7 @@ def test_abort_releases_reference(root):
     engine = llm.engine
     rid = engine.add_request(PROMPT, LONG, "a")
     step_until_running(engine, rid)
-    slot = engine.lora.table.slot_of("a")
+    slot = engine.registry.slot_of("a")
     assert engine.lora.table.ref_count(slot) == 1
     engine.abort(rid)
     assert engine.lora.table.ref_count(slot) == 0
@@ -90,7 +90,7 @@ def test_pool_full_times_out_with_pool_full(root):
     outs = run_until_done(engine)
     assert outs[rb].finish_reason == "error" and isinstance(outs[rb].error, PoolFullError)
     assert str(outs[rb].error).startswith("POOL_FULL")
-    engine.lora.table.check_integrity()
+    engine.check_integrity()
 
 
 def test_one_promotion_for_many_waiters(root):
@@ -112,7 +112,7 @@ def test_same_name_reload_never_hits_old_kv(root):
     old = llm.generate([PROMPT], greedy, ["a"])[0]
     again = llm.generate([PROMPT], greedy, ["a"])[0]
     assert again.num_cached_tokens > 0 and again.token_ids == old.token_ids
-    slot = llm.engine.lora.table.slot_of("a")
+    slot = llm.engine.registry.slot_of("a")
     llm.engine.swap_lora_slot_from_disk(root / "a2", "a", slot)
     new = llm.generate([PROMPT], greedy, ["a"])[0]
     assert new.num_cached_tokens == 0
@@ -141,4 +141,4 @@ def test_broken_adapter_fails_its_requests_only(root, tmp_path):
     done = run_until_done(engine)
     assert done[bad].finish_reason == "error" and "safetensors" in str(done[bad].error)
     assert done[ok].finish_reason == "length"
-    engine.lora.table.check_integrity()
+    engine.check_integrity()

@@ -66,7 +66,7 @@ def test_mixed_adapters_more_than_slots_shuffled(setup):
             model.set_adapter("default")
         check(out, *hf_greedy(model, ps[i]))
     assert llm.engine.adapters.num_promotions >= 4  # evictions really happened
-    llm.engine.lora.table.check_integrity()
+    llm.engine.check_integrity()
     assert all(info.ref_count == 0 for info in llm.engine.slot_info())
 
 

@@ -171,13 +171,13 @@ def test_outputs_errors_and_abort_on_dropped_iterator(async_engine):
                 pass
         gen = async_engine.generate([5, 6, 7], LONG, "a")
         await anext(gen)
-        assert table.ref_count(table.slot_of("a")) == 1
+        assert table.ref_count(async_engine.engine.registry.slot_of("a")) == 1
         await gen.aclose()  # the client went away
         for _ in range(100):
             if not async_engine.engine.has_unfinished_requests():
                 break
             await asyncio.sleep(0.01)
-        assert table.ref_count(table.slot_of("a")) == 0
+        assert table.ref_count(async_engine.engine.registry.slot_of("a")) == 0
 
     asyncio.run(scenario())
 

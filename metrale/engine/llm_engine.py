@@ -345,3 +345,7 @@ class LLMEngine:
 
     def slot_info(self) -> list[SlotInfo]:
         return self.lora.slot_info()
+
+    def check_integrity(self) -> None:
+        """The registry and the slot table agree (tests and debugging)."""
+        self.registry.check_integrity(self.lora.table)
