@@ -4,18 +4,22 @@ The engine is single-threaded by design: every mutation (admission, abort,
 adapter operations) is handed to `engine.call_soon` and runs on the engine
 thread between two steps. The thread steps while there is work and sleeps on
 an Event when there is none; each RequestOutput goes to its request's asyncio
-queue through `loop.call_soon_threadsafe`.
+queue through `loop.call_soon_threadsafe`. It implements EngineAPI (engine_api.py),
+all the HTTP routes use; the cluster's replica code uses the few methods beyond it.
+Its coroutines may be awaited from any event loop (a cluster replica runs several).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -23,10 +27,13 @@ from typing import TypeVar
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterSource
+from metrale.engine.residency import ResidencyRow
 from metrale.engine.sampling_params import SamplingParams
+from metrale.errors import MetraleError, PeerUnavailableError
 from metrale.pool.staging import StagingBuffers
 from metrale.pool.swap import Prepared
 from metrale.server.adapter_ops import AdapterOps, AdapterView
+from metrale.server.engine_api import AdapterListing, EngineLimits
 from metrale.server.errors import EngineUnavailableError
 from metrale.server.metrics import ServerMetrics
 
@@ -53,6 +60,8 @@ class AsyncEngine:
         """on_fatal: called on the engine thread if the loop itself fails (not one request:
         those fail alone); the server exits the process rather than answer 503 forever."""
         self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.limits = EngineLimits(engine.max_seq_tokens, engine.model_config.vocab_size)
         self._on_fatal = on_fatal
         self.metrics = metrics or ServerMetrics()
         self.metrics.instrument(engine.lora)
@@ -64,7 +73,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # why the engine thread died, if it did
         self._accepting = True
-        self._io_lock = asyncio.Lock()
+        # a thread lock, polled: an asyncio.Lock belongs to one event loop
+        self._io_lock = threading.Lock()
         self._staging = StagingBuffers(engine.device)  # admin landings' own (see _with_bytes)
 
     # --- lifecycle --------------------------------------------------------------------
@@ -146,10 +156,15 @@ class AsyncEngine:
 
     # --- adapter management: bytes read here, off the engine thread; changes on it ----------
 
+    async def check_adapter(self, name: str, path: str | Path | AdapterSource) -> AdapterSource:
+        """Validate the adapter's files (or ask its peer) on a thread; raises AdapterError,
+        PeerNotAllowedError, PeerUnavailableError."""
+        return await asyncio.to_thread(self.engine.check_adapter, name, path)
+
     async def register(self, name: str, path: str | Path, pinned: bool = False,
                        reload: bool = False) -> AdapterView:
         await self.call(lambda: self.ops.check_register(name, reload))  # before any I/O
-        source = await asyncio.to_thread(self.engine.check_adapter, name, path)
+        source = await self.check_adapter(name, path)
         if not pinned:
             return await self.call(lambda: self.ops.register(name, source, False, reload, None))
         return await self._with_bytes(
@@ -161,13 +176,38 @@ class AsyncEngine:
         source = await self.call(lambda: self.ops.source_of(name))
         return await self._with_bytes(name, source, lambda p: self.ops.promote(name, p))
 
+    async def promote_via(self, name: str, sources: Sequence[AdapterSource]) -> AdapterSource | None:
+        """Make `name`'s current version resident from the first of `sources` that reads
+        (neighbours holding that same version), not from its registered source: the source
+        it landed from, or None when it was resident already. Raises UnknownAdapterError,
+        the last read's refusal when none read (PeerUnavailableError, AdapterError ...),
+        the landing's (PoolFullError; StaleVersionError: reloaded meanwhile)."""
+        async with self._reading():
+            version = await self.call(lambda: self.ops.cold_version(name))
+            if version is None:
+                return None
+            error: MetraleError = PeerUnavailableError(f"no source to read {name!r} from")
+            for source in sources:
+                try:
+                    prepared = await asyncio.to_thread(self._read, name, source)
+                except MetraleError as e:
+                    log.info("reading %r from %s failed (%s); next", name, source, e)
+                    error = e
+                    continue
+                try:
+                    await self.call(functools.partial(self.engine.land, version, None, prepared, source))
+                finally:
+                    prepared.close()  # idempotent: a refused landing may not have closed it
+                return source
+            raise error
+
     async def swap(self, name: str, slot: int, path: str | Path | None = None,
                    reload: bool = False) -> AdapterView:
         if path is None:
             source = await self.call(lambda: self.ops.source_of(name))
             return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, None, False, p))
         await self.call(lambda: self.ops.check_register(name, reload))
-        source = await asyncio.to_thread(self.engine.check_adapter, name, path)
+        source = await self.check_adapter(name, path)
         return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, source, reload, p))
 
     async def pin(self, name: str, pinned: bool = True) -> AdapterView:
@@ -179,23 +219,43 @@ class AsyncEngine:
     async def unload(self, name: str) -> str:
         return await self.call(lambda: self.ops.unload(name))
 
-    async def snapshot(self) -> dict:
-        return await self.call(self.ops.snapshot)
+    async def residency(self) -> AdapterListing:
+        return await self.call(self.ops.listing)
+
+    async def rows(self) -> list[ResidencyRow]:
+        """The engine's residency rows (engine/residency.py), for the cluster's readers."""
+        return await self.call(self.engine.residency)
 
     async def is_known(self, name: str) -> bool:
         return await self.call(lambda: self.engine.registry.get(name) is not None)
 
+    async def reset_prefix_cache(self) -> int:
+        # on the engine thread, between two steps: the block tables are not shared
+        return await self.call(self.engine.reset_prefix_cache)
+
     async def _with_bytes(self, name: str, source: AdapterSource,
                           land: Callable[[Prepared], T]) -> T:
         """Read and check the adapter on a thread (a slow disk or peer stalls nobody), then
-        land it on the engine thread. One at a time: the staging buffers are reused."""
-        async with self._io_lock:
-            prepared = await asyncio.to_thread(self.engine.adapters.prepare, name, source,
-                                               self._staging, False)
+        land it on the engine thread."""
+        async with self._reading():
+            prepared = await asyncio.to_thread(self._read, name, source)
             try:
                 return await self.call(lambda: land(prepared))
             finally:
                 prepared.close()
+
+    def _read(self, name: str, source: AdapterSource) -> Prepared:
+        return self.engine.adapters.prepare(name, source, self._staging, False)
+
+    @contextlib.asynccontextmanager
+    async def _reading(self):
+        """One reader at a time, until its bytes landed: the staging buffers are reused."""
+        while not self._io_lock.acquire(blocking=False):
+            await asyncio.sleep(_WAIT_POLL_S)
+        try:
+            yield
+        finally:
+            self._io_lock.release()
 
     # --- the engine thread ---------------------------------------------------------------
 
