@@ -6,20 +6,19 @@ from __future__ import annotations
 from collections import Counter
 
 from metrale.engine.llm_engine import LLMEngine
+from metrale.engine.residency import Residence
 
 
 def routing_stats(engine: LLMEngine) -> dict:
-    table = engine.lora.table
     ready, landing, idle, slots = [], [], 0, 0
-    for info in table.infos():
-        slots += 1
-        state = info.state.value
-        if state == "READY" and info.name is not None and table.slot_of(info.name) == info.slot:
-            ready.append(info.name)
-            idle += info.ref_count == 0 and not info.pinned  # a promotion may take it now
-        elif state == "LOADING" and info.name is not None:
-            landing.append(info.name)
-        elif state == "EMPTY":
+    for row in engine.residency():
+        slots += row.slot is not None
+        if row.registered and row.state is Residence.READY:
+            ready.append(row.name)
+            idle += row.refs == 0 and not row.pinned  # a promotion may take it now
+        elif row.registered and row.state is Residence.LOADING:
+            landing.append(row.name)
+        elif row.state is Residence.EMPTY:
             idle += 1
     promoting = engine.adapters.promoting()
     if promoting:
