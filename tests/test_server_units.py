@@ -193,7 +193,7 @@ def test_shutdown_fails_running_streams_and_refuses_new_work(async_engine):
                 pass
         assert not async_engine.alive and not async_engine.engine.has_unfinished_requests()
         with pytest.raises(EngineUnavailableError):
-            await async_engine.snapshot()
+            await async_engine.residency()
         with pytest.raises(EngineUnavailableError), contextlib.suppress(StopAsyncIteration):
             await anext(async_engine.generate([1], LONG))
 

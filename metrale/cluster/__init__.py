@@ -7,7 +7,7 @@
 - sync.py       a replica following the registry: register/reload/pin/unload on its engine
 - staging.py    a replica landing an adapter from a neighbour's slot before disk
 - replica.py    the engine replica deployment (its own /metrics, export, routing stats)
-- ingress.py    the ingress: the single-engine server's routes over a cluster facade
+- ingress.py    the ingress: the single-engine server's routes over the cluster (EngineAPI)
 - launch.py     `metrale serve --replicas N` / `--ray-address`
 
 Nothing here is imported by the rest of metrale; Ray is only needed by the last four.

@@ -1,20 +1,20 @@
-"""The cluster's HTTP ingress: the single-engine server's app over a cluster facade.
+"""The cluster's HTTP ingress: the single-engine server's app over the cluster.
 
 `create_app` (server/app.py) is reused as is, so the routes, auth, body limits and
-error JSON are the single-engine server's. It talks to an engine through a small
-surface (generate, register, promote, swap, pin, unload, snapshot, is_known, call,
-metrics, and `engine` for the tokenizer); ClusterEngine implements that surface:
+error JSON are the single-engine server's. The routes use only EngineAPI
+(server/engine_api.py); ClusterEngine implements it for the cluster:
 - generate: one request through Ray Serve to the replica AdapterAffinityRouter picks;
   if the replica dies, the request is resent to another (see `generate`);
 - register / pin / unload: validated once (on one replica), written to the cluster
   registry, returned once every live replica applied it;
-- promote / swap / snapshot: fanned out to each replica's own HTTP server.
+- promote / swap / residency / reset_prefix_cache: fanned out to each replica's own
+  HTTP server;
+- tokenizer and limits: the base model's, read here once (setup).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from collections import Counter, defaultdict
@@ -37,6 +37,7 @@ from metrale.engine.sampling_params import GREEDY_EPS, SamplingParams
 from metrale.errors import UnknownAdapterError
 from metrale.server.app import create_app
 from metrale.server.auth import require_user
+from metrale.server.engine_api import AdapterListing, EngineLimits
 from metrale.server.errors import EngineUnavailableError, ServerError
 from metrale.server.metrics import ServerMetrics
 from metrale.server.settings import ServerSettings
@@ -82,19 +83,6 @@ class ClusterAdapterView:
                 "unloading": self.unloading, "replicas": self.replicas, "errors": self.errors}
 
 
-class IngressModel:
-    """What the shared routes read from `engine.engine`: the tokenizer and limits."""
-
-    def __init__(self, model_dir: Path, max_seq_tokens: int, cluster: ClusterEngine) -> None:
-        self.tokenizer = load_tokenizer(model_dir)
-        self.model_config = ModelConfig.from_dir(model_dir)
-        self.max_seq_tokens = max_seq_tokens
-        self._cluster = cluster
-
-    def reset_prefix_cache(self):
-        return self._cluster.fan_out("POST", "/reset_prefix_cache", sum_key="dropped_blocks")
-
-
 def _deterministic(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_EPS or params.seed is not None
 
@@ -107,15 +95,18 @@ class ClusterEngine:
         self.alive, self.error = True, None
         self.served: dict[str, Counter] = defaultdict(Counter)  # adapter -> replica -> n
         self.retried = 0
-        self.engine: IngressModel | None = None
+        self.tokenizer = None  # these two: the base model's, set by setup()
+        self.limits: EngineLimits | None = None
         self._http = httpx.AsyncClient(timeout=cluster.sync_timeout_s, headers={
             "Authorization": f"Bearer {spec.internal_key}"})
 
     async def setup(self) -> None:
         info = await self.handle.info.remote()
-        self.engine = IngressModel(Path(self.spec.model), info["max_seq_tokens"], self)
+        model_dir = Path(self.spec.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.limits = EngineLimits(info["max_seq_tokens"], ModelConfig.from_dir(model_dir).vocab_size)
 
-    # --- the engine surface the shared routes use ---------------------------------------
+    # --- EngineAPI ----------------------------------------------------------------------
 
     def start(self) -> None:
         pass  # replicas run their own engines
@@ -123,10 +114,6 @@ class ClusterEngine:
     async def shutdown(self, drain_timeout_s: float = 5.0) -> None:
         self.alive = False
         await self._http.aclose()
-
-    async def call(self, fn):
-        result = fn()
-        return await result if inspect.isawaitable(result) else result
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        adapter: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -183,7 +170,7 @@ class ClusterEngine:
     async def unload(self, name: str) -> str:
         version = unwrap(await self.registry.unload.remote(name))
         await self._applied(version, name)
-        views = (await self.snapshot())["adapters"]
+        views = (await self.residency()).adapters
         return "draining" if any(v.name == name for v in views) else "unloaded"
 
     async def promote(self, name: str) -> tuple[ClusterAdapterView, None]:
@@ -209,7 +196,13 @@ class ClusterEngine:
     async def is_known(self, name: str) -> bool:
         return await self.registry.get.remote(name) is not None
 
-    async def snapshot(self) -> dict:
+    async def reset_prefix_cache(self) -> int:
+        total = 0
+        for m in await self.registry.members.remote():
+            total += (await self._post(m.url, "/reset_prefix_cache"))["dropped_blocks"]
+        return total
+
+    async def residency(self) -> AdapterListing:
         """Every replica's adapters and slots, live from each replica."""
         members = await self.registry.members.remote()
         answers = await asyncio.gather(*(self._get(m.url, "/v1/adapters") for m in members),
@@ -229,12 +222,12 @@ class ClusterEngine:
                 name, str(version.source) if version else None,
                 bool(version and version.pinned), version.version if version else None,
                 per_name[name]))
-        return {"adapters": views, "slots": slots}
+        return AdapterListing(views, slots)
 
     async def view(self, name: str, errors: dict[str, str] | None = None) -> ClusterAdapterView:
         """errors: replicas that could not apply the change (e.g. every slot pinned there):
         the change stands in the registry, and those replicas retry it on the next change."""
-        for v in (await self.snapshot())["adapters"]:
+        for v in (await self.residency()).adapters:
             if v.name == name:
                 return replace(v, errors=errors or {})
         version = await self.registry.get.remote(name)
@@ -273,12 +266,6 @@ class ClusterEngine:
             log.warning("replica %s: change %d of %r: %s", rid, version, name, error)
         return errors
 
-    async def fan_out(self, method: str, path: str, sum_key: str) -> int:
-        total = 0
-        for m in await self.registry.members.remote():
-            total += (await self._post(m.url, path))[sum_key]
-        return total
-
     async def _get(self, url: str, path: str) -> dict:
         r = await self._http.get(url + path)
         r.raise_for_status()
@@ -315,7 +302,7 @@ def unwrap(result):
 
 class ClusterIngress:
     """The ingress deployment: `serve.ingress()` calls __serve_build_asgi_app__ after
-    __init__, so the app is built with the live facade (create_app needs an engine)."""
+    __init__, so the app is built with the live ClusterEngine (its setup reads the replicas)."""
 
     def __init__(self, replicas: DeploymentHandle, spec: ReplicaSpec, cluster: ClusterConfig,
                  settings_kwargs: dict) -> None:

@@ -14,6 +14,7 @@ routers that scrape replicas) and the admin routes the ingress fans out to. On t
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import threading
@@ -65,6 +66,7 @@ class EngineReplica:
                   peer_transport=spec.peer_transport, peer_timeout_s=spec.peer_timeout_s,
                   **({"num_kv_blocks": spec.num_kv_blocks} if spec.num_kv_blocks else {}))
         self.model_id = llm.model_dir.name
+        self._routing_stats = functools.partial(routing_stats, llm.engine)  # engine thread
         self.engine = AsyncEngine(llm.engine, on_fatal=self._engine_failed)
         self.engine.start()
         exporter = AdapterExporter(
@@ -73,7 +75,7 @@ class EngineReplica:
         self.peer_server = PeerHTTPServer(exporter, host=spec.host, port=0,
                                           client_allow=spec.peer_allow or LOOPBACK).start()
         self.peer_addr = self.peer_server.url.removeprefix("http://")
-        self.stager = PeerStager(self.engine, self._holders, spec.peer_timeout_s)
+        self.stager = PeerStager(self.engine, self._holders)
         self.arrivals = self.hits = 0  # adapter requests, and those whose adapter was READY
         self.url = self._start_http()
         registry = ray.get_actor(spec.registry_name, namespace=spec.registry_namespace)
@@ -100,7 +102,7 @@ class EngineReplica:
             raise RuntimeError(f"engine stopped: {self.engine.error!r}")
 
     async def record_routing_stats(self) -> dict:
-        stats = await self.engine.call(lambda: routing_stats(self.engine.engine))
+        stats = await self.engine.call(self._routing_stats)
         stats["peer_addr"] = self.peer_addr
         return stats
 
@@ -108,13 +110,13 @@ class EngineReplica:
 
     async def info(self) -> dict:
         return {"replica_id": self.replica_id, "model_id": self.model_id,
-                "max_seq_tokens": self.engine.engine.max_seq_tokens, "url": self.url}
+                "max_seq_tokens": self.engine.limits.max_seq_tokens, "url": self.url}
 
     async def validate(self, name: str, path: str):
         """Check an adapter's files against this engine (the cluster validates once, here):
         (True, AdapterSource) or (False, the typed refusal)."""
         try:
-            return True, await asyncio.to_thread(self.engine.engine.check_adapter, name, path)
+            return True, await self.engine.check_adapter(name, path)
         except MetraleError as e:
             return False, e
 
@@ -123,14 +125,18 @@ class EngineReplica:
         """(replica id, RequestOutput) per step; a refusal arrives as (replica id, error)
         and ends the stream, so its class and message cross Ray untouched."""
         try:
-            # the fast check is a racy read of the slot map, only a hint: ensure() re-checks
+            staged = False
             if adapter is not None:
-                resident = self.engine.engine.registry.slot_of(adapter) is not None
                 self.arrivals += 1
-                self.hits += resident
-                if not resident and self.spec.stage_from_peers and self._holders(adapter):
-                    await asyncio.to_thread(self.stager.ensure, adapter)
+                # residency as last reported to the registry: only a hint, ensure() re-checks
+                if adapter not in self.sync.resident and self.spec.stage_from_peers \
+                        and self._holders(adapter):
+                    staged = (await self.stager.ensure(adapter)).source == "peer"
+            first = adapter is not None
             async for out in self.engine.generate(prompt, params, adapter):
+                if first:  # READY on arrival: bound with no wait, and not staged for it
+                    self.hits += out.adapter_wait_s == 0 and not staged
+                    first = False
                 yield self.replica_id, out
         except MetraleError as e:
             yield self.replica_id, e
@@ -155,7 +161,7 @@ class EngineReplica:
         @internal.post("/internal/stage/{name}")
         async def stage(name: str, request: Request) -> dict:
             """Make `name` resident here: from a neighbour if one holds it, else from disk."""
-            record = await asyncio.to_thread(self.stager.ensure, name)
+            record = await self.stager.ensure(name)
             if record.source != "peer":
                 await self.engine.promote(name)
             return {"replica": self.replica_id, "source": record.source, "peer": record.peer}

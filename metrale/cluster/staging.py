@@ -3,24 +3,22 @@
 When a replica must make an adapter resident and another live replica reports the
 same cluster version READY (the registry's residency, sync.py), the bytes come from
 that replica's exporter (peer/: a lease on its slot, the manifest checked against our
-layout, then NIXL or HTTP), and land through the engine's ordinary checked Landing.
-Any failure (the neighbour evicted it, the lease was refused, no free slot) falls
-back to the engine's own on-demand promotion from disk. Every outcome is recorded,
-with the source, so tests and metrics see where bytes came from.
-
-Blocking code, run on a worker thread: it never holds the engine thread for I/O
-(the peer read happens before engine.call), and works from any event loop.
+layout, then NIXL or HTTP), read off the engine thread and landed as the current
+version by the engine (AsyncEngine.promote_via). Any failure (the neighbour evicted it,
+the lease was refused, no free slot) falls back to the engine's own on-demand promotion
+from disk. Every outcome is recorded, with the source, so tests and metrics see where
+bytes came from. Its coroutine may run on any event loop.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from metrale.engine.registry import AdapterSource, PeerRef
+from metrale.engine.residency import Residence
 from metrale.errors import MetraleError
 from metrale.server.async_engine import AsyncEngine
 
@@ -37,45 +35,32 @@ class StagingRecord:
 
 
 class PeerStager:
-    def __init__(self, engine: AsyncEngine, holders: Callable[[str], list[str]],
-                 timeout_s: float = 30.0) -> None:
+    def __init__(self, engine: AsyncEngine, holders: Callable[[str], list[str]]) -> None:
         """holders(name): export addresses of live replicas holding this replica's
         current version of `name` READY (from the registry, via RegistrySync)."""
-        self.engine, self.holders, self.timeout_s = engine, holders, timeout_s
-        self._lock = threading.Lock()
+        self.engine, self.holders = engine, holders
         self.records: list[StagingRecord] = []
 
-    def _call(self, fn):
-        return self.engine.submit(fn).result(timeout=self.timeout_s)
-
-    def ensure(self, name: str) -> StagingRecord:
+    async def ensure(self, name: str) -> StagingRecord:
         """Make `name` resident from a neighbour if one holds it; otherwise leave it to
         the engine's disk promotion (the request waits for it as usual)."""
         start = time.perf_counter()
-        with self._lock:  # single-flight: a second caller finds it resident
-            engine = self.engine.engine
-            try:
-                version = self._call(lambda: engine.registry.current(name))
-            except MetraleError:
-                return self._record(name, "none", None, start, "unknown adapter")
-            if self._call(lambda: engine.registry.slot_of(name)) is not None:
-                return self._record(name, "resident", None, start)
-            for addr in self.holders(name):
-                source = AdapterSource(peer=PeerRef(addr, name))
-                try:
-                    prepared = engine.read_adapter(name, source).result()
-                except MetraleError as e:
-                    log.info("staging %r from %s failed (%s); next", name, addr, e)
-                    continue
-                try:
-                    self._call(lambda p=prepared, s=source: engine.land(version, None, p, origin=s))
-                    return self._record(name, "peer", addr, start)
-                except MetraleError as e:  # POOL_FULL, reloaded meanwhile: disk path
-                    return self._record(name, "none", addr, start, f"{type(e).__name__}: {e}")
-                finally:
-                    if prepared is not None:  # a refused landing may not have closed it
-                        prepared.close()
+        rows = [r for r in await self.engine.rows() if r.registered and r.name == name]
+        if not rows:
+            return self._record(name, "none", None, start, "unknown adapter")
+        if rows[0].state is Residence.READY:
+            return self._record(name, "resident", None, start)
+        holders = self.holders(name)
+        if not holders:
             return self._record(name, "none", None, start)
+        try:  # the engine reads one holder after another; one landing at a time
+            via = await self.engine.promote_via(
+                name, [AdapterSource(peer=PeerRef(addr, name)) for addr in holders])
+        except MetraleError as e:  # POOL_FULL, reloaded meanwhile, no holder read: disk path
+            return self._record(name, "none", None, start, f"{type(e).__name__}: {e}")
+        if via is None:  # landed meanwhile (another request's staging, a promotion)
+            return self._record(name, "resident", None, start)
+        return self._record(name, "peer", via.peer.addr, start)
 
     def _record(self, name: str, source: str, peer: str | None, start: float,
                 error: str | None = None) -> StagingRecord:

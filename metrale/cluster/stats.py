@@ -6,17 +6,20 @@ from __future__ import annotations
 from collections import Counter
 
 from metrale.engine.llm_engine import LLMEngine
+from metrale.engine.residency import Residence
 
 
 def routing_stats(engine: LLMEngine) -> dict:
-    table, registry = engine.lora.table, engine.registry
-    pinned = registry.pinned_slots()
-    ready = sorted(registry.routes())
-    landing, idle, slots = [], 0, len(table)
-    for info in table.infos():
-        # a promotion may take an idle READY slot or an EMPTY one now
-        idle += info.state.value == "EMPTY" or (
-            info.state.value == "READY" and info.ref_count == 0 and info.slot not in pinned)
+    ready, landing, idle, slots = [], [], 0, 0
+    for row in engine.residency():
+        slots += row.slot is not None
+        if row.registered and row.state is Residence.READY:
+            ready.append(row.name)
+            idle += row.refs == 0 and not row.pinned  # a promotion may take it now
+        elif row.registered and row.state is Residence.LOADING:
+            landing.append(row.name)
+        elif row.state is Residence.EMPTY:
+            idle += 1
     promoting = engine.adapters.promoting()
     if promoting:
         landing.append(promoting)

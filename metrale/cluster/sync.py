@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from metrale.cluster.registry import POLL_S, Desired
+from metrale.engine.residency import Residence
 from metrale.errors import MetraleError, UnknownAdapterError
 from metrale.server.async_engine import AsyncEngine
 
@@ -32,6 +33,7 @@ class RegistrySync:
         self.applied: dict[str, Desired] = {}
         self.errors: dict[str, str] = {}
         self.others: dict[str, tuple[str | None, dict[str, int]]] = {}
+        self.resident: dict[str, int] = {}  # as last reported
         self._stop = False
 
     def stop(self) -> None:
@@ -49,9 +51,9 @@ class RegistrySync:
         beats = asyncio.create_task(self._beat_loop())  # noqa: F841 - lives as long as run()
         while not self._stop:
             try:
-                resident = await self.engine.call(self._resident)
+                self.resident = await self._resident()
                 version, desired, others = await self._poll(
-                    self.applied_version, resident, dict(self.errors))
+                    self.applied_version, self.resident, dict(self.errors))
                 self.others = others
                 if version != self.applied_version:
                     await self.reconcile(desired)
@@ -60,15 +62,10 @@ class RegistrySync:
                 log.exception("cluster sync failed; retrying")
                 await asyncio.sleep(1.0)
 
-    def _resident(self) -> dict[str, int]:
-        """READY adapters of this engine -> the cluster version each one is (engine thread)."""
-        registry = self.engine.engine.registry
-        out = {}
-        for name in registry.routes():
-            d = self.applied.get(name)
-            if d is not None:
-                out[name] = d.version
-        return out
+    async def _resident(self) -> dict[str, int]:
+        """READY adapters of this engine -> the cluster version each one is."""
+        return {r.name: self.applied[r.name].version for r in await self.engine.rows()
+                if r.registered and r.state is Residence.READY and r.name in self.applied}
 
     async def reconcile(self, desired: dict[str, Desired]) -> None:
         for name in sorted(set(self.applied) - set(desired)):

@@ -26,6 +26,7 @@ from metrale.engine.block_manager import BlockManager
 from metrale.engine.output_processor import OutputProcessor, failed_output
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion, PeerRef
+from metrale.engine.residency import ResidencyRow, loading_of, residency_rows
 from metrale.engine.runner import ModelRunner
 from metrale.engine.sampler import SampledTokens
 from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
@@ -349,3 +350,6 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """The registry and the slot table agree (tests and debugging)."""
         self.registry.check_integrity(self.lora.table)
+
+    def residency(self) -> list[ResidencyRow]:
+        return residency_rows(self.registry, self.lora.table, loading_of(self.adapters.job))

@@ -1,5 +1,6 @@
 """metrale's OpenAI-compatible HTTP server (`metrale serve`).
 
+    engine_api    EngineAPI: all the routes know of an engine (one engine or the cluster)
     async_engine  the LLMEngine on one background thread; asyncio streams per request
     adapter_ops   adapter management as run on the engine thread (incl. draining unloads)
     app           create_app(): routes, error JSON, body limit, /health, /metrics

@@ -1,7 +1,8 @@
 """Adapter management as the server sees it. Every method here runs on the engine
-thread, between steps (AsyncEngine.call): it asks the engine's registry and slot table
-and turns their answers into views. Reading adapter bytes happens before, off the engine
-thread (AsyncEngine), and arrives here as a `Prepared`.
+thread, between steps (AsyncEngine.call): it asks the engine's registry for names and
+versions, reads where adapters live from the engine's residency rows, and turns those
+into views. Reading adapter bytes happens before, off the engine thread (AsyncEngine),
+and arrives here as a `Prepared`.
 
 Unload never waits for a busy slot: the name leaves the registry at once (and admission
 refuses it), and the slot is freed after the step that finishes its last in-flight request.
@@ -13,11 +14,12 @@ import logging
 from dataclasses import dataclass
 
 from metrale.engine.llm_engine import LLMEngine
-from metrale.engine.registry import AdapterSource
+from metrale.engine.registry import AdapterSource, AdapterVersion
+from metrale.engine.residency import Residence, ResidencyRow
 from metrale.engine.sampling_params import SamplingParams
-from metrale.errors import RuntimeSwapsDisabledError
-from metrale.pool.slots import SlotInfo
+from metrale.errors import RuntimeSwapsDisabledError, UnknownAdapterError
 from metrale.pool.swap import Prepared
+from metrale.server.engine_api import AdapterListing
 from metrale.server.metrics import ServerMetrics, kv
 
 log = logging.getLogger("metrale.server")
@@ -32,11 +34,19 @@ class AdapterView:
     pinned: bool
     slot: int | None  # None: on disk only
     uid: int | None
-    state: str  # READY | LOADING | EMPTY (slot states) or DISK
+    state: str  # READY | LOADING, or DISK when in no slot
     ref_count: int
     last_used: int | None
     unloading: bool
     version: int | None = None
+
+    @classmethod
+    def of(cls, row: ResidencyRow) -> AdapterView:
+        return cls(name=row.name, path=None if row.source is None else str(row.source),
+                   pinned=row.pinned, slot=row.slot, uid=row.uid,
+                   state="DISK" if row.state is Residence.COLD else row.state.value,
+                   ref_count=row.refs, last_used=row.last_used, unloading=not row.registered,
+                   version=row.version)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -45,7 +55,6 @@ class AdapterView:
 class AdapterOps:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
         self.engine, self.metrics = engine, metrics
-        self.table = engine.lora.table
         self.registry = engine.registry
         self._waiting_ids: set[str] = set()
         self._counted: dict[str, int] = {}
@@ -78,14 +87,19 @@ class AdapterOps:
 
     def is_resident(self, name: str) -> bool:
         self.registry.changeable(name)
-        return self.registry.slot_of(name) is not None
+        return self.row(name).state is Residence.READY
+
+    def cold_version(self, name: str) -> AdapterVersion | None:
+        """The version to land for `name`, or None when it is resident (READY)."""
+        version = self.registry.changeable(name)
+        return None if self.row(name).state is Residence.READY else version
 
     def promote(self, name: str, prepared: Prepared | None) -> tuple[AdapterView, str | None]:
         """Make `name` resident; a resident adapter only gets its recency refreshed."""
         version = self.registry.changeable(name)
-        slot = self.registry.slot_of(name)
-        if slot is not None:
-            self.table.touch(slot)
+        row = self.row(name)
+        if row.state is Residence.READY:
+            self.engine.lora.table.touch(row.slot)
             return self.view(name), None
         _, evicted = self.engine.land(version, None, prepared)
         return self.view(name), evicted
@@ -161,37 +175,26 @@ class AdapterOps:
 
     # --- views ------------------------------------------------------------------------
 
-    def view(self, name: str, infos: list[SlotInfo] | None = None) -> AdapterView:
-        infos = infos if infos is not None else self.table.infos()
-        version = self.registry.get(name)
-        draining = self.registry.draining()
-        slot = self.registry.slot_of(name)
-        if slot is None and name in draining:
-            slot = draining[name]
-        info = infos[slot] if slot is not None else None
-        return AdapterView(
-            name=name, path=str(version.source) if version else None,
-            pinned=bool(version and version.pinned),
-            slot=slot, uid=info.uid if info else None,
-            state=info.state.value if info else "DISK",
-            ref_count=info.ref_count if info else 0,
-            last_used=info.last_used if info else None,
-            unloading=name in draining,
-            version=version.version if version else None,
-        )
+    def row(self, name: str) -> ResidencyRow:
+        """The row of a registered or draining name."""
+        for row in self.engine.residency():
+            if row.name == name:
+                return row
+        raise UnknownAdapterError(f"adapter {name!r} is not registered")
 
-    def snapshot(self) -> dict:
+    def view(self, name: str) -> AdapterView:
+        return AdapterView.of(self.row(name))
+
+    def listing(self) -> AdapterListing:
         """Every adapter (registered or still draining) and every slot, consistently."""
-        infos = self.table.infos()
-        names = sorted(set(self.registry.names()) | set(self.registry.draining()))
-        pinned = self.registry.pinned_slots()
-        return {
-            "adapters": [self.view(n, infos) for n in names],
-            "slots": [
-                {"slot": i.slot, "name": self.registry.name_in(i.slot), "uid": i.uid,
-                 "generation": i.generation, "version": i.version,
-                 "state": i.state.value, "ref_count": i.ref_count, "pinned": i.slot in pinned,
-                 "last_used": i.last_used}
-                for i in infos
-            ],
-        }
+        rows = self.engine.residency()
+        slots = sorted((r for r in rows if r.slot is not None), key=lambda r: r.slot)
+        return AdapterListing(
+            adapters=[AdapterView.of(r) for r in rows if r.name is not None],
+            # a slot's name: the one that routes requests to it now
+            slots=[{"slot": r.slot,
+                    "name": r.name if r.registered and r.state is Residence.READY else None,
+                    "uid": r.uid, "generation": r.generation, "state": r.state.value,
+                    "ref_count": r.refs, "pinned": r.pinned, "last_used": r.last_used}
+                   for r in slots],
+        )

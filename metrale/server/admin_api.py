@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from metrale.engine.registry import PEER_SCHEME
 from metrale.errors import AdapterExistsError, UnknownAdapterError
 from metrale.pool.swap import validate_adapter_name
-from metrale.server.async_engine import AsyncEngine
 from metrale.server.auth import require_admin, require_user
+from metrale.server.engine_api import EngineAPI
 from metrale.server.errors import BadRequestError
 from metrale.server.paths import resolve_adapter_path
 from metrale.server.protocol import (
@@ -46,7 +46,7 @@ def _adapter_source(raw: object, settings: ServerSettings, param: str) -> str | 
     return resolve_adapter_path(raw, settings.adapter_roots, param)
 
 
-def _ctx(request: Request) -> tuple[AsyncEngine, ServerSettings]:
+def _ctx(request: Request) -> tuple[EngineAPI, ServerSettings]:
     return request.app.state.engine, request.app.state.settings
 
 
@@ -75,8 +75,7 @@ async def vllm_unload(body: UnloadLoraRequest, request: Request) -> PlainTextRes
 @admin.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> dict:
     engine, _ = _ctx(request)
-    # on the engine thread, between two steps: the block tables are not shared
-    dropped = await engine.call(engine.engine.reset_prefix_cache)
+    dropped = await engine.reset_prefix_cache()
     return {"status": "ok", "dropped_blocks": dropped}
 
 
@@ -114,9 +113,9 @@ async def get_active(request: Request) -> dict:
 @reads.get("/v1/adapters")
 async def list_adapters(request: Request) -> dict:
     engine, settings = _ctx(request)
-    snapshot = await engine.snapshot()
+    listing = await engine.residency()
     return {"model": settings.model_id, "default_adapter": settings.default_adapter,
-            "adapters": [a.as_dict() for a in snapshot["adapters"]], "slots": snapshot["slots"]}
+            "adapters": [a.as_dict() for a in listing.adapters], "slots": listing.slots}
 
 
 @admin.post("/v1/adapters", status_code=201)

@@ -1,4 +1,5 @@
-"""create_app: the FastAPI application over one AsyncEngine.
+"""create_app: the FastAPI application over one engine (engine_api.EngineAPI: the
+single engine's AsyncEngine, or the cluster's ingress).
 
 Every refusal leaves as OpenAI error JSON with an honest status code and is
 counted in metrale_refusals_total by class name; nothing a client sends can
@@ -20,8 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metrale.errors import MetraleError
 from metrale.server import admin_api, openai_api
-from metrale.server.async_engine import AsyncEngine
 from metrale.server.auth import AuthGate
+from metrale.server.engine_api import EngineAPI
 from metrale.server.errors import error_body, exception_body
 from metrale.server.metrics import ServerMetrics
 from metrale.server.settings import ServerSettings
@@ -95,7 +96,7 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
     """The app; its lifespan starts the engine thread and shuts it down gracefully."""
 
     @contextlib.asynccontextmanager
@@ -158,10 +159,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/metrics")
     async def prometheus() -> Response:
         if engine.alive:
-            snapshot = await engine.snapshot()
+            listing = await engine.residency()
             metrics.set_residency(
                 (a.name, "none" if a.slot is None else str(a.slot), a.state)
-                for a in snapshot["adapters"])
+                for a in listing.adapters)
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     app.include_router(openai_api.router)

@@ -4,18 +4,21 @@ The engine is single-threaded by design: every mutation (admission, abort,
 adapter operations) is handed to `engine.call_soon` and runs on the engine
 thread between two steps. The thread steps while there is work and sleeps on
 an Event when there is none; each RequestOutput goes to its request's asyncio
-queue through `loop.call_soon_threadsafe`.
+queue through `loop.call_soon_threadsafe`. It implements EngineAPI (engine_api.py),
+all the HTTP routes use; the cluster's replica code uses the few methods beyond it.
+Its coroutines may be awaited from any event loop (a cluster replica runs several).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -23,9 +26,12 @@ from typing import TypeVar
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterSource
+from metrale.engine.residency import ResidencyRow
 from metrale.engine.sampling_params import SamplingParams
+from metrale.errors import MetraleError, PeerUnavailableError
 from metrale.pool.swap import Prepared
 from metrale.server.adapter_ops import AdapterOps, AdapterView
+from metrale.server.engine_api import AdapterListing, EngineLimits
 from metrale.server.errors import EngineUnavailableError
 from metrale.server.metrics import ServerMetrics
 
@@ -52,6 +58,8 @@ class AsyncEngine:
         """on_fatal: called on the engine thread if the loop itself fails (not one request:
         those fail alone); the server exits the process rather than answer 503 forever."""
         self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.limits = EngineLimits(engine.max_seq_tokens, engine.model_config.vocab_size)
         self._on_fatal = on_fatal
         self.metrics = metrics or ServerMetrics()
         self.metrics.instrument(engine.lora)
@@ -143,10 +151,15 @@ class AsyncEngine:
 
     # --- adapter management: bytes read here, off the engine thread; changes on it ----------
 
+    async def check_adapter(self, name: str, path: str | Path | AdapterSource) -> AdapterSource:
+        """Validate the adapter's files (or ask its peer) on a thread; raises AdapterError,
+        PeerNotAllowedError, PeerUnavailableError."""
+        return await asyncio.to_thread(self.engine.check_adapter, name, path)
+
     async def register(self, name: str, path: str | Path, pinned: bool = False,
                        reload: bool = False) -> AdapterView:
         await self.call(lambda: self.ops.check_register(name, reload))  # before any I/O
-        source = await asyncio.to_thread(self.engine.check_adapter, name, path)
+        source = await self.check_adapter(name, path)
         if not pinned:
             return await self.call(lambda: self.ops.register(name, source, False, reload, None))
         return await self._with_bytes(
@@ -158,13 +171,38 @@ class AsyncEngine:
         source = await self.call(lambda: self.ops.source_of(name))
         return await self._with_bytes(name, source, lambda p: self.ops.promote(name, p))
 
+    async def promote_via(self, name: str, sources: Sequence[AdapterSource]) -> AdapterSource | None:
+        """Make `name`'s current version resident from the first of `sources` that reads
+        (neighbours holding that same version), not from its registered source: the source
+        it landed from, or None when it was resident already. Raises UnknownAdapterError,
+        the last read's refusal when none read (PeerUnavailableError, AdapterError ...),
+        the landing's (PoolFullError; StaleVersionError: reloaded meanwhile)."""
+        version = await self.call(lambda: self.ops.cold_version(name))
+        if version is None:
+            return None
+        error: MetraleError = PeerUnavailableError(f"no source to read {name!r} from")
+        for source in sources:
+            try:
+                prepared = await self._read(name, source)
+            except MetraleError as e:
+                log.info("reading %r from %s failed (%s); next", name, source, e)
+                error = e
+                continue
+            try:
+                await self.call(functools.partial(self.engine.land, version, None, prepared, source))
+            finally:
+                if prepared is not None:  # a refused landing may not have closed it
+                    prepared.close()
+            return source
+        raise error
+
     async def swap(self, name: str, slot: int, path: str | Path | None = None,
                    reload: bool = False) -> AdapterView:
         if path is None:
             source = await self.call(lambda: self.ops.source_of(name))
             return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, None, False, p))
         await self.call(lambda: self.ops.check_register(name, reload))
-        source = await asyncio.to_thread(self.engine.check_adapter, name, path)
+        source = await self.check_adapter(name, path)
         return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, source, reload, p))
 
     async def pin(self, name: str, pinned: bool = True) -> AdapterView:
@@ -176,22 +214,35 @@ class AsyncEngine:
     async def unload(self, name: str) -> str:
         return await self.call(lambda: self.ops.unload(name))
 
-    async def snapshot(self) -> dict:
-        return await self.call(self.ops.snapshot)
+    async def residency(self) -> AdapterListing:
+        return await self.call(self.ops.listing)
+
+    async def rows(self) -> list[ResidencyRow]:
+        """The engine's residency rows (engine/residency.py), for the cluster's readers."""
+        return await self.call(self.engine.residency)
 
     async def is_known(self, name: str) -> bool:
         return await self.call(lambda: self.engine.registry.get(name) is not None)
+
+    async def reset_prefix_cache(self) -> int:
+        # on the engine thread, between two steps: the block tables are not shared
+        return await self.call(self.engine.reset_prefix_cache)
 
     async def _with_bytes(self, name: str, source: AdapterSource,
                           land: Callable[[Prepared | None], T]) -> T:
         """Read and check the adapter on the engine's reader thread (a slow disk or peer
         stalls nobody), then land it on the engine thread."""
-        prepared = await asyncio.wrap_future(self.engine.read_adapter(name, source))
+        prepared = await self._read(name, source)
         try:
             return await self.call(lambda: land(prepared))
         finally:
             if prepared is not None:
                 prepared.close()
+
+    async def _read(self, name: str, source: AdapterSource) -> Prepared | None:
+        """The engine's one reader (LLMEngine.read_adapter); None: a host-tier hit, landed
+        from the tier on the engine thread. Awaitable from any event loop."""
+        return await asyncio.wrap_future(self.engine.read_adapter(name, source))
 
     # --- the engine thread ---------------------------------------------------------------
 

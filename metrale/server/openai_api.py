@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import metrale
 from metrale.engine.outputs import RequestOutput
 from metrale.errors import UnknownAdapterError
-from metrale.server.async_engine import AsyncEngine
 from metrale.server.auth import require_user
+from metrale.server.engine_api import EngineAPI
 from metrale.server.errors import BadRequestError, exception_body
 from metrale.server.protocol import (
     ChatCompletionRequest,
@@ -46,7 +46,7 @@ class ClientDisconnected(Exception):
     """The client went away; its request was aborted and nobody reads the answer."""
 
 
-def _ctx(request: Request) -> tuple[AsyncEngine, ServerSettings]:
+def _ctx(request: Request) -> tuple[EngineAPI, ServerSettings]:
     return request.app.state.engine, request.app.state.settings
 
 
@@ -156,15 +156,15 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     max_tokens = _max_tokens(body.max_tokens, _COMPLETIONS_DEFAULT_MAX_TOKENS, settings)
     params = body.sampling_params(max_tokens, body.logprobs)
     adapter = resolve_adapter(body, settings)
-    fmt = CompletionFormatter(adapter or settings.model_id, TokenText(engine.engine.tokenizer),
+    fmt = CompletionFormatter(adapter or settings.model_id, TokenText(engine.tokenizer),
                               body.logprobs is not None)
     gen = engine.generate(prompt, params, adapter)
     return await _respond(request, gen, fmt, bool(body.stream), body.include_usage,
                           body.continuous_usage)
 
 
-def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest | TokenizeRequest) -> str:
-    tokenizer = engine.engine.tokenizer
+def _chat_prompt(engine: EngineAPI, body: ChatCompletionRequest | TokenizeRequest) -> str:
+    tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequestError("this model has no chat template; use /v1/completions", "messages")
     messages = [m.as_template_dict() for m in body.messages]
@@ -180,31 +180,31 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     body.refuse_unsupported()
     prompt = _chat_prompt(engine, body)
     # Default: as long as the context allows (OpenAI's behaviour), capped by the server limit.
-    room = engine.engine.max_seq_tokens - len(engine.engine.tokenizer.encode(prompt))
+    room = engine.limits.max_seq_tokens - len(engine.tokenizer.encode(prompt))
     if room < 1:
         raise BadRequestError(f"the messages fill the model's context of "
-                              f"{engine.engine.max_seq_tokens} tokens", "messages")
+                              f"{engine.limits.max_seq_tokens} tokens", "messages")
     max_tokens = _max_tokens(body.requested_max_tokens, room, settings,
                              body.api_param("max_tokens"))
     params = body.sampling_params(max_tokens, body.engine_logprobs)
     adapter = resolve_adapter(body, settings)
     # `model` names what served the request: the adapter (also a server default one), or
     # the base model; never the alias the client sent
-    fmt = ChatFormatter(adapter or settings.model_id, TokenText(engine.engine.tokenizer),
+    fmt = ChatFormatter(adapter or settings.model_id, TokenText(engine.tokenizer),
                         bool(body.logprobs))
     gen = engine.generate(prompt, params, adapter)
     return await _respond(request, gen, fmt, bool(body.stream), body.include_usage,
                           body.continuous_usage)
 
 
-def _tokenizer(engine: AsyncEngine):
-    tokenizer = engine.engine.tokenizer
+def _tokenizer(engine: EngineAPI):
+    tokenizer = engine.tokenizer
     if tokenizer is None:
         raise BadRequestError("this model has no tokenizer", "model")
     return tokenizer
 
 
-async def _check_model(body: TokenizeRequest | DetokenizeRequest, engine: AsyncEngine,
+async def _check_model(body: TokenizeRequest | DetokenizeRequest, engine: EngineAPI,
                        settings: ServerSettings) -> None:
     """An adapter named as `model` must exist (404 otherwise, as for generation); every
     adapter shares the base model's tokenizer."""
@@ -224,14 +224,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     # encoded as the engine encodes a text prompt
     text = body.prompt if body.messages is None else _chat_prompt(engine, body)
     tokens = _tokenizer(engine).encode(text)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.engine.max_seq_tokens}
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.limits.max_seq_tokens}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     engine, settings = _ctx(request)
     await _check_model(body, engine, settings)
-    vocab = engine.engine.model_config.vocab_size
+    vocab = engine.limits.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise BadRequestError(f"token ids must be in [0, {vocab})", "tokens")
     return {"prompt": _tokenizer(engine).decode(body.tokens)}
@@ -245,12 +245,12 @@ async def version() -> dict:
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
     engine, settings = _ctx(request)
-    snapshot = await engine.snapshot()
+    listing = await engine.residency()
     data = [{"id": settings.model_id, "object": "model", "created": int(settings.started),
              "owned_by": "metrale", "root": settings.model_id, "parent": None,
-             "max_model_len": engine.engine.max_seq_tokens,
+             "max_model_len": engine.limits.max_seq_tokens,
              "default_adapter": settings.default_adapter}]
-    for a in snapshot["adapters"]:
+    for a in listing.adapters:
         data.append({
             "id": a.name, "object": "model", "created": int(settings.started),
             "owned_by": "metrale", "root": a.name, "parent": settings.model_id,

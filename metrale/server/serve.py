@@ -110,7 +110,7 @@ def build_app(args: argparse.Namespace):
         public_docs=args.public_docs)
     async_engine = AsyncEngine(engine, on_fatal=_exit_on_engine_failure)
     if args.peer_export_port is not None:
-        _start_exporter(async_engine, args)
+        _start_exporter(async_engine, engine.lora, engine.registry, args)
     return create_app(async_engine, settings), settings, list(pinned) + list(unpinned)
 
 
@@ -122,7 +122,7 @@ def _exit_on_engine_failure(error: BaseException) -> None:
     os._exit(70)
 
 
-def _start_exporter(async_engine, args: argparse.Namespace) -> None:
+def _start_exporter(async_engine, lora, names, args: argparse.Namespace) -> None:
     """Export this engine's READY slots to peers (leases hold a slot reference, so a
     leased adapter is never swapped mid-transfer). Slot-table access runs on the
     engine thread, like every other mutation."""
@@ -132,8 +132,7 @@ def _start_exporter(async_engine, args: argparse.Namespace) -> None:
     from metrale.peer.store import resolve_transports
 
     exporter = AdapterExporter(
-        async_engine.engine.lora, async_engine.engine.registry,
-        call=lambda fn: async_engine.submit(fn).result(timeout=30),
+        lora, names, call=lambda fn: async_engine.submit(fn).result(timeout=30),
         transports=resolve_transports(args.peer_transport)).start()
     server = PeerHTTPServer(exporter, host=args.host, port=args.peer_export_port,
                             client_allow=tuple(args.peer_allow) or LOOPBACK).start()
