@@ -164,8 +164,8 @@ def test_rows_follow_register_land_pin_reload_unload(root):
     assert _row(rows, "a") == ResidencyRow("a", va2.version, None, Residence.COLD, 0, False, True,
                                            va2.source)
     (old,) = [r for r in rows if r.slot == slot_a]
-    assert (old.name, old.state, old.refs, old.pinned, old.uid) == \
-        (None, Residence.READY, 1, False, a.uid)  # detached: serves its request, admits none
+    assert (old.name, old.version, old.state, old.refs, old.pinned, old.uid) == \
+        (None, va.version, Residence.READY, 1, False, a.uid)  # detached: serves its request, admits none
 
     slot_b, evicted = engine.land(vb)
     assert (slot_b, evicted) == (1 - slot_a, None)
@@ -176,7 +176,7 @@ def test_rows_follow_register_land_pin_reload_unload(root):
     _check_cover(rows, {"a"}, 2)
     b = _row(rows, "b")
     assert (b.registered, b.slot, b.state, b.refs, b.version) == \
-        (False, slot_b, Residence.READY, 1, None)
+        (False, slot_b, Residence.READY, 1, vb.version)
 
     run_until_done(engine)
     step_until(engine, lambda: not [r for r in engine.residency() if r.name == "b"])

@@ -276,7 +276,9 @@ class Promoter:
     def _still_wanted(self, p: Promotion) -> bool:
         if p.installs:
             return True  # a seed landing makes its version current at commit
-        return self.registry.is_current(p.version) and self.registry.slot_of(p.name) is None
+        # a landing into a slot asked for moves a resident version there
+        return self.registry.is_current(p.version) and (
+            p.target is not None or self.registry.slot_of(p.name) is None)
 
     def _slot_for(self, p: Promotion) -> int:
         if p.target is not None:
