@@ -189,3 +189,65 @@ def test_a_pinned_slot_is_never_swapped_over(root, refs):
     assert engine.registry.name_in(slot) == "y" and not engine.registry.pinned_slots()  # the pin did not move
     assert llm.generate([PROMPT], GREEDY, ["y"])[0].token_ids == refs["new"]
     engine.check_integrity()
+
+
+def _one_slot(root, **kw):
+    return LLM(root / "model", max_loras=1, max_lora_rank=8, block_size=4, max_model_len=128,
+               num_kv_blocks=128, **kw)
+
+
+def test_a_pinned_reload_lands_into_its_own_idle_slot(root, refs):
+    """max_loras=1, the only slot pinned and idle: the reload replaces it at once (it was
+    refused POOL_FULL before), the pin holds the new version, and a refused reload of
+    another kind still changes nothing."""
+    llm = _one_slot(root)
+    engine = llm.engine
+    llm.register_adapter("x", root / "old", pinned=True)
+    old_uid = engine.lora.table.info(0).uid
+    version = engine.register_adapter("x", root / "new", reload=True)
+    assert version.pinned and engine.registry.slot_of("x") == 0
+    assert engine.registry.pinned_slots() == {0}
+    assert engine.lora.table.info(0).version == version.version
+    assert engine.lora.table.info(0).uid != old_uid
+    assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["new"]
+    engine.check_integrity()
+
+
+def test_a_pinned_reload_of_a_busy_slot_lands_when_it_drains(root, refs):
+    """The pinned slot serves a request: the old version finishes there, requests admitted
+    after the reload get the new version in the same slot once it drains, and no other
+    adapter may take that slot meanwhile."""
+    llm = _one_slot(root)
+    engine = llm.engine
+    llm.register_adapter("x", root / "old", pinned=True)
+    running = engine.add_request(PROMPT, GREEDY, "x")
+    step_until_running(engine, running)
+    version = engine.register_adapter("x", root / "new", reload=True)  # not refused
+    assert version.pinned and engine.registry.held_slot("x") == 0
+    after = engine.add_request(PROMPT, GREEDY, "x")
+    llm.register_adapter("y", root / "old")
+    other = engine.add_request(PROMPT, GREEDY, "y")  # may never take x's held slot
+    done: dict = {}
+    step_until(engine, lambda: engine.registry.slot_of("x") == 0, done)
+    assert engine.lora.table.info(0).version == version.version
+    done.update(run_until_done(engine))
+    assert done[running].token_ids == refs["old"]  # in flight: finished on its version
+    assert done[after].token_ids == refs["new"]
+    assert engine.registry.pinned_slots() == {0} and engine.registry.get("x").pinned
+    assert isinstance(done[other].error, AllSlotsPinnedError)
+    engine.check_integrity()
+
+
+def test_a_pinned_reload_with_nothing_in_flight_lands_without_a_request(root, refs):
+    """Held for the new version while busy, the slot takes it as soon as it is idle, with
+    no request for it needed."""
+    llm = _one_slot(root)
+    engine = llm.engine
+    llm.register_adapter("x", root / "old", pinned=True)
+    running = engine.add_request(PROMPT, GREEDY, "x")
+    step_until_running(engine, running)
+    version = engine.register_adapter("x", root / "new", reload=True)
+    run_until_done(engine)
+    step_until(engine, lambda: engine.registry.slot_of("x") == 0)
+    assert engine.lora.table.info(0).version == version.version
+    assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["new"]
