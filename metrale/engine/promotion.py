@@ -213,11 +213,14 @@ class Promoter:
         if p.prepared is None:  # a host-tier hit: its image is read here (engine thread)
             p.prepared = self._read_inline(p.name, p.origin)
         evicted = self.registry.name_in(slot)
+        # inline: the copies queue on the current stream, ordered before the next step's
+        # kernels with no host sync; else on the side stream, behind what is queued now
+        # (the last step may have read the victim)
+        side = None if inline else self._stream
         with on_device(self.device):
-            if self._stream is not None:
-                # after every kernel already queued: the last step may have read the victim
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with self._on_stream():
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(self.device))
+            with self._on(side):
                 p.landing = self.slots.begin(slot, zero=not p.prepared.fills_slot)
         if evicted is not None:
             self.registry.unroute(evicted)
@@ -225,9 +228,9 @@ class Promoter:
         p.evicted = evicted if evicted != p.name else None  # a pinned name's own slot
         if inline or self._worker is None:
             p.written = Future()
-            self._run(p.written, self._write, p.landing, p.prepared)
+            self._run(p.written, self._write, p.landing, p.prepared, side)
         else:
-            p.written = self._worker.submit(self._write, p.landing, p.prepared)
+            p.written = self._worker.submit(self._write, p.landing, p.prepared, side)
 
     def _written(self, p: Promotion) -> None:
         """WRITING -> COMMITTED, or FAILED (a write error, or superseded meanwhile)."""
@@ -334,7 +337,7 @@ class Promoter:
                 return None
         staging = self._free_staging.pop() if self._free_staging else StagingBuffers(self.device)
         try:
-            with on_device(self.device), self._on_stream():
+            with on_device(self.device), self._on(self._stream):
                 if source.path is not None:
                     prepared = self.slots.prepare_disk(source.path, name, staging, use_tier=False,
                                                        identity=identity)
@@ -362,18 +365,21 @@ class Promoter:
                                      timeout_s=p.timeout_s, peer_allow=p.peer_allow)
         return self.slots.prepare_disk(source.path, name, staging, use_tier)
 
-    def _write(self, landing: Landing, prepared: Prepared) -> torch.cuda.Event | None:
-        """The bytes into the LOADING slot; on CUDA, queued on the side stream."""
-        with on_device(self.device), self._on_stream():
+    def _write(self, landing: Landing, prepared: Prepared,
+               side: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """The bytes into the LOADING slot; on the side stream when given, with the event
+        that completes them."""
+        with on_device(self.device), self._on(side):
             prepared.write(landing)
-            if self._stream is None:
+            if side is None:
                 return None
             event = torch.cuda.Event()
-            event.record(self._stream)
+            event.record(side)
             return event
 
-    def _on_stream(self):
-        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+    @staticmethod
+    def _on(stream: torch.cuda.Stream | None):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     @staticmethod
     def _run(future: Future, fn, *args) -> None:
