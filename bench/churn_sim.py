@@ -25,7 +25,7 @@ from bench.churn import trace
 from bench.common import adapter_dir, build_pair, make_peft, pct, table
 from metrale.config import EngineConfig, PoolConfig, SchedulerConfig
 from metrale.engine.llm_engine import LLMEngine
-from metrale.engine.sampler import SampleResult
+from metrale.engine.sampler import SampledTokens
 from metrale.engine.sampling_params import SamplingParams
 from metrale.pool.layout import SlotLayout
 
@@ -69,9 +69,11 @@ def simulate(pair, root: Path, policy: SchedulerConfig, n_adapters: int, slots: 
             if slots >= n_adapters:  # all resident
                 engine.swap_lora_slot_from_disk(adapter_dir(root, a), f"a{a}", a)
 
-        def fake_run(batch):
+        def fake_run(batch, in_flight=None):  # the runner's signature; token 1 for every row
             clock.now += step_ms(batch) / 1e3
-            return [SampleResult(1) for _ in batch.sampling_seqs]
+            n = len(batch.sampling_seqs)
+            return SampledTokens(batch.sampling_seqs, torch.ones(n, dtype=torch.long),
+                                 torch.zeros(n), torch.ones(n, dtype=torch.bool))
 
         engine.runner.run = fake_run
         params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)

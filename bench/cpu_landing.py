@@ -4,7 +4,8 @@ aminmax on the CPU) and as isfinite().all() (what it was), in one run.
 
     python bench/cpu_landing.py [--model llama3-8b] [--reps 4] [--threads 1]
 
-Median ms of `LoraSlots.swap_lora_slot_from_disk` after one warm-up (page cache warm).
+Median ms of a disk landing into a bare pool (`LoraSlots.prepare_disk` + `land`, what an
+engine's swap runs) after one warm-up (page cache warm).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 import metrale.pool.pool as pool_module
-from bench.peer_nvlink import RANK, write_model_and_adapter
+from bench.peer_nvlink import RANK, land_from_disk, write_model_and_adapter
 from metrale.config import ModelConfig, PoolConfig
 from metrale.pool.swap import LoraSlots
 
@@ -27,7 +28,7 @@ def landing_ms(slots: LoraSlots, adapter: Path, reps: int, tag: str) -> float:
     times = []
     for i in range(reps + 1):
         start = time.perf_counter()
-        slots.swap_lora_slot_from_disk(adapter, f"{tag}{i}", i % 2)
+        land_from_disk(slots, adapter, i % 2, f"{tag}{i}")
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[1:])
 

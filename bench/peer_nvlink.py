@@ -6,7 +6,7 @@ NVLink), and time the raw peer copy of the same bytes in the same run.
     PYTHONPATH=. python3 bench/peer_nvlink.py --model tiny --device cpu   # smoke run
     PYTHONPATH=. python3 bench/peer_nvlink.py --model llama3-8b --device cpu  # HTTP on one box
 
-Each landing reports its phases (promote_from_peer's `stats`): control (the one lease +
+Each landing reports its phases (prepare_from_peer's `stats`): control (the one lease +
 manifest round trip), validate (decode, check against the local layout, plan or reuse
 the cached plan), transfer (NIXL READ, or the HTTP stream into pinned staging and its
 device-side NaN/Inf check), check (NIXL: the in-slot NaN/Inf check) and the rest
@@ -20,6 +20,7 @@ values: this measures bytes moved, and landings are checked against PEFT elsewhe
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -33,10 +34,30 @@ from safetensors.torch import save_file
 
 from bench.common import CONFIGS, gpu_tag, median, merge_results, results_path, table
 from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
-from metrale.peer.landing import promote_from_peer
+from metrale.peer.landing import prepare_from_peer
 from metrale.pool.swap import LoraSlots
 
 RANK = 16
+_versions = itertools.count(1)  # a bare pool's landings number their own versions
+
+
+def land_from_disk(slots: LoraSlots, adapter: Path, slot: int, name: str) -> None:
+    """A PEFT directory into `slot` of a bare pool: read and checked, then written (the
+    pool-level landing an engine's swap runs)."""
+    slots.land(slot, next(_versions), slots.prepare_disk(adapter, name))
+
+
+def promote_from_peer(slots: LoraSlots, addr: str, adapter_id: str, name: str,
+                      **kw) -> int:
+    """A peer's adapter into the pool's victim slot (the pool-level landing an engine's
+    promotion runs); kw go to prepare_from_peer. Returns the slot."""
+    slot = slots.table.select_victim()
+    prepared = prepare_from_peer(slots, addr, adapter_id, name, **kw)
+    try:
+        slots.land(slot, next(_versions), prepared)
+    finally:
+        prepared.close()
+    return slot
 
 
 def write_model_and_adapter(root: Path, name: str) -> tuple[Path, Path]:
@@ -104,8 +125,8 @@ def land_many(slots, addr: str, transport: str, reps: int, gpu: bool, engine_dev
     for i in range(reps + 2):
         stats: dict = {}
         start = time.perf_counter()
-        slot, _ = promote_from_peer(slots, addr, "a0", f"{transport}{i}", transport=transport,
-                                    stats=stats)
+        slot = promote_from_peer(slots, addr, "a0", f"{transport}{i}", transport=transport,
+                                 stats=stats)
         if gpu:
             torch.cuda.synchronize(engine_dev)
         total = (time.perf_counter() - start) * 1e3
@@ -154,7 +175,7 @@ def main() -> None:
                 print(f"{transport}: FAILED {type(e).__name__}: {e}", flush=True)
                 rows.append({"transport": transport, "promote_ms": float("nan"), "error": str(e)})
         # the peer-landed bytes equal a disk landing of the same files
-        slots.swap_lora_slot_from_disk(adapter, "disk", 3)
+        land_from_disk(slots, adapter, 3, "disk")
         cfg = slots.model_config
         same = slot is not None and all(
             torch.equal(slots.pool.lora_bt(layer, m)[3], slots.pool.lora_bt(layer, m)[slot])
@@ -164,14 +185,14 @@ def main() -> None:
         for i in range(3):
             slots.clear_plan_cache()
             start = time.perf_counter()
-            slots.swap_lora_slot_from_disk(adapter, f"disk{i}", 3)
+            land_from_disk(slots, adapter, 3, f"disk{i}")
             if gpu:
                 torch.cuda.synchronize(engine_dev)
             disk.append((time.perf_counter() - start) * 1e3)
         disk_cached = []  # the plan kept, as the peer's warm landings keep theirs
         for i in range(5):
             start = time.perf_counter()
-            slots.swap_lora_slot_from_disk(adapter, f"disk-cached{i}", 3)
+            land_from_disk(slots, adapter, 3, f"disk-cached{i}")
             if gpu:
                 torch.cuda.synchronize(engine_dev)
             disk_cached.append((time.perf_counter() - start) * 1e3)

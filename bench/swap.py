@@ -117,7 +117,9 @@ def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
             row["peft_load_adapter_ms"] = (time.perf_counter() - t0) * 1e3
             peft.delete_adapter(f"loadbench_{label}")
         slots.host_tier = None
-        row["breakdown_ms"] = breakdown(slots, d, device, slot)  # last: it bypasses the engine
+        # last: it bypasses the engine, so the name leaves first (no route to the slot it writes)
+        engine.unload_adapter("swapbench")
+        row["breakdown_ms"] = breakdown(slots, d, device, slot)
         slots.host_tier = tier
         out[label] = row
     return out
@@ -150,7 +152,7 @@ def breakdown(slots, d: Path, device: str, slot: int, reps: int = 5) -> dict:
         with phase("write"):
             landing.write_staged(staged)
         with phase("commit"):
-            landing.commit("breakdown")
+            landing.commit(0)  # a version no registry names
         host = slots.staging.host(plan.data_bytes)
         with phase("read_only"):
             read_chunks(plan.source, plan.data_offset, host, None)

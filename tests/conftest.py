@@ -4,7 +4,8 @@ import os
 import pytest
 import torch
 
-from tests.helpers.tiny_models import make_adapter, make_model  # torch only: triton stays unimported
+# torch only: triton stays unimported
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 # Triton kernels run in Triton's CPU interpreter off the GPU. The flag must be set
 # before anything imports triton (any metrale module may), so it is set here.
@@ -41,6 +42,14 @@ def adapters(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """tiny_models' llama, the base of `adapters`, saved as a model directory (for engines)."""
+    path = tmp_path_factory.mktemp("model")
+    save_model(make_model("llama"), path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def default_model_cache():
     """METRALE_CACHE_DIR, for one module, set to the recipe-keyed dir of
     tests/helpers/default_model.py: the default model is converted and the demo adapters
@@ -60,14 +69,11 @@ def default_model_cache():
 def genuine():
     """A real lease reply for adapter "a" (from an in-process exporter, decoded by
     metrale.peer.wire.decode_doc; FakePeer encodes it back) and its bytes."""
-    from metrale.peer import AdapterExporter  # metrale: after the triton switch above
-    from metrale.peer.nixl_shim import nixl_available
+    from metrale.peer.nixl_shim import nixl_available  # metrale: after the triton switch above
     from metrale.peer.wire import decode_doc
-    from tests.helpers.peers import LEASE, adapter_dir, new_slots
+    from tests.helpers.peers import LEASE, disk_exporter
 
-    source = new_slots(max_loras=1)
-    source.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
-    exporter = AdapterExporter(source, transports=("http", "nixl") if nixl_available() else ("http",))
+    exporter = disk_exporter("a", transports=("http", "nixl") if nixl_available() else ("http",))
     lease = exporter.lease("a")
     reply = decode_doc(lease.body)  # the wire reply in its logical form, for tests to edit
     n, chunks = exporter.open_data(lease.lease_id)

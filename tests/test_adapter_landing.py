@@ -8,6 +8,7 @@ import torch
 
 from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
 from metrale.pool.swap import LoraSlots
+from tests.helpers.pool import land_disk
 from tests.helpers.tiny_models import hf_config, make_adapter, make_model, peft_deltas
 
 CASES = {
@@ -47,7 +48,8 @@ def test_landed_delta_equals_peft(case, tmp_path):
     assert expected, "PEFT wrapped nothing: the case is broken"
 
     slots = _slots(arch)
-    slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 1)
+    version = land_disk(slots, tmp_path / "a", 1)
+    assert slots.table.holds(1, version)
     slots.table.check_integrity()
     cfg = slots.model_config
     checked = 0
@@ -68,7 +70,7 @@ def test_bf16_pool_matches_peft(tmp_path):
     peft_model = make_adapter(base, tmp_path / "a", seed=2, r=8, lora_alpha=32,
                               target_modules="all-linear")
     slots = _slots("llama", dtype=torch.bfloat16)
-    slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 0)
+    land_disk(slots, tmp_path / "a", 0)
     for path, want in peft_deltas(peft_model).items():
         layer, module = int(path.split(".")[2]), path.rsplit(".", 1)[1]
         got = slots.pool.delta(0, layer, module)
@@ -80,7 +82,7 @@ def test_rank_and_scale_tables(tmp_path):
     make_adapter(base, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj"],
                  rank_pattern={"model.layers.1.self_attn.q_proj": 7})
     slots = _slots("llama")
-    slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 2)
+    land_disk(slots, tmp_path / "a", 2)
     q = slots.pool.layout.module_index("q_proj")
     assert slots.pool.ranks[2, :, q].tolist() == [4, 7, 4]
     torch.testing.assert_close(slots.pool.scales[2, :, q], torch.tensor([2.0, 8 / 7, 2.0]))

@@ -614,6 +614,7 @@ def test_frozen_embedding_copies_are_skipped_not_staged(tmp_path):
 
     from metrale.config import EXTRA_TARGETS
     from metrale.pool.swap import LoraSlots
+    from tests.helpers.pool import land_disk
 
     d = write_lora(tmp_path / "d", r=4, target_modules=["q_proj", "embed_tokens", "lm_head"])
     tensors = load_file(d / "adapter_model.safetensors")
@@ -626,7 +627,7 @@ def test_frozen_embedding_copies_are_skipped_not_staged(tmp_path):
     lora_bytes = sum(t.entry.nbytes for t in p.landings)
     assert p.spans and p.staged_bytes == lora_bytes < p.data_bytes - 2 * full.numel() * 4 + 1
     slots = LoraSlots(MODEL, pool, "cpu", torch.float32)
-    slots.swap_lora_slot_from_disk(d, "d", 0)
+    land_disk(slots, d, 0)
     a = tensors["base_model.model.model.embed_tokens.lora_embedding_A"]  # [r, vocab]
     b = tensors["base_model.model.lm_head.lora_B.weight"]  # [vocab, r]
     assert torch.equal(slots.pool.lora_a(0, "embed_tokens")[0, :4], a)

@@ -95,9 +95,11 @@ def test_engine_slot_exported_without_its_config_lands_identically(root):
     import torch
 
     from metrale.config import ModelConfig, PoolConfig
-    from metrale.peer import AdapterExporter, PeerHTTPServer, swap_from_peer
+    from metrale.peer import AdapterExporter, PeerHTTPServer
+    from metrale.peer.store import StoreNames
     from metrale.pool.layout import SlotLayout
     from metrale.pool.swap import LoraSlots
+    from tests.helpers.pool import land_disk, land_peer
 
     path = root[0]
     model = ModelConfig.from_dir(path / "model")
@@ -111,11 +113,13 @@ def test_engine_slot_exported_without_its_config_lands_identically(root):
         return LoraSlots(model, pool_cfg, "cpu", torch.float32, weights)
 
     source, disk, target = slots(), slots(), slots()
-    source.swap_lora_slot_from_disk(path / "adapters" / "embdora", "x", 1)
-    disk.swap_lora_slot_from_disk(path / "adapters" / "embdora", "x", 0)
-    server = PeerHTTPServer(AdapterExporter(source)).start()  # no peft_for: from the tables
+    land_disk(source, path / "adapters" / "embdora", 1)
+    land_disk(disk, path / "adapters" / "embdora", 0)
+    names = StoreNames()
+    names.add("x", 1)
+    server = PeerHTTPServer(AdapterExporter(source, names)).start()  # no peft_for: from the tables
     try:
-        swap_from_peer(target, server.url, "x", "x", 0, transport="http", timeout_s=10)
+        land_peer(target, server.url, "x", 0, transport="http", timeout_s=10)
     finally:
         server.close()
     a, b = target.pool, disk.pool

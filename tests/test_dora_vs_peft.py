@@ -74,7 +74,7 @@ def test_mixed_batch_dora_embedding_plain_base(setup):
     root, base, peft = setup
     llm = _llm(root)
     _check_all(llm, base, peft, ["dora", "plain", None, "emb", "dora_rs", "emb_dora", "dora"], 1)
-    llm.engine.lora.table.check_integrity()
+    llm.engine.check_integrity()
 
 
 def test_tied_embeddings(tmp_path):

@@ -13,10 +13,9 @@ from peft import PeftModel
 
 from metrale import LLM, SamplingParams
 from metrale.errors import MetraleError
-from metrale.peer import AdapterExporter
 from metrale.peer.wire import decode_doc
 from tests.helpers.engine import run_until_done
-from tests.helpers.peers import FakePeer, adapter_dir, new_slots, peer_root
+from tests.helpers.peers import FakePeer, adapter_dir, disk_exporter, peer_root
 from tests.helpers.reference import hf_greedy
 from tests.helpers.tiny_models import make_model
 
@@ -26,9 +25,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 def _lease_reply():
-    source = new_slots(max_loras=1)
-    source.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
-    exporter = AdapterExporter(source, transports=("http",))
+    exporter = disk_exporter("a", transports=("http",))
     lease = exporter.lease("a")
     exporter.release(lease.lease_id)
     reply = decode_doc(lease.body)
@@ -58,7 +55,8 @@ def test_poisoned_peers_fail_alone_among_good_requests():
               num_kv_blocks=128, peer_transport="http", peer_timeout_s=3.0)
     engine = llm.engine
     llm.register_adapter("good", adapter_dir("b"), pinned=True)  # never a victim
-    good_slot = engine.lora.table.slot_of("good")
+    good_slot = engine.registry.slot_of("good")
+    assert engine.registry.get("good").pinned and engine.registry.pinned_slots() == {good_slot}
     good_bytes = engine.lora.pool.slot_region(good_slot).clone()
     good_uid = engine.lora.table.info(good_slot).uid
     peers = {name: _poisoned(edit) for name, edit in POISONS.items()}
@@ -82,10 +80,11 @@ def test_poisoned_peers_fail_alone_among_good_requests():
     assert all(done[rid].token_ids == ref_good for rid in good)
     assert all(done[rid].token_ids == ref_base for rid in base)
     # the good adapter's slot is untouched by every refused landing
-    assert engine.lora.table.slot_of("good") == good_slot
+    assert engine.registry.slot_of("good") == good_slot
+    assert engine.registry.pinned_slots() == {good_slot}
     assert engine.lora.table.info(good_slot).uid == good_uid
     assert torch.equal(engine.lora.pool.slot_region(good_slot), good_bytes)
-    engine.lora.table.check_integrity()
+    engine.check_integrity()
     # and the engine still serves
     assert llm.generate([PROMPT], GREEDY, ["good"])[0].token_ids == ref_good
 

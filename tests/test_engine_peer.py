@@ -54,7 +54,9 @@ def test_seed_peer_operations(store):
     slot, evicted = engine.promote_lora_slot_from_peer(store, "a", "x")
     assert (slot, evicted) == (0, None)
     engine.swap_lora_slot_from_peer(store, "b", "x", slot)  # same name, new contents
-    assert engine.lora.table.info(slot).name == "x"
+    assert engine.registry.slot_of("x") == slot
+    assert engine.lora.table.holds(slot, engine.registry.current("x").version)
+    engine.check_integrity()
     assert str(engine.registry.current("x").source.peer) == f"peer://{store}/b"
     out = llm.generate(PROMPT, GREEDY, "x")[0]
     disk = _llm()

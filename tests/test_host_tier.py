@@ -18,8 +18,9 @@ from metrale.adapters.plan import plan_adapter
 from metrale.config import ModelConfig, PoolConfig
 from metrale.pool import staging
 from metrale.pool.swap import LoraSlots, read_adapter_data
+from tests.helpers.engine import tiny_engine
 from tests.helpers.kernels import KERNELS
-from tests.helpers.pool import snapshot
+from tests.helpers.pool import land_disk, snapshot
 from tests.helpers.tiny_models import hf_config, make_adapter, make_model
 
 
@@ -40,6 +41,18 @@ def _slots(dtype=torch.float32, tier_slots: float = 8, **kw) -> LoraSlots:
     tier = int(tier_slots * probe.pool.layout.slot_bytes)
     return LoraSlots(cfg, PoolConfig(max_loras=3, max_lora_rank=8, host_tier_bytes=tier, **kw),
                      "cpu", dtype)
+
+
+def _engine(model_dir, tier_slots: float = 8):
+    """An engine whose pool is _slots(tier_slots=...)'s."""
+    tier = int(tier_slots * _slots(tier_slots=0).pool.layout.slot_bytes)
+    return tiny_engine(model_dir, host_tier_bytes=tier)
+
+
+def _state(engine) -> tuple:
+    """The pool (bytes, slot identities) and the registry's versions and routes."""
+    registry = engine.registry
+    return snapshot(engine.lora), registry.routes(), [registry.get(n) for n in registry.names()]
 
 
 def _slot_state(slots, slot):
@@ -82,7 +95,7 @@ def test_landing_kernel_equals_per_tensor_copies(adapters, dtype, how):
 
     slots = _slots(dtype, tier_slots=0)
     for name, slot in (("a", 0), ("b", 2)):
-        slots.swap_lora_slot_from_disk(adapters / name, name, slot)  # per-tensor path on CPU
+        land_disk(slots, adapters / name, slot)  # per-tensor path on CPU
         plan = plan_adapter(adapters / name, name, slots.model_config, slots.pool_config)
         data = read_adapter_data(plan, staging.StagingBuffers(torch.device("cpu")))
         pool, layout = slots.pool, slots.pool.layout
@@ -118,7 +131,7 @@ def test_recipe_of_bt_staged_bytes_lands_like_a_file(adapters):
     from metrale.pool.recipe import build_recipe
 
     slots = _slots(torch.float32, tier_slots=0)
-    slots.swap_lora_slot_from_disk(adapters / "a", "a", 1)
+    land_disk(slots, adapters / "a", 1)
     plan = plan_adapter(adapters / "a", "a", slots.model_config, slots.pool_config)
     data = read_adapter_data(plan, staging.StagingBuffers(torch.device("cpu")))
     peer = data.clone()  # the same tensors at the same offsets, B as [r, out]
@@ -171,8 +184,8 @@ def test_gpu_mapped_files_land_current_bytes(adapters, tmp_path, mapped):
     gpu, cpu = LoraSlots(cfg, pc, "cuda", torch.bfloat16), LoraSlots(cfg, pc, "cpu", torch.bfloat16)
     shutil.copytree(adapters / "a", tmp_path / "x")
     for source, slot in ((adapters / "a", 0), (tmp_path / "x", 1), (adapters / "a", 0)):
-        gpu.swap_lora_slot_from_disk(source, f"n{slot}", slot)
-        cpu.swap_lora_slot_from_disk(source, f"n{slot}", slot)
+        version = land_disk(gpu, source, slot)
+        land_disk(cpu, source, slot)
     shutil.copytree(adapters / "c", tmp_path / "y")
     os.replace(tmp_path / "y" / "adapter_model.safetensors",
                tmp_path / "x" / "adapter_model.safetensors")
@@ -180,8 +193,8 @@ def test_gpu_mapped_files_land_current_bytes(adapters, tmp_path, mapped):
     files = gpu.mapped_files
     assert files.registrations == (1 if mapped else 0)  # a file is mapped at its 2nd landing
     for _ in range(2):  # read, then mapped (evicting a's mapping: room for one file)
-        gpu.swap_lora_slot_from_disk(tmp_path / "x", "c", 2)
-        cpu.swap_lora_slot_from_disk(tmp_path / "x", "c", 2)
+        land_disk(gpu, tmp_path / "x", 2)
+        land_disk(cpu, tmp_path / "x", 2)
     for t_gpu, t_cpu in ((gpu.pool.buffer, cpu.pool.buffer), (gpu.pool.ranks, cpu.pool.ranks),
                          (gpu.pool.scales, cpu.pool.scales)):
         assert torch.equal(t_gpu.cpu(), t_cpu)
@@ -196,8 +209,8 @@ def test_gpu_mapped_files_land_current_bytes(adapters, tmp_path, mapped):
     save_file(tensors, bad / "adapter_model.safetensors", metadata={"format": "pt"})
     before = gpu.pool.slot_region(0).clone()
     with pytest.raises(errors.NonFiniteWeightsError):
-        gpu.swap_lora_slot_from_disk(bad, "bad", 0)
-    assert torch.equal(gpu.pool.slot_region(0), before) and gpu.table.info(0).name == "n0"
+        land_disk(gpu, bad, 0)
+    assert torch.equal(gpu.pool.slot_region(0), before) and gpu.table.info(0).version == version
 
 
 @pytest.mark.gpu
@@ -209,16 +222,16 @@ def test_gpu_landing_kernel_is_exact(adapters):
     gpu = LoraSlots(cfg, pc, "cuda", torch.bfloat16)
     cpu = LoraSlots(cfg, pc, "cpu", torch.bfloat16)
     for name, slot in (("a", 0), ("b", 2)):
-        gpu.swap_lora_slot_from_disk(adapters / name, name, slot)
-        cpu.swap_lora_slot_from_disk(adapters / name, name, slot)
+        land_disk(gpu, adapters / name, slot)
+        land_disk(cpu, adapters / name, slot)
     for t_gpu, t_cpu in ((gpu.pool.buffer, cpu.pool.buffer), (gpu.pool.ranks, cpu.pool.ranks),
                          (gpu.pool.scales, cpu.pool.scales)):
         assert torch.equal(t_gpu.cpu(), t_cpu)
     # the host tier on CUDA: pinned images filled on a side stream, landed by one copy
     tiered = LoraSlots(cfg, PoolConfig(3, 8, host_tier_bytes=1 << 30), "cuda", torch.bfloat16)
-    tiered.swap_lora_slot_from_disk(adapters / "b", "b", 0)
-    tiered.swap_lora_slot_from_disk(adapters / "a", "a", 0)  # overwrites slot 0 after the fill
-    tiered.swap_lora_slot_from_disk(adapters / "b", "b", 1)  # hit
+    land_disk(tiered, adapters / "b", 0)
+    land_disk(tiered, adapters / "a", 0)  # overwrites slot 0 after the fill
+    land_disk(tiered, adapters / "b", 1)  # hit
     assert tiered.host_tier.hits == 1
     for slot_t, slot_c in ((0, 0), (1, 2)):
         for kind in ("slot_region", "ranks", "scales"):
@@ -229,24 +242,28 @@ def test_gpu_landing_kernel_is_exact(adapters):
             assert torch.equal(got.cpu(), want), (slot_t, kind)
 
 
-def test_tier_landing_equals_disk_landing(adapters):
-    disk, tiered = _slots(tier_slots=0), _slots()
+def test_tier_landing_equals_disk_landing(adapters, tiny_model_dir):
+    """An engine's swaps and promotions land from the tier what a disk landing writes."""
+    disk = _slots(tier_slots=0)
+    engine = _engine(tiny_model_dir)
+    tiered = engine.lora
     assert disk.host_tier is None and tiered.host_tier.enabled
-    disk.swap_lora_slot_from_disk(adapters / "b", "b", 2)
-    tiered.swap_lora_slot_from_disk(adapters / "b", "b", 0)  # miss: lands from disk, fills
+    land_disk(disk, adapters / "b", 2)
+    engine.swap_lora_slot_from_disk(adapters / "b", "b", 0)  # miss: lands from disk, fills
     assert (tiered.host_tier.misses, tiered.host_tier.hits, len(tiered.host_tier)) == (1, 0, 1)
-    tiered.unload("b")
-    tiered.swap_lora_slot_from_disk(adapters / "a", "a", 2)  # slot 2 held something else
-    tiered.unload("a")
-    tiered.swap_lora_slot_from_disk(adapters / "b", "b", 2)  # hit: one copy of the image
+    assert engine.unload_adapter("b") == "unloaded"
+    engine.swap_lora_slot_from_disk(adapters / "a", "a", 2)  # slot 2 held something else
+    assert engine.unload_adapter("a") == "unloaded"
+    engine.swap_lora_slot_from_disk(adapters / "b", "b", 2)  # hit: one copy of the image
     assert tiered.host_tier.hits == 1
     assert _same(_slot_state(tiered, 2), _slot_state(disk, 2))
     info = tiered.table.info(2)
-    assert info.name == "b" and info.state.value == "READY"
-    tiered.table.check_integrity()
-    slot, evicted = tiered.promote_lora_slot_from_disk(adapters / "a", "a")  # hit via promote
+    assert info.version == engine.registry.current("b").version and info.state.value == "READY"
+    assert engine.registry.slot_of("b") == 2
+    engine.check_integrity()
+    slot, evicted = engine.promote_lora_slot_from_disk(adapters / "a", "a")  # hit via promote
     assert tiered.host_tier.hits == 2 and evicted is None
-    disk.swap_lora_slot_from_disk(adapters / "a", "a", 0)
+    land_disk(disk, adapters / "a", 0)
     assert _same(_slot_state(tiered, slot), _slot_state(disk, 0))
 
 
@@ -260,12 +277,12 @@ def test_files_of_one_layout_share_a_plan_and_land_their_own_bytes(adapters, tmp
         save_file({k: v * factor for k, v in values.items()},
                   tmp_path / d / "adapter_model.safetensors", metadata={"format": "pt"})
     slots, fresh = _slots(tier_slots=0), _slots(tier_slots=0)
-    slots.swap_lora_slot_from_disk(tmp_path / "x", "x", 0)
-    slots.swap_lora_slot_from_disk(tmp_path / "y", "y", 1)
+    land_disk(slots, tmp_path / "x", 0)
+    land_disk(slots, tmp_path / "y", 1)
     px, py = slots.plan_from_disk(tmp_path / "x", "x"), slots.plan_from_disk(tmp_path / "y", "y")
     assert py.landings is px.landings and py.targets is px.targets
     assert (py.name, py.source) == ("y", str(tmp_path / "y" / "adapter_model.safetensors"))
-    fresh.swap_lora_slot_from_disk(tmp_path / "y", "y", 1)  # its own plan from scratch
+    land_disk(fresh, tmp_path / "y", 1)  # its own plan from scratch
     assert _same(_slot_state(slots, 1), _slot_state(fresh, 1))
     assert not torch.equal(_slot_state(slots, 0)[0], _slot_state(slots, 1)[0])
     pb = slots.plan_from_disk(adapters / "b", "b")
@@ -277,13 +294,13 @@ def test_changed_file_is_a_miss_and_lands_new_contents(adapters, tmp_path, tier_
     """Neither the host tier nor the remembered plan serves an edited file's old version."""
     shutil.copytree(adapters / "a", tmp_path / "a")
     slots = _slots(tier_slots=tier_slots)
-    slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 0)
+    land_disk(slots, tmp_path / "a", 0)
     old = _slot_state(slots, 0)
     path = tmp_path / "a" / "adapter_model.safetensors"
     tensors = {k: v * 2 for k, v in load_file(path).items()}
     time.sleep(0.01)
     save_file(tensors, path, metadata={"format": "pt"})
-    slots.swap_lora_slot_from_disk(tmp_path / "a", "a2", 1)
+    land_disk(slots, tmp_path / "a", 1)
     if tier_slots:
         assert slots.host_tier.hits == 0 and len(slots.host_tier) == 1  # old version dropped
     new = _slot_state(slots, 1)
@@ -292,23 +309,24 @@ def test_changed_file_is_a_miss_and_lands_new_contents(adapters, tmp_path, tier_
     time.sleep(0.01)
     shutil.rmtree(tmp_path / "a")
     shutil.copytree(adapters / "c", tmp_path / "a")
-    slots.swap_lora_slot_from_disk(tmp_path / "a", "a3", 2)
+    land_disk(slots, tmp_path / "a", 2)
     fresh = _slots(tier_slots=0)
-    fresh.swap_lora_slot_from_disk(adapters / "c", "c", 2)
+    land_disk(fresh, adapters / "c", 2)
     assert _same(_slot_state(slots, 2), _slot_state(fresh, 2))
 
 
-def test_refusals_untouched_by_the_tier(adapters, tmp_path):
+def test_refusals_untouched_by_the_tier(adapters, tmp_path, tiny_model_dir):
     shutil.copytree(adapters / "a", tmp_path / "a")
-    slots = _slots()
-    slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 0)  # now in the tier
-    slots.table.acquire("a")
-    before = snapshot(slots)
+    engine = _engine(tiny_model_dir)
+    slots = engine.lora
+    engine.swap_lora_slot_from_disk(tmp_path / "a", "a", 0)  # now in the tier
+    slots.table.acquire(0)  # a sequence decodes on "a"
+    before = _state(engine)
     with pytest.raises(errors.SlotBusyError):  # busy slot: refused before the tier is asked
-        slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 0)
+        engine.swap_lora_slot_from_disk(tmp_path / "a", "a", 0)
     with pytest.raises(errors.InvalidNameError):
-        slots.swap_lora_slot_from_disk(tmp_path / "a", "../x", 1)
-    assert snapshot(slots) == before and slots.host_tier.hits == 0
+        engine.swap_lora_slot_from_disk(tmp_path / "a", "../x", 1)
+    assert _state(engine) == before and slots.host_tier.hits == 0
     # the file turns bad: its key changes, the disk path runs and refuses
     path = tmp_path / "a" / "adapter_model.safetensors"
     tensors = load_file(path)
@@ -316,22 +334,22 @@ def test_refusals_untouched_by_the_tier(adapters, tmp_path):
     time.sleep(0.01)
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(errors.NonFiniteWeightsError):
-        slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 1)
-    assert snapshot(slots) == before
+        engine.swap_lora_slot_from_disk(tmp_path / "a", "a", 1)
+    assert _state(engine) == before
     shutil.rmtree(tmp_path / "a")  # gone: stat fails, the disk path reports it
     with pytest.raises(errors.AdapterConfigError):
-        slots.swap_lora_slot_from_disk(tmp_path / "a", "a", 1)
-    assert snapshot(slots) == before
+        engine.swap_lora_slot_from_disk(tmp_path / "a", "a", 1)
+    assert _state(engine) == before
 
 
 def test_lru_eviction_and_capacity(adapters):
     slots = _slots(tier_slots=2.5)  # room for two images
     for i, name in enumerate("abc"):
-        slots.swap_lora_slot_from_disk(adapters / name, name, i)
+        land_disk(slots, adapters / name, i)
     assert len(slots.host_tier) == 2  # "a" was the least recently used
-    for name in "abc":
-        slots.unload(name)
-    slots.swap_lora_slot_from_disk(adapters / "a", "a", 0)
-    slots.swap_lora_slot_from_disk(adapters / "c", "c", 1)
+    for i in range(3):
+        slots.unload_slot(i)
+    land_disk(slots, adapters / "a", 0)
+    land_disk(slots, adapters / "c", 1)
     assert slots.host_tier.hits == 1 and slots.host_tier.misses == 4
     assert not _slots(tier_slots=0.5).host_tier.enabled  # smaller than one slot: off

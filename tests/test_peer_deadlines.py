@@ -16,12 +16,11 @@ import time
 import pytest
 
 from metrale import errors
-from metrale.peer import swap_from_peer
 from metrale.peer.client import RELEASE_TIMEOUT_S
 from metrale.peer.errors import PeerManifestError, PeerTimeoutError
 from metrale.peer.wire import encode_doc
 from tests.helpers.peers import LEASE, assert_matches_disk, new_slots
-from tests.helpers.pool import snapshot
+from tests.helpers.pool import land_peer, snapshot
 
 TIMEOUT_S = 1.0
 SLACK_S = 1.0
@@ -248,7 +247,7 @@ def _bounded_refusal(engine, peer: RawPeer, error) -> float:
     start = time.monotonic()
     try:
         with pytest.raises(error) as info:
-            swap_from_peer(engine, peer.url, "a", "a", 0, transport="http", timeout_s=TIMEOUT_S)
+            land_peer(engine, peer.url, "a", 0, transport="http", timeout_s=TIMEOUT_S)
         elapsed = time.monotonic() - start
     finally:
         peer.close()
@@ -283,7 +282,7 @@ def test_a_stalling_release_costs_its_own_short_deadline(case, genuine, engine):
     peer = RawPeer(_on("DELETE", bad[case], _good(reply, data)))
     start = time.monotonic()
     try:
-        swap_from_peer(engine, peer.url, "a", "a", 0, transport="http", timeout_s=30)
+        land_peer(engine, peer.url, "a", 0, transport="http", timeout_s=30)
         elapsed = time.monotonic() - start
     finally:
         peer.close()
@@ -296,7 +295,7 @@ def test_the_raw_peer_serves_a_good_adapter(genuine, engine):  # noqa: F811
     reply, data, _ = genuine
     peer = RawPeer(_good(reply, data))
     try:
-        swap_from_peer(engine, peer.url, "a", "a", 1, transport="http", timeout_s=TIMEOUT_S * 5)
+        land_peer(engine, peer.url, "a", 1, transport="http", timeout_s=TIMEOUT_S * 5)
     finally:
         peer.close()
     assert_matches_disk(engine, 1, "a")

@@ -1,8 +1,9 @@
-"""AdapterExporter: a leased slot cannot be swapped, unloaded or evicted until
-the lease is released or expires (an open stream defers the expiry); table
-access goes through the engine's `call`; clients off the allow-list are
-refused; and one engine's READY slots land in another engine, in another
-process, byte for byte (this file doubles as that exporting engine's script).
+"""AdapterExporter: a leased slot cannot be swapped, freed or evicted until
+the lease is released or expires (an open stream defers the expiry; an unload
+drains); table and registry access goes through the engine's `call`; clients off
+the allow-list are refused; and one engine's READY slots land in another engine,
+in another process, byte for byte (this file doubles as that exporting engine's
+script).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from metrale import errors
-from metrale.peer import AdapterExporter, PeerHTTPServer, promote_from_peer, swap_from_peer
+from metrale.peer import AdapterExporter, PeerHTTPServer
 from metrale.peer.errors import LeaseNotFoundError, PeerConnectionError
 from metrale.peer.nixl_shim import nixl_available
 from metrale.pool.slots import SlotState
@@ -26,11 +26,12 @@ from tests.helpers.peers import (
     adapter_dir,
     assert_matches_disk,
     new_slots,
+    peer_engine,
     peer_root,
     stop,
     wait_for_line,
 )
-from tests.helpers.pool import snapshot
+from tests.helpers.pool import land_peer, snapshot
 
 
 class Clock:
@@ -43,70 +44,87 @@ class Clock:
 
 @pytest.fixture
 def leased():
-    """Slot 0 holds "a" (leased), slot 1 "b"; max_loras=2."""
-    slots = new_slots(max_loras=2)
-    slots.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
-    slots.swap_lora_slot_from_disk(adapter_dir("b"), "b", 1)
+    """An engine (max_loras=2) whose slot 0 holds "a" (leased), slot 1 "b"."""
+    engine = peer_engine("a", "b", max_loras=2)
     clock = Clock()
-    exporter = AdapterExporter(slots, clock=clock)
+    exporter = AdapterExporter(engine.lora, engine.registry, clock=clock)
     reply = exporter.lease("a", ttl_s=10)
-    return slots, exporter, clock, reply.lease_id
+    return engine, exporter, clock, reply.lease_id
 
 
-def _refusals(slots):
+def _refusals(engine):
+    """The leased slot 0 can be neither swapped nor freed; its bytes stay."""
+    before = snapshot(engine.lora)
     with pytest.raises(errors.SlotBusyError):
-        slots.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)
+        engine.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)
     with pytest.raises(errors.SlotBusyError):
-        slots.unload("a")
+        engine.lora.unload_slot(0)  # what an unload does once the slot is idle
+    assert snapshot(engine.lora) == before and engine.registry.slot_of("a") == 0
 
 
 def test_leased_slot_is_never_swapped_or_evicted(leased):
-    slots, exporter, _, lease_id = leased
-    before = snapshot(slots)
-    _refusals(slots)
-    assert snapshot(slots)[0] == before[0]
-    slot, evicted = slots.promote_lora_slot_from_disk(adapter_dir("c"), "c")
+    engine, exporter, _, lease_id = leased
+    _refusals(engine)
+    slot, evicted = engine.promote_lora_slot_from_disk(adapter_dir("c"), "c")
     assert (slot, evicted) == (1, "b")  # the leased slot is no victim
     exporter.lease("c")
     with pytest.raises(errors.PoolFullError):
-        slots.promote_lora_slot_from_disk(adapter_dir("b"), "b")
+        engine.promote_lora_slot_from_disk(adapter_dir("b"), "b")
     exporter.release(lease_id)
-    slots.swap_lora_slot_from_disk(adapter_dir("b"), "b", 0)
+    engine.swap_lora_slot_from_disk(adapter_dir("b"), "b", 0)
     with pytest.raises(LeaseNotFoundError):
         exporter.release(lease_id)
-    slots.table.check_integrity()
+    engine.check_integrity()
+
+
+def test_unloading_a_leased_adapter_drains_its_slot(leased):
+    """The name goes at once (nothing new may lease it); its bytes stay until the lease ends."""
+    engine, exporter, _, lease_id = leased
+    before = snapshot(engine.lora)
+    assert engine.unload_adapter("a") == "draining"
+    with pytest.raises(errors.UnknownAdapterError, match="not resident"):
+        exporter.lease("a")
+    engine.step()  # a boundary: the slot still serves the lease
+    assert snapshot(engine.lora) == before
+    exporter.release(lease_id)
+    engine.step()
+    info = engine.lora.table.info(0)
+    assert info.state is SlotState.EMPTY and not engine.lora.pool.slot_region(0).any()
+    assert engine.registry.draining() == {}
+    engine.check_integrity()
 
 
 def test_lease_expires(leased):
-    slots, exporter, clock, lease_id = leased
+    engine, exporter, clock, lease_id = leased
     clock.now += 9
     exporter.expire()
-    _refusals(slots)
+    _refusals(engine)
     clock.now += 2
     with pytest.raises(LeaseNotFoundError):
         exporter.open_data(lease_id)  # expired even before the sweep
     exporter.expire()
     assert exporter.open_leases == 0
-    slots.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)
+    engine.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)
 
 
 @pytest.mark.parametrize("ttl", [float("nan"), float("inf"), -5.0, 1e9])
 def test_lease_ttl_is_bounded(leased, ttl):
-    slots, exporter, clock, lease_id = leased
+    engine, exporter, clock, lease_id = leased
     exporter.release(lease_id)
     assert 1.0 <= exporter.lease("a", ttl_s=ttl).expires_in_s <= exporter.max_ttl_s
     clock.now += exporter.max_ttl_s + 1
     exporter.expire()
-    assert slots.table.ref_count(0) == 0
+    assert engine.lora.table.ref_count(0) == 0
 
 
 def test_open_stream_defers_expiry_and_release(leased):
-    slots, exporter, clock, lease_id = leased
+    engine, exporter, clock, lease_id = leased
+    slots = engine.lora
     n, chunks = exporter.open_data(lease_id)
     next(chunks)
     clock.now += 60
     exporter.expire()
-    _refusals(slots)  # mid-stream: the bytes must not change
+    _refusals(engine)  # mid-stream: the bytes must not change
     chunks.close()
     exporter.expire()
     assert slots.table.ref_count(0) == 0
@@ -120,11 +138,11 @@ def test_open_stream_defers_expiry_and_release(leased):
 
 def test_a_stream_closed_before_its_first_slice_still_lets_the_slot_go(leased):
     """The server closes a stream whose headers failed to send (a client gone at once)."""
-    slots, exporter, _, lease_id = leased
+    engine, exporter, _, lease_id = leased
     _, chunks = exporter.open_data(lease_id)
     chunks.close()
     exporter.release(lease_id)
-    assert slots.table.ref_count(0) == 0
+    assert engine.lora.table.ref_count(0) == 0
 
 
 def _stream(exporter, name):
@@ -141,14 +159,13 @@ def test_host_copies_follow_the_landing_never_the_slot():
     another adapter streams the new bytes, and the old copy goes; copies beyond the
     budget go, least recently streamed first. (copy_to_host forces the device pool's
     path on this CPU pool; the bytes without it come straight from the pool.)"""
-    slots = new_slots(max_loras=2)
-    slots.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
-    slots.swap_lora_slot_from_disk(adapter_dir("b"), "b", 1)
-    direct = AdapterExporter(slots)
+    engine = peer_engine("a", "b", max_loras=2)
+    slots, registry = engine.lora, engine.registry
+    direct = AdapterExporter(slots, registry)
     want = {name: _stream(direct, name) for name in ("a", "b")}
-    exporter = AdapterExporter(slots, copy_to_host=True,
+    exporter = AdapterExporter(slots, registry, copy_to_host=True,
                                host_copy_bytes=len(want["a"]) + len(want["b"]))
-    uid = {name: slots.table.info(slots.table.slot_of(name)).uid for name in ("a", "b")}
+    uid = {name: slots.table.info(registry.slot_of(name)).uid for name in ("a", "b")}
     assert _stream(exporter, "a") == want["a"] and exporter.host_copies == [uid["a"]]
     assert _stream(exporter, "a") == want["a"]  # from the kept copy
     # two open leases of different landings, streamed interleaved
@@ -166,7 +183,7 @@ def test_host_copies_follow_the_landing_never_the_slot():
         exporter.release(lease)
     assert got == want and exporter.host_copies == [uid["a"], uid["b"]]
 
-    slots.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)  # slot 0: a new landing
+    engine.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)  # slot 0: a new landing
     want["c"] = _stream(direct, "c")
     assert _stream(exporter, "b") == want["b"]  # the next lease sees slot 0 changed
     assert uid["a"] not in exporter.host_copies
@@ -175,10 +192,10 @@ def test_host_copies_follow_the_landing_never_the_slot():
     assert exporter.host_copies == [uid["b"], uid["c"]]  # b's and c's copies fit the budget
 
     assert len(want["c"]) < len(want["b"])
-    small = AdapterExporter(slots, copy_to_host=True, host_copy_bytes=len(want["b"]))
+    small = AdapterExporter(slots, registry, copy_to_host=True, host_copy_bytes=len(want["b"]))
     assert _stream(small, "b") == want["b"] and small.host_copies == [uid["b"]]
     assert _stream(small, "c") == want["c"] and small.host_copies == [uid["c"]]
-    tiny = AdapterExporter(slots, copy_to_host=True, host_copy_bytes=len(want["c"]))
+    tiny = AdapterExporter(slots, registry, copy_to_host=True, host_copy_bytes=len(want["c"]))
     assert _stream(tiny, "b") == want["b"] and tiny.host_copies == []  # served, not kept
     assert slots.table.ref_count(0) == slots.table.ref_count(1) == 0
 
@@ -186,14 +203,14 @@ def test_host_copies_follow_the_landing_never_the_slot():
 def test_a_host_copy_lands_through_the_server_byte_for_byte():
     """The device pool's path end to end (forced on this CPU pool), twice: the second
     landing streams the kept copy."""
-    slots = new_slots(max_loras=1)
-    slots.swap_lora_slot_from_disk(adapter_dir("b"), "b", 0)
-    exporter = AdapterExporter(slots, copy_to_host=True)
+    source = peer_engine("b", max_loras=1)
+    slots = source.lora
+    exporter = AdapterExporter(slots, source.registry, copy_to_host=True)
     server = PeerHTTPServer(exporter).start()
     try:
         engine = new_slots()
         for slot in (0, 1):
-            swap_from_peer(engine, server.url, "b", f"b{slot}", slot, transport="http", timeout_s=10)
+            land_peer(engine, server.url, "b", slot, name=f"b{slot}", transport="http", timeout_s=10)
             assert_matches_disk(engine, slot, "b")
     finally:
         server.close()
@@ -201,9 +218,9 @@ def test_a_host_copy_lands_through_the_server_byte_for_byte():
 
 
 def test_sweeper_expires_in_real_time():
-    slots = new_slots(max_loras=1)
-    slots.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
-    exporter = AdapterExporter(slots).start(sweep_s=0.05)
+    source = peer_engine("a", max_loras=1)
+    slots = source.lora
+    exporter = AdapterExporter(slots, source.registry).start(sweep_s=0.05)
     try:
         exporter.lease("a", ttl_s=1.0)
         assert slots.table.ref_count(0) == 1
@@ -217,42 +234,47 @@ def test_sweeper_expires_in_real_time():
 
 def test_exporter_touches_the_table_only_through_call():
     """A running engine passes call = run-on-the-engine-loop; the HTTP threads never
-    touch its SlotTable themselves."""
-    slots = new_slots(max_loras=1)
-    slots.swap_lora_slot_from_disk(adapter_dir("b"), "b", 0)
+    touch its SlotTable or its registry themselves."""
+    source = peer_engine("b", max_loras=1)
+    slots = source.lora
     loop = ThreadPoolExecutor(1, thread_name_prefix="engine-loop")
-    seen = set()
-    for method in ("acquire", "release", "infos", "info", "slot_of"):
-        real = getattr(slots.table, method)
+    seen = {}
+    spied = [(slots.table, m) for m in ("acquire", "release", "infos", "info")] + \
+        [(source.registry, m) for m in ("slot_of", "routes")]
+    for owner, method in spied:
+        real = getattr(owner, method)
 
-        def spy(*args, _real=real, **kwargs):
-            seen.add(threading.current_thread().name.split("_")[0])
+        def spy(*args, _real=real, _method=method, **kwargs):
+            seen.setdefault(_method, set()).add(threading.current_thread().name.split("_")[0])
             return _real(*args, **kwargs)
 
-        setattr(slots.table, method, spy)
-    exporter = AdapterExporter(slots, call=lambda fn: loop.submit(fn).result(timeout=5))
+        setattr(owner, method, spy)
+    exporter = AdapterExporter(slots, source.registry,
+                               call=lambda fn: loop.submit(fn).result(timeout=5))
     server = PeerHTTPServer(exporter).start()
     try:
         engine = new_slots()
-        swap_from_peer(engine, server.url, "b", "b", 2, transport="http", timeout_s=10)
+        land_peer(engine, server.url, "b", 2, transport="http", timeout_s=10)
         assert_matches_disk(engine, 2, "b")
+        with pytest.raises(errors.UnknownAdapterError):  # routes() names what it serves
+            exporter.lease("nope")
+        assert [a["id"] for a in exporter.list_adapters()["adapters"]] == ["b"]
     finally:
         server.close()
         loop.shutdown()
-    assert seen == {"engine-loop"}
+    assert seen == {m: {"engine-loop"} for _, m in spied}
     assert slots.table.ref_count(0) == 0
 
 
 def test_client_outside_allow_list_refused():
-    slots = new_slots(max_loras=1)
-    slots.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
-    exporter = AdapterExporter(slots)
+    source = peer_engine("a", max_loras=1)
+    exporter = AdapterExporter(source.lora, source.registry)
     server = PeerHTTPServer(exporter, client_allow=["10.0.0.0/8"]).start()
     engine = new_slots()
     before = snapshot(engine)
     try:
         with pytest.raises(PeerConnectionError, match="allow-list"):
-            promote_from_peer(engine, server.url, "a", "a", timeout_s=5)
+            land_peer(engine, server.url, "a", timeout_s=5)
     finally:
         server.close()
     assert snapshot(engine) == before and exporter.open_leases == 0
@@ -278,9 +300,9 @@ def exporting_engine():
 def test_engine_to_engine(exporting_engine, transport):
     engine = new_slots()
     for name in ("b", "c"):
-        slot, _ = promote_from_peer(engine, exporting_engine, name, f"{name}-copy",
-                                    transport=transport, timeout_s=20)
-        assert engine.table.info(slot).state is SlotState.READY
+        slot, version = land_peer(engine, exporting_engine, name, name=f"{name}-copy",
+                                  transport=transport, timeout_s=20)
+        assert engine.table.holds(slot, version)
         assert_matches_disk(engine, slot, name)  # rank/scale tables rebuilt from the slot alone
     engine.table.check_integrity()
 
@@ -290,16 +312,14 @@ def _serve_engine(root: str) -> None:
     PEFT configs rebuilt from the rank/scale tables (no adapter dir needed)."""
     from pathlib import Path
 
-    from metrale.config import ModelConfig, PoolConfig
-    from metrale.pool.swap import LoraSlots
+    from tests.helpers.engine import tiny_engine
 
     root_path = Path(root)
-    slots = LoraSlots(ModelConfig.from_dir(root_path / "model"), PoolConfig(3, 8), "cpu",
-                      torch.float32)
+    engine = tiny_engine(root_path / "model")
     for slot, name in enumerate(("c", "b")):
-        slots.swap_lora_slot_from_disk(root_path / "adapters" / name, name, slot)
+        engine.swap_lora_slot_from_disk(root_path / "adapters" / name, name, slot)
     transports = ("http", "nixl") if nixl_available() else ("http",)
-    exporter = AdapterExporter(slots, transports=transports).start()
+    exporter = AdapterExporter(engine.lora, engine.registry, transports=transports).start()
     server = PeerHTTPServer(exporter)
     print(f"metrale peer: serving engine slots on {server.url}", flush=True)
     server.serve_forever(0.1)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metrale.peer import promote_from_peer
 from metrale.peer.nixl_shim import nixl_available
 from tests.helpers.peers import assert_matches_disk, new_slots, start_store, stop
+from tests.helpers.pool import land_peer
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +31,8 @@ def test_cuda_pool_from_store(store, transport, dtype, caplog):
     slots = new_slots(dtype=dtype, device="cuda")
     for name in ("a", "b", "c"):
         with caplog.at_level("INFO", logger="metrale.peer"):
-            slot, _ = promote_from_peer(slots, store, name, name, transport=transport, timeout_s=30)
+            slot, version = land_peer(slots, store, name, transport=transport, timeout_s=30)
         assert f"via {transport}" in caplog.text
+        assert slots.table.holds(slot, version)
         assert_matches_disk(slots, slot, name)
     slots.table.check_integrity()

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from metrale import errors
-from metrale.peer import AdapterExporter, PeerHTTPServer, nixl_transport, promote_from_peer, swap_from_peer
+from metrale.peer import PeerHTTPServer, nixl_transport
 from metrale.peer.errors import PeerTimeoutError, PeerTransferError
 from metrale.peer.nixl_transport import coalesce
 from metrale.peer.plans import plan_cache_for
-from tests.helpers.peers import adapter_dir, assert_matches_disk, new_slots
+from tests.helpers.peers import adapter_dir, assert_matches_disk, disk_exporter, new_slots
+from tests.helpers.pool import land_disk, land_peer
 
 
 class FakeAgent:
@@ -106,12 +107,10 @@ def fake_nixl(monkeypatch):
 
 
 def _peer(rank: int = 8, adapters=("a",)):
-    source = new_slots(max_loras=len(adapters), rank=rank)
-    for slot, name in enumerate(adapters):
-        source.swap_lora_slot_from_disk(adapter_dir(name), name, slot)
-    exporter = AdapterExporter(source, transports=("http", "nixl"))
+    """A peer serving `adapters`, slot i holding adapters[i] under its name."""
+    exporter = disk_exporter(*adapters, rank=rank, transports=("http", "nixl"))
     server = PeerHTTPServer(exporter).start()
-    return source, exporter, server
+    return exporter.slots, exporter, server
 
 
 def _close(exporter, server) -> None:
@@ -127,19 +126,19 @@ def test_matching_layouts_land_in_one_run_with_everything_reused(fake_nixl):
     try:
         addr = server.url.removeprefix("http://")
         stats = {}
-        swap_from_peer(slots, addr, "a", "a", 1, transport="nixl", stats=stats)
+        land_peer(slots, addr, "a", 1, transport="nixl", stats=stats)
         assert stats["runs"] == 1 and not stats["plan_cached"]
         assert_matches_disk(slots, 1, "a")
         first = Counter(fake_nixl.calls)
         assert first["add_remote_agent"] == 1 and first["prep_xfer_dlist"] == 2
-        swap_from_peer(slots, addr, "a", "a", 1, transport="nixl", stats=stats)
+        land_peer(slots, addr, "a", 1, transport="nixl", stats=stats)
         assert stats["plan_cached"] and stats["runs"] == 1
         assert_matches_disk(slots, 1, "a")
         again = fake_nixl.calls
         assert again["add_remote_agent"] == 1  # metadata loaded once per peer
         assert again["prep_xfer_dlist"] == 2  # both lists prepared once, reused
         assert again["make_prepped_xfer"] == 2 and again["descriptors"] == 2
-        swap_from_peer(slots, addr, "a", "a", 2, transport="nixl")  # another local slot
+        land_peer(slots, addr, "a", 2, transport="nixl")  # another local slot
         assert fake_nixl.calls["prep_xfer_dlist"] == 3  # only its local list is new
         assert_matches_disk(slots, 2, "a")
     finally:
@@ -155,7 +154,7 @@ def test_other_peer_layout_still_lands_exactly(fake_nixl):
         addr = server.url.removeprefix("http://")
         for name in ("a", "b"):
             stats = {}
-            slot, _ = promote_from_peer(slots, addr, name, name, transport="nixl", stats=stats)
+            slot, _ = land_peer(slots, addr, name, transport="nixl", stats=stats)
             assert 1 < stats["runs"] <= stats["tensors"]
             assert_matches_disk(slots, slot, name)
     finally:
@@ -166,21 +165,21 @@ def test_other_peer_layout_still_lands_exactly(fake_nixl):
 def test_peer_dead_or_stalled_mid_transfer_leaves_the_slot_empty(fake_nixl, mode, cause):
     source, exporter, server = _peer()
     slots = new_slots()
-    slots.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)
+    land_disk(slots, adapter_dir("c"), 0)
     old = slots.table.info(0)
     try:
         addr = server.url.removeprefix("http://")
         fake_nixl.mode = mode
         with pytest.raises(errors.LandingError, match="now EMPTY") as info:
-            swap_from_peer(slots, addr, "a", "a", 0, transport="nixl", timeout_s=1.0)
+            land_peer(slots, addr, "a", 0, transport="nixl", timeout_s=1.0)
         assert isinstance(info.value.__cause__, cause)
         now = slots.table.info(0)
-        assert now.name is None and now.uid != old.uid
+        assert now.version is None and now.state.value == "EMPTY" and now.uid != old.uid
         assert not slots.pool.slot_region(0).any()
         assert fake_nixl.calls["remove_remote_agent"] == 1  # reconnect next time
         assert exporter.open_leases == 0
         fake_nixl.mode = "ok"  # the engine goes on: the next landing reloads the peer
-        swap_from_peer(slots, addr, "a", "a", 0, transport="nixl")
+        land_peer(slots, addr, "a", 0, transport="nixl")
         assert fake_nixl.calls["add_remote_agent"] == 2
         assert_matches_disk(slots, 0, "a")
         slots.table.check_integrity()
@@ -197,14 +196,14 @@ def test_cached_plan_is_replaced_when_the_peer_layout_changes(fake_nixl, transpo
     cache = plan_cache_for(slots.pool)
     try:
         addr = server.url.removeprefix("http://")
-        swap_from_peer(slots, addr, "a", "x", 0, transport=transport)
-        swap_from_peer(slots, addr, "a", "x", 0, transport=transport)
+        land_peer(slots, addr, "a", 0, name="x", transport=transport)
+        land_peer(slots, addr, "a", 0, name="x", transport=transport)
         assert (cache.hits, cache.misses) == (1, 1)
         old = cache.get(f"127.0.0.1:{server.server_address[1]}", "a").shape_bytes
-        source.unload("a")  # the peer now serves b's weights under the id "a"
-        source.swap_lora_slot_from_disk(adapter_dir("b"), "a", 0)
+        source.unload_slot(0)  # the peer now serves b's weights under the id "a"
+        land_disk(source, adapter_dir("b"), 0)
         stats = {}
-        swap_from_peer(slots, addr, "a", "x", 0, transport=transport, stats=stats)
+        land_peer(slots, addr, "a", 0, name="x", transport=transport, stats=stats)
         assert not stats["plan_cached"] and cache.misses == 2
         assert cache.get(f"127.0.0.1:{server.server_address[1]}", "a").shape_bytes != old
         assert len(cache) == 1

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from metrale import errors
-from metrale.peer import promote_from_peer, swap_from_peer, wire
+from metrale.peer import wire
 from metrale.peer.allow import resolve_peer
 from metrale.peer.client import DATA_SPAN, PeerClient
 from metrale.peer.deadline import Deadline
@@ -29,15 +29,15 @@ from metrale.peer.nixl_shim import nixl_available
 from metrale.peer.plans import plan_cache_for
 from metrale.peer.wire import encode_doc
 from tests.helpers.peers import LEASE, FakePeer, adapter_dir, new_slots
-from tests.helpers.pool import snapshot
+from tests.helpers.pool import land_disk, land_peer, snapshot
 
 
 @pytest.fixture
 def engine():
     """Slots 0 and 1 hold "b" and "c"; slot 2 never filled."""
     slots = new_slots()
-    slots.swap_lora_slot_from_disk(adapter_dir("b"), "b", 0)
-    slots.swap_lora_slot_from_disk(adapter_dir("c"), "c", 1)
+    land_disk(slots, adapter_dir("b"), 0)
+    land_disk(slots, adapter_dir("c"), 1)
     return slots
 
 
@@ -117,10 +117,11 @@ def _retype(m, dtype):
 
 
 def _run(op, slots, peer, transport="http", timeout_s=5.0):
+    """swap: into slot 0 (it holds b's bytes); promote: into the pool's victim."""
     if op == "swap":
-        swap_from_peer(slots, peer.url, "a", "b", 0, transport=transport, timeout_s=timeout_s)
+        land_peer(slots, peer.url, "a", 0, name="b", transport=transport, timeout_s=timeout_s)
     else:
-        promote_from_peer(slots, peer.url, "a", "z", transport=transport, timeout_s=timeout_s)
+        land_peer(slots, peer.url, "a", name="z", transport=transport, timeout_s=timeout_s)
 
 
 @pytest.mark.parametrize("case", sorted(MANIFESTS))
@@ -230,10 +231,10 @@ def test_the_fake_peer_serves_a_good_adapter(genuine, engine):
 
     peer = FakePeer(genuine[0], genuine[1])
     try:
-        slot, _ = promote_from_peer(engine, peer.url, "a", "a", transport="http", timeout_s=5)
+        slot, version = land_peer(engine, peer.url, "a", transport="http", timeout_s=5)
     finally:
         peer.close()
-    assert slot == 2
+    assert slot == 2 and engine.table.holds(2, version)
     assert_matches_disk(engine, 2, "a")
 
 
@@ -250,9 +251,9 @@ def test_peer_outside_allow_list_is_never_contacted(addr, allow, engine, monkeyp
     monkeypatch.setattr(socket, "create_connection", no_connection)
     before = snapshot(engine)
     with pytest.raises(PeerNotAllowedError):
-        swap_from_peer(engine, addr, "a", "b", 0, peer_allow=allow, timeout_s=2)
+        land_peer(engine, addr, "a", 0, name="b", peer_allow=allow, timeout_s=2)
     with pytest.raises(PeerNotAllowedError):
-        promote_from_peer(engine, addr, "a", "z", peer_allow=allow, timeout_s=2)
+        land_peer(engine, addr, "a", name="z", peer_allow=allow, timeout_s=2)
     assert snapshot(engine) == before
 
 
@@ -260,8 +261,8 @@ def test_allow_list_admits_by_name_and_network(genuine, engine):
     peer = FakePeer(genuine[0], genuine[1])
     try:
         port = peer.url.rsplit(":", 1)[1]
-        swap_from_peer(engine, f"localhost:{port}", "a", "a", 2, peer_allow=["localhost"])
-        swap_from_peer(engine, f"http://127.0.0.1:{port}", "a", "a", 2, peer_allow=["127.0.0.0/30"])
+        land_peer(engine, f"localhost:{port}", "a", 2, peer_allow=["localhost"])
+        land_peer(engine, f"http://127.0.0.1:{port}", "a", 2, peer_allow=["127.0.0.0/30"])
     finally:
         peer.close()
 
@@ -374,8 +375,8 @@ def test_a_lie_after_a_cached_plan_is_still_refused(genuine, engine):
     good = FakePeer(genuine[0], genuine[1])
     try:
         port = good.url
-        promote_from_peer(engine, good.url, "a", "z", transport="http", timeout_s=5)
-        promote_from_peer(engine, good.url, "a", "z2", transport="http", timeout_s=5)
+        land_peer(engine, good.url, "a", name="z", transport="http", timeout_s=5)
+        land_peer(engine, good.url, "a", name="z2", transport="http", timeout_s=5)
         assert plan_cache_for(engine.pool).hits >= 1
         lie = copy.deepcopy(genuine[0])
         lie["manifest"]["tensors"][0]["nbytes"] += 4
@@ -383,7 +384,7 @@ def test_a_lie_after_a_cached_plan_is_still_refused(genuine, engine):
         good.lease_reply = lie  # the same peer, same adapter id
         before = snapshot(engine)
         with pytest.raises(PeerManifestError):
-            swap_from_peer(engine, port, "a", "z", 2, transport="http", timeout_s=5)
+            land_peer(engine, port, "a", 2, name="z", transport="http", timeout_s=5)
         assert snapshot(engine) == before
     finally:
         good.close()

@@ -14,7 +14,6 @@ import torch
 
 from metrale import errors
 from metrale.config import ModelConfig
-from metrale.peer import promote_from_peer, swap_from_peer
 from metrale.peer.errors import (
     NixlUnavailableError,
     PeerTimeoutError,
@@ -33,7 +32,7 @@ from tests.helpers.peers import (
     start_store,
     stop,
 )
-from tests.helpers.pool import snapshot
+from tests.helpers.pool import land_disk, land_peer, snapshot
 
 TRANSPORTS = ["http", pytest.param("nixl", marks=pytest.mark.skipif(
     not nixl_available(), reason="NIXL not installed (pip install nixl-cu12)"))]
@@ -54,12 +53,11 @@ def open_leases(url: str) -> int:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_promote_matches_disk_and_peft(store, transport, caplog):
     slots = new_slots()
-    for name in ("a", "b", "c"):
+    for i, name in enumerate(("a", "b", "c")):
         with caplog.at_level("INFO", logger="metrale.peer"):
-            slot, evicted = promote_from_peer(slots, store, name, name, transport=transport,
-                                              timeout_s=20)
+            slot, version = land_peer(slots, store, name, transport=transport, timeout_s=20)
         assert f"via {transport}" in caplog.text
-        assert evicted is None and slots.table.info(slot).state is SlotState.READY
+        assert slot == i and slots.table.holds(slot, version)  # the never-filled slots in turn
         assert_matches_disk(slots, slot, name)
     slots.table.check_integrity()
     assert open_leases(store) == 0
@@ -68,28 +66,30 @@ def test_promote_matches_disk_and_peft(store, transport, caplog):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_swap_into_slot_evicts_and_renews_identity(store, transport):
     slots = new_slots()
-    swap_from_peer(slots, store, "a", "x", 1, transport=transport, timeout_s=20)
+    land_peer(slots, store, "a", 1, name="x", transport=transport, timeout_s=20)
     first = slots.table.info(1)
-    swap_from_peer(slots, store, "b", "x", 1, transport=transport, timeout_s=20)  # same name, new bytes
+    # same name, new bytes
+    _, version = land_peer(slots, store, "b", 1, name="x", transport=transport, timeout_s=20)
     second = slots.table.info(1)
     assert second.generation == first.generation + 1 and second.uid != first.uid
+    assert second.version == version != first.version
     assert_matches_disk(slots, 1, "b")
-    slot, evicted = promote_from_peer(slots, store, "c", "y", transport=transport, timeout_s=20)
-    assert slot in (0, 2) and evicted is None
+    slot, version = land_peer(slots, store, "c", name="y", transport=transport, timeout_s=20)
+    assert slot in (0, 2) and slots.table.holds(slot, version) and slots.table.holds(1, second.version)
     slots.table.check_integrity()
 
 
 def test_http_converts_dtype_nixl_refuses(store):
     slots = new_slots(dtype=torch.bfloat16)
-    swap_from_peer(slots, store, "b", "b", 0, transport="http", timeout_s=20)
+    land_peer(slots, store, "b", 0, transport="http", timeout_s=20)
     assert_matches_disk(slots, 0, "b")
     if nixl_available():
         before = snapshot(slots)
         with pytest.raises(errors.AdapterMismatchError, match="transport='http'"):
-            swap_from_peer(slots, store, "a", "a", 0, transport="nixl", timeout_s=20)
+            land_peer(slots, store, "a", 0, transport="nixl", timeout_s=20)
         assert snapshot(slots) == before
-        promote_from_peer(slots, store, "a", "a", transport="auto", timeout_s=20)  # falls back to http
-        assert_matches_disk(slots, slots.table.slot_of("a"), "a")
+        slot, _ = land_peer(slots, store, "a", transport="auto", timeout_s=20)  # falls back to http
+        assert_matches_disk(slots, slot, "a")
 
 
 def test_without_nixl_auto_falls_back_and_nixl_refuses(store, monkeypatch):
@@ -101,22 +101,23 @@ def test_without_nixl_auto_falls_back_and_nixl_refuses(store, monkeypatch):
     slots = new_slots()
     before = snapshot(slots)
     with pytest.raises(NixlUnavailableError, match="pip install nixl-cu12"):
-        swap_from_peer(slots, store, "a", "a", 0, transport="nixl", timeout_s=10)
+        land_peer(slots, store, "a", 0, transport="nixl", timeout_s=10)
     assert snapshot(slots) == before
-    slot, _ = promote_from_peer(slots, store, "a", "a", timeout_s=10)  # auto: HTTP
+    slot, _ = land_peer(slots, store, "a", timeout_s=10)  # auto: HTTP
     assert_matches_disk(slots, slot, "a")
 
 
 def test_unknown_adapter_and_refusals_release_leases(store):
     slots = new_slots()
-    swap_from_peer(slots, store, "a", "a", 0, timeout_s=20)
+    land_peer(slots, store, "a", 0, timeout_s=20)
     before = snapshot(slots)
     with pytest.raises(UnknownPeerAdapterError, match="nope"):
-        swap_from_peer(slots, store, "nope", "a", 0, timeout_s=5)
+        land_peer(slots, store, "nope", 0, name="a", timeout_s=5)
     small = new_slots(rank=2)
+    small_before = snapshot(small)
     with pytest.raises(errors.AdapterMismatchError, match="max_lora_rank"):
-        promote_from_peer(small, store, "a", "a", timeout_s=5)
-    assert snapshot(slots) == before
+        land_peer(small, store, "a", timeout_s=5)
+    assert snapshot(slots) == before and snapshot(small) == small_before
     assert open_leases(store) == 0
 
 
@@ -126,9 +127,9 @@ def test_peft_argument_overrides_the_manifest(store):
     slots = new_slots()
     cfg = PeftAdapterConfig.from_dir(adapter_dir("a"))
     doubled = PeftAdapterConfig.from_dict({**cfg.to_dict(), "lora_alpha": cfg.lora_alpha * 2})
-    swap_from_peer(slots, store, "a", "a", 0, peft=doubled, timeout_s=20)
+    land_peer(slots, store, "a", 0, peft=doubled, timeout_s=20)
     ref = new_slots()
-    ref.swap_lora_slot_from_disk(adapter_dir("a"), "a", 0)
+    land_disk(ref, adapter_dir("a"), 0)
     torch.testing.assert_close(slots.pool.scales[0], 2 * ref.pool.scales[0])
 
 
@@ -145,11 +146,11 @@ def test_nixl_peer_killed_mid_transfer_leaves_slot_empty(monkeypatch):
 
     monkeypatch.setattr(NixlEndpoint, "read", die_then_read)
     slots = new_slots()
-    slots.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)
+    land_disk(slots, adapter_dir("c"), 0)
     old = slots.table.info(0)
     start = time.monotonic()
     with pytest.raises(errors.LandingError, match="now EMPTY") as info:
-        swap_from_peer(slots, url, "a", "a", 0, transport="nixl", timeout_s=10)
+        land_peer(slots, url, "a", 0, transport="nixl", timeout_s=10)
     assert time.monotonic() - start < 10
     assert isinstance(info.value.__cause__, PeerTransferError)
     _assert_empty(slots, 0, old)
@@ -160,12 +161,12 @@ def test_nixl_stalled_transfer_times_out_empty(store, monkeypatch):
     from metrale.peer import nixl_transport
 
     slots = new_slots()
-    slots.swap_lora_slot_from_disk(adapter_dir("c"), "c", 2)
+    land_disk(slots, adapter_dir("c"), 2)
     old = slots.table.info(2)
     monkeypatch.setattr(nixl_transport.NixlEndpoint, "_run", _stalled_run(nixl_transport))
     start = time.monotonic()
     with pytest.raises(errors.LandingError) as info:
-        swap_from_peer(slots, store, "b", "b", 2, transport="nixl", timeout_s=1.5)
+        land_peer(slots, store, "b", 2, transport="nixl", timeout_s=1.5)
     assert 1.0 < time.monotonic() - start < 6
     assert isinstance(info.value.__cause__, PeerTimeoutError)
     _assert_empty(slots, 2, old)
@@ -198,8 +199,8 @@ def _stalled_run(nixl_transport):
 
 def _assert_empty(slots, slot, old) -> None:
     info = slots.table.info(slot)
-    assert info.state is SlotState.EMPTY and info.name is None and info.uid != old.uid
-    assert slots.table.slot_of(old.name) is None
+    assert info.state is SlotState.EMPTY and info.version is None and info.uid != old.uid
+    assert not any(slots.table.holds(i, old.version) for i in range(len(slots.table)))
     assert not slots.pool.slot_region(slot).any() and not slots.pool.ranks[slot].any()
     slots.table.check_integrity()
 

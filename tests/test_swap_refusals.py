@@ -1,5 +1,6 @@
-"""Every refusal leaves the pool bytes and every slot's identity bit-identical;
-a failure after zeroing leaves the slot EMPTY with a fresh identity."""
+"""Every refusal of the engine's swap and promote leaves the pool bytes, every slot's
+identity and the registry (names, versions, routes) as they were; a failure after zeroing
+leaves the slot EMPTY with a fresh identity."""
 
 from __future__ import annotations
 
@@ -14,17 +15,25 @@ from safetensors.torch import load_file, save_file
 from metrale import errors
 from metrale.pool.pool import AdapterPool
 from metrale.pool.slots import SlotState
+from tests.helpers.engine import tiny_engine
 from tests.helpers.pool import snapshot
-from tests.helpers.pool import tiny_llama_slots as _slots
 
 
 @pytest.fixture
-def filled(adapters):
-    """Slots 0 and 1 hold adapters a and b; slot 2 is a never-filled placeholder."""
-    slots = _slots()
-    slots.swap_lora_slot_from_disk(adapters / "a", "a", 0)
-    slots.swap_lora_slot_from_disk(adapters / "b", "b", 1)
-    return slots
+def filled(adapters, tiny_model_dir):
+    """An engine whose slots 0 and 1 hold adapters a and b; slot 2 is a never-filled
+    placeholder."""
+    engine = tiny_engine(tiny_model_dir)
+    engine.swap_lora_slot_from_disk(adapters / "a", "a", 0)
+    engine.swap_lora_slot_from_disk(adapters / "b", "b", 1)
+    return engine
+
+
+def state(engine) -> tuple:
+    """The pool (bytes, slot identities) and the registry (versions, routes, pins)."""
+    registry = engine.registry
+    return (snapshot(engine.lora), registry.routes(),
+            [registry.get(n) for n in registry.names()], registry.pinned_slots())
 
 
 def _copy(adapters, tmp_path, name="a"):
@@ -145,7 +154,7 @@ def test_bad_adapter_refused_untouched(case, op, filled, adapters, tmp_path):
     corrupt, error = BAD_ADAPTERS[case]
     bad = _copy(adapters, tmp_path)
     corrupt(bad)
-    before = snapshot(filled)
+    before = state(filled)
     with pytest.raises(error) as info:
         if op == "swap":
             filled.swap_lora_slot_from_disk(bad, "a", 0)  # idle slot holding "a"
@@ -153,14 +162,14 @@ def test_bad_adapter_refused_untouched(case, op, filled, adapters, tmp_path):
             filled.promote_lora_slot_from_disk(bad, "x")
     assert isinstance(info.value, errors.MetraleError)
     assert str(info.value)
-    assert snapshot(filled) == before
-    filled.table.check_integrity()
+    assert state(filled) == before
+    filled.check_integrity()
 
 
 def test_state_refusals_untouched(filled, adapters):
-    before = snapshot(filled)
-    filled.table.acquire("a")
-    busy = snapshot(filled)
+    before = state(filled)
+    filled.lora.table.acquire(0)  # a sequence decodes on "a"
+    busy = state(filled)
     cases = [
         (lambda: filled.swap_lora_slot_from_disk(adapters / "c", "c", 3), errors.SlotOutOfRangeError),
         (lambda: filled.swap_lora_slot_from_disk(adapters / "c", "c", -1),
@@ -173,64 +182,74 @@ def test_state_refusals_untouched(filled, adapters):
     for call, error in cases:
         with pytest.raises(error):
             call()
-        assert snapshot(filled) == busy
-    filled.table.release(0)
-    assert snapshot(filled)[0] == before[0]
+        assert state(filled) == busy
+    filled.lora.table.release(0)
+    assert state(filled)[0][0] == before[0][0] and state(filled)[1:] == before[1:]
 
 
 def test_swap_message_names_the_rule(filled, adapters):
-    filled.table.acquire("a")
+    filled.lora.table.acquire(0)
     with pytest.raises(errors.SlotBusyError, match="cannot replace an adapter mid-decode"):
         filled.swap_lora_slot_from_disk(adapters / "c", "c", 0)
 
 
 def test_pool_full_refused_untouched(filled, adapters):
-    filled.table.acquire("a")
-    filled.table.acquire("b")
-    filled.table.set_pinned(2, True)
-    before = snapshot(filled)
+    filled.register_adapter("p", adapters / "c", pinned=True)  # lands in slot 2, pinned
+    assert filled.registry.slot_of("p") == 2 and filled.registry.pinned_slots() == {2}
+    filled.lora.table.acquire(0)
+    filled.lora.table.acquire(1)
+    before = state(filled)
     with pytest.raises(errors.PoolFullError, match=r"^POOL_FULL: all 2 cache slot\(s\) are busy"):
         filled.promote_lora_slot_from_disk(adapters / "c", "c")
-    assert snapshot(filled) == before
+    assert state(filled) == before
 
 
-def test_no_pool_and_disabled_swaps(adapters):
-    no_pool = _slots(max_loras=0)
+def test_no_pool_and_disabled_swaps(adapters, tiny_model_dir):
+    no_pool = tiny_engine(tiny_model_dir, max_loras=0)
     with pytest.raises(errors.NoAdapterPoolError):
         no_pool.swap_lora_slot_from_disk(adapters / "a", "a", 0)
     with pytest.raises(errors.NoAdapterPoolError):
         no_pool.promote_lora_slot_from_disk(adapters / "a", "a")
-    frozen = _slots(allow_runtime_swaps=False)
-    before = snapshot(frozen)
+    assert no_pool.registry.names() == []
+    frozen = tiny_engine(tiny_model_dir, allow_runtime_swaps=False)
+    before = state(frozen)
     for call in (lambda: frozen.swap_lora_slot_from_disk(adapters / "a", "a", 0),
                  lambda: frozen.promote_lora_slot_from_disk(adapters / "a", "a")):
         with pytest.raises(errors.RuntimeSwapsDisabledError):
             call()
-    assert snapshot(frozen) == before
+    assert state(frozen) == before
 
 
 def test_failure_mid_landing_leaves_slot_empty(filled, adapters, monkeypatch):
-    old = filled.table.info(0)
-    other = filled.pool.slot_region(1).clone()
+    table, pool = filled.lora.table, filled.lora.pool
+    old = table.info(0)
+    other = pool.slot_region(1).clone()
     real_land = AdapterPool.land
+    died = []
 
-    def land_half_then_die(self, slot, plan, views):
+    def land_half_then_die(self, slot, plan, views, tables=True):
         half = len(plan.landings) // 2
-        real_land(self, slot, plan.__class__(**{**plan.__dict__,
-                                                "landings": plan.landings[:half]}), views[:half])
+        real_land(self, slot, plan.__class__(**{**plan.__dict__, "landings": plan.landings[:half]}),
+                  views[:half], tables)
+        assert self.slot_region(slot).any()  # half of c's bytes are in the slot now
+        died.append(slot)
         raise OSError("disk vanished mid-read")
 
     monkeypatch.setattr(AdapterPool, "land", land_half_then_die)
-    with pytest.raises(errors.LandingError, match="now EMPTY"):
+    with pytest.raises(errors.LandingError, match="disk vanished mid-read.*now EMPTY"):
         filled.swap_lora_slot_from_disk(adapters / "c", "c", 0)
-    info = filled.table.info(0)
-    assert info.state is SlotState.EMPTY and info.name is None
+    assert died == [0]
+    info = table.info(0)
+    assert info.state is SlotState.EMPTY and info.version is None
     assert info.uid != old.uid and info.generation == old.generation + 1
-    assert filled.table.slot_of("a") is None and filled.table.slot_of("c") is None
-    assert not filled.pool.slot_region(0).any() and not filled.pool.ranks[0].any()
-    assert torch.equal(filled.pool.slot_region(1), other)
-    filled.table.check_integrity()
+    # "a" lost its slot (its version stays registered); "c" was never installed
+    assert filled.registry.slot_of("a") is None and filled.registry.get("c") is None
+    assert filled.registry.routes() == {"b": 1}
+    assert not pool.slot_region(0).any() and not pool.ranks[0].any()
+    assert torch.equal(pool.slot_region(1), other)
+    filled.check_integrity()
     monkeypatch.undo()
     # the slot is usable again afterwards
     filled.swap_lora_slot_from_disk(adapters / "c", "c", 0)
-    assert filled.table.info(0).state is SlotState.READY
+    assert table.holds(0, filled.registry.current("c").version)
+    assert filled.registry.slot_of("c") == 0

@@ -35,3 +35,12 @@ def step_until_running(engine, request_id: str) -> None:
     """Until the request holds its adapter slot and has produced a token."""
     seq = engine.requests[request_id]
     step_until(engine, lambda: seq.bound and len(seq.output_ids) > 0)
+
+
+def tiny_engine(model_dir, **kw):
+    """An LLMEngine on CPU over model_dir (3 slots of rank 8, a small KV cache unless kw
+    says otherwise; kw go to LLM)."""
+    from metrale import LLM  # metrale: after conftest's triton switch
+
+    args = dict(max_loras=3, max_lora_rank=8, block_size=4, max_model_len=64, num_kv_blocks=32)
+    return LLM(model_dir, **{**args, **kw}).engine

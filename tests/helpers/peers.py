@@ -26,6 +26,7 @@ import torch
 from metrale.config import ModelConfig, PoolConfig
 from metrale.peer.wire import encode_doc
 from metrale.pool.swap import LoraSlots
+from tests.helpers.pool import land_disk
 from tests.helpers.tiny_models import make_adapter, make_model, peft_deltas, save_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,11 +66,35 @@ def adapter_dir(name: str) -> Path:
     return peer_root()[0] / "adapters" / name
 
 
+def disk_exporter(*names: str, rank: int = 8, dtype: torch.dtype = torch.float32, **exporter_kw):
+    """An AdapterExporter over a bare pool of len(names) slots of `rank`, slot i holding
+    adapter_dir(names[i]) under that name (named as a peer store names its slots)."""
+    from metrale.peer.exporter import AdapterExporter
+    from metrale.peer.store import StoreNames
+
+    slots, served = new_slots(max_loras=len(names), rank=rank, dtype=dtype), StoreNames()
+    for slot, name in enumerate(names):
+        land_disk(slots, adapter_dir(name), slot)
+        served.add(name, slot)
+    return AdapterExporter(slots, served, **exporter_kw)
+
+
+def peer_engine(*names: str, **engine_kw):
+    """An engine on peer_root's model whose slot i holds adapter_dir(names[i]) as names[i]
+    (3 slots of rank 8 unless engine_kw says otherwise)."""
+    from tests.helpers.engine import tiny_engine
+
+    engine = tiny_engine(peer_root()[0] / "model", **engine_kw)
+    for slot, name in enumerate(names):
+        engine.swap_lora_slot_from_disk(adapter_dir(name), name, slot)
+    return engine
+
+
 def assert_matches_disk(slots: LoraSlots, slot: int, name: str) -> None:
     """The slot holds exactly what a disk landing of the same adapter gives, and
     its deltas are PEFT's scaling * B @ A."""
     ref = LoraSlots(slots.model_config, slots.pool_config, slots.pool.device, slots.pool.layout.dtype)
-    ref.swap_lora_slot_from_disk(adapter_dir(name), name, slot)
+    land_disk(ref, adapter_dir(name), slot)
     assert torch.equal(slots.pool.slot_region(slot), ref.pool.slot_region(slot))
     assert torch.equal(slots.pool.ranks[slot], ref.pool.ranks[slot])
     assert torch.equal(slots.pool.scales[slot], ref.pool.scales[slot])
