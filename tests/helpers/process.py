@@ -14,8 +14,8 @@ import subprocess
 import time
 from collections.abc import Callable
 
-# Tiny-model servers are ready in ~4 s on an idle 2-core box, the 135M default model's
-# in ~20 s: 180 s idle is a bound for a hung process, not a timing assumption.
+# A tiny-model server is ready in ~4 s on an idle 2-core box: 180 s idle is a bound for
+# a hung process, not a timing assumption.
 BOUND_S = 180.0
 # A load of 4x the cores stretches the bound 4x; past MAX_STRETCH the box is too busy
 # for the tests to mean anything, and a hang must still end.
