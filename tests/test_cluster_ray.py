@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +21,8 @@ from peft import PeftModel  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from metrale.cluster.config import ClusterConfig, ReplicaSpec  # noqa: E402
-from metrale.cluster.launch import deploy  # noqa: E402
+from metrale.cluster.launch import APP_NAME, deploy  # noqa: E402
+from tests.helpers.process import BOUND_S, Bound, tail  # noqa: E402
 from tests.helpers.reference import hf_greedy  # noqa: E402
 from tests.helpers.server import free_port, make_world  # noqa: E402
 from tests.helpers.tiny_models import make_model  # noqa: E402
@@ -29,17 +31,31 @@ pytestmark = pytest.mark.slow
 KEY = "internal-test-key"
 NS = "metrale-test"
 PROMPTS = ([5, 17, 30, 44], [9, 9, 120, 3, 77], [200, 13, 6])
-BOUND_S = 180.0  # a bound for a loaded 2-core box, not a timing assumption
 
 
-def wait_for(what: str, check, bound_s: float = BOUND_S):
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"never happened: {what}")
+def wait_for(what: str, check, bound_s: float = BOUND_S, failed=lambda: None):
+    """check()'s first truthy value; AssertionError at once when failed() names a failure,
+    or at the load-stretched bound, saying what was awaited and for how long."""
+    bound = Bound(bound_s)
+    while not (value := check()):
+        if problem := failed():
+            raise AssertionError(f"gave up waiting for {what} after {bound.elapsed():.1f} s: "
+                                 f"{problem}")
+        if bound.expired():
+            raise AssertionError(f"never happened: {what}; waited {bound.describe()}")
+        time.sleep(0.1)  # the pause between two polls of the cluster's state
+    return value
+
+
+def serve_failure(ray_dir: str) -> str | None:
+    """Why the Serve app failed (its status message and the tail of its replicas' logs),
+    or None while it is deploying or running."""
+    app = serve.status().applications.get(APP_NAME)
+    if app is None or app.status not in ("DEPLOY_FAILED", "UNHEALTHY"):
+        return None
+    logs = sorted(Path(ray_dir).glob("session_latest/logs/serve/replica_*.log"))
+    tails = "".join(f"\n--- {log.name}:\n{tail(log.read_text(errors='replace'), 20)}" for log in logs)
+    return f"the Serve app is {app.status}: {app.message}{tails}"
 
 
 class Reference:
@@ -99,7 +115,8 @@ def cluster(tmp_path_factory):
         deploy(spec, ClusterConfig(replicas=2, stats_period_s=0.5),
                {"model_id": world["model"].name, "adapter_roots": (world["adapters"],)})
         c = Cluster(f"http://127.0.0.1:{port}", world)
-        wait_for("both replicas joined the registry", lambda: len(c.replicas()) == 2)
+        wait_for("both replicas joined the registry", lambda: len(c.replicas()) == 2,
+                 failed=lambda: serve_failure(ray_dir))
         yield c
     finally:
         serve.shutdown()

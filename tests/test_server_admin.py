@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from metrale.cli import main as cli_main
+from tests.helpers.process import Bound
 from tests.helpers.server import Reference, ServerProcess, make_world, sse_events
 
 ADMIN = "admin-key"
@@ -102,13 +103,14 @@ def refused(response, status, code=None, words=()):
         assert word in error["message"], error["message"]
 
 
-def wait_for(predicate, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached in time")
+def wait_for(predicate, bound_s=20.0):
+    """Until predicate() holds, under a bound only a hung server reaches (the machine's
+    load stretches it)."""
+    bound = Bound(bound_s)
+    while not predicate():
+        if bound.expired():
+            raise AssertionError(f"condition not reached in {bound.describe()}")
+        time.sleep(0.05)  # the pause between two polls of the server's state
 
 
 def stream(server, model, max_tokens=LONG):

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from metrale.config import ModelConfig, PoolConfig
 from metrale.peer.wire import encode_doc
 from metrale.pool.swap import LoraSlots
 from tests.helpers.pool import land_disk
+from tests.helpers.process import BOUND_S, POLL_S, Bound, exited, timed_out
 from tests.helpers.tiny_models import make_adapter, make_model, peft_deltas, save_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def assert_matches_disk(slots: LoraSlots, slot: int, name: str) -> None:
 
 
 def start_store(*extra: str, adapters: Path | None = None, model: Path | None = None,
-                timeout_s: float = 180.0):  # a bound for a loaded box, not a wait
+                timeout_s: float = BOUND_S):
     """`metrale peer serve` on a free port: (process, base URL)."""
     root = peer_root()[0] if adapters is None or model is None else None
     cmd = [sys.executable, "-m", "metrale", "peer", "serve", "--adapters",
@@ -125,28 +125,46 @@ def start_store(*extra: str, adapters: Path | None = None, model: Path | None = 
     return proc, wait_for_line(proc, "metrale peer: serving", timeout_s).rsplit(" on ", 1)[1].split()[0]
 
 
-def wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float) -> str:
-    """The first output line of proc containing marker. Reads the pipe unbuffered: a
-    buffered readline may take several lines at once, and select() then waits on an
-    empty pipe for a line that is already in the buffer."""
+def wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float = BOUND_S) -> str:
+    """The first output line of proc containing marker; ProcessStartError (exit code and
+    output) at once if proc exits first, or at the load-stretched bound. Reads the pipe
+    unbuffered: a buffered readline may take several lines at once, and select() then
+    waits on an empty pipe for a line that is already in the buffer."""
+    name, waited_for = f"`{' '.join(map(str, proc.args))}`", f"a line containing {marker!r}"
     fd = proc.stdout.fileno()
-    end, pending, seen = time.monotonic() + timeout_s, b"", []
-    while time.monotonic() < end:
-        ready, _, _ = select.select([fd], [], [], max(0.0, end - time.monotonic()))
-        if not ready:
-            break
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            break
-        *lines, pending = (pending + chunk).split(b"\n")
-        for raw in lines:
-            line = raw.decode(errors="replace")
-            seen.append(line + "\n")
-            if marker in line:
-                threading.Thread(target=_drain, args=(fd,), daemon=True).start()
-                return line.strip()
-    stop(proc)
-    raise AssertionError(f"no {marker!r} from {proc.args}:\n{''.join(seen)[-3000:]}")
+    bound, pending, seen, open_ = Bound(timeout_s), b"", [], True
+    while True:
+        if open_ and select.select([fd], [], [], POLL_S)[0]:
+            chunk = os.read(fd, 1 << 16)
+            open_ = bool(chunk)  # end of output: the process is exiting
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                seen.append(line)
+                if marker in line:
+                    threading.Thread(target=_drain, args=(fd,), daemon=True).start()
+                    return line.strip()
+        elif not open_:
+            try:  # the pause before the next check ends the moment the process exits
+                proc.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                pass
+        # an exited process's last output is read first (select answers at once for it)
+        if proc.poll() is not None and not (open_ and select.select([fd], [], [], 0)[0]):
+            raise exited(name, proc, waited_for, bound, _text(seen, pending))
+        if bound.expired():
+            raise timed_out(name, proc, waited_for, bound, _text(seen, pending))
+
+
+def _text(lines: list[str], pending: bytes) -> str:
+    return "\n".join([*lines, pending.decode(errors="replace")])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill proc at once (a peer vanishing, not a clean shutdown) and reap it."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
 
 
 def _drain(fd: int) -> None:
@@ -155,12 +173,6 @@ def _drain(fd: int) -> None:
             pass
     except OSError:  # the pipe was closed under us: nothing left to drain
         pass
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(timeout=10)
 
 
 # --- a peer that says whatever the test wants ------------------------------------------

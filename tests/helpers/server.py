@@ -8,13 +8,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import torch
 
 from metrale import LLM, SamplingParams
+from tests.helpers.process import BOUND_S, stop, wait_ready
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,9 +69,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m metrale serve ...` on a free loopback port, killed at stop()."""
+    """`python -m metrale serve ...` on a free loopback port, ready (its /health answers
+    200) when constructed; a server that exits or hangs first raises ProcessStartError
+    with its exit code and the tail of its log. stop() (or leaving a `with`) ends it."""
 
-    def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = 180.0) -> None:
+    def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = BOUND_S) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -80,41 +82,36 @@ class ServerProcess:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         env.pop("METRALE_API_KEY", None)
         env.pop("METRALE_ADMIN_KEY", None)
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "metrale", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-        self._wait_ready(startup_timeout_s)
+        cmd = [sys.executable, "-m", "metrale", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        with open(log_path, "wb") as log:  # the child writes through its own copy
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                         env=env)
+        try:
+            wait_ready(self.proc, f"`metrale serve` (log: {log_path})",
+                       f"{self.url}/health to answer 200", self._healthy, self.log,
+                       startup_timeout_s)
+        except BaseException:  # an interrupted start must not leave a server behind
+            self.stop()
+            raise
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout_s}s:\n{self.log()}")
+    def _healthy(self) -> bool:
+        try:  # trust_env=False: a proxy from the environment must not stand in for the server
+            return httpx.get(f"{self.url}/health", timeout=5, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()[-5000:]
+        return self.log_path.read_text(errors="replace")[-5000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self._log.close()
+        stop(self.proc)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 class Reference:
