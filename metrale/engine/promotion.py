@@ -182,8 +182,7 @@ class Promoter:
             if p.done:
                 raise
             log.exception("promotion of %r failed unexpectedly", p.name)
-            self._fail(p, e if isinstance(e, MetraleError)
-                       else LandingError(f"landing adapter {p.name!r} failed: {e!r}"))
+            self._fail(p, e)
 
     def _read_done(self, p: Promotion) -> None:
         """READING -> WAITING, or FAILED: the bytes were refused, or the version was
@@ -191,8 +190,7 @@ class Promoter:
         try:
             p.prepared = p.read.result()
         except BaseException as e:
-            self._fail(p, e if isinstance(e, MetraleError)
-                       else AdapterFileError(f"reading {p.origin} failed: {e!r}"))
+            self._fail(p, _typed(e, AdapterFileError, f"reading {p.origin} failed"))
             return
         if not self._still_wanted(p):
             self._fail(p, StaleVersionError(
@@ -239,8 +237,7 @@ class Promoter:
             if event is not None:
                 event.synchronize()  # complete already; raises a device error if any
         except BaseException as e:
-            self._fail(p, e if isinstance(e, MetraleError) else LandingError(
-                f"landing adapter {p.name!r} failed: {e!r}"))
+            self._fail(p, e)
             return
         if not self._still_wanted(p):  # by a reload, an unload or an explicit landing
             self._fail(p, StaleVersionError(
@@ -257,12 +254,14 @@ class Promoter:
                  p.origin, p.evicted, (time.perf_counter() - p.start) * 1e3)
         self._notify(p)
 
-    def _fail(self, p: Promotion, error: MetraleError, quiet: bool = False) -> None:
-        """The one failure path: an open landing leaves its slot EMPTY with a new uid."""
+    def _fail(self, p: Promotion, error: BaseException, quiet: bool = False) -> None:
+        """The one failure path: an open landing leaves its slot EMPTY with a new uid (its
+        LandingError is caused by `error`); other failures keep their typed error."""
         if p.landing is not None and p.landing.is_open:
-            landing_error = p.landing.fail(error)  # a LandingError caused by `error`
+            landing_error = p.landing.fail(error)
             if not isinstance(error, StaleVersionError):
                 error = landing_error
+        error = _typed(error, LandingError, f"landing adapter {p.name!r} failed")
         self._closed(p)
         p.error, p.phase = error, Phase.FAILED
         if not quiet:
@@ -412,3 +411,11 @@ class Promoter:
         if self._worker is not None:
             self._worker.shutdown(wait=False, cancel_futures=True)
 
+
+def _typed(error: BaseException, cls: type[MetraleError], what: str) -> MetraleError:
+    """A typed error for one nobody foresaw, caused by it (callers classify by the cause)."""
+    if isinstance(error, MetraleError):
+        return error
+    typed = cls(f"{what}: {error!r}")
+    typed.__cause__ = error
+    return typed
