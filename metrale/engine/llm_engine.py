@@ -78,8 +78,7 @@ class LLMEngine:
             self.lora, self.registry, cfg.promotion_timeout_s,
             PeerOptions(cfg.peer_transport, cfg.peer_timeout_s, cfg.peer_allow or None),
             async_promotions=cfg.async_promotions,
-            max_in_flight=cfg.scheduler.max_promotions_in_flight,
-            drain_busy_slots=cfg.scheduler.policy != "legacy")
+            max_in_flight=cfg.scheduler.max_promotions_in_flight)
         self.adapters.remaining_work = self._work_per_slot
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
                                   self.lora.pool)
@@ -97,7 +96,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self.max_seq_tokens)
         # overlap the host's work with the device's: only a device runs ahead of the host
         self.async_scheduling = cfg.async_scheduling if cfg.async_scheduling is not None \
-            else self.device.type == "cuda" and cfg.scheduler.policy != "legacy"
+            else self.device.type == "cuda"
         self._in_flight: _InFlight | None = None
 
     # --- requests ----------------------------------------------------------------------

@@ -87,7 +87,7 @@ def build_app(args: argparse.Namespace):
               peer_timeout_s=args.peer_timeout, lora_extra_targets=args.lora_extra_targets,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               scheduler=SchedulerConfig(
-                  policy=args.scheduler_policy, max_prefill_chunk=args.max_prefill_chunk,
+                  max_prefill_chunk=args.max_prefill_chunk,
                   max_prefill_attention=args.max_prefill_attention,
                   max_admission_wait_s=args.max_admission_wait,
                   max_promotions_in_flight=args.max_promotions_in_flight),
@@ -225,9 +225,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help="most (query, key) pairs one prompt chunk attends to per step: a "
                             "long prompt's chunks shrink as its context grows, so the decodes "
                             "sharing its steps do not slow down (e.g. 262144; default: no cap)")
-    sched.add_argument("--scheduler-policy", default="mixed", choices=["mixed", "legacy"],
-                       help="mixed: decodes and prompt chunks share every step; legacy: a step "
-                            "is either a prefill or a decode (default: %(default)s)")
     sched.add_argument("--max-admission-wait", type=float, default=1.0, metavar="SECONDS",
                        help="a request waiting longer is admitted in arrival order, ahead of "
                             "adapters' round-robin turns (default: %(default)s)")
