@@ -136,7 +136,7 @@ def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(T
                 moved = (used * r_used * (in_dim + sum(outs)) * elt
                          + T * (in_dim + 2 * sum(outs)) * elt)
                 row = dict(group=name, T=T, spread=spread,
-                           path=launch.choose_path(T, in_dim, max(outs)),
+                           path=launch.choose_path(T),
                            floor_us=moved / (hbm_gbps * 1e3), graph_us=_graph_us(apply))
                 for path in lt.PATHS:
                     row[f"{path}_us"] = _graph_us(functools.partial(

@@ -387,29 +387,30 @@ def test_split_partials_hold_the_shrink():
 
 
 MEASURED = Path(__file__).resolve().parents[1] / "bench/results/lora_kernels-20261201-040001.json"
-LLAMA3_8B = {"qkv": (4096, 4096), "o": (4096, 4096), "gate_up": (4096, 14336),
-             "down": (14336, 4096)}  # group: (in, widest out), the measured shapes
 
 
-def test_path_table_picks_the_measured_faster_path():
-    """Wherever one path was faster by 5% or more in both slot spreads of the committed H200
-    measurement (bench/lora_kernels.py, Llama-3-8B groups), PATH_TABLE picks it."""
+def test_path_table_follows_the_measurements():
+    """Past 64 tokens, wherever one path was faster by 5% or more in both slot spreads of
+    the committed H200 measurement (a group's LoRA alone, Llama-3-8B), PATH_TABLE picks it;
+    at decode sizes it keeps atomic, the path of every end-to-end decode measurement
+    (docs/DESIGN.md: split alone was faster there for some groups, not end to end)."""
     runs = defaultdict(list)
     for row in json.loads(MEASURED.read_text())["rows"]:
-        runs[row["group"], row["T"]].append(row["split_us"] / row["atomic_us"])
+        runs[row["T"], row["group"]].append(row["split_us"] / row["atomic_us"])
     checked = 0
-    for (group, T), ratios in runs.items():
+    for (T, group), ratios in sorted(runs.items()):
+        if T <= lt.DECODE_MAX_T:
+            assert launch.choose_path(T) == "atomic", (T, group)
+            continue
         want = "split" if max(ratios) <= 0.95 else "atomic" if min(ratios) >= 1 / 0.95 else None
         if want:
-            assert launch.choose_path(T, *LLAMA3_8B[group]) == want, (group, T, ratios)
+            assert launch.choose_path(T) == want, (group, T, ratios)
             checked += 1
-    assert checked >= 10
+    assert checked >= 3
 
 
-def test_every_shape_has_a_path():
-    paths = {launch.choose_path(T, IN, out) for T in (1, 8, 9, 32, 33, 64, 65, 4096)
-             for IN in (64, 8192, 1 << 16) for out in (64, 8192, 1 << 17)}
-    assert paths == set(lt.PATHS)
+def test_every_size_has_a_path():
+    assert {launch.choose_path(T) for T in (1, 8, 64, 65, 1 << 20)} == set(lt.PATHS)
 
 
 @needs_kernels

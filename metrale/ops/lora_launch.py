@@ -28,41 +28,35 @@ PATHS = ("split", "atomic")
 
 @dataclass(frozen=True)
 class PathRule:
-    """Groups of min_t..max_t tokens whose `in` and widest output reach min_in / min_out."""
+    """Groups of min_t..max_t tokens run `path`."""
 
     path: str
     min_t: int = 1
     max_t: int | None = None
-    min_in: int = 0
-    min_out: int = 0
 
-    def matches(self, T: int, IN: int, max_out: int) -> bool:
-        return (self.min_t <= T and (self.max_t is None or T <= self.max_t)
-                and IN >= self.min_in and max_out >= self.min_out)
+    def matches(self, T: int) -> bool:
+        return self.min_t <= T and (self.max_t is None or T <= self.max_t)
 
 
-# The path per shape: the first row that matches. Measured on an H200 (bench/lora_kernels.py
-# -> bench/results/lora_kernels-20261201-040001.json: Llama-3-8B groups, r=16, 32 slots,
-# bf16, a group's LoRA alone, graph-replayed us, atomic vs split), each measured size
-# standing for the sizes above the one measured below it. split wins for q/k/v and o at
-# every size (T=1: 6.5 vs 6.9; T=32: 11.2 vs 12.4) and for every group past 64 tokens (the
-# prefill mapping; T=256: 15.7 vs 18.1 for q/k/v); atomic where the expand's sum over
-# many split-K partials costs more than the memset saves: a long K at decode sizes (down,
-# in=14336: 6.8 vs 8.6 at T=1, a tie at T=32) and wide outputs at 32-64 tokens (gate/up,
-# out=14336: 17.4 vs 19.1 at T=32).
+# The path per shape: the first row that matches. Past 64 tokens (the slot-sorted prefill
+# mapping) split was faster for every Llama-3-8B group, alone on an H200
+# (bench/results/lora_kernels-20261201-040001.json, T=256: q/k/v 15.7 vs 18.1 us, down
+# 16.1 vs 17.8). At decode sizes the end-to-end measurements are atomic's: every decode
+# benchmark ran it, and the one decode run with split (1B, batch 32: session 10's "auto"
+# default, BENCHMARKS.md) fell from 0.73x to 0.65x of base, though split alone beat atomic
+# for q/k/v and o there. docs/DESIGN.md says what would move a row.
 PATH_TABLE = (
-    PathRule("atomic", max_t=32, min_in=8192),
-    PathRule("atomic", min_t=9, max_t=64, min_out=8192),
-    PathRule("split"),
+    PathRule("split", min_t=65),
+    PathRule("atomic"),
 )
 
 
-def choose_path(T: int, IN: int, max_out: int) -> str:
-    """The path PATH_TABLE gives a group of T tokens, `in` IN and widest output max_out."""
+def choose_path(T: int) -> str:
+    """The path PATH_TABLE gives a group of T tokens."""
     for rule in PATH_TABLE:
-        if rule.matches(T, IN, max_out):
+        if rule.matches(T):
             return rule.path
-    raise ValueError(f"no PATH_TABLE row matches T={T}, in={IN}, out={max_out}")
+    raise ValueError(f"no PATH_TABLE row matches T={T}")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -37,8 +37,8 @@ def _order_for(slot_ids: torch.Tensor, order: torch.Tensor | None) -> torch.Tens
     return order
 
 
-def _path_for(x: torch.Tensor, As, Bts, path: str | None) -> str:
-    path = path or choose_path(x.shape[0], x.shape[1], max(b.shape[2] for b in Bts))
+def _path_for(x: torch.Tensor, path: str | None) -> str:
+    path = path or choose_path(x.shape[0])
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     return path
@@ -108,7 +108,7 @@ def lora_apply_fused(
     cols = launch.y_cols(out_slices, Bts, y.shape[1])
     if T == 0:
         return
-    path = _path_for(x, As, Bts, path)
+    path = _path_for(x, path)
     order = _order_for(slot_ids, order)
     h = launch.workspace(x, As, order, partials=path == "split")
     launch.shrink(x, list(As), slot_ids, list(ranks_list), order, h)
@@ -142,7 +142,7 @@ def lora_linear(
                          path=path)
         return y
     require_triton()
-    path = _path_for(x, As, Bts, path)
+    path = _path_for(x, path)
     cols = launch.y_cols(out_slices, Bts, weight.shape[0])
     order = _order_for(slot_ids, order)
     # allocated on the current stream and freed there after the expand, which runs after
