@@ -5,8 +5,8 @@ metrale.ops.lora_kernels, their launches in metrale.ops.lora_launch, and docs/DE
 ("The multi-LoRA kernels") explains both.
 
 No call syncs with the host, allocates outside the caller's stream or reads slot contents
-on the host, so CUDA graphs stay valid when adapters are swapped into slots. Tokens with
-slot -1 are never read or written."""
+on the host, so CUDA graphs stay valid when adapters are swapped into slots. The kernels
+never read or write a token with slot -1."""
 
 from __future__ import annotations
 
