@@ -1,16 +1,18 @@
 """Serving under adapter churn: more adapters than slots, Zipf popularity, Poisson
-arrivals; TTFT and inter-token latency with continuous promotions vs all resident, for
-the scheduler's policies side by side, plus a long prompt arriving among decodes.
+arrivals; TTFT and inter-token latency with continuous promotions vs all resident, plus a
+long prompt arriving among decodes.
 
     PYTHONPATH=. python bench/churn.py [--model llama3.2-1b] [--seconds 8]
 
 Every run replays the same arrival trace (times, prompts, adapters) against one engine
 loop on this thread. "promote": max_loras < adapters, the host tier holds every adapter
 after its first landing (so most promotions are one H2D copy). "resident": one slot per
-adapter, all landed before the run. Keys `promote` / `resident`: the default ("mixed")
-policy; `legacy_promote` / `legacy_resident`: the policy before chunked prefill (a step
-is a prefill or a decode, FIFO, no slot draining). `long_prompt[<policy>]`: the decoders'
-ITL while an 8k-token prompt is prefilled beside them. JSON `churn[<model>]`.
+adapter, all landed before the run: keys `promote` / `resident`. `long_prompt[<budget>]`:
+the decoders' ITL while an 8k-token prompt is prefilled beside them, at several step
+budgets. JSON `churn[<model>]`. The "legacy" scheduler policy (a step is a prefill or a
+decode, FIFO, no slot draining), this benchmark's baseline until chunked prefill had been
+measured against it, left the engine: its figures stay in BENCHMARKS.md and bench/results
+(legacy_* keys, long_prompt.legacy).
 """
 
 from __future__ import annotations
@@ -103,15 +105,14 @@ def serve(engine, arrivals, gen: int, device: str, drain_s: float = 30.0) -> dic
 
 
 LONG_PROMPT_ATTENTION = 128 * 2048  # max_prefill_attention of one long-prompt run
-MIXED_BUDGET = 512  # tokens per step under the mixed policy: the largest CUDA-graph bucket
+MIXED_BUDGET = 512  # tokens per step: the largest CUDA-graph bucket
 
 
-def _engine(pair, device: str, policy: str, slots: int, max_model_len: int, tier: int = 0,
+def _engine(pair, device: str, slots: int, max_model_len: int, tier: int = 0,
             max_num_seqs: int = 64, budget: int = MIXED_BUDGET, attention: int | None = None):
     from bench.decode import make_engine
 
-    budget = budget if policy == "mixed" else max_num_seqs * max_model_len
-    sched = SchedulerConfig(policy=policy, max_prefill_attention=attention)
+    sched = SchedulerConfig(max_prefill_attention=attention)
     return make_engine(pair, device, slots, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        host_tier_bytes=tier, scheduler=sched, max_num_batched_tokens=budget)
 
@@ -129,46 +130,42 @@ def run(pair, adapters_root: Path, device: str, n_adapters: int = 32, slots: int
            "gen": gen, "host_tier": host_tier, "mixed_budget_tokens": MIXED_BUDGET}
     dtype = next(pair.ours.parameters()).dtype
     slot_bytes = SlotLayout(pair.config, PoolConfig(1, 16), dtype).slot_bytes
-    for policy, prefix in (("legacy", "legacy_"), ("mixed", "")):
-        for mode in ("promote", "resident"):
-            n_slots = slots if mode == "promote" else n_adapters
-            tier = n_adapters * slot_bytes if mode == "promote" and host_tier else 0
-            engine = _engine(pair, device, policy, n_slots, 256, tier)
-            for a in range(n_adapters):
-                engine.register_adapter(f"a{a}", adapter_dir(adapters_root, a))
-                if mode == "resident":
-                    engine.swap_lora_slot_from_disk(adapter_dir(adapters_root, a), f"a{a}", a)
-            serve(engine, trace(n_adapters, 1.0, rate, pair.config.vocab_size, seed=1), gen, device)
-            res = serve(engine, arrivals, gen, device)
-            res["slot_drains"] = engine.adapters.num_drains
-            out[prefix + mode] = res
-            del engine
-            _free(device)
-    for prefix in ("legacy_", ""):
-        p, r = out[prefix + "promote"], out[prefix + "resident"]
-        out[prefix + "itl_p99_ratio"] = p["itl_p99_ms"] / r["itl_p99_ms"]
-        out[prefix + "ttft_p99_promote_over_resident"] = p["ttft_p99_ms"] / r["ttft_p99_ms"]
-        for mode in ("promote", "resident"):
-            m = out[prefix + mode]
-            m["itl_p99_over_p50"] = m["itl_p99_ms"] / m["itl_p50_ms"]
-    out["long_prompt"] = {"legacy": long_prompt(pair, device, "legacy")}
+    for mode in ("promote", "resident"):
+        n_slots = slots if mode == "promote" else n_adapters
+        tier = n_adapters * slot_bytes if mode == "promote" and host_tier else 0
+        engine = _engine(pair, device, n_slots, 256, tier)
+        for a in range(n_adapters):
+            engine.register_adapter(f"a{a}", adapter_dir(adapters_root, a))
+            if mode == "resident":
+                engine.swap_lora_slot_from_disk(adapter_dir(adapters_root, a), f"a{a}", a)
+        serve(engine, trace(n_adapters, 1.0, rate, pair.config.vocab_size, seed=1), gen, device)
+        res = serve(engine, arrivals, gen, device)
+        res["slot_drains"] = engine.adapters.num_drains
+        res["itl_p99_over_p50"] = res["itl_p99_ms"] / res["itl_p50_ms"]
+        out[mode] = res
+        del engine
+        _free(device)
+    p, r = out["promote"], out["resident"]
+    out["itl_p99_ratio"] = p["itl_p99_ms"] / r["itl_p99_ms"]
+    out["ttft_p99_promote_over_resident"] = p["ttft_p99_ms"] / r["ttft_p99_ms"]
+    out["long_prompt"] = {}
     for budget in (MIXED_BUDGET, 256, 128):  # the step budget bounds the chunk beside decodes
         out["long_prompt"]["mixed" if budget == MIXED_BUDGET else f"mixed_budget{budget}"] = \
-            long_prompt(pair, device, "mixed", budget=budget)
+            long_prompt(pair, device, budget=budget)
     # and the chunk's attention: at 8k context, ~31 tokens a step instead of 96
     out["long_prompt"]["mixed_budget128_attn256k"] = long_prompt(
-        pair, device, "mixed", budget=128, attention=LONG_PROMPT_ATTENTION)
+        pair, device, budget=128, attention=LONG_PROMPT_ATTENTION)
     return out
 
 
-def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: int = 8192,
+def long_prompt(pair, device: str, decoders: int = 32, prompt_len: int = 8192,
                 budget: int = MIXED_BUDGET, attention: int | None = None) -> dict:
     """32 sequences decode; an 8k-token prompt arrives. The decoders' inter-token times
     from its arrival until each has a token after its first one (so the gaps spanning
     its prefill count), against before it arrived. The prompt's token ids are drawn
     before the loop (drawing 8k random ids in Python took ~3 ms, which landed in one
     gap of every decoder); its add_request is timed (add_request_ms) and counts."""
-    engine = _engine(pair, device, policy, 1, prompt_len + 256, budget=budget, attention=attention)
+    engine = _engine(pair, device, 1, prompt_len + 256, budget=budget, attention=attention)
     vocab = pair.config.vocab_size
     rng = random.Random(7)
     # the decoders must outlive the prefill: at worst 16 tokens a step (an attention cap
@@ -225,23 +222,21 @@ def long_prompt(pair, device: str, policy: str, decoders: int = 32, prompt_len: 
 
 
 def report(name: str, res: dict) -> str:
-    modes = ("legacy_promote", "legacy_resident", "promote", "resident")
+    modes = ("promote", "resident")
     rows = [{"model": name, "mode": m, **res[m]} for m in modes if m in res]
     cols = ["model", "mode", "requests", "completed", "output_tok_s", "promotions", "slot_drains",
             "ttft_p50_ms",
             "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_p99_over_p50"]
     lines = [table(rows, cols)]
-    for prefix in ("legacy_", ""):
-        if prefix + "itl_p99_ratio" in res:
-            lines.append(f"{prefix or 'mixed_'}: itl p99 promote/resident "
-                         f"{res[prefix + 'itl_p99_ratio']:.3g}, ttft p99 promote/resident "
-                         f"{res[prefix + 'ttft_p99_promote_over_resident']:.3g}")
+    if "itl_p99_ratio" in res:
+        lines.append(f"itl p99 promote/resident {res['itl_p99_ratio']:.3g}, ttft p99 "
+                     f"promote/resident {res['ttft_p99_promote_over_resident']:.3g}")
     for m in modes:
         if m in res:
             lines.append(f"{m} steps: {res[m]['steps']} slow: {res[m]['slow_steps_over_50ms']} "
                          f"gc2: {res[m]['gc_gen2']}")
-    for policy, r in res.get("long_prompt", {}).items():
-        lines.append(f"long prompt ({policy}): {r}")
+    for run_name, r in res.get("long_prompt", {}).items():
+        lines.append(f"long prompt ({run_name}): {r}")
     return "\n".join(lines)
 
 
@@ -266,7 +261,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             pair = build_pair(args.model, args.device, Path(tmp))
             for budget, attention in runs:
-                print(budget, attention, long_prompt(pair, args.device, "mixed", budget=budget,
+                print(budget, attention, long_prompt(pair, args.device, budget=budget,
                                                      attention=attention))
         return
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,9 +2,10 @@
 manager, slot table and landings (a tiny model on the CPU), with the forward pass
 replaced by a step-time model fitted to the H200's measured steps. It answers "what does
 this admission/promotion policy do to TTFT at this load" in seconds on a laptop; the
-H200 run of bench/churn.py is the measurement.
+H200 run of bench/churn.py is the measurement. The "legacy_promote" row (the scheduler
+policy before chunked prefill) left with that policy; BENCHMARKS.md keeps its figures.
 
-    PYTHONPATH=. python bench/churn_sim.py [--rate 150] [--seconds 8] [--policy mixed]
+    PYTHONPATH=. python bench/churn_sim.py [--rate 150] [--seconds 8] [--slots 8]
 
 Step-time model (ms, Llama-3.2-1B shape on one H200, bench/results/20261201-h200.json):
 decode-only steps 2.2 + 0.004 per sequence, other steps 2.2 + 0.009 per token, +0.25
@@ -51,14 +52,14 @@ def step_ms(batch) -> float:
     return ms + (0.25 if lora else 0.0)
 
 
-def simulate(pair, root: Path, policy: SchedulerConfig, n_adapters: int, slots: int,
+def simulate(pair, root: Path, sched: SchedulerConfig, n_adapters: int, slots: int,
              seconds: float, rate: float, gen: int) -> dict:
     slot_bytes = SlotLayout(pair.config, PoolConfig(1, 16), torch.float32).slot_bytes
     cfg = EngineConfig(
         pool=PoolConfig(slots, 16, host_tier_bytes=n_adapters * slot_bytes), device="cpu",
         max_model_len=256, block_size=16, num_kv_blocks=64 * 256 // 16, max_num_seqs=64,
-        max_num_batched_tokens=512 if policy.policy == "mixed" else 64 * 256,
-        enable_prefix_caching=False, async_promotions=False, scheduler=policy)
+        max_num_batched_tokens=512, enable_prefix_caching=False, async_promotions=False,
+        scheduler=sched)
     clock = VirtualClock()
     real_monotonic, real_perf = time.monotonic, time.perf_counter
     time.monotonic = time.perf_counter = clock
@@ -69,10 +70,10 @@ def simulate(pair, root: Path, policy: SchedulerConfig, n_adapters: int, slots: 
             if slots >= n_adapters:  # all resident
                 engine.swap_lora_slot_from_disk(adapter_dir(root, a), f"a{a}", a)
 
-        def fake_run(batch, in_flight=None):  # the runner's signature; token 1 for every row
+        def fake_run(batch, in_flight=None):
             clock.now += step_ms(batch) / 1e3
-            n = len(batch.sampling_seqs)
-            return SampledTokens(batch.sampling_seqs, torch.ones(n, dtype=torch.long),
+            n = len(batch.sampling_seqs)  # token 1 for every sampling row, all finite
+            return SampledTokens(batch.sampling_seqs, torch.ones(n, dtype=torch.int64),
                                  torch.zeros(n), torch.ones(n, dtype=torch.bool))
 
         engine.runner.run = fake_run
@@ -134,13 +135,9 @@ def main() -> None:
         pair = build_pair("tiny", "cpu", Path(tmp))
         make_peft(pair, 32, Path(tmp) / "adapters")
         rows = []
-        for name, policy, slots in (
-            ("legacy_promote", SchedulerConfig(policy="legacy"), args.slots),
-            ("promote", SchedulerConfig(), args.slots),
-            ("resident", SchedulerConfig(), 32),
-        ):
-            res = simulate(pair, Path(tmp) / "adapters", policy, 32, slots, args.seconds,
-                           args.rate, 32)
+        for name, slots in (("promote", args.slots), ("resident", 32)):
+            res = simulate(pair, Path(tmp) / "adapters", SchedulerConfig(), 32, slots,
+                           args.seconds, args.rate, 32)
             rows.append({"mode": name, **res})
         print(table(rows, list(rows[0])))
 

@@ -50,6 +50,7 @@ from bench.common import (
 from metrale.config import EngineConfig, PoolConfig, SchedulerConfig
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import SamplingParams
+from metrale.ops import lora_launch
 
 PROMPT, GEN = 128, 64
 
@@ -293,8 +294,13 @@ def main() -> None:
                     help="also: plain LoRA vs DoRA and embed/lm_head LoRA mixed in one batch")
     ap.add_argument("--only-mixed", action="store_true", help="only the --mixed runs")
     ap.add_argument("--override", metavar="MODULE.NAME=INT", action="append", default=[],
-                    help="A/B a tuning constant, e.g. metrale.ops.lora_triton.DECODE_MAX_T=16: "
+                    help="A/B a tuning constant or switch, e.g. metrale.ops.lora_triton.DECODE_MAX_T=16, "
+                         "metrale.ops.lora_triton.OVERLAP=0 (the LoRA shrink on the GEMM's stream), "
+                         "metrale.ops.fused_triton.ENABLED=0 (torch norms, rotary, SiLU-mul): "
                          "results go to decode_ab[model][override]")
+    ap.add_argument("--lora-path", choices=lora_launch.PATHS, default=None,
+                    help="run every LoRA group on this path instead of lora_launch.PATH_TABLE's "
+                         "choice per shape (an A/B of the table): results go to decode_ab")
     args = ap.parse_args()
     for o in args.override:
         target, value = o.split("=")
@@ -303,6 +309,9 @@ def main() -> None:
         if not hasattr(mod, name):
             raise SystemExit(f"{module} has no {name}")
         setattr(mod, name, int(value))
+    if args.lora_path:
+        lora_launch.PATH_TABLE = (lora_launch.PathRule(args.lora_path),)
+        args.override.append(f"lora-path={args.lora_path}")
     with tempfile.TemporaryDirectory() as tmp:
         pair = build_pair(args.model, args.device, Path(tmp))
         peft = make_peft(pair, 32, Path(tmp) / "adapters")

@@ -4,19 +4,21 @@
         [--groups qkv,o,gate_up,down] [--tokens 1,8,32,64,256,2048] [--hbm-gbps 4800]
 
 One row per (module group, tokens, slot spread), median times from triton.testing.do_bench:
-the fused shrink+expand for the group (what one layer pays per group) replayed from a CUDA
-graph as the engine runs it, by the default path (graph) and by each of
-lora_triton.PATHS side by side: atomic (the old three launches: memset, split-K shrink
-with atomics, expand), split (two launches, split-K partials, no memset) and fused (one
-launch, decode sizes only); the old path's two kernels alone, the default call eager
-(Python launch overhead included) and the torch reference; the byte floor (the bytes that
-must move over --hbm-gbps: adapter weights of the slots used at --used-rank, x read, y read
-and written) and the bandwidth the default path reaches over those bytes; and in a layer's
-context: the base GEMM of the group alone (gemm_us), with its LoRA as the model runs it
-(gemm_lora_us: lora_triton.lora_linear, the shrink on a side stream beside the GEMM) and
-on one stream (gemm_then_lora_us); lora_in_layer_us is what the LoRA adds to the GEMM;
-sorted_us (2..DECODE_MAX_T tokens) the default path with the tokens sorted by slot, the
-prefill mapping, against the per-token decode mapping the default uses there.
+the group's shrink+expand (what one layer pays per group) replayed from a CUDA graph as the
+engine runs it: by the path lora_launch.PATH_TABLE picks (`path`, graph_us) and by each
+path side by side: atomic (three launches: memset, split-K shrink with atomics, expand),
+split (two launches, split-K partials, no memset) and fused (bench/lora_fused.py: one
+launch, decode sizes only; the engine does not run it); the atomic path's two kernels
+alone, the engine's call eager (Python launch overhead included) and the torch reference;
+the byte floor (the bytes that must move over --hbm-gbps: adapter weights of the slots
+used at --used-rank, x read, y read and written) and the bandwidth the engine's path
+reaches over those bytes; and in a layer's context: the base GEMM of the group alone
+(gemm_us), with its LoRA as the model runs it (gemm_lora_us: lora_triton.lora_linear, the
+shrink on a side stream beside the GEMM; gemm_lora_atomic_us / gemm_lora_split_us: each
+path so), and on one stream (gemm_then_lora_us: the GEMM, then lora_apply_fused);
+lora_in_layer_us is what the LoRA adds to the GEMM; sorted_us (2..DECODE_MAX_T tokens)
+the engine's path with the tokens sorted by slot, the prefill mapping (the slot-sorted
+decode graphs' mapping), against the per-token decode mapping the engine uses there.
 --used-rank below --rank fills the ranks table with it (the pool stays R wide): a rank-4
 adapter should cost about a quarter of a rank-16 one.
 Slot spreads: "spread" puts token t on slot t % S (decode's worst case: every token its own
@@ -26,6 +28,7 @@ adapter), "single" puts every token on slot 0. The table is also written as JSON
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import time
@@ -35,6 +38,8 @@ import torch
 import triton
 import triton.testing
 
+from bench.lora_fused import FUSED_CFG, apply_fused
+from metrale.ops import lora_launch as launch
 from metrale.ops import lora_ref as ref
 from metrale.ops import lora_triton as lt
 
@@ -80,16 +85,23 @@ def _graph_us(fn, reps: int = 20) -> float:
     return _median_ms(graph.replay) * 1e3 / reps
 
 
-def _gemm_with_lora_us(x, weight, group_args, order, overlap: bool) -> float:
+def _gemm_with_lora_us(x, weight, group_args, order, path: str | None) -> float:
     """A layer's projection as the model runs it: the base GEMM plus the group's LoRA
-    (lora_triton.lora_linear), with the shrink overlapping the GEMM or after it."""
+    (lora_triton.lora_linear: the shrink beside the GEMM), by PATH_TABLE's path or `path`."""
     As, Bts, slices, ids, scales, ranks = group_args
-    saved, lt.OVERLAP = lt.OVERLAP, overlap
-    try:
-        return _graph_us(functools.partial(lt.lora_linear, x, weight, None, As, Bts, slices, ids,
-                                           scales, ranks, order=order))
-    finally:
-        lt.OVERLAP = saved
+    return _graph_us(functools.partial(lt.lora_linear, x, weight, None, As, Bts, slices, ids,
+                                       scales, ranks, order=order, path=path))
+
+
+def _gemm_then_lora_us(x, weight, y, group_args, order) -> float:
+    """The GEMM, then the group's LoRA on the same stream (no overlap)."""
+    As, Bts, slices, ids, scales, ranks = group_args
+
+    def one_stream():
+        torch.mm(x, weight.T, out=y)
+        lt.lora_apply_fused(y, x, As, Bts, slices, ids, scales, ranks, order=order)
+
+    return _graph_us(one_stream)
 
 
 def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(TOKENS),
@@ -117,23 +129,29 @@ def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(T
                 order = lt.sort_tokens_by_slot(ids) if T > lt.DECODE_MAX_T else None
                 args = (y, x, As, Bts, slices, ids, scales, ranks)
                 apply = functools.partial(lt.lora_apply_fused, *args, order=order)
-                shrink = functools.partial(lt._shrink, x, As, ids, ranks, order, h)
-                expand = functools.partial(lt._expand, y, h, Bts, cols, ids, ranks, scales, order)
+                shrink = functools.partial(launch.shrink, x, As, ids, ranks, order, h)
+                expand = functools.partial(launch.expand, y, h, Bts, cols, ids, ranks, scales,
+                                           order)
                 used = min(T, S) if spread == "spread" else 1
                 moved = (used * r_used * (in_dim + sum(outs)) * elt
                          + T * (in_dim + 2 * sum(outs)) * elt)
-                row = dict(group=name, T=T, spread=spread, path=lt.choose_path(T, R, order),
+                row = dict(group=name, T=T, spread=spread,
+                           path=launch.choose_path(T),
                            floor_us=moved / (hbm_gbps * 1e3), graph_us=_graph_us(apply))
-                for path in lt.PATHS:  # the fused kernel is for decode batches only
+                for path in lt.PATHS:
                     row[f"{path}_us"] = _graph_us(functools.partial(
-                        lt.lora_apply_fused, *args, order=order, path=path)) \
-                        if path != "fused" or T <= lt.DECODE_MAX_T else None
+                        lt.lora_apply_fused, *args, order=order, path=path))
+                # the fused kernel is for decode batches only
+                row["fused_us"] = _graph_us(functools.partial(apply_fused, *args)) \
+                    if T <= lt.DECODE_MAX_T else None
                 gemm = functools.partial(torch.nn.functional.linear, x, weight)
                 group_args = (As, Bts, slices, ids, scales, ranks)
                 row.update(gemm_us=_graph_us(gemm),
-                           gemm_lora_us=_gemm_with_lora_us(x, weight, group_args, order, True),
-                           gemm_then_lora_us=_gemm_with_lora_us(x, weight, group_args, order,
-                                                                False))
+                           gemm_lora_us=_gemm_with_lora_us(x, weight, group_args, order, None),
+                           gemm_then_lora_us=_gemm_then_lora_us(x, weight, y, group_args, order))
+                for path in lt.PATHS:
+                    row[f"gemm_lora_{path}_us"] = _gemm_with_lora_us(x, weight, group_args,
+                                                                     order, path)
                 row["lora_in_layer_us"] = row["gemm_lora_us"] - row["gemm_us"]
                 # the other token mapping at decode sizes: tokens sorted by slot, a block
                 # of rows per program (what batches past DECODE_MAX_T get), to set it
@@ -149,7 +167,7 @@ def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(T
                 r = dict(rows[-1], fused_us=rows[-1]["fused_us"] or float("nan"))
                 print("{group:8} T={T:<5} {spread:7} floor {floor_us:7.2f} | graph[{path}] "
                       "{graph_us:8.2f} us: atomic {atomic_us:8.2f} split {split_us:8.2f} fused "
-                      "{fused_us:8.2f} | old shrink {shrink_us:7.2f} expand {expand_us:7.2f} | "
+                      "{fused_us:8.2f} | atomic's shrink {shrink_us:7.2f} expand {expand_us:7.2f} | "
                       "eager {eager_us:8.2f}  ref {ref_us:9.2f} us  {gbps:7.1f} GB/s | gemm "
                       "{gemm_us:7.2f} +lora {gemm_lora_us:7.2f} (one stream {gemm_then_lora_us:7.2f})"
                       .format(**r),
@@ -179,7 +197,7 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, slots=args.slots, rank=args.rank,
                 used_rank=args.used_rank or args.rank, dtype=args.dtype,
-                apply_path=lt.APPLY_PATH, fused_max_t=lt.FUSED_MAX_T, fused_cfg=lt.FUSED_CFG,
+                path_table=[dataclasses.asdict(r) for r in launch.PATH_TABLE], fused_cfg=FUSED_CFG,
                 timer="triton.testing.do_bench median")
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {path}")

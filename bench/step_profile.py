@@ -31,7 +31,7 @@ def main() -> None:
     dev = "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         pair = build_pair("llama3.2-1b", dev, Path(tmp))
-        eng = _engine(pair, dev, "mixed", 1, 8192 + 256, budget=128)
+        eng = _engine(pair, dev, 1, 8192 + 256, budget=128)
         vocab = pair.config.vocab_size
         rng = random.Random(0)
         params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)

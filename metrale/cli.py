@@ -78,13 +78,17 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # the default model comes with the demo adapters (trained on first use), served on demand
+    pinned = parse_adapter_args(args.adapter)
+    demos = {n: demo_adapter_dir(n, progress=progress) for n in DEMO_ADAPTERS
+             if n not in pinned} if args.model is None else {}
     if args.replicas is not None or args.ray_address is not None:
         from metrale.cluster.launch import serve_cluster  # needs the `cluster` extra (Ray)
 
         if args.replicas is None:
             args.replicas = 1
-        return serve_cluster(args)
-    return serve(args)
+        return serve_cluster(args, demos)
+    return serve(args, demos)
 
 
 # --- cluster (Ray Serve): `metrale serve --replicas N [--ray-address ADDR]` ------------------

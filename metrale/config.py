@@ -204,19 +204,12 @@ class PoolConfig:
         object.__setattr__(self, "target_modules", ordered)
 
 
-SCHEDULER_POLICIES = ("mixed", "legacy")
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How a step is composed and who is admitted (metrale.engine.scheduler).
+    """How a step is composed and who is admitted (metrale.engine.scheduler): every step
+    runs all running decodes, then prefill chunks of partial and newly admitted prompts up
+    to the engine's max_num_batched_tokens."""
 
-    policy "mixed": every step runs all running decodes, then prefill chunks of partial and
-    newly admitted prompts up to the engine's max_num_batched_tokens. "legacy": a step is
-    either a prefill of newly admitted whole prompts or a decode of every running sequence
-    (the policy before chunked prefill; kept as the benchmarks' baseline)."""
-
-    policy: str = "mixed"
     # The most prompt tokens one sequence prefills in a step (None: the step's budget);
     # smaller chunks bound how long a long prompt delays the decodes sharing its steps.
     max_prefill_chunk: int | None = None
@@ -232,9 +225,6 @@ class SchedulerConfig:
     max_promotions_in_flight: int = 2
 
     def __post_init__(self) -> None:
-        if self.policy not in SCHEDULER_POLICIES:
-            raise ConfigError(f"scheduler policy must be one of {', '.join(SCHEDULER_POLICIES)}, "
-                              f"got {self.policy!r}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
             raise ConfigError(f"max_prefill_chunk must be positive, got {self.max_prefill_chunk}")
         if self.max_prefill_attention is not None and self.max_prefill_attention <= 0:
@@ -309,8 +299,5 @@ class EngineConfig:
         if self.peer_transport not in ("auto", "nixl", "http"):
             raise ConfigError(f"peer_transport must be auto, nixl or http, got {self.peer_transport!r}")
         object.__setattr__(self, "peer_allow", tuple(self.peer_allow))
-        if self.async_scheduling and self.scheduler.policy == "legacy":
-            raise ConfigError("async_scheduling needs the mixed scheduler policy (legacy steps "
-                              "wait for every decode)")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ConfigError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

@@ -1,6 +1,6 @@
 """Import hygiene, read from the source with `ast` (nothing is imported): no cycle between
-metrale's packages, no private name imported from another metrale module (nor by the
-benchmarks), no dispatch on class-name strings.
+metrale's packages, every import going down the layers (LAYERS), no private name imported
+from another metrale module (nor by the benchmarks), no dispatch on class-name strings.
 
 Every import counts, at module level or inside a function: a lazy import hides a
 dependency from the reader, not from the design.
@@ -132,6 +132,53 @@ def test_no_package_cycle():
         report += [f"  {a} -> {b}: {graph[a][b][0]}"
                    for a in component for b in component if b in graph.get(a, {})]
     assert not report, "\n".join(report)
+
+
+# metrale's units (_unit), bottom layer first: a unit imports only from units below it.
+LAYERS = (
+    "metrale.errors",
+    "metrale.config",
+    "metrale.threads",
+    "metrale.forward_context",  # where the engine (writes) and the model and ops (read) meet
+    "metrale.adapters",
+    "metrale.ops",
+    "metrale.model",
+    "metrale.pool",
+    "metrale.peer",
+    "metrale.engine",
+    "metrale",  # the package's own names (LLM, SamplingParams, __version__)
+    "metrale.server",
+    "metrale.cluster",
+    "metrale.demo_adapters",  # training code: the CLI may prepare the demo adapters, no server
+    "metrale.cli",
+    "metrale.__main__",
+)
+
+
+def _upward_imports(graph, layers) -> list[str]:
+    """An import line for every edge from a unit to one in a higher layer."""
+    rank = {unit: i for i, unit in enumerate(layers)}
+    return [f"{a} -> {b}: {where[0]}" for a, targets in sorted(graph.items())
+            for b, where in sorted(targets.items()) if rank[a] < rank[b]]
+
+
+def test_layer_check_finds_an_upward_import():
+    graph = {"top": {"bottom": ["top.py:1 imports bottom"]},
+             "bottom": {"top": ["bottom.py:7 imports top"]}}
+    assert _upward_imports(graph, ("bottom", "top")) == ["bottom -> top: bottom.py:7 imports top"]
+    assert _upward_imports({"top": graph["top"]}, ("bottom", "top")) == []
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(m) for m in MODULES}
+    assert units <= set(LAYERS), f"place these in LAYERS: {sorted(units - set(LAYERS))}"
+    assert set(LAYERS) <= units, f"no such unit (drop from LAYERS): {sorted(set(LAYERS) - units)}"
+
+
+def test_imports_go_down_the_layers():
+    upward = _upward_imports(_package_graph(), LAYERS)
+    assert not upward, ("a unit imports one of a higher layer (LAYERS lists them bottom first); "
+                        "move the shared code down, or pass it in from above:\n" + "\n".join(upward))
 
 
 def _is_private(name: str) -> bool:

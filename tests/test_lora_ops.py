@@ -1,6 +1,10 @@
 """Multi-LoRA ops: the torch reference against a float64 per-token oracle, and the Triton
 kernels against the reference.
 
+The engine's two paths (lora_launch.PATHS, chosen per shape by lora_launch.PATH_TABLE) and
+bench/lora_fused.py's one-launch kernel, which the benchmarks time beside them, are held to
+the same reference.
+
 Triton on CPU runs in its interpreter, which must be switched on before triton is first
 imported (triton jits its own library, tl.min & co, at import): tests/conftest.py does it,
 and `test_triton_kernels_can_run_here` fails if that ever stops working.
@@ -11,19 +15,34 @@ realistic sizes and CUDA-graph replay across an adapter swap.
 from __future__ import annotations
 
 import functools
+import json
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
 
+from bench import lora_fused
+from metrale.ops import lora_kernels, triton_utils
+from metrale.ops import lora_launch as launch
 from metrale.ops import lora_ref as ref
 from metrale.ops import lora_triton as lt
-from metrale.ops import triton_utils
 from tests.helpers.kernels import KERNELS
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+ALL_PATHS = ("fused", *lt.PATHS)  # "fused": bench/lora_fused.py's kernel
+
+
+def apply_path(path, *args, **kw):
+    """lora_apply_fused on one of the engine's paths (None: the table's), or bench's
+    one-launch kernel."""
+    if path == "fused":
+        lora_fused.apply_fused(*args, **kw)
+    else:
+        lt.lora_apply_fused(*args, path=path, **kw)
 
 
 class Pool:
@@ -214,13 +233,13 @@ def test_fused_apply_matches_ref(group, mode, dtype):
 def small_k(monkeypatch):
     """K blocks of 16/32 columns, so that the tests' small `in` splits K in both configs
     (with the H200 blocks, in <= 256 is a single K block and split-K goes untested)."""
-    monkeypatch.setattr(lt, "DECODE_CFG", dict(lt.DECODE_CFG, BLOCK_K=16))
-    monkeypatch.setattr(lt, "PREFILL_CFG", dict(lt.PREFILL_CFG, BLOCK_K=32))
-    assert lt._split_k(3, 256, 2, lt._config(3, False, 16))[0] > 1
+    monkeypatch.setattr(launch, "DECODE_CFG", dict(launch.DECODE_CFG, BLOCK_K=16))
+    monkeypatch.setattr(launch, "PREFILL_CFG", dict(launch.PREFILL_CFG, BLOCK_K=32))
+    assert launch.split_k(3, 256, 2, launch.config(3, False, 16))[0] > 1
 
 
 @needs_kernels
-@pytest.mark.parametrize("path", lt.PATHS)
+@pytest.mark.parametrize("path", ALL_PATHS)
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_rank_tiles_split_k_and_separate_tables(mode, path, small_k):
     """R=80 needs two rank tiles (fused: one 128-row tile); in=256 splits K (atomic adds
@@ -235,7 +254,7 @@ def test_rank_tiles_split_k_and_separate_tables(mode, path, small_k):
     y = y0.clone()
     ranks = [r.clone() for r in nan.ranks_list]
     scales = [s.clone().double() for s in nan.scales_list]  # wrong dtype: converted
-    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, scales, ranks, path=path)
+    apply_path(path, y, x, nan.As, nan.Bts, slices, ids, scales, ranks)
     want = oracle(y0, x, clean, [0, 40], ids)
     assert_close(y, want, torch.float32)
 
@@ -253,7 +272,7 @@ def test_base_only_batch_is_untouched():
         assert not lt.lora_shrink(x, nan.As[0], ids, nan.ranks[0], out=h).any()
 
 
-# --- the three lora_apply_fused paths: fused (one launch), split (partials), atomic (old) --
+# --- the paths: split (partials), atomic (memset + atomic adds), bench's fused (one launch) --
 
 PATH_RANKS = [[4, 8, 16, 4, 16, 8, 0], [8, 16, 4, 0, 4, 16, 8], [16, 4, 8, 8, 0, 4, 16]]
 
@@ -274,13 +293,13 @@ def dora_tables(S, dims, seed, dora):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("T", [1, 7, 33, 64])
-@pytest.mark.parametrize("path", lt.PATHS)
+@pytest.mark.parametrize("path", ALL_PATHS)
 def test_paths_match_ref(path, T, dora, dtype, small_k):
     """The q/k/v group with ranks 4/8/16 (and 0) mixed per slot and module, NaN rank padding,
     tokens on every slot and on -1, DoRA on or off, through each path at decode sizes
     (in=64 in four K splits: small_k)."""
     dims = GROUPS["qkv_gqa"]
-    S, seed = 7, 1000 + T + 7 * dora + 3 * lt.PATHS.index(path)
+    S, seed = 7, 1000 + T + 7 * dora + 3 * ALL_PATHS.index(path)
     clean, nan = pools(S=S, R=16, dims=dims, dtype=dtype, seed=seed, ranks=PATH_RANKS)
     ids = slot_batch(T, S, seed)
     x, y0, _, slices = fused_io(T, dims, dtype, seed)
@@ -289,8 +308,8 @@ def test_paths_match_ref(path, T, dora, dtype, small_k):
         bias = bias.to(DEV, dtype)
         y0 = (y0.float() + bias.float()).to(dtype)  # y holds x W^T + bias on entry
     y = y0.clone()
-    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list,
-                        doras_list=doras, gains_list=gains, bias=bias, path=path)
+    apply_path(path, y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list,
+               doras_list=doras, gains_list=gains, bias=bias)
     want = y0.clone()
     ref.lora_apply_fused_ref(want, x, clean.As, clean.Bts, slices, ids, clean.scales_list,
                              clean.ranks_list, doras_list=doras, gains_list=gains, bias=bias)
@@ -337,28 +356,27 @@ def test_lora_linear_is_the_gemm_then_the_delta(path, dora, small_k):
 def test_fused_tilings(cfg, monkeypatch):
     """The fused kernel's column runs and chunk loops: every tiling gives the reference,
     including runs that straddle the end of the narrower k/v modules."""
-    monkeypatch.setattr(lt, "FUSED_CFG", dict(lt.FUSED_CFG, **cfg))
+    monkeypatch.setattr(lora_fused, "FUSED_CFG", dict(lora_fused.FUSED_CFG, **cfg))
     dims = [(64, 96), (64, 48), (64, 80)]
     clean, nan = pools(S=7, R=16, dims=dims, dtype=torch.float32, seed=5, ranks=PATH_RANKS)
     ids = slot_batch(5, 7, seed=6)
     x, y0, _, slices = fused_io(5, dims, torch.float32, seed=7)
     y = y0.clone()
-    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list,
-                        path="fused")
+    lora_fused.apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list)
     want = oracle(y0, x, clean, [s.start for s in slices], ids)
     assert_close(y, want, torch.float32)
 
 
 @needs_kernels
 def test_split_partials_hold_the_shrink():
-    """_shrink into a _workspace(partials=True): several splits (in=1024: four K blocks)
+    """shrink into a workspace(partials=True): several splits (in=1024: four K blocks)
     whose sum is h on the rows expand reads."""
     dims = [(1024, 32), (1024, 32)]
     clean, nan = pools(S=7, R=16, dims=dims, dtype=torch.float32, seed=3, ranks=PATH_RANKS[:2])
     ids = slot_batch(3, 7, seed=4)
     x, _, _, _ = fused_io(3, dims, torch.float32, seed=5)
-    parts = lt._shrink(x, nan.As, ids, nan.ranks_list, None,
-                       lt._workspace(x, nan.As, None, partials=True))
+    parts = launch.shrink(x, nan.As, ids, nan.ranks_list, None,
+                          launch.workspace(x, nan.As, None, partials=True))
     assert parts.shape[0] > 1 and parts.shape[1:] == (3, 32)
     h = parts.sum(0)
     for m in range(2):
@@ -368,16 +386,40 @@ def test_split_partials_hold_the_shrink():
             torch.testing.assert_close(h[t, m * 16:m * 16 + r], want[t, :r], rtol=1e-5, atol=1e-5)
 
 
-def test_auto_path_choice(monkeypatch):
-    assert lt.choose_path(1, 16, None) == "atomic"  # the measured default
-    monkeypatch.setattr(lt, "APPLY_PATH", "auto")
-    assert lt.choose_path(1, 16, None) == "fused"
-    assert lt.choose_path(lt.FUSED_MAX_T, 16, None) == "fused"
-    assert lt.choose_path(lt.FUSED_MAX_T + 1, 16, None) == "split"
-    assert lt.choose_path(4, 16, torch.arange(4)) == "split"  # sorted: a prefill's tokens
-    assert lt.choose_path(1, 256, None) == "split"  # h would not fit in registers
-    monkeypatch.setattr(lt, "APPLY_PATH", "atomic")
-    assert lt.choose_path(1, 16, None) == "atomic"
+MEASURED = Path(__file__).resolve().parents[1] / "bench/results/lora_kernels-20261201-040001.json"
+
+
+def test_path_table_follows_the_measurements():
+    """Past 64 tokens, wherever one path was faster by 5% or more in both slot spreads of
+    the committed H200 measurement (a group's LoRA alone, Llama-3-8B), PATH_TABLE picks it;
+    at decode sizes it keeps atomic, the path of every end-to-end decode measurement
+    (docs/DESIGN.md: split alone was faster there for some groups, not end to end)."""
+    runs = defaultdict(list)
+    for row in json.loads(MEASURED.read_text())["rows"]:
+        runs[row["T"], row["group"]].append(row["split_us"] / row["atomic_us"])
+    checked = 0
+    for (T, group), ratios in sorted(runs.items()):
+        if T <= lt.DECODE_MAX_T:
+            assert launch.choose_path(T) == "atomic", (T, group)
+            continue
+        want = "split" if max(ratios) <= 0.95 else "atomic" if min(ratios) >= 1 / 0.95 else None
+        if want:
+            assert launch.choose_path(T) == want, (group, T, ratios)
+            checked += 1
+    assert checked >= 3
+
+
+def test_every_size_has_a_path():
+    assert {launch.choose_path(T) for T in (1, 8, 64, 65, 1 << 20)} == set(lt.PATHS)
+
+
+@needs_kernels
+def test_the_engine_refuses_the_bench_only_path():
+    _, nan = pools(S=2, R=4, dims=[(16, 8)], dtype=torch.float32, seed=1)
+    x, y, _, slices = fused_io(2, [(16, 8)], torch.float32, seed=2)
+    with pytest.raises(ValueError, match="path must be one of"):
+        lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, slot_batch(2, 2, seed=3),
+                            nan.scales_list, nan.ranks_list, path="fused")
 
 
 @pytest.mark.skipif(triton_utils.triton is None, reason="triton is not installed")
@@ -391,7 +433,7 @@ def test_triton_kernels_can_run_here():
 @needs_kernels
 def test_interpreter_is_recognised():
     """The kernels pick exact fp32 dots by this (the interpreter's bf16 tl.dot is wrong)."""
-    kernel = triton_utils.jit_kernel(lt._shrink_kernel, torch.device(DEV))
+    kernel = triton_utils.jit_kernel(lora_kernels.shrink_kernel, torch.device(DEV))
     assert triton_utils.is_interpreted(kernel) == (DEV == "cpu")
 
 
@@ -419,7 +461,7 @@ def rel_err(got, want, base):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path", [None, *lt.PATHS])
+@pytest.mark.parametrize("path", [None, *ALL_PATHS])
 @pytest.mark.parametrize("T", [1, 8, 64, 2048])
 @pytest.mark.parametrize("group", list(GPU_GROUPS))
 def test_gpu_fused_matches_ref(group, T, path):
@@ -430,8 +472,7 @@ def test_gpu_fused_matches_ref(group, T, path):
     ids = slot_batch(T, 32, seed=T)
     x, y0, _, slices = fused_io(T, dims, torch.bfloat16, seed=T)
     y = y0.clone()
-    lt.lora_apply_fused(y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list,
-                        path=path)
+    apply_path(path, y, x, nan.As, nan.Bts, slices, ids, nan.scales_list, nan.ranks_list)
     want = y0.clone()
     ref.lora_apply_fused_ref(want, x, clean.As, clean.Bts, slices, ids, clean.scales_list)
     assert rel_err(y, want, y0) < 1e-2
@@ -465,7 +506,7 @@ def test_gpu_fp32_pool_is_exact(T):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path", lt.PATHS)
+@pytest.mark.parametrize("path", ALL_PATHS)
 @pytest.mark.parametrize("T", [1, 16, 512])
 def test_gpu_cuda_graph_replays_across_adapter_swap(T, path):
     """A graph captured once keeps serving after new adapters (weights, ranks, scales) land in
@@ -479,8 +520,8 @@ def test_gpu_cuda_graph_replays_across_adapter_swap(T, path):
 
     def step():
         y.copy_(y0)
-        lt.lora_apply_fused(y, x, pool.As, pool.Bts, slices, ids, pool.scales_list,
-                            pool.ranks_list, path=path)
+        apply_path(path, y, x, pool.As, pool.Bts, slices, ids, pool.scales_list,
+                   pool.ranks_list)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -527,7 +568,7 @@ def test_ref_with_batch_groups_is_bit_exact(dtype, ids):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T", [1, 32, 300])
-def test_gpu_overlapped_lora_linear_in_a_graph(T, monkeypatch):
+def test_gpu_overlapped_lora_linear_in_a_graph(T):
     """The shrink on the side stream sees the x written just before each replay, and the
     result equals the one-stream computation bit for bit (split path: no atomics), across
     replays with new x, new slot ids and a swapped adapter."""
@@ -562,8 +603,8 @@ def test_gpu_overlapped_lora_linear_in_a_graph(T, monkeypatch):
         if round_ == 2:
             pool.storage.copy_(other.storage)
         graph.replay()
-        monkeypatch.setattr(lt, "OVERLAP", False)
-        want = linear()
-        monkeypatch.setattr(lt, "OVERLAP", True)
+        want = torch.nn.functional.linear(x, weight)  # the one-stream computation
+        lt.lora_apply_fused(want, x, pool.As, pool.Bts, slices, ids, pool.scales_list,
+                            pool.ranks_list, path="split")
         torch.cuda.synchronize()
         assert torch.equal(out, want)

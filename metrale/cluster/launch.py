@@ -69,18 +69,17 @@ def shutdown(spec: ReplicaSpec) -> None:
         pass
 
 
-def serve_cluster(args: argparse.Namespace) -> int:
-    """The CLI's entry: args are `metrale serve`'s, with --replicas and --ray-address."""
+def serve_cluster(args: argparse.Namespace, on_demand: dict[str, Path] | None = None) -> int:
+    """The CLI's entry: args are `metrale serve`'s, with --replicas and --ray-address;
+    on_demand: adapters registered unpinned at start-up (a --adapter of the same name wins)."""
     from metrale.server.serve import default_adapter_root, parse_adapter_args, progress
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    model, demo = args.model, {}
+    model, demo = args.model, {n: str(p) for n, p in (on_demand or {}).items()}
     if model is None:
-        from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
         from metrale.model.default_model import default_model_dir
 
         model = str(default_model_dir(progress=progress))
-        demo = {n: str(demo_adapter_dir(n, progress=progress)) for n in DEMO_ADAPTERS}
     adapter_roots = [str(Path(r).resolve()) for r in args.adapter_root]
     if args.model is None and not adapter_roots:
         adapter_roots = [str(default_adapter_root())]

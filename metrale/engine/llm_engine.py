@@ -97,7 +97,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self.max_seq_tokens)
         # overlap the host's work with the device's: only a device runs ahead of the host
         self.async_scheduling = cfg.async_scheduling if cfg.async_scheduling is not None \
-            else self.device.type == "cuda" and cfg.scheduler.policy != "legacy"
+            else self.device.type == "cuda"
         self._in_flight: _InFlight | None = None
 
     # --- requests ----------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """Continuous batching with a token budget per step.
 
-Policy "mixed" (the default): every step runs each running sequence's next tokens, its
-one decode token first, then the next chunk of prompts being prefilled, then newly
-admitted prompts, until max_num_batched_tokens is spent. A long prompt is prefilled over
-several steps while the others keep decoding, so no decode waits behind a prefill; with
-max_prefill_attention its chunks also shrink as its context grows (a chunk's attention
-grows with the keys it sees), so the steps it shares with decodes stay short.
+Every step runs each running sequence's next tokens, its one decode token first, then the
+next chunk of prompts being prefilled, then newly admitted prompts, until
+max_num_batched_tokens is spent. A long prompt is prefilled over several steps while the
+others keep decoding, so no decode waits behind a prefill; with max_prefill_attention its
+chunks also shrink as its context grows (a chunk's attention grows with the keys it sees),
+so the steps it shares with decodes stay short.
 
 Admission is adapter-aware: only requests whose adapter is resident (bound to a slot)
 or that use the base model can run; among those, adapters take turns (round-robin, each
@@ -15,9 +15,6 @@ A request short of KV blocks stops admission: nothing smaller jumps it.
 
 When KV blocks run out, the most recently admitted sequence is preempted (its KV
 freed, recomputed later) so the rest always make progress.
-
-Policy "legacy": a step is either a prefill of admitted whole prompts or a decode of
-every running sequence, FIFO (the benchmarks' baseline).
 """
 
 from __future__ import annotations
@@ -85,8 +82,6 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        if self.sched.policy == "legacy":
-            return self._schedule_legacy()
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.cfg.max_num_batched_tokens)
         self._admit(batch, budget)
@@ -108,8 +103,6 @@ class Scheduler:
         other requests from the prefix cache (their keys hash those tokens)."""
         for seq in batch.seqs:
             self.blocks.publish(seq)
-
-    # --- mixed ----------------------------------------------------------------------------
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         # decodes first (one token each, always within the budget: it is >= max_num_seqs),
@@ -189,29 +182,6 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.waiting.remove(seq)
         self.running.append(seq)
-
-    # --- legacy -----------------------------------------------------------------------------
-
-    def _schedule_legacy(self) -> ScheduledBatch:
-        batch, tokens = ScheduledBatch(), 0
-        for seq in list(self.waiting):
-            if not seq.bound:
-                continue  # its adapter is still being promoted; others go ahead
-            if len(self.running) >= self.cfg.max_num_seqs:
-                break
-            if tokens + len(seq) > self.cfg.max_num_batched_tokens and batch:
-                break
-            if not self.blocks.can_allocate(seq):
-                break  # FIFO: a later, smaller request must not starve this one
-            self._start(seq)
-            batch.add(seq, len(seq) - seq.num_computed)
-            tokens += len(seq) - seq.num_computed
-        if batch:
-            return batch
-        for seq in list(self.running):
-            if seq.status is SeqStatus.RUNNING and self._make_room(seq):
-                batch.add(seq, 1)
-        return batch
 
     # --- leaving ----------------------------------------------------------------------------
 

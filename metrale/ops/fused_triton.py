@@ -14,19 +14,19 @@ metrale.model.layers. Results are bitwise the same but where the fp32 math runs 
 order or precision (the norm's sum of squares and rsqrt, rotary, silu's exp), and then
 within an ulp of the activation dtype.
 
-ENABLED = False (or METRALE_FUSED_OPS=0) keeps the torch path on CUDA too.
+ENABLED = False keeps the torch path on CUDA too: bench/gpu_all.py sets it when these
+kernels fail their tests, and `bench/decode.py --override metrale.ops.fused_triton.ENABLED=0`
+times the torch path.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
 from metrale.ops.triton_utils import device_function, is_interpreted, jit_kernel, next_pow2, tl, triton
 
-ENABLED = os.environ.get("METRALE_FUSED_OPS", "1") != "0" and triton is not None
+ENABLED = triton is not None
 _ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

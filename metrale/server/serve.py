@@ -1,7 +1,7 @@
 """`metrale serve`: build the engine from command-line arguments and run uvicorn.
 
-With no arguments it serves the embedded default model with its demo adapters
-(registered, not pinned: they are promoted on first use) on 127.0.0.1:8000.
+With no arguments it serves the embedded default model on 127.0.0.1:8000, with the adapters
+its caller registers unpinned (`metrale serve`: the demo adapters; promoted on first use).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 from metrale.config import ConfigError, SchedulerConfig, check_extra_targets
-from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from metrale.model.default_model import cache_root, default_model_dir
 from metrale.server.settings import ServerSettings, is_loopback
 
@@ -55,19 +54,18 @@ def curl_example(base_url: str, model: str, api_key: bool) -> str:
             f"-d {shlex.quote(json.dumps(body))}")
 
 
-def build_app(args: argparse.Namespace):
-    """(app, settings, adapter names) for the parsed `serve` arguments; no socket yet."""
+def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None):
+    """(app, settings, adapter names) for the parsed `serve` arguments; no socket yet.
+    on_demand: adapters registered unpinned at start-up (a --adapter of the same name wins)."""
     from metrale.engine.llm import LLM
     from metrale.server.app import create_app
     from metrale.server.async_engine import AsyncEngine
 
     pinned = parse_adapter_args(args.adapter)
-    unpinned: dict[str, Path] = {}
+    unpinned = {n: p for n, p in (on_demand or {}).items() if n not in pinned}
     model = args.model
     if model is None:
         model = default_model_dir(progress=progress)
-        unpinned = {n: demo_adapter_dir(n, progress=progress) for n in DEMO_ADAPTERS
-                    if n not in pinned}
     model_dir = Path(model)
     adapter_roots = [Path(r) for r in args.adapter_root]
     if args.model is None and not adapter_roots:  # `make run`: loading by path works out of the box
@@ -87,7 +85,7 @@ def build_app(args: argparse.Namespace):
               peer_timeout_s=args.peer_timeout, lora_extra_targets=args.lora_extra_targets,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               scheduler=SchedulerConfig(
-                  policy=args.scheduler_policy, max_prefill_chunk=args.max_prefill_chunk,
+                  max_prefill_chunk=args.max_prefill_chunk,
                   max_prefill_attention=args.max_prefill_attention,
                   max_admission_wait_s=args.max_admission_wait,
                   max_promotions_in_flight=args.max_promotions_in_flight),
@@ -139,11 +137,11 @@ def _start_exporter(async_engine, lora, names, args: argparse.Namespace) -> None
     print(f"metrale: exporting resident adapters to peers at {server.url}", flush=True)
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, on_demand: dict[str, Path] | None = None) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    app, settings, names = build_app(args)
+    app, settings, names = build_app(args, on_demand)
     host = f"[{args.host}]" if ":" in args.host else args.host
     base_url = f"http://{host}:{args.port}"
     example = "shout" if "shout" in names else (names[0] if names else settings.model_id)
@@ -225,9 +223,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help="most (query, key) pairs one prompt chunk attends to per step: a "
                             "long prompt's chunks shrink as its context grows, so the decodes "
                             "sharing its steps do not slow down (e.g. 262144; default: no cap)")
-    sched.add_argument("--scheduler-policy", default="mixed", choices=["mixed", "legacy"],
-                       help="mixed: decodes and prompt chunks share every step; legacy: a step "
-                            "is either a prefill or a decode (default: %(default)s)")
     sched.add_argument("--max-admission-wait", type=float, default=1.0, metavar="SECONDS",
                        help="a request waiting longer is admitted in arrival order, ahead of "
                             "adapters' round-robin turns (default: %(default)s)")
