@@ -65,7 +65,8 @@ class EngineUnavailableError(ServerError):
     status = 503
 
 
-# (class, status, OpenAI error type, code). First match wins, so subclasses go first.
+# (class, status, OpenAI error type, code). First match wins, so subclasses go first
+# (and a class with two bases here gets the row of the first one listed).
 _TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
     (InvalidSamplingParamsError, 400, "invalid_request_error", "invalid_parameter"),
     (InvalidNameError, 400, "invalid_request_error", "invalid_adapter_name"),
@@ -79,10 +80,11 @@ _TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
     (AdapterError, 422, "invalid_request_error", "invalid_adapter"),
     (AllSlotsPinnedError, 503, "service_unavailable_error", "all_slots_pinned"),
     (PoolFullError, 503, "service_unavailable_error", "pool_full"),
+    (PeerNotAllowedError, 403, "permission_error", "peer_not_allowed"),
+    # before LandingError: a peer lost mid-landing (PeerLandingError is both) is the peer's fault
+    (PeerUnavailableError, 502, "bad_gateway_error", "peer_unavailable"),
     (LandingError, 500, "internal_error", "landing_failed"),
     (SamplingError, 500, "internal_error", "sampling_failed"),
-    (PeerNotAllowedError, 403, "permission_error", "peer_not_allowed"),
-    (PeerUnavailableError, 502, "bad_gateway_error", "peer_unavailable"),
 ]
 
 _SERVER_TYPES = {
