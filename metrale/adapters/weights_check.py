@@ -57,27 +57,41 @@ def check_weights(plan: AdapterPlan, pool_dtype: torch.dtype) -> None:
 def check_landed(plan: AdapterPlan, tensors: list[torch.Tensor], pool_dtype: torch.dtype) -> None:
     """check_gain for bytes that landed without check_weights (a peer's, a file read
     again at promotion): `tensors` in plan.landings order, any device, A as [r, in] and
-    B as [out, r] (a slot's Bt[:r] passes as .t(), a view). Tensors of one kind and shape
-    (a module's across layers) are reduced together, and read back in one host sync."""
+    B as [out, r] (a slot's Bt[:r] passes as .t(), a view). On a GPU the tensors of one
+    kind and shape (a module's across layers) are reduced together, a few kernels in
+    all; on the CPU one by one, as a stack of them all costs several times more there.
+    One host sync."""
     groups: dict[tuple, list[int]] = {}
     for i, (landing, values) in enumerate(zip(plan.landings, tensors)):
         if landing.kind in ("A", "B") and values.numel():
-            key = (landing.kind, _one_hot(landing), tuple(values.shape))
+            key = (landing.kind, _one_hot(landing), tuple(values.shape), values.is_cuda)
             groups.setdefault(key, []).append(i)
-    order, parts = [], []
-    for (kind, one_hot, _), idx in groups.items():
-        x = torch.stack([tensors[i] for i in idx]).double().abs()  # [n, rows, cols]
-        if kind == "B":
-            parts.append(x.sum(2).amax(1))
-        elif one_hot:
-            parts.append(x.amax((1, 2)))
-        else:
-            parts.append(x.square().sum(2).amax(1).sqrt())
-        order += idx
+    batches: list[tuple[tuple, list[int]]] = []
+    for key, idx in groups.items():
+        batches += [(key, idx)] if key[3] else [(key, [i]) for i in idx]
     norms = [0.0] * len(plan.landings)
-    for i, norm in zip(order, torch.cat(parts).tolist() if parts else ()):
-        norms[i] = norm
+    if batches:
+        stacked = [torch.stack([tensors[i] for i in idx]) if len(idx) > 1 else tensors[idx[0]][None]
+                   for _, idx in batches]
+        fast = torch.cat([_group_norms(x.float(), *key[:2]) for (key, _), x in zip(batches, stacked)])
+        fast, pos = fast.tolist(), 0  # the one host sync
+        for (key, idx), x in zip(batches, stacked):
+            values, pos = fast[pos:pos + len(idx)], pos + len(idx)
+            if not all(map(math.isfinite, values)):  # past float32 (~1e19): again in float64
+                values = _group_norms(x.double(), *key[:2]).tolist()
+            for i, norm in zip(idx, values):
+                norms[i] = norm
     _check_gains(plan, norms, pool_dtype)
+
+
+def _group_norms(x: torch.Tensor, kind: str, one_hot: bool) -> torch.Tensor:
+    """check_gain's norm of each of n stacked tensors x [n, rows, cols]."""
+    x = x.abs()
+    if kind == "B":
+        return x.sum(2).amax(1)
+    if one_hot:
+        return x.amax((1, 2))
+    return x.square().sum(2).amax(1).sqrt()
 
 
 # --- what a LoRA can add to its layer's output -------------------------------------------
@@ -162,29 +176,29 @@ class _RowNorms:
         if self.max_only:
             self.peak = max(self.peak, float(values.abs().max()))
             return
-        # float32 first (fast on the CPU); a piece whose sums overflow it (weights past
-        # ~1e19) again in float64, where squares of 3e38 still fit
-        first, sums = self._row_sums(values.float(), start)
+        # float32 first (bf16 -> float64 is ~8x slower on the CPU); a piece whose sums
+        # overflow float32 (weights past ~1e19) again in float64, where 3e38 squared fits
+        sums = self._row_sums(values.float(), start)
         if not math.isfinite(float(sums.max())):
-            first, sums = self._row_sums(values.double(), start)
+            sums = self._row_sums(values.double(), start)
+        first = start // self.cols
         self.sums[first:first + len(sums)] += sums
 
-    def _row_sums(self, x: torch.Tensor, start: int) -> tuple[int, torch.Tensor]:
-        """(first row, sums of |x| or x^2 over each row's part in x), for the piece x that
-        starts at element `start` of the tensor; one reduction when it holds whole rows."""
+    def _row_sums(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Sums of |x| (or x^2) over each row's part in the piece x, which starts at
+        element `start` of the tensor: one reduction when it holds whole rows."""
         x = x.square() if self.square else x.abs()
         cols, n = self.cols, x.numel()
         if start % cols == 0 and n % cols == 0:  # whole rows: the usual case
-            return start // cols, x.view(-1, cols).sum(1)
+            return x.view(-1, cols).sum(1)
         head = min(n, -start % cols)  # the rest of a row begun in the last piece
         full = (n - head) // cols
-        tail = n - head - full * cols
         sums = [x[:head].sum().view(1)] if head else []
         if full:
             sums.append(x[head:head + full * cols].view(full, cols).sum(1))
-        if tail:
-            sums.append(x[n - tail:].sum().view(1))
-        return start // cols, torch.cat(sums)
+        if n > head + full * cols:
+            sums.append(x[head + full * cols:].sum().view(1))
+        return torch.cat(sums)
 
     def result(self) -> float:
         if self.kind is None:
