@@ -92,6 +92,25 @@ class NonFiniteWeightsError(AdapterFileError):
 class LandingError(MetraleError):
     """A landing failed after the slot was zeroed; the slot is now EMPTY with a new identity."""
 
+    @staticmethod
+    def caused_by(reason: BaseException | str, message: str) -> LandingError:
+        """The error for a landing that `reason` ended. A typed refusal keeps its class: a
+        peer lost mid-transfer is the same fault (502) as one lost before it, weights refused
+        in the slot the same (422) as weights refused in staging; only the rest is ours (500)."""
+        if isinstance(reason, PeerUnavailableError):
+            return PeerLandingError(message)
+        if isinstance(reason, AdapterError):
+            return AdapterLandingError(message)
+        return LandingError(message)
+
+
+class PeerLandingError(PeerUnavailableError, LandingError):
+    """The peer failed or vanished while its bytes were landing (the slot is EMPTY)."""
+
+
+class AdapterLandingError(AdapterError, LandingError):
+    """The landed bytes were refused in the slot, e.g. NaN/Inf in the pool's dtype (the slot is EMPTY)."""
+
 
 class ChatTemplateError(MetraleError):
     """The model has no chat template, or its template refused the messages."""

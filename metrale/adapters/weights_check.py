@@ -6,6 +6,11 @@ the landing path checks NaN/Inf on the device as it lands. A weight that is fini
 in the file but beyond the pool dtype's range (1e30 in an F32 file served by a
 bf16/fp16 pool) only becomes Inf in the slot, where no check sees it. Calling
 check_weights at registration refuses such an adapter before it is ever promoted.
+
+Finite in the pool is not enough either: one weight of 3e38 in a lora_A fits float32,
+and the first token through it overflows. So check_weights also bounds what each
+module's LoRA can add to its layer's output (module_gain, check_gain) and refuses,
+naming the tensor, what would overflow the pool dtype on an ordinary input.
 """
 
 from __future__ import annotations
@@ -16,30 +21,192 @@ from pathlib import Path
 import torch
 
 from metrale.adapters.input_limits import brief, open_regular
-from metrale.adapters.plan import AdapterPlan
+from metrale.adapters.plan import AdapterPlan, TensorLanding
 from metrale.errors import AdapterFileError, NonFiniteWeightsError
 
 CHUNK_BYTES = 4 << 20  # bytes read and checked at a time: memory stays flat
 
 
 class WeightsOverflowError(NonFiniteWeightsError):
-    """Finite weights that become Inf in the pool dtype."""
+    """Finite weights that become Inf in the pool dtype, or whose LoRA output would."""
 
 
 def check_weights(plan: AdapterPlan, pool_dtype: torch.dtype) -> None:
     """Read every tensor of a disk plan (plan_adapter's) in CHUNK_BYTES pieces and
     raise NonFiniteWeightsError on NaN/Inf, WeightsOverflowError on a value the pool
-    dtype cannot hold, AdapterFileError if the file shrank since it was planned.
+    dtype cannot hold or a module whose LoRA would overflow it (check_gain),
+    AdapterFileError if the file shrank since it was planned.
 
     Costs one sequential read of the adapter's data (~1 s per GB); meant for
     registration time, on a worker thread."""
     path = Path(plan.source)
+    norms = [0.0] * len(plan.landings)
     with open_regular(path, AdapterFileError) as f:
         buf = bytearray(CHUNK_BYTES)
-        for landing in sorted(plan.landings, key=lambda t: t.entry.begin):
+        for i in sorted(range(len(plan.landings)), key=lambda i: plan.landings[i].entry.begin):
+            landing = plan.landings[i]
             e = landing.entry
+            rows = _RowNorms(landing)
             for values in _chunks(f, plan.data_offset + e.begin, e.nbytes, e.torch_dtype, buf, path):
                 check_tensor(plan.source, e.name, values, pool_dtype)
+                rows.add(values)
+            norms[i] = rows.result()
+    _check_gains(plan, norms, pool_dtype)
+
+
+def check_landed(plan: AdapterPlan, tensors: list[torch.Tensor], pool_dtype: torch.dtype) -> None:
+    """check_gain for bytes that landed without check_weights (a peer's, a file read
+    again at promotion): `tensors` in plan.landings order, any device, A as [r, in] and
+    B as [out, r] (a slot's Bt[:r] passes as .t(), a view). On a GPU the tensors of one
+    kind and shape (a module's across layers) are reduced together, a few kernels in
+    all; on the CPU one by one, as a stack of them all costs several times more there.
+    One host sync."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (landing, values) in enumerate(zip(plan.landings, tensors)):
+        if landing.kind in ("A", "B") and values.numel():
+            key = (landing.kind, _one_hot(landing), tuple(values.shape), values.is_cuda)
+            groups.setdefault(key, []).append(i)
+    batches: list[tuple[tuple, list[int]]] = []
+    for key, idx in groups.items():
+        batches += [(key, idx)] if key[3] else [(key, [i]) for i in idx]
+    norms = [0.0] * len(plan.landings)
+    if batches:
+        stacked = [torch.stack([tensors[i] for i in idx]) if len(idx) > 1 else tensors[idx[0]][None]
+                   for _, idx in batches]
+        fast = torch.cat([_group_norms(x.float(), *key[:2]) for (key, _), x in zip(batches, stacked)])
+        fast, pos = fast.tolist(), 0  # the one host sync
+        for (key, idx), x in zip(batches, stacked):
+            values, pos = fast[pos:pos + len(idx)], pos + len(idx)
+            if not all(map(math.isfinite, values)):  # past float32 (~1e19): again in float64
+                values = _group_norms(x.double(), *key[:2]).tolist()
+            for i, norm in zip(idx, values):
+                norms[i] = norm
+    _check_gains(plan, norms, pool_dtype)
+
+
+def _group_norms(x: torch.Tensor, kind: str, one_hot: bool) -> torch.Tensor:
+    """check_gain's norm of each of n stacked tensors x [n, rows, cols]."""
+    x = x.abs()
+    if kind == "B":
+        return x.sum(2).amax(1)
+    if one_hot:
+        return x.amax((1, 2))
+    return x.square().sum(2).amax(1).sqrt()
+
+
+# --- what a LoRA can add to its layer's output -------------------------------------------
+#
+# A module adds  dy = s * B (A x)  (A [r, in], B [out, r], s its scale); the kernels form
+# h = A x, then B h, then scale it. For any input x, with A_k the rows of A and B_i those
+# of B (Cauchy-Schwarz, then the triangle inequality):
+#     |h_k|  <= ||A_k||_2 * ||x||_2                    <= a * ||x||_2,  a = max_k ||A_k||_2
+#     |dy_i| <= s * sum_k |B_ik| |h_k|                 <= s * b * a * ||x||_2,  b = max_i ||B_i||_1
+# so nothing overflows while max(1, s) * b * a * ||x||_2 and a * ||x||_2 stay within the
+# pool dtype's max. That holds for every input up to the ||x||_2 we assume, never more: no
+# finite bound holds for every input (the base layer overflows too on large enough ones).
+# The inputs assumed are those of RMS up to INPUT_RMS: an RMSNorm output has RMS exactly 1
+# before its weight, so ||x||_2 = sqrt(in) for a unit-weight norm; INPUT_RMS leaves room
+# for norm weights and for o_proj / down_proj inputs, which no norm bounds. An embedding's
+# input is one-hot (h_k = A[k, token]), so there a = max |A| and ||x||_2 = 1.
+# Even an adapter as PEFT initialises it with a random B (trained ones start from B = 0)
+# at rank 64 with rsLoRA's scale of 16 passes in float16; 3e38 in a lora_A, or a lora_B
+# entry near the dtype's max, is refused. What later layers make of a large but finite
+# delta is not bounded here: a request that meets non-finite logits fails naming its adapter.
+INPUT_RMS = 16.0
+
+
+def check_gain(source: str, a: TensorLanding, b: TensorLanding, a_norm: float, b_norm: float,
+               pool_dtype: torch.dtype) -> None:
+    """Refuse one module whose LoRA could overflow `pool_dtype` (see above). a_norm:
+    max_k ||A_k||_2 (an embedding's: max |A|); b_norm: max_i ||B_i||_1."""
+    limit = torch.finfo(pool_dtype).max
+    target = a.target
+    reach = 1.0 if _one_hot(a) else INPUT_RMS * math.sqrt(a.entry.shape[-1])  # max ||x||_2
+    h = a_norm * reach
+    where = f"layer {target.layer} {target.module}"
+    if not h <= limit:  # also NaN
+        raise WeightsOverflowError(
+            f"{source}: tensor {brief(a.entry.name)} can make {where}'s LoRA input projection "
+            f"reach {h:.3g} on an input of RMS {INPUT_RMS:g}, beyond the pool's {pool_dtype} "
+            f"(max {limit:.4g}): its rows are too large (the largest row norm is {a_norm:.3g})")
+    dy = max(1.0, target.scale) * b_norm * h
+    if not dy <= limit:
+        raise WeightsOverflowError(
+            f"{source}: tensors {brief(b.entry.name)} and {brief(a.entry.name)} can add up to "
+            f"{dy:.3g} to {where}'s output on an input of RMS {INPUT_RMS:g} (scale "
+            f"{target.scale:g} x |B| {b_norm:.3g} x |A| {a_norm:.3g}), beyond the pool's "
+            f"{pool_dtype} (max {limit:.4g}); rescale the adapter or serve it from a float32 pool")
+
+
+def _check_gains(plan: AdapterPlan, norms: list[float], pool_dtype: torch.dtype) -> None:
+    """check_gain for each module; norms[i]: plan.landings[i]'s."""
+    by_target: dict[tuple[int, str], dict[str, int]] = {}
+    for i, landing in enumerate(plan.landings):
+        by_target.setdefault((landing.target.layer, landing.target.module), {})[landing.kind] = i
+    for kinds in by_target.values():
+        if "A" in kinds and "B" in kinds:  # plan_adapter gives every module both
+            a, b = kinds["A"], kinds["B"]
+            check_gain(plan.source, plan.landings[a], plan.landings[b], norms[a], norms[b],
+                       pool_dtype)
+
+
+def _one_hot(landing: TensorLanding) -> bool:
+    return landing.target.module == "embed_tokens"
+
+
+class _RowNorms:
+    """check_gain's norm of one tensor read in flat pieces of any length (rows may
+    straddle them): per-row sums kept in float64 (squares of 3e38 still fit)."""
+
+    def __init__(self, landing: TensorLanding) -> None:
+        shape = landing.entry.shape
+        self.kind = landing.kind if landing.kind in ("A", "B") else None
+        self.square = self.kind == "A" and not _one_hot(landing)
+        self.max_only = self.kind == "A" and _one_hot(landing)
+        self.cols = shape[-1] if len(shape) == 2 and shape[-1] else 1
+        self.sums = torch.zeros(shape[0] if len(shape) == 2 else 1, dtype=torch.float64)
+        self.peak = 0.0
+        self.seen = 0  # elements consumed so far
+
+    def add(self, values: torch.Tensor) -> None:
+        if self.kind is None or values.numel() == 0:
+            return
+        start = self.seen
+        self.seen += values.numel()
+        if self.max_only:
+            self.peak = max(self.peak, float(values.abs().max()))
+            return
+        # float32 first (bf16 -> float64 is ~8x slower on the CPU); a piece whose sums
+        # overflow float32 (weights past ~1e19) again in float64, where 3e38 squared fits
+        sums = self._row_sums(values.float(), start)
+        if not math.isfinite(float(sums.max())):
+            sums = self._row_sums(values.double(), start)
+        first = start // self.cols
+        self.sums[first:first + len(sums)] += sums
+
+    def _row_sums(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Sums of |x| (or x^2) over each row's part in the piece x, which starts at
+        element `start` of the tensor: one reduction when it holds whole rows."""
+        x = x.square() if self.square else x.abs()
+        cols, n = self.cols, x.numel()
+        if start % cols == 0 and n % cols == 0:  # whole rows: the usual case
+            return x.view(-1, cols).sum(1)
+        head = min(n, -start % cols)  # the rest of a row begun in the last piece
+        full = (n - head) // cols
+        sums = [x[:head].sum().view(1)] if head else []
+        if full:
+            sums.append(x[head:head + full * cols].view(full, cols).sum(1))
+        if n > head + full * cols:
+            sums.append(x[head + full * cols:].sum().view(1))
+        return torch.cat(sums)
+
+    def result(self) -> float:
+        if self.kind is None:
+            return 0.0
+        if self.max_only:
+            return self.peak
+        top = float(self.sums.max()) if self.sums.numel() else 0.0
+        return math.sqrt(top) if self.square else top
 
 
 def all_finite(values: torch.Tensor) -> bool:

@@ -69,9 +69,11 @@ class SampledTokens:
         return self._results
 
     def _failed(self, i: int) -> SampleResult:
+        seq = self.seqs[i]
+        blame = "" if seq.adapter is None else "; the adapter's weights may overflow the pool's dtype"
         return SampleResult.failed(SamplingError(
-            f"request {self.seqs[i].request_id}: the model produced non-finite logits "
-            f"(max {float(self.row_max[i])}); no token can be drawn"))
+            f"{_who(seq)}: the model produced non-finite logits (max {float(self.row_max[i])}); "
+            f"no token can be drawn{blame}"))
 
     def resolve(self, logits: torch.Tensor) -> None:
         """Now, on the host: the seeded sampled rows and the logprobs (both read logits)."""
@@ -83,7 +85,7 @@ class SampledTokens:
                     seeded[i] = _sample_row(logits[i], seq)
                 except RuntimeError as e:  # a backstop: the row is checked, this must not happen
                     results[i] = SampleResult.failed(
-                        SamplingError(f"request {seq.request_id}: sampling failed: {e}"))
+                        SamplingError(f"{_who(seq)}: sampling failed: {e}"))
         if seeded:  # the device copy too: a next step may read its inputs from it
             self.tokens[list(seeded)] = torch.tensor(list(seeded.values()), device=self.tokens.device)
         tokens = [seeded.get(i, r.token) for i, r in enumerate(results)]
@@ -91,6 +93,11 @@ class SampledTokens:
         logprobs = _logprobs(logits, seqs, tokens, wanted)
         self._results = [r if r.error is not None else SampleResult(tokens[i], logprobs.get(i))
                          for i, r in enumerate(results)]
+
+
+def _who(seq: Sequence) -> str:
+    """The request, and the adapter it ran with: a failure may be the adapter's."""
+    return f"request {seq.request_id}" + ("" if seq.adapter is None else f" on adapter {seq.adapter!r}")
 
 
 def needs_logits(seq: Sequence) -> bool:

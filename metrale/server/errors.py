@@ -6,6 +6,8 @@ engine's typed errors (metrale.errors) plus the few the HTTP layer adds here.
 
 from __future__ import annotations
 
+import re
+
 from metrale.engine.sampling_params import InvalidSamplingParamsError
 from metrale.errors import (
     AdapterError,
@@ -65,7 +67,8 @@ class EngineUnavailableError(ServerError):
     status = 503
 
 
-# (class, status, OpenAI error type, code). First match wins, so subclasses go first.
+# (class, status, OpenAI error type, code). First match wins, so subclasses go first
+# (and a class with two bases here gets the row of the first one listed).
 _TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
     (InvalidSamplingParamsError, 400, "invalid_request_error", "invalid_parameter"),
     (InvalidNameError, 400, "invalid_request_error", "invalid_adapter_name"),
@@ -79,10 +82,11 @@ _TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
     (AdapterError, 422, "invalid_request_error", "invalid_adapter"),
     (AllSlotsPinnedError, 503, "service_unavailable_error", "all_slots_pinned"),
     (PoolFullError, 503, "service_unavailable_error", "pool_full"),
+    (PeerNotAllowedError, 403, "permission_error", "peer_not_allowed"),
+    # before LandingError: a peer lost mid-landing (PeerLandingError is both) is the peer's fault
+    (PeerUnavailableError, 502, "bad_gateway_error", "peer_unavailable"),
     (LandingError, 500, "internal_error", "landing_failed"),
     (SamplingError, 500, "internal_error", "sampling_failed"),
-    (PeerNotAllowedError, 403, "permission_error", "peer_not_allowed"),
-    (PeerUnavailableError, 502, "bad_gateway_error", "peer_unavailable"),
 ]
 
 _SERVER_TYPES = {
@@ -105,8 +109,43 @@ def classify(exc: BaseException) -> tuple[int, str, str | None]:
 
 def error_body(message: str, kind: str, param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": _utf8(message), "type": kind,
-                      "param": None if param is None else _utf8(param), "code": code}}
+    return {"error": {"message": public_text(message), "type": kind,
+                      "param": None if param is None else public_text(param), "code": code}}
+
+
+# A message names what was sent, bounded: an echo (a name, a path, a value) keeps its
+# first MAX_ECHO characters, a whole message MAX_MESSAGE; a 100k-character model name
+# must not come back as a 100 KB refusal.
+MAX_ECHO = 100
+MAX_MESSAGE = 1000
+_LONG_RUN = re.compile(rf"\S{{{MAX_ECHO + 1},}}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# An absolute filesystem path: "/" at the start of a word (not inside a URL, a relative
+# path or a number), up to a space, quote, bracket or separator. Our own URL routes
+# (/v1/..., /peer/v1/...) are not the server's filesystem.
+_ABS_PATH = re.compile(r"(?<![\w.:/~\\-])/(?!v1/|peer/v1/)[^\s'\"()\[\]{},;:]+")
+
+
+def public_text(text: str) -> str:
+    """`text` as a refusal may show it to a client: control characters escaped, absolute
+    paths cut to their last component (the engine formats the resolved adapter path, the
+    store, the cache; the client named only the last part, or sent a path it knows), each
+    long run of non-space shortened, the whole bounded, and encodable as UTF-8."""
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+    text = _ABS_PATH.sub(_last_component, text)
+    text = _LONG_RUN.sub(lambda m: _cut(m[0], MAX_ECHO), text)
+    return _utf8(_cut(text, MAX_MESSAGE))
+
+
+def _last_component(m: re.Match) -> str:
+    last = m[0].rstrip("/").rsplit("/", 1)[-1]
+    return f".../{last}" if last else m[0]
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...[{len(text) - limit} more characters]"
 
 
 def _utf8(text: str) -> str:

@@ -41,16 +41,14 @@ def resolve_adapter_path(raw: object, roots: tuple[Path, ...], param: str = "pat
         _require_inside(resolved, roots, raw, param)
         _require_adapter_dir(resolved, roots, raw, param)
         return resolved
-    raise BadRequestError(
-        f"{param} {raw!r} does not exist under the adapter roots "
-        f"({', '.join(str(r) for r in roots)})", param)
+    raise BadRequestError(f"{param} {raw!r} does not exist under the adapter roots", param)
 
 
 def _require_inside(resolved: Path, roots: tuple[Path, ...], raw: str, param: str) -> None:
     if not any(resolved.is_relative_to(root) for root in roots):
-        raise AdapterPathError(
-            f"{param} {raw!r} resolves outside the adapter roots "
-            f"({', '.join(str(r) for r in roots)}); symlinks are followed before the check", param)
+        raise AdapterPathError(  # the roots are the server's own paths: never shown
+            f"{param} {raw!r} resolves outside the adapter roots; symlinks are followed "
+            "before the check", param)
 
 
 def _require_adapter_dir(resolved: Path, roots: tuple[Path, ...], raw: str, param: str) -> None:
