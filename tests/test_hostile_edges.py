@@ -123,10 +123,6 @@ def complete(client: TestClient, model: str):
                                                 "max_tokens": 2, "temperature": 0})
 
 
-CAUSED_BY = ("needs the lead's one-line change: Landing._failed returns "
-             "LandingError.caused_by(reason, message) (report of the edges branch)")
-
-
 def test_a_landing_failure_keeps_the_class_of_a_typed_cause():
     from metrale.errors import AdapterLandingError, LandingError, NonFiniteWeightsError
     from metrale.peer.errors import PeerTimeoutError, PeerTransferError
@@ -145,7 +141,6 @@ def test_a_landing_failure_keeps_the_class_of_a_typed_cause():
     assert isinstance(LandingError.caused_by(NonFiniteWeightsError("x"), "m"), AdapterLandingError)
 
 
-@pytest.mark.xfail(strict=True, reason=CAUSED_BY)
 @pytest.mark.parametrize("mode", ["die", "stall"])
 def test_peer_lost_during_a_nixl_read_is_a_502_like_before_it(fake_nixl, mode):
     with peer_store() as addr, serve("--peer-transport", "nixl", "--peer-timeout", "1") as client:
@@ -288,11 +283,6 @@ def test_non_finite_logits_name_the_adapter():
     assert len(llm.generate([3, 14, 15, 92], greedy)[0].token_ids) == 2  # the base still serves
 
 
-LANDING_HOOK = ("needs the lead's hook: Landing runs weights_check.check_landed on what it "
-                "wrote before commit (report of the edges branch)")
-
-
-@pytest.mark.xfail(strict=True, reason=LANDING_HOOK)
 @pytest.mark.parametrize("transport", ["http", "nixl"])
 def test_peer_adapter_whose_lora_would_overflow_is_refused_when_it_lands(fake_nixl, transport):
     """A peer's bytes are never read at registration: the same bound holds where they

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from metrale.adapters.plan import AdapterPlan
+from metrale.adapters.weights_check import check_landed
 from metrale.errors import LandingError, NonFiniteWeightsError
 from metrale.pool.host_tier import TierEntry
 from metrale.pool.pool import AdapterPool, ByteRange, StagedAdapter
@@ -42,6 +43,7 @@ class Landing:
         # host (ranks, scales, doras) rows still to write at commit
         self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._open = True
+        self._plan: AdapterPlan | None = None  # what to bound at commit (check_landed)
         self.start = time.perf_counter()
 
     @property
@@ -55,6 +57,7 @@ class Landing:
         rows wait for commit: their copy from host memory would block on the stream."""
         self._pool.land(self.slot, plan, views, tables=False)
         self._tables = table_rows(plan, self._pool.layout)
+        self._plan = plan
         if any(v.dtype != self._pool.layout.dtype for v in views):
             self.check_written(plan)  # finite in the file's dtype, maybe not in the pool's
 
@@ -62,6 +65,7 @@ class Landing:
         """A staged, checked adapter into the slot (one kernel when it has a recipe)."""
         self._pool.land_staged(self.slot, staged)
         self._tables = self._pool.tables_of(staged)
+        self._plan = staged.plan
         if staged.dtype != self._pool.layout.dtype:
             self.check_written(staged.plan)  # finite in the file's dtype, maybe not in the pool's
 
@@ -75,6 +79,7 @@ class Landing:
         runs of the plan's tensors (NIXL); zero_elements the bytes between tensors that a
         run carried, then check_written."""
         self._tables = table_rows(plan, self._pool.layout)
+        self._plan = plan
         region = self._pool.slot_region(self.slot)
         return ByteRange(region.data_ptr(), self._pool.layout.slot_bytes)
 
@@ -96,6 +101,8 @@ class Landing:
         """LOADING -> READY holding `version` (the bytes must have landed)."""
         self._close()
         try:
+            if self._plan is not None:
+                self._check_gains(self._plan)
             if self._tables is not None:
                 self._pool.write_tables(self.slot, *self._tables)
         except BaseException as e:
@@ -106,6 +113,21 @@ class Landing:
                  self.slot, uid, self._table.info(self.slot).generation, seconds * 1e3)
         return LandingResult(self.slot, uid, seconds)
 
+    def _check_gains(self, plan: AdapterPlan) -> None:
+        """What the landed LoRA can add to each layer stays within the pool dtype: every
+        source (a peer's bytes, a file read again) gets the bound registration applies."""
+        pool, slot = self._pool, self.slot
+
+        def landed(t):
+            layer, module, rank = t.target.layer, t.target.module, t.target.rank
+            if t.kind == "A":
+                return pool.lora_a(layer, module)[slot, :rank]
+            if t.kind == "B":
+                return pool.lora_bt(layer, module)[slot, :rank].t()
+            return pool.magnitude(layer, module)[slot, 0]
+
+        check_landed(plan, [landed(t) for t in plan.landings], pool.layout.dtype)
+
     def fail(self, reason: BaseException | str) -> LandingError:
         """Zero the slot; EMPTY with a fresh identity. Returns the error to raise."""
         self._close()
@@ -115,9 +137,10 @@ class Landing:
         self._pool.zero_slot(self.slot)
         self._table.fail_load(self.slot)
         log.warning("landing into slot %d failed: %s", self.slot, reason)
-        error = LandingError(f"landing into slot {self.slot} failed ({reason}); the slot is now EMPTY")
+        error = LandingError.caused_by(
+            reason, f"landing into slot {self.slot} failed ({reason}); the slot is now EMPTY")
         if isinstance(reason, BaseException):
-            error.__cause__ = reason  # also when returned, not raised: callers classify by it
+            error.__cause__ = reason  # also when returned, not raised
         return error
 
     def _close(self) -> None:
