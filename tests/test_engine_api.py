@@ -145,7 +145,7 @@ def test_rows_follow_register_land_pin_reload_unload(root):
     assert [(r.slot, r.state, r.name) for r in rows if not r.registered] == \
         [(0, Residence.EMPTY, None), (1, Residence.EMPTY, None)]
 
-    slot_a, _ = engine.land(va)
+    slot_a, _ = engine.promote(va)
     engine.pin_adapter("a", True)
     rows = engine.residency()
     _check_cover(rows, {"a", "b"}, 2)
@@ -167,7 +167,7 @@ def test_rows_follow_register_land_pin_reload_unload(root):
     assert (old.name, old.version, old.state, old.refs, old.pinned, old.uid) == \
         (None, va.version, Residence.READY, 1, False, a.uid)  # detached: serves its request, admits none
 
-    slot_b, evicted = engine.land(vb)
+    slot_b, evicted = engine.promote(vb)
     assert (slot_b, evicted) == (1 - slot_a, None)
     rid_b = engine.add_request([8, 9], LONG, "b")
     step_until_running(engine, rid_b)
@@ -217,7 +217,7 @@ def test_a_promotion_in_flight_is_loading(root, monkeypatch):
 def test_async_engine_serves_the_listing_from_rows(root):
     llm = _llm(root)
     va = llm.engine.register_adapter("a", root / "a")
-    slot, _ = llm.engine.land(va)
+    slot, _ = llm.engine.promote(va)
     engine = AsyncEngine(llm.engine)
     engine.start()
     try:

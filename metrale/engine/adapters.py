@@ -7,7 +7,7 @@ asks each of them:
 - binding: a request takes a reference on the slot its adapter's current version is
   routed to, or waits for a promotion (FIFO by first request, single-flight per name);
 - on-demand promotions: at most one in flight; the engine drives it between steps;
-- explicit landings (`land`, `land_new`): the same promotion, run inline;
+- explicit promotions (`promote`, `promote_new`): the same promotion, run inline;
 - unloads: the name leaves at once, its slot is freed after its last request.
 
 Waiters take their slot reference the moment their adapter lands, so it cannot be
@@ -97,9 +97,9 @@ class AdapterManager:
             seq.slot, seq.adapter_uid = slot, self.slots.table.acquire(slot)
             seq.bound, seq.bound_at = True, now
 
-    # --- explicit landings (inline promotions) ------------------------------------------
+    # --- explicit promotions (run inline) --------------------------------------------------
 
-    def land(self, version: AdapterVersion, slot: int | None = None,
+    def promote(self, version: AdapterVersion, slot: int | None = None,
              prepared: Prepared | None = None,
              origin: AdapterSource | None = None) -> tuple[int, str | None]:
         """Land a registered version into `slot` (None: the promoter chooses). `prepared`:
@@ -113,7 +113,7 @@ class AdapterManager:
         return self._landed(self.promoter.run_inline(version, target=slot, prepared=prepared,
                                                      origin=origin))
 
-    def land_new(self, name: str, source: AdapterSource, slot: int | None = None,
+    def promote_new(self, name: str, source: AdapterSource, slot: int | None = None,
                  prepared: Prepared | None = None, pinned: bool = False) -> tuple[int, str | None]:
         """Land `source` as a new version of `name`, current from its commit on (a reload
         of an existing name). A refusal changes nothing, the registry included."""

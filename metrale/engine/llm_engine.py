@@ -280,17 +280,17 @@ class LLMEngine:
         pinned name's reload lands into its own slot, now if it is idle, else as soon as
         its in-flight requests finish. checked: the files were validated by check_adapter
         already; prepared: their bytes, read off this thread (used if it lands now)."""
-        self.registry.check_new(name, reload)
+        self.registry.check_new(name, reload)  # the one name check of this operation
         source = self.check_adapter(name, source) if not checked else AdapterSource.of(source)
         old = self.registry.get(name)
         own = self.registry.slot_of(name)
         if pinned or (old is not None and old.pinned):
             if own is None or not self.lora.table.ref_count(own):
-                self.adapters.land_new(name, source, own, prepared, pinned=True)
+                self.adapters.promote_new(name, source, own, prepared, pinned=True)
                 return self.registry.current(name)
         if prepared is not None:
             prepared.close()
-        return self.registry.register(name, source, pinned=pinned, reload=reload)
+        return self.registry.install(self.registry.new_version(name, source, pinned))
 
     def unload_adapter(self, name: str) -> str:
         """'unloaded', or 'draining' while its slot still serves in-flight requests."""
@@ -301,24 +301,25 @@ class LLMEngine:
         """Pinning a non-resident adapter lands it now."""
         version = self.registry.current(name)
         if pinned and self.registry.slot_of(name) is None:
-            self.land(version, None, prepared)
+            self.promote(version, None, prepared)
         elif prepared is not None:
             prepared.close()
         return self.registry.set_pinned(name, pinned)
 
-    def land(self, version: AdapterVersion, slot: int | None = None,
+    def promote(self, version: AdapterVersion, slot: int | None = None,
              prepared: Prepared | None = None,
              origin: AdapterSource | None = None) -> tuple[int, str | None]:
         """Land a registered version now, into `slot` or a victim: (slot, evicted).
         origin: where `prepared` was read from, when not the version's source."""
-        return self.adapters.land(version, slot, prepared, origin)
+        return self.adapters.promote(version, slot, prepared, origin)
 
     # --- the seed's four operations: land these bytes as a new version of `name` now ------
 
     def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int,
-                                 prepared: Prepared | None = None) -> None:
-        """prepared: the files' bytes, read off this thread (the server does)."""
-        self._land_new(name, AdapterSource(path=Path(adapter_dir)), slot, prepared)
+                                 prepared: Prepared | None = None, reload: bool = True) -> None:
+        """prepared: the files' bytes, read off this thread (the server does); reload=False:
+        refuse a registered name (the server's swap of a new registration)."""
+        self._land_new(name, AdapterSource(path=Path(adapter_dir)), slot, prepared, reload)
 
     def promote_lora_slot_from_disk(self, adapter_dir: str | Path,
                                     name: str) -> tuple[int, str | None]:
@@ -335,14 +336,14 @@ class LLMEngine:
                               AdapterSource(peer=PeerRef(peer_addr, adapter_id), peft=peft))
 
     def _land_new(self, name: str, source: AdapterSource, slot: int | None = None,
-                  prepared: Prepared | None = None) -> tuple[int, str | None]:
+                  prepared: Prepared | None = None, reload: bool = True) -> tuple[int, str | None]:
         try:
-            self.registry.check_new(name, reload=True)
+            self.registry.check_new(name, reload)
         except MetraleError:
             if prepared is not None:
                 prepared.close()
             raise
-        return self.adapters.land_new(name, source, slot, prepared)
+        return self.adapters.promote_new(name, source, slot, prepared)
 
     def slot_info(self) -> list[SlotInfo]:
         return self.lora.slot_info()

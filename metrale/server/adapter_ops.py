@@ -69,18 +69,23 @@ class AdapterOps:
 
     def check_register(self, name: str, reload: bool) -> None:
         """The refusals of register that need no I/O, before any file is read."""
+        self._require_runtime_swaps()
+        self.registry.check_new(name, reload)
+
+    def _require_runtime_swaps(self) -> None:
         if not self.engine.lora.pool_config.allow_runtime_swaps:
             # it could never become resident: say so now, not at its first request
             raise RuntimeSwapsDisabledError(
                 "runtime swaps are disabled (--no-runtime-swaps): adapters can only be "
                 "loaded at start-up (--adapter NAME=DIR)")
-        self.registry.check_new(name, reload)
 
     def register(self, name: str, source: AdapterSource, pinned: bool, reload: bool,
                  prepared: Prepared | None) -> AdapterView:
         """`source` was validated off the engine thread. An existing name is refused unless
-        reload: then requests in flight finish on the old version, later ones get the new."""
-        self.check_register(name, reload)
+        reload: then requests in flight finish on the old version, later ones get the new.
+        The engine checks the name again: the registry may have changed since the check
+        before the files were read."""
+        self._require_runtime_swaps()
         self.engine.register_adapter(name, source, pinned=pinned, reload=reload, checked=True,
                                      prepared=prepared)
         return self.view(name)
@@ -101,7 +106,7 @@ class AdapterOps:
         if row.state is Residence.READY:
             self.engine.lora.table.touch(row.slot)
             return self.view(name), None
-        _, evicted = self.engine.land(version, None, prepared)
+        _, evicted = self.engine.promote(version, None, prepared)
         return self.view(name), evicted
 
     def swap(self, name: str, slot: int, source: AdapterSource | None, reload: bool,
@@ -109,10 +114,9 @@ class AdapterOps:
         """Land `name` into `slot`: its registered version, or `source` as a new
         registration (an existing name only when reload)."""
         if source is None:
-            self.engine.land(self.registry.changeable(name), slot, prepared)
+            self.engine.promote(self.registry.changeable(name), slot, prepared)
         else:
-            self.registry.check_new(name, reload)
-            self.engine.swap_lora_slot_from_disk(source.path, name, slot, prepared)
+            self.engine.swap_lora_slot_from_disk(source.path, name, slot, prepared, reload=reload)
         return self.view(name)
 
     def set_pinned(self, name: str, pinned: bool, prepared: Prepared | None) -> AdapterView:

@@ -189,7 +189,7 @@ class AsyncEngine:
                 error = e
                 continue
             try:
-                await self.call(functools.partial(self.engine.land, version, None, prepared, source))
+                await self.call(functools.partial(self.engine.promote, version, None, prepared, source))
             finally:
                 if prepared is not None:  # a refused landing may not have closed it
                     prepared.close()
