@@ -149,10 +149,7 @@ class Promoter:
         before WRITING changed nothing)."""
         try:
             self.slots.require_swappable(self._op(version, origin, target))
-            if target is None and self.registry.held_slot(version.name) is None:
-                self._victim()  # POOL_FULL before reading anything
-            elif target is not None:
-                self._check_target(version, target)
+            self._slot_for(version, target)  # POOL_FULL, busy or pinned before reading anything
         except MetraleError:
             if prepared is not None:
                 prepared.close()
@@ -160,9 +157,6 @@ class Promoter:
         promotion = self.start(version, target=target, installs=installs, prepared=prepared,
                                origin=origin, inline=True)
         self.advance(promotion, inline=True)
-        if promotion.phase is Phase.WAITING:  # no slot came free: nothing was touched
-            self._closed(promotion)
-            raise self._victim_error(promotion)
         if promotion.error is not None:
             raise promotion.error
         return promotion
@@ -202,11 +196,11 @@ class Promoter:
         """WAITING -> WRITING once a slot is free; stays WAITING while none is (POOL_FULL
         is a wait, not an outcome; AllSlotsPinned is an outcome: nothing will drain)."""
         try:
-            slot = self._slot_for(p)
-        except (AllSlotsPinnedError, SlotPinnedError) as e:
-            self._fail(p, e)
-            return
-        except (PoolFullError, SlotBusyError):
+            slot = self._slot_for(p.version, p.target)
+        except (PoolFullError, SlotBusyError) as e:
+            never = isinstance(e, (AllSlotsPinnedError, SlotPinnedError))
+            if never or inline:  # inline, nothing frees a slot while it waits
+                self._fail(p, e)
             return
         if p.prepared is None:  # a host-tier hit: its image is read here (engine thread)
             p.prepared = self._read_inline(p.name, p.origin)
@@ -282,36 +276,22 @@ class Promoter:
         return self.registry.is_current(p.version) and (
             p.target is not None or self.registry.slot_of(p.name) is None)
 
-    def _slot_for(self, p: Promotion) -> int:
-        if p.target is not None:
-            self._check_target(p.version, p.target)
-            return p.target
-        held = self.registry.held_slot(p.name)
-        if held is not None:  # a pinned name's reload waits for its own slot
-            self.slots.table.require_idle(held)
+    def _slot_for(self, version: AdapterVersion, target: int | None) -> int:
+        """The slot asked for (idle, and not pinned by another name: a pin never moves to
+        another adapter), a pinned name's own held slot once idle, or a victim."""
+        registry, table = self.registry, self.slots.table
+        if target is not None:
+            table.require_idle(target)
+            owner = registry.name_in(target)
+            if target in registry.pinned_slots() and version.name != owner \
+                    and registry.held_slot(version.name) != target:
+                raise SlotPinnedError(f"slot {target} holds pinned adapter {owner!r}; unpin it first")
+            return target
+        held = registry.held_slot(version.name)
+        if held is not None:
+            table.require_idle(held)
             return held
-        return self._victim()
-
-    def _victim(self) -> int:
-        return self.slots.table.select_victim(self.registry.pinned_slots(),
-                                              self.registry.routed_slots())
-
-    def _victim_error(self, p: Promotion) -> MetraleError:
-        try:
-            self._slot_for(p)
-        except MetraleError as e:
-            return e
-        return LandingError(f"no slot for {p.name!r}")
-
-    def _check_target(self, version: AdapterVersion, slot: int) -> None:
-        """A swap into `slot` needs it idle and not pinned by another name: a pin never
-        moves to another adapter."""
-        table = self.slots.table
-        table.require_idle(slot)
-        if slot in self.registry.pinned_slots() and self.registry.held_slot(version.name) != slot \
-                and self.registry.name_in(slot) != version.name:
-            raise SlotPinnedError(
-                f"slot {slot} holds pinned adapter {self.registry.name_in(slot)!r}; unpin it first")
+        return table.select_victim(registry.pinned_slots(), registry.routed_slots())
 
     def read(self, name: str, source: AdapterSource) -> Future:
         """Read and check `source` as `name` on the worker, touching no slot (thread-safe):
