@@ -111,7 +111,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _peer_serve(args: argparse.Namespace) -> int:
-    from metrale.config import ModelConfig, parse_dtype
+    from metrale.config import ModelConfig
+    from metrale.dtypes import parse_dtype
     from metrale.peer.allow import LOOPBACK
     from metrale.peer.store import serve_store
 

@@ -20,7 +20,8 @@ import torch
 
 from metrale.adapters.plan import plan_adapter
 from metrale.adapters.weights_check import check_weights
-from metrale.config import ConfigError, EngineConfig, ModelConfig, parse_dtype
+from metrale.config import ConfigError, EngineConfig, ModelConfig
+from metrale.dtypes import parse_dtype
 from metrale.engine.adapters import AdapterManager, PeerOptions
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.output_processor import OutputProcessor, failed_output
