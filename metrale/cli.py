@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 
 from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
@@ -209,8 +211,34 @@ def build_parser() -> argparse.ArgumentParser:
 _TORCH_COMMANDS = ("inspect", "generate", "serve")
 
 
+# a Python spelling of a setting in an engine message: max_loras, max_lora_rank ...
+_SNAKE = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every --flag of the parser and of its subcommands."""
+    flags = set()
+    for action in parser._actions:
+        flags.update(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags |= _flags(sub)
+    return flags
+
+
+def cli_spelling(message: str, flags: set[str]) -> str:
+    """The engine names its settings as Python does (they are LLM()'s arguments); a CLI
+    user set them as flags: say those that are flags as flags."""
+    def flag(m: re.Match) -> str:
+        dashed = "--" + m[0].replace("_", "-")
+        return dashed if dashed in flags else m[0]
+
+    return _SNAKE.sub(flag, message)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.command in _TORCH_COMMANDS or getattr(args, "peer_command", None) == "serve":
             from metrale.threads import apply_threads
@@ -218,5 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             progress(f"metrale: torch threads: {apply_threads().reason}")
         return args.func(args)
     except MetraleError as e:
-        print(f"metrale: error: {e}", file=sys.stderr)
+        print(f"metrale: error: {cli_spelling(str(e), _flags(parser))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `metrale adapters list | head`: the reader left, which is no error of ours. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -110,10 +110,10 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_seq_tokens:
             raise InvalidSamplingParamsError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"engine's limit of {self.max_seq_tokens} tokens (max_model_len)"
+                f"engine's limit of {self.max_seq_tokens} tokens (--max-model-len)"
             )
         if adapter is not None and self.lora.pool is None:
-            raise UnknownAdapterError("this engine was started without LoRA (max_loras=0)")
+            raise UnknownAdapterError("this engine was started without LoRA (--max-loras 0)")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise MetraleError(f"request id {request_id!r} is already in use")
