@@ -202,7 +202,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="most tokens per sequence, prompt plus output (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
-                   help="KV-cache blocks to allocate (default: sized from the free memory)")
+                   help="KV-cache blocks of 16 tokens to allocate (default: room for "
+                        "--max-num-seqs sequences of --max-model-len tokens, capped on cuda at "
+                        "80%% of the free device memory, on cpu at half the available memory and "
+                        "at half the model's weight bytes (at least 64 MiB); never less than one "
+                        "--max-model-len sequence)")
     add_device_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; beyond loopback, set --api-key and --admin-key "
