@@ -109,6 +109,7 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="metrale", lifespan=lifespan)
     app.state.engine, app.state.settings = engine, settings
     metrics = engine.metrics
+    metrics.vllm.bind(settings.model_id)  # vLLM's series carry the served model's name
 
     def refuse(exc: BaseException) -> JSONResponse:
         status, body = exception_body(exc)
