@@ -12,6 +12,7 @@ from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from metrale.errors import MetraleError
 from metrale.model.default_model import default_model_dir
 from metrale.server.client import add_adapters_parser
+from metrale.server.listen import check_can_listen, require_ray
 from metrale.server.serve import (
     add_device_arguments,
     add_serve_arguments,
@@ -81,7 +82,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.ray_address is not None:
-        from metrale.cluster.launch import serve_cluster  # needs the `cluster` extra (Ray)
+        require_ray()
+        from metrale.cluster.launch import serve_cluster  # the `cluster` extra (Ray)
 
         if args.replicas is None:
             args.replicas = 1
@@ -240,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":  # a taken port: one line now, not after the model loaded
+            check_can_listen(args.host, args.port)  # or Ray started
         if args.command in _TORCH_COMMANDS or getattr(args, "peer_command", None) == "serve":
             from metrale.threads import apply_threads
 

@@ -14,7 +14,6 @@ PEFT format under <cache>/adapters/<name>.
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -245,8 +244,9 @@ def _train(name: str, model_dir: Path, out: Path, progress: Progress,
     import torch
     import torch.nn.functional as F
     from peft import LoraConfig, get_peft_model
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from metrale.progress import progress_bar
 
     torch.manual_seed(recipe.seed)  # LoRA A init and batch order
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -271,8 +271,8 @@ def _train(name: str, model_dir: Path, out: Path, progress: Progress,
 
     order: list[int] = []
     # A bar with rate and ETA on stderr (a step is ~0.5 s on 2 idle cores, seconds on a busy box).
-    bar = tqdm(range(1, recipe.steps + 1), desc=f"metrale: training {name}", unit="step",
-               file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
+    bar = progress_bar(f"metrale: training {name}", recipe.steps, "step",
+                       range(1, recipe.steps + 1), mininterval=1.0)
     for _step in bar:
         if len(order) < recipe.batch:
             order += torch.randperm(len(examples)).tolist()

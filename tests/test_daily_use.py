@@ -348,3 +348,64 @@ def test_slash_names_as_peer_ids(canned):
     assert parse_peer_uri(peer_source(url, "org/x")).adapter_id == "org/x"
     shown = describe_ids(["org/x", *HOSTILE])
     assert shown.startswith("org/x and ") and "../" not in shown and "\n" not in shown
+
+
+# --- `serve` checks its port before anything slow (the model, Ray) ---------------------------
+
+
+@pytest.mark.parametrize("extra", [[], ["--replicas", "2"]])
+def test_a_taken_port_is_one_line_before_anything_starts(extra):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "metrale", "serve", "--port", str(port),
+             *extra], capture_output=True, text=True, env=env, timeout=120)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2 and said == [
+        f"metrale: error: 127.0.0.1:{port} is already in use (another `metrale serve`, or "
+        "`make run`?): stop it or pass another --port"], said
+    assert not {"torch", "ray", "uvicorn"} & imported  # no model loaded, no Ray started
+
+
+def test_listen_checks():
+    from metrale.server.listen import ListenError, check_can_listen
+
+    check_can_listen("127.0.0.1", 0)
+    with socket_on_free_port() as port:
+        with pytest.raises(ListenError, match="already in use"):
+            check_can_listen("127.0.0.1", port)
+    check_can_listen("127.0.0.1", port)  # released: free again
+    with pytest.raises(ListenError, match="--host"):
+        check_can_listen("no-such-host.invalid", 8000)
+
+
+def test_replicas_without_ray_say_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    from metrale.server import listen
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(listen.importlib.util, "find_spec",
+                        lambda name, *a: None if name.split(".")[0] == "ray" else real(name, *a))
+    with pytest.raises(listen.MissingExtraError, match="make cluster"):
+        listen.require_ray()
+
+
+class socket_on_free_port:
+    def __enter__(self) -> int:
+        import socket
+
+        self.s = socket.socket()
+        self.s.bind(("127.0.0.1", 0))
+        self.s.listen()
+        return self.s.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        self.s.close()
