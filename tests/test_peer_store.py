@@ -115,7 +115,7 @@ def test_unknown_adapter_and_refusals_release_leases(store):
         land_peer(slots, store, "nope", 0, name="a", timeout_s=5)
     small = new_slots(rank=2)
     small_before = snapshot(small)
-    with pytest.raises(errors.AdapterMismatchError, match="max_lora_rank"):
+    with pytest.raises(errors.AdapterMismatchError, match="--max-lora-rank"):
         land_peer(small, store, "a", timeout_s=5)
     assert snapshot(slots) == before and snapshot(small) == small_before
     assert open_leases(store) == 0
@@ -211,7 +211,7 @@ def test_store_refuses_an_adapter_that_does_not_fit(tmp_path):
     root, _ = peer_root()
     shutil.copytree(root / "adapters" / "a", tmp_path / "good")
     shutil.copytree(root / "adapters" / "b", tmp_path / "big")
-    with pytest.raises(errors.AdapterMismatchError, match=r"big.*max_lora_rank"):
+    with pytest.raises(errors.AdapterMismatchError, match=r"big.*--max-lora-rank"):
         AdapterStore(tmp_path, model_config(), max_lora_rank=4)
     store = AdapterStore(tmp_path, ModelConfig.from_dir(root / "model"))
     assert store.slots.pool_config.max_lora_rank == 8 and set(store.paths) == {"good", "big"}

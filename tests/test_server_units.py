@@ -105,7 +105,7 @@ def test_log_values_cannot_forge_fields():
 
 
 def test_curl_example_is_pasteable():
-    cmd = curl_example("http://127.0.0.1:8000", "shout", api_key=True)
+    cmd = curl_example("http://127.0.0.1:8000", "shout", "k", key_from_env=True)
     assert cmd.startswith("curl http://127.0.0.1:8000/v1/chat/completions")
     assert '"model": "shout"' in cmd and "Bearer $METRALE_API_KEY" in cmd
 

@@ -135,8 +135,7 @@ def resolve_targets(
         if module in EXTRA_TARGETS and module not in pool.extra_targets:
             raise ExtraTargetsRequiredError(
                 f"the adapter has LoRA on {path}, and this engine has no pool memory for "
-                f"{module}: start it with {EXTRA_TARGETS_FLAG} {module} (Python: "
-                f"LLM(..., lora_extra_targets=(\"{module}\",)))"
+                f"{module}: start it with {EXTRA_TARGETS_FLAG} {module}"
             )
         if module not in pool.target_modules and module not in EXTRA_TARGETS:
             raise AdapterMismatchError(
@@ -147,8 +146,8 @@ def resolve_targets(
         rank = peft.rank_for(path, budget)
         if rank > pool.max_lora_rank:
             raise AdapterMismatchError(
-                f"{path} has rank {rank} > max_lora_rank {pool.max_lora_rank}; "
-                f"start the engine with max_lora_rank >= {peft.max_rank()}"
+                f"{path} has rank {rank} > --max-lora-rank {pool.max_lora_rank}; "
+                f"start the engine with --max-lora-rank {peft.max_rank()} or more"
             )
         targets.append(ModuleTarget(layer, module, rank, peft.scaling_for(path, budget)))
     if not targets:

@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import ray
@@ -181,7 +182,7 @@ class ClusterEngine:
         members = await self.registry.members.remote()
         members.sort(key=lambda m: name not in m.resident)
         for m in members:
-            await self._post(m.url, f"/internal/stage/{name}")
+            await self._post(m.url, f"/internal/stage/{quote(name, safe='')}")
         return await self.view(name), None
 
     async def swap(self, name: str, slot: int, path: str | Path | None = None,
@@ -190,7 +191,7 @@ class ClusterEngine:
         if path is not None:
             await self.register(name, path, reload=reload)
         for m in await self.registry.members.remote():
-            await self._post(m.url, f"/v1/adapters/{name}/swap", {"slot": slot})
+            await self._post(m.url, f"/v1/adapters/{quote(name, safe='')}/swap", {"slot": slot})
         return await self.view(name)
 
     async def is_known(self, name: str) -> bool:

@@ -158,7 +158,7 @@ class EngineReplica:
         app = create_app(self.engine, settings)
         internal = APIRouter(dependencies=[Depends(require_admin)])
 
-        @internal.post("/internal/stage/{name}")
+        @internal.post("/internal/stage/{name:path}")  # a name may hold '/'
         async def stage(name: str, request: Request) -> dict:
             """Make `name` resident here: from a neighbour if one holds it, else from disk."""
             record = await self.stager.ensure(name)

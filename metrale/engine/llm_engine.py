@@ -20,7 +20,8 @@ import torch
 
 from metrale.adapters.plan import plan_adapter
 from metrale.adapters.weights_check import check_weights
-from metrale.config import ConfigError, EngineConfig, ModelConfig, parse_dtype
+from metrale.config import ConfigError, EngineConfig, ModelConfig
+from metrale.dtypes import parse_dtype
 from metrale.engine.adapters import AdapterManager, PeerOptions
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.output_processor import OutputProcessor, failed_output
@@ -109,10 +110,10 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_seq_tokens:
             raise InvalidSamplingParamsError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"engine's limit of {self.max_seq_tokens} tokens (max_model_len)"
+                f"engine's limit of {self.max_seq_tokens} tokens (--max-model-len)"
             )
         if adapter is not None and self.lora.pool is None:
-            raise UnknownAdapterError("this engine was started without LoRA (max_loras=0)")
+            raise UnknownAdapterError("this engine was started without LoRA (--max-loras 0)")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise MetraleError(f"request id {request_id!r} is already in use")

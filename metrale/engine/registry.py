@@ -21,8 +21,8 @@ from metrale.errors import (
     SlotBusyError,
     UnknownAdapterError,
 )
+from metrale.names import validate_adapter_name
 from metrale.pool.slots import SlotTable
-from metrale.pool.swap import validate_adapter_name
 
 PEER_SCHEME = "peer://"
 _versions = itertools.count(1)
@@ -154,8 +154,8 @@ class AdapterRegistry:
         self.refuse_draining(name)
         if name in self._current and not reload:
             raise AdapterExistsError(
-                f"adapter {name!r} is already registered; unload it first or reload it "
-                "(reload=True) to serve new files under the same name")
+                f"adapter {name!r} is already registered; unload it first, or reload it to "
+                "serve new files under the same name")
 
     def register(self, name: str, source: str | Path | AdapterSource, pinned: bool = False,
                  reload: bool = False) -> AdapterVersion:

@@ -8,10 +8,13 @@ block manager hands out: the padding block that padded graph rows write into."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.cuda_graphs import StepGraphs
+from metrale.engine.kv_budget import auto_kv_blocks, host_available_bytes
 from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.engine.sampler import SampledTokens, draw
 from metrale.engine.scheduler import ScheduledBatch
@@ -23,8 +26,7 @@ from metrale.ops.lora_ref import token_groups
 from metrale.ops.lora_triton import sort_tokens_by_slot
 from metrale.pool.pool import AdapterPool
 
-_CPU_KV_BUDGET = 2 << 30  # bytes of KV cache on a CPU engine when not told otherwise
-_GPU_KV_FRACTION = 0.8  # of the device memory still free after weights and pool
+log = logging.getLogger("metrale.engine")
 
 
 class ModelRunner:
@@ -60,13 +62,15 @@ class ModelRunner:
         return 2 * m.num_layers * self.cfg.block_size * m.num_kv_heads * m.head_dim * itemsize
 
     def _auto_num_blocks(self) -> int:
-        wanted = self.cfg.max_num_seqs * -(-self.cfg.max_model_len // self.cfg.block_size)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * _GPU_KV_FRACTION)
-        else:
-            budget = _CPU_KV_BUDGET
-        return max(min(wanted, budget // self._block_bytes()), 1)
+        cuda = self.device.type == "cuda"
+        free = torch.cuda.mem_get_info(self.device)[0] if cuda else host_available_bytes()
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        cfg = self.cfg
+        budget = auto_kv_blocks(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
+                                self._block_bytes(), weights, free, cuda)
+        log.info("KV cache: %d blocks of %d tokens (%.0f MiB): %s", budget.num_blocks,
+                 cfg.block_size, budget.num_blocks * self._block_bytes() / 2**20, budget.reason)
+        return budget.num_blocks
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, in_flight: torch.Tensor | None = None) -> SampledTokens:

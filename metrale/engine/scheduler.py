@@ -74,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_launched_tokens = 0  # tokens of every step launched so far (metrics)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,6 +92,7 @@ class Scheduler:
         """The step is queued on the device: plan the next one as if it had run (its
         KV is written before any later step reads it: they share a stream), each
         sampling sequence one token longer, that token pending."""
+        self.num_launched_tokens += batch.num_tokens
         row = 0
         for seq, n, sampled in zip(batch.seqs, batch.num_new, batch.samples):
             seq.num_computed += n

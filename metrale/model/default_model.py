@@ -150,15 +150,13 @@ def default_model_dir(progress: Progress = print) -> Path:
 
 
 def _convert(src: Path, out: Path) -> None:
-    import sys
-
     import torch
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from metrale.progress import progress_bar
+
     # Four phases of very different lengths: the bar says which one runs, and the rate.
-    bar = tqdm(total=4, desc="metrale: converting", unit="phase", file=sys.stderr,
-               dynamic_ncols=True)
+    bar = progress_bar("metrale: converting", 4, "phase")
     try:
         bar.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)

@@ -8,9 +8,16 @@ Store:          AdapterStore, serve_store              (metrale.peer.store)
 NIXL is optional (pip install nixl-cu12); everything works over HTTP without it.
 """
 
-from metrale.peer.allow import LOOPBACK, AllowList
-from metrale.peer.exporter import AdapterExporter
-from metrale.peer.http_server import PeerHTTPServer
-from metrale.peer.landing import prepare_from_peer
+from importlib import import_module
 
-__all__ = ["LOOPBACK", "AdapterExporter", "AllowList", "PeerHTTPServer", "prepare_from_peer"]
+# Resolved on first use, so that `metrale peer list` (metrale.peer.listing, plain HTTP)
+# does not import the exporter's torch just by naming a module of this package.
+_EXPORTS = {"LOOPBACK": "allow", "AllowList": "allow", "AdapterExporter": "exporter",
+            "PeerHTTPServer": "http_server", "prepare_from_peer": "landing"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'metrale.peer' has no attribute {name!r}")
+    return getattr(import_module(f"metrale.peer.{_EXPORTS[name]}"), name)

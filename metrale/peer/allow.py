@@ -98,8 +98,8 @@ def resolve_peer(addr: str, allow: AllowList | Iterable[str] | None) -> PeerAddr
     if literal is not None:
         if not allow.allows_ip(host):
             raise PeerNotAllowedError(
-                f"peer {host} is not in peer_allow {allow}; add it (an address or network) "
-                "to peer_allow to fetch adapters from it"
+                f"peer {host} is not in the peer allow-list {allow}; add it (an address or "
+                "network) with --peer-allow to fetch adapters from it"
             )
         return PeerAddress(scheme, host, host, port)
     try:
@@ -111,7 +111,7 @@ def resolve_peer(addr: str, allow: AllowList | Iterable[str] | None) -> PeerAddr
     by_name = host.lower().rstrip(".") in allow.names
     if not ips or not (by_name or all(allow.allows_ip(ip) for ip in ips)):
         raise PeerNotAllowedError(
-            f"peer {host} ({', '.join(ips) or 'no address'}) is not in peer_allow {allow}; "
-            "add its name or network to peer_allow to fetch adapters from it"
+            f"peer {host} ({', '.join(ips) or 'no address'}) is not in the peer allow-list "
+            f"{allow}; add its name or network with --peer-allow to fetch adapters from it"
         )
     return PeerAddress(scheme, host, ips[0], port)

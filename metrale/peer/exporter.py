@@ -40,6 +40,7 @@ import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.errors import UnknownAdapterError
+from metrale.names import is_valid_name
 from metrale.peer import wire
 from metrale.peer.errors import LeaseNotFoundError, ManifestVersionError, TooManyLeasesError
 from metrale.peer.ids import describe_ids
@@ -178,8 +179,7 @@ class AdapterExporter:
                 f"this peer speaks manifest version {MANIFEST_VERSION}; the engine asked for "
                 f"{'version 2 or older' if manifest_version is None else str(manifest_version)[:20]}"
                 ": upgrade the older side")
-        if not isinstance(adapter_id, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}",
-                                                                adapter_id):
+        if not is_valid_name(adapter_id):
             raise UnknownAdapterError(f"adapter id {adapter_id!r} is not valid")
         ttl = float(ttl_s or self.default_ttl_s)
         # NaN would never expire (every comparison with it is false): a slot pinned for good.

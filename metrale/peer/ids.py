@@ -9,14 +9,11 @@ name is counted, never printed.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
+from metrale.names import is_valid_name
+
 MAX_LISTED = 20
-# The peer protocol's id rule (the exporter refuses a lease for anything else), which is
-# also the engine's adapter-name rule; kept here, not imported from the pool, so that
-# `metrale peer list` does not import torch.
-ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def describe_ids(ids: Iterable[object], limit: int = MAX_LISTED) -> str:
@@ -24,7 +21,7 @@ def describe_ids(ids: Iterable[object], limit: int = MAX_LISTED) -> str:
     safe: list[str] = []
     hidden = 0
     for item in ids:
-        if isinstance(item, str) and _is_safe(item):
+        if is_valid_name(item):
             safe.append(item)
         else:
             hidden += 1
@@ -35,6 +32,3 @@ def describe_ids(ids: Iterable[object], limit: int = MAX_LISTED) -> str:
     text = ", ".join(shown)
     return f"{text} and {rest} more" if rest else text
 
-
-def _is_safe(name: str) -> bool:
-    return ID_RE.fullmatch(name) is not None and ".." not in name

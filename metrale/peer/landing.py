@@ -30,6 +30,7 @@ import numpy as np
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import AdapterPlan
 from metrale.errors import AdapterMismatchError, InvalidNameError, MetraleError
+from metrale.names import is_valid_name
 from metrale.peer.allow import AllowList, resolve_peer
 from metrale.peer.client import PeerClient
 from metrale.peer.deadline import Deadline
@@ -53,7 +54,6 @@ log = logging.getLogger("metrale.peer")
 DEFAULT_TIMEOUT_S = 30.0
 LEASE_SLACK_S = 5.0  # ask for a lease that outlives our own deadline
 TRANSPORT_CHOICES = ("auto", "http", "nixl")
-_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _LEASE_RE = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
 PeftLike = PeftAdapterConfig | dict | None
@@ -105,7 +105,7 @@ class _PeerFetch:
             raise
 
     def _prepare(self) -> Callable[[Landing], None]:
-        if not isinstance(self.adapter_id, str) or not _ID_RE.fullmatch(self.adapter_id):
+        if not is_valid_name(self.adapter_id):
             raise InvalidNameError(f"peer adapter id {self.adapter_id!r} is invalid")
         addr = resolve_peer(self.peer_addr, self.peer_allow)  # before any connection
         start, deadline = time.perf_counter(), Deadline(self.timeout_s)

@@ -9,7 +9,7 @@ import urllib.request
 from urllib.parse import urlsplit
 
 from metrale.errors import PeerUnavailableError
-from metrale.peer.ids import ID_RE
+from metrale.names import is_valid_name
 
 # An adapter list is small JSON; a peer that sends more is not one we can read.
 MAX_LIST_BYTES = 4 << 20
@@ -34,7 +34,7 @@ def fetch_ids(url: str, timeout_s: float = 10.0) -> list[str]:
         raise PeerUnavailableError(f"peer {base}: adapter list is not {{'adapters': [...]}}")
     ids = {i.get("id") for i in items if isinstance(i, dict)}
     # Ids come from the network: print only what is a valid adapter name.
-    return sorted(i for i in ids if isinstance(i, str) and ID_RE.fullmatch(i) and ".." not in i)
+    return sorted(i for i in ids if is_valid_name(i))
 
 
 def peer_source(url: str, adapter_id: str) -> str:

@@ -266,8 +266,8 @@ def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: st
     refuse((kind == 2) & (rows != 1), PeerManifestError,
            lambda i: f"a DoRA magnitude is [1, out], not [{int(rows[i])}, {int(cols[i])}]")
     refuse(rows > layout.max_rank, AdapterMismatchError, lambda i: (
-        f"rank {int(rows[i])} > max_lora_rank {layout.max_rank}; start the engine with "
-        f"max_lora_rank >= {int(rows[i])}"))
+        f"rank {int(rows[i])} > --max-lora-rank {layout.max_rank}; start the engine with "
+        f"--max-lora-rank {int(rows[i])} or more"))
     expected = _expected_cols(model)
     want = expected[module, np.minimum(kind, 1)]
     refuse(cols != want, AdapterMismatchError, lambda i: (

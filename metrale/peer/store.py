@@ -22,11 +22,12 @@ from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import resolve_targets
 from metrale.config import EXTRA_TARGETS, LINEAR_MODULES, ModelConfig, PoolConfig
 from metrale.errors import AdapterConfigError, AdapterError
+from metrale.names import validate_adapter_name
 from metrale.peer.errors import NixlUnavailableError
 from metrale.peer.exporter import AdapterExporter
 from metrale.peer.http_server import PeerHTTPServer
 from metrale.peer.nixl_shim import load_nixl
-from metrale.pool.swap import LoraSlots, validate_adapter_name
+from metrale.pool.swap import LoraSlots
 
 log = logging.getLogger("metrale.peer")
 

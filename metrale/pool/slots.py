@@ -70,8 +70,8 @@ class SlotTable:
     def check_slot(self, slot: int) -> None:
         if not 0 <= slot < len(self._slots):
             raise SlotOutOfRangeError(
-                f"slot {slot} out of range: the pool has max_loras={len(self._slots)} "
-                f"(slots 0..{len(self._slots) - 1})"
+                f"slot {slot} out of range: the pool has {len(self._slots)} slots "
+                f"(0..{len(self._slots) - 1}; --max-loras)"
             )
 
     def info(self, slot: int) -> SlotInfo:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -27,7 +26,6 @@ from metrale.adapters.plan import AdapterPlan, plan_adapter
 from metrale.config import ModelConfig, PoolConfig
 from metrale.errors import (
     AdapterFileError,
-    InvalidNameError,
     MetraleError,
     NoAdapterPoolError,
     RuntimeSwapsDisabledError,
@@ -42,16 +40,6 @@ from metrale.pool.staging import ShortReadError, StagingBuffers, read_chunks
 
 log = logging.getLogger("metrale.pool")
 _PLAN_CACHE = 256
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def validate_adapter_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
-        raise InvalidNameError(
-            f"adapter name {name!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    return name
 
 
 def read_adapter_data(plan: AdapterPlan, staging: StagingBuffers,
@@ -161,13 +149,13 @@ class LoraSlots:
     def require_swappable(self, op: str) -> AdapterPool:
         if self.pool is None:
             raise NoAdapterPoolError(
-                f"{op}: no adapter pool (the engine was started with max_loras=0); "
-                "restart with max_loras >= 1"
+                f"{op}: no adapter pool (the engine was started with --max-loras 0); "
+                "restart it with --max-loras 1 or more"
             )
         if not self.pool_config.allow_runtime_swaps:
             raise RuntimeSwapsDisabledError(
                 f"{op}: runtime swaps are disabled by configuration; restart without "
-                "--no-runtime-swaps (allow_runtime_swaps=True) to change adapters at run time"
+                "--no-runtime-swaps to change adapters at run time"
             )
         return self.pool
 

@@ -58,6 +58,8 @@ class AdapterOps:
         self.registry = engine.registry
         self._waiting_ids: set[str] = set()
         self._counted: dict[str, int] = {}
+        metrics.vllm.cache_config(engine.cfg.block_size, engine.blocks.num_blocks,
+                                  engine.cfg.enable_prefix_caching)
 
     # --- requests -------------------------------------------------------------------
 
@@ -151,8 +153,12 @@ class AdapterOps:
         self._waiting_ids = ids
         self._count("ready", adapters.num_ready_on_arrival)
         self._count("waited", adapters.num_waited_for_adapter)
-        self.metrics.slot_drains.inc(adapters.num_drains - self._counted.get("drains", 0))
-        self._counted["drains"] = adapters.num_drains
+        self.metrics.slot_drains.inc(self._increase("drains", adapters.num_drains))
+        vllm = self.metrics.vllm
+        vllm.preemptions.inc(self._increase("preemptions", scheduler.num_preemptions))
+        step_tokens = self._increase("launched", scheduler.num_launched_tokens)
+        if step_tokens:  # one step launched at most per engine step
+            vllm.iteration_tokens.observe(step_tokens)
         depth: dict[str, int] = {}  # the queue holds those waiting for a landing too
         for seq in scheduler.waiting:
             if seq.adapter is not None:
@@ -163,9 +169,12 @@ class AdapterOps:
         self._vllm_gauges(scheduler, adapters)
 
     def _count(self, residency: str, total: int) -> None:
-        """Counters the engine keeps as totals, moved by their increase since last time."""
-        self.metrics.adapter_requests.labels(residency).inc(total - self._counted.get(residency, 0))
-        self._counted[residency] = total
+        self.metrics.adapter_requests.labels(residency).inc(self._increase(residency, total))
+
+    def _increase(self, key: str, total: int) -> int:
+        """A total the engine keeps, as its increase since the last step."""
+        before, self._counted[key] = self._counted.get(key, 0), total
+        return total - before
 
     def _vllm_gauges(self, scheduler, adapters) -> None:
         """Running = adapters of scheduled sequences; waiting = adapters of queued ones, those

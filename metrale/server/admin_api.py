@@ -3,7 +3,7 @@
 - vLLM:     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
 - original: POST /v1/lora/load (swap into a given slot), POST /v1/lora/active
 - native:   GET/POST /v1/adapters, POST /v1/adapters/{name}/promote|swap|pin|unpin,
-            DELETE /v1/adapters/{name}
+            DELETE /v1/adapters/{name} (a name may hold '/': org/adapter)
 - vLLM's POST /reset_prefix_cache (not about adapters, but a mutation all the same)
 
 Every mutation needs the admin key (auth.require_admin); client-supplied paths
@@ -18,8 +18,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from metrale.engine.registry import PEER_SCHEME
-from metrale.errors import AdapterExistsError, UnknownAdapterError
-from metrale.pool.swap import validate_adapter_name
+from metrale.errors import AdapterExistsError
+from metrale.names import validate_adapter_name
 from metrale.server.auth import require_admin, require_user
 from metrale.server.engine_api import EngineAPI
 from metrale.server.errors import BadRequestError
@@ -32,7 +32,7 @@ from metrale.server.protocol import (
     SwapRequest,
     UnloadLoraRequest,
 )
-from metrale.server.settings import ServerSettings
+from metrale.server.settings import ServerSettings, unknown_model
 
 reads = APIRouter(dependencies=[Depends(require_user)])
 admin = APIRouter(dependencies=[Depends(require_admin)])
@@ -61,7 +61,7 @@ async def vllm_load(body: LoadLoraRequest, request: Request) -> PlainTextRespons
         await engine.register(body.lora_name, path, reload=body.load_inplace)
     except AdapterExistsError:  # vLLM answers 400 here, and so do we
         raise BadRequestError(f"The lora adapter '{body.lora_name}' has already been loaded. "
-                              "Set load_inplace=true to replace it.", "lora_name") from None
+                              'Send "load_inplace": true to replace it.', "lora_name") from None
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
@@ -86,7 +86,10 @@ async def reset_prefix_cache(request: Request) -> dict:
 async def slot_load(body: SlotLoadRequest, request: Request) -> dict:
     engine, settings = _ctx(request)
     path = resolve_adapter_path(body.path, settings.adapter_roots, "path")
-    view = await engine.swap(body.name, body.slot, path, reload=body.reload)
+    try:
+        view = await engine.swap(body.name, body.slot, path, reload=body.reload)
+    except AdapterExistsError as e:
+        raise AdapterExistsError(f'{e} (send "reload": true)') from None
     return {"adapter": view.as_dict()}
 
 
@@ -97,7 +100,7 @@ async def set_active(body: ActiveAdapterRequest, request: Request) -> dict:
     if name is not None and name != settings.model_id:
         validate_adapter_name(name)
         if not await engine.is_known(name):
-            raise UnknownAdapterError(f"adapter {name!r} is not registered")
+            raise unknown_model(name, settings)
     settings.default_adapter = None if name == settings.model_id else name
     return {"adapter": settings.default_adapter}
 
@@ -126,34 +129,38 @@ async def register(body: RegisterRequest, request: Request) -> JSONResponse:
     return JSONResponse({"adapter": view.as_dict()}, status_code=201)
 
 
-@admin.post("/v1/adapters/{name}/promote")
+# Adapter names may hold '/' (org/adapter): the routes take the rest of the path, and
+# the name is checked before anything else sees it (a 400 names the rule).
+
+
+@admin.post("/v1/adapters/{name:path}/promote")
 async def promote(name: str, request: Request) -> dict:
     engine, _ = _ctx(request)
-    view, evicted = await engine.promote(name)
+    view, evicted = await engine.promote(validate_adapter_name(name))
     return {"adapter": view.as_dict(), "evicted": evicted}
 
 
-@admin.post("/v1/adapters/{name}/swap")
+@admin.post("/v1/adapters/{name:path}/swap")
 async def swap(name: str, body: SwapRequest, request: Request) -> dict:
     engine, _ = _ctx(request)
-    view = await engine.swap(name, body.slot)
+    view = await engine.swap(validate_adapter_name(name), body.slot)
     return {"adapter": view.as_dict()}
 
 
-@admin.post("/v1/adapters/{name}/pin")
+@admin.post("/v1/adapters/{name:path}/pin")
 async def pin(name: str, request: Request) -> dict:
     engine, _ = _ctx(request)
-    return {"adapter": (await engine.pin(name, True)).as_dict()}
+    return {"adapter": (await engine.pin(validate_adapter_name(name), True)).as_dict()}
 
 
-@admin.post("/v1/adapters/{name}/unpin")
+@admin.post("/v1/adapters/{name:path}/unpin")
 async def unpin(name: str, request: Request) -> dict:
     engine, _ = _ctx(request)
-    return {"adapter": (await engine.pin(name, False)).as_dict()}
+    return {"adapter": (await engine.pin(validate_adapter_name(name), False)).as_dict()}
 
 
-@admin.delete("/v1/adapters/{name}")
+@admin.delete("/v1/adapters/{name:path}")
 async def unload(name: str, request: Request) -> dict:
     engine, _ = _ctx(request)
-    status = await engine.unload(name)
+    status = await engine.unload(validate_adapter_name(name))
     return {"name": name, "status": status}

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metrale.errors import MetraleError
 from metrale.server import admin_api, openai_api
-from metrale.server.auth import AuthGate
+from metrale.server.auth import PING_PATH, AuthGate
 from metrale.server.engine_api import EngineAPI
 from metrale.server.errors import error_body, exception_body
 from metrale.server.metrics import ServerMetrics
@@ -109,6 +109,7 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="metrale", lifespan=lifespan)
     app.state.engine, app.state.settings = engine, settings
     metrics = engine.metrics
+    metrics.vllm.bind(settings.model_id)  # vLLM's series carry the served model's name
 
     def refuse(exc: BaseException) -> JSONResponse:
         status, body = exception_body(exc)
@@ -155,6 +156,9 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
             return JSONResponse({"status": "ok", "model": settings.model_id})
         reason = f"engine failed: {engine.error!r}" if engine.error else "engine stopped"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    # vLLM's (and SageMaker's) liveness probe, GET or POST: /health by another name
+    app.add_api_route(PING_PATH, health, methods=["GET", "POST"])
 
     @app.get("/metrics")
     async def prometheus() -> Response:

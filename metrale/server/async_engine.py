@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,6 +34,7 @@ from metrale.server.adapter_ops import AdapterOps, AdapterView
 from metrale.server.engine_api import AdapterListing, EngineLimits
 from metrale.server.errors import EngineUnavailableError
 from metrale.server.metrics import ServerMetrics
+from metrale.server.vllm_metrics import FinishedRequest
 
 log = logging.getLogger("metrale.server")
 T = TypeVar("T")
@@ -49,6 +50,10 @@ class _Stream:
     queue: asyncio.Queue
     arrival: float
     adapter: str | None
+    max_tokens: int
+    queued: float | None = None  # handed to the engine (its Sequence's arrival), engine thread
+    scheduled: float | None = None  # first scheduled to run, known with its first output
+    first_token: float | None = None
     last_token: float | None = None
 
 
@@ -122,11 +127,18 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineUnavailableError("the server is shutting down")
         request_id = f"req-{uuid.uuid4().hex}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), adapter)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), adapter,
+                         params.max_tokens)
         self._streams[request_id] = stream  # before admission: no output can be missed
-        finished = False
+
+        def admit() -> str:
+            stream.queued = time.monotonic()
+            return self.ops.admit(prompt, params, adapter, request_id)
+
+        finished = admitted = False
         try:
-            await self.call(lambda: self.ops.admit(prompt, params, adapter, request_id))
+            await self.call(admit)
+            admitted = True
             while True:
                 out = await stream.queue.get()
                 if isinstance(out, BaseException):  # engine died or shut down
@@ -141,6 +153,9 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
+            if admitted and not finished:  # the consumer left: vLLM counts it as aborted
+                self.metrics.vllm.finished(
+                    replace(_finished(stream, "abort", 0, 0, 0), scheduled=None))
             if not finished and self.alive:
                 # the consumer left early (or admission was cancelled mid-flight);
                 # abort of an unknown id is a no-op, so this is safe either way
@@ -268,25 +283,41 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        m = self.metrics
+        m, v = self.metrics, self.metrics.vllm
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if out.delta_token_ids:
                 m.generated_tokens.labels(out.adapter or "").inc(len(out.delta_token_ids))
+                v.generation_tokens.inc(len(out.delta_token_ids))
                 if stream is not None:
-                    if stream.last_token is None:
-                        m.ttft.observe(now - stream.arrival)
-                        if out.adapter_wait_s is not None:
-                            m.adapter_wait.observe(out.adapter_wait_s)
-                        if out.queue_wait_s is not None:
-                            m.queue_wait.observe(out.queue_wait_s)
-                    else:
-                        m.itl.observe(now - stream.last_token)
-                    stream.last_token = now
+                    self._timed_tokens(stream, out, now)
             if out.finished:
                 m.finished.labels(out.finish_reason or "unknown").inc()
+                if stream is not None:
+                    v.finished(_finished(stream, out.finish_reason or "error",
+                                         len(out.prompt_token_ids), len(out.token_ids),
+                                         out.num_cached_tokens, now))
             if stream is not None:
                 self._put(stream, out)
+
+    def _timed_tokens(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+        m, v = self.metrics, self.metrics.vllm
+        if stream.first_token is None:
+            stream.first_token = now
+            m.ttft.observe(now - stream.arrival)
+            v.first_token(stream.arrival, now, len(out.prompt_token_ids))
+            v.prefix_queries.inc(len(out.prompt_token_ids))
+            v.prefix_hits.inc(out.num_cached_tokens)
+            if out.adapter_wait_s is not None:
+                m.adapter_wait.observe(out.adapter_wait_s)
+            if out.queue_wait_s is not None:
+                m.queue_wait.observe(out.queue_wait_s)
+                # the engine's clock: its Sequence arrived when the stream was queued
+                stream.scheduled = stream.queued + out.adapter_wait_s + out.queue_wait_s
+        else:
+            m.itl.observe(now - stream.last_token)
+            v.next_tokens(now - stream.last_token)
+        stream.last_token = now
 
     @staticmethod
     def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
@@ -309,3 +340,14 @@ class AsyncEngine:
                     future.set_exception(error)
             except RuntimeError:  # already running or done
                 pass
+
+
+def _finished(stream: _Stream, reason: str, prompt_tokens: int, generated_tokens: int,
+              cached_tokens: int, now: float | None = None) -> FinishedRequest:
+    return FinishedRequest(
+        reason=reason, arrival=stream.arrival,
+        finished=time.monotonic() if now is None else now,
+        scheduled=stream.scheduled, first_token=stream.first_token,
+        last_token=stream.last_token, prompt_tokens=prompt_tokens,
+        generated_tokens=generated_tokens, cached_prompt_tokens=cached_tokens,
+        max_tokens=stream.max_tokens)

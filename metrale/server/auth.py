@@ -8,7 +8,7 @@ The admin key is also accepted wherever the API key is.
 AuthGate applies these checks in front of the whole app, before anything reads the
 request body: a caller without the key gets 401/403 whatever it sends, never a 400
 or 413 that would tell it how its body was judged. Every path needs the API key
-(when one is set) except /health, and /metrics and the docs where the settings open
+(when one is set) except /health (and /ping), and /metrics and the docs where the settings open
 them. The routers' dependencies (require_user, require_admin) still run in the route.
 """
 
@@ -32,6 +32,7 @@ from metrale.server.metrics import ServerMetrics
 from metrale.server.settings import ServerSettings
 
 HEALTH_PATH = "/health"
+PING_PATH = "/ping"  # vLLM's name for it
 METRICS_PATH = "/metrics"
 
 
@@ -106,7 +107,7 @@ class AuthGate:
 
     def _check_for(self, scope: Scope) -> Check | None:
         path = scope["path"]
-        if path == HEALTH_PATH:
+        if path in (HEALTH_PATH, PING_PATH):
             return None
         if path == METRICS_PATH and self.settings.public_metrics:
             return None

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from metrale.server.vllm_metrics import VllmMetrics
+
 log = logging.getLogger("metrale.server")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -29,7 +31,8 @@ def kv(**fields: object) -> str:
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        """model_name labels the vLLM series; create_app binds the server's model id."""
         self.registry = r = CollectorRegistry()
         self.adapter_resident = Gauge(
             "metrale_adapter_resident", "1 per registered adapter, labelled by where it lives "
@@ -84,28 +87,17 @@ class ServerMetrics:
         self.adapter_queue = Gauge(
             "metrale_adapter_queue_depth", "Requests waiting (not yet running) per adapter",
             ["adapter"], registry=r)
-        # vLLM's names, so routers written for vLLM (Gateway API Inference Extension, llm-d)
-        # read metrale unchanged. lora_requests_info keeps one series: the current sets.
-        self.vllm_lora_info = Gauge(
-            "vllm:lora_requests_info", "Running and waiting adapters (vLLM-compatible; the value "
-            "is the time of the last update)",
-            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
-        self.vllm_running = Gauge("vllm:num_requests_running", "Requests running (vLLM name)",
-                                  registry=r)
-        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting (vLLM name)",
-                                  registry=r)
-        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1 (vLLM name)",
-                                   registry=r)
+        # vLLM's metric set under vLLM's names (vllm_metrics.py): what reads vLLM reads us
+        self.vllm = VllmMetrics(r, model_name)
 
     def set_vllm(self, running: Iterable[str], waiting: Iterable[str], max_lora: int,
                  num_running: int, num_waiting: int, kv_usage: float) -> None:
-        """The vLLM-named gauges: adapter sets as comma-joined sorted names (vLLM's format)."""
-        self.vllm_lora_info.clear()
-        self.vllm_lora_info.labels(",".join(sorted(set(running))), ",".join(sorted(set(waiting))),
-                                   str(max_lora)).set_to_current_time()
-        self.vllm_running.set(num_running)
-        self.vllm_waiting.set(num_waiting)
-        self.vllm_kv_usage.set(kv_usage)
+        """The vLLM-named gauges, after every step."""
+        v = self.vllm
+        v.set_lora_info(list(running), list(waiting), max_lora)
+        v.running.set(num_running)
+        v.waiting.set(num_waiting)
+        v.kv_usage.set(kv_usage)
 
     def set_residency(self, rows: Iterable[tuple[str, str, str]]) -> None:
         """Replace the residency gauge with (adapter, slot, state) rows."""

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import metrale
 from metrale.engine.outputs import RequestOutput
 from metrale.errors import UnknownAdapterError
+from metrale.names import is_valid_name
 from metrale.server.auth import require_user
 from metrale.server.engine_api import EngineAPI
 from metrale.server.errors import BadRequestError, exception_body
@@ -33,7 +34,7 @@ from metrale.server.protocol import (
     TokenizeRequest,
 )
 from metrale.server.responses import ChatFormatter, CompletionFormatter, TokenText, sse, usage
-from metrale.server.settings import ServerSettings
+from metrale.server.settings import ServerSettings, unknown_model
 
 router = APIRouter(dependencies=[Depends(require_user)])
 T = TypeVar("T")
@@ -65,13 +66,16 @@ def resolve_adapter(body: GenerationRequest, settings: ServerSettings) -> str | 
 
 def _max_tokens(requested: int | None, default: int, settings: ServerSettings,
                 param: str = "max_tokens") -> int:
+    """The request's token budget; out of range is refused naming the field as sent and
+    this server's limit (not the engine's far larger sanity bound)."""
     if requested is None:
         return min(default, settings.max_tokens_limit)
-    if requested > settings.max_tokens_limit:
+    limit = settings.max_tokens_limit
+    if not 1 <= requested <= limit:
         raise BadRequestError(
-            f"{param}={requested} exceeds this server's limit of {settings.max_tokens_limit} "
-            "(--max-tokens-limit)", param)
-    return requested  # < 1 is refused by SamplingParams
+            f"{param} must be in [1, {limit}] on this server (its --max-tokens-limit), got "
+            f"{requested if requested.bit_length() <= 64 else 'a larger integer'}", param)
+    return requested
 
 
 async def _watch(request: Request, work: Awaitable[T]) -> T:
@@ -141,6 +145,19 @@ async def _respond(request: Request, gen: AsyncIterator[RequestOutput], fmt, str
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+async def _generate(engine: EngineAPI, settings: ServerSettings, prompt: str | list[int],
+                    params, adapter: str | None) -> AsyncIterator[RequestOutput]:
+    """engine.generate, its unknown-adapter refusal naming the base model too; closing
+    this closes (aborts) the engine's request."""
+    gen = engine.generate(prompt, params, adapter)
+    async with contextlib.aclosing(gen):
+        try:
+            async for out in gen:
+                yield out
+        except UnknownAdapterError as e:
+            raise UnknownAdapterError(f"{e}; the base model is {settings.model_id!r}") from None
+
+
 def _chunk(fmt, out: RequestOutput, continuous_usage: bool) -> dict:
     chunk = fmt.chunk(out)
     if continuous_usage:
@@ -158,7 +175,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     adapter = resolve_adapter(body, settings)
     fmt = CompletionFormatter(adapter or settings.model_id, TokenText(engine.tokenizer),
                               body.logprobs is not None)
-    gen = engine.generate(prompt, params, adapter)
+    gen = _generate(engine, settings, prompt, params, adapter)
     return await _respond(request, gen, fmt, bool(body.stream), body.include_usage,
                           body.continuous_usage)
 
@@ -192,7 +209,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     # the base model; never the alias the client sent
     fmt = ChatFormatter(adapter or settings.model_id, TokenText(engine.tokenizer),
                         bool(body.logprobs))
-    gen = engine.generate(prompt, params, adapter)
+    gen = _generate(engine, settings, prompt, params, adapter)
     return await _respond(request, gen, fmt, bool(body.stream), body.include_usage,
                           body.continuous_usage)
 
@@ -212,7 +229,7 @@ async def _check_model(body: TokenizeRequest | DetokenizeRequest, engine: Engine
     if name and name not in (settings.model_id, "base"):
         adapter = name.rpartition(":")[2]
         if adapter not in (settings.model_id, "base") and not await engine.is_known(adapter):
-            raise UnknownAdapterError(f"adapter {adapter!r} is not registered")
+            raise unknown_model(name, settings)
 
 
 @router.post("/tokenize")
@@ -223,7 +240,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     # the very ids generation would get: chat messages through the template, then
     # encoded as the engine encodes a text prompt
     text = body.prompt if body.messages is None else _chat_prompt(engine, body)
-    tokens = _tokenizer(engine).encode(text)
+    tokens = _tokenizer(engine).encode(text, add_special_tokens=body.add_special_tokens)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.limits.max_seq_tokens}
 
 
@@ -242,20 +259,39 @@ async def version() -> dict:
     return {"version": metrale.__version__}
 
 
+def _base_entry(engine: EngineAPI, settings: ServerSettings) -> dict:
+    return {"id": settings.model_id, "object": "model", "created": int(settings.started),
+            "owned_by": "metrale", "root": settings.model_id, "parent": None,
+            "max_model_len": engine.limits.max_seq_tokens,
+            "default_adapter": settings.default_adapter}
+
+
+def _adapter_entry(a, settings: ServerSettings) -> dict:
+    return {"id": a.name, "object": "model", "created": int(settings.started),
+            "owned_by": "metrale", "root": a.name, "parent": settings.model_id,
+            "residency": {"slot": a.slot, "uid": a.uid, "state": a.state, "pinned": a.pinned,
+                          "last_used": a.last_used, "ref_count": a.ref_count,
+                          "unloading": a.unloading}}
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
     engine, settings = _ctx(request)
     listing = await engine.residency()
-    data = [{"id": settings.model_id, "object": "model", "created": int(settings.started),
-             "owned_by": "metrale", "root": settings.model_id, "parent": None,
-             "max_model_len": engine.limits.max_seq_tokens,
-             "default_adapter": settings.default_adapter}]
-    for a in listing.adapters:
-        data.append({
-            "id": a.name, "object": "model", "created": int(settings.started),
-            "owned_by": "metrale", "root": a.name, "parent": settings.model_id,
-            "residency": {"slot": a.slot, "uid": a.uid, "state": a.state, "pinned": a.pinned,
-                          "last_used": a.last_used, "ref_count": a.ref_count,
-                          "unloading": a.unloading},
-        })
+    data = [_base_entry(engine, settings)]
+    data += [_adapter_entry(a, settings) for a in listing.adapters]
     return {"object": "list", "data": data}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict:
+    """One entry of /v1/models (an adapter id may hold '/'); 404 for anything else."""
+    engine, settings = _ctx(request)
+    if model_id == settings.model_id:
+        return _base_entry(engine, settings)
+    if is_valid_name(model_id):
+        listing = await engine.residency()
+        for a in listing.adapters:
+            if a.name == model_id:
+                return _adapter_entry(a, settings)
+    raise unknown_model(model_id, settings)

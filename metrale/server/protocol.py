@@ -104,8 +104,12 @@ class GenerationRequest(BaseModel):
                 min_tokens=self.min_tokens or 0,
             )
         except InvalidSamplingParamsError as e:
-            e.param = e.param and self.api_param(e.param)
-            raise
+            # the engine names its own field ("logprobs must be ..."): say the request's
+            field = e.param and self.api_param(e.param)
+            message = str(e)
+            if field and field != e.param and message.startswith(e.param):
+                message = field + message[len(e.param):]
+            raise InvalidSamplingParamsError(message, field) from None
 
     def api_param(self, engine_name: str) -> str:
         """The request field a SamplingParams field comes from."""
@@ -205,6 +209,9 @@ class TokenizeRequest(BaseModel):  # vLLM's /tokenize: a prompt or chat messages
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # as vLLM: false leaves out the tokenizer's BOS/EOS; true (default) gives the very ids
+    # this server's generation gets, which encodes every prompt with them
+    add_special_tokens: StrictBool = True
 
     _unicode = field_validator("*", mode="before")(_valid_unicode)
 

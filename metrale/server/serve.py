@@ -45,11 +45,18 @@ def default_adapter_root() -> Path:
     return root
 
 
-def curl_example(base_url: str, model: str, api_key: bool) -> str:
+def curl_example(base_url: str, model: str, api_key: str | None = None,
+                 key_from_env: bool = False) -> str:
+    """A chat request to paste into a shell. api_key: the key the server was started with,
+    written as $METRALE_API_KEY when it came from there (the shell that started the server
+    has it), else as itself (it was typed on this command line already)."""
     body = {"model": model,
             "messages": [{"role": "user", "content": "Tell me about the moon."}],
             "max_tokens": 48, "temperature": 0}
-    auth = ' -H "Authorization: Bearer $METRALE_API_KEY"' if api_key else ""
+    auth = ""
+    if api_key is not None:
+        auth = (' -H "Authorization: Bearer $METRALE_API_KEY"' if key_from_env
+                else f" -H {shlex.quote(f'Authorization: Bearer {api_key}')}")
     return (f"curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f"-d {shlex.quote(json.dumps(body))}")
 
@@ -147,8 +154,8 @@ def serve(args: argparse.Namespace, on_demand: dict[str, Path] | None = None) ->
     example = "shout" if "shout" in names else (names[0] if names else settings.model_id)
     print(f"metrale: serving {settings.model_id} with adapters {names or 'none'} at {base_url}/v1",
           flush=True)
-    print(f"metrale: try\n  {curl_example(base_url, example, settings.api_key is not None)}",
-          flush=True)
+    curl = curl_example(base_url, example, settings.api_key, key_from_env=not args.api_key)
+    print(f"metrale: try\n  {curl}", flush=True)
     if settings.admin_open_to_network:
         print("metrale: WARNING: listening beyond loopback without --admin-key: adapter "
               "management endpoints are disabled", flush=True)
@@ -193,7 +200,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="most tokens per sequence, prompt plus output (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
-                   help="KV-cache blocks to allocate (default: sized from the free memory)")
+                   help="KV-cache blocks of 16 tokens to allocate (default: room for "
+                        "--max-num-seqs sequences of --max-model-len tokens, capped on cuda at "
+                        "80%% of the free device memory, on cpu at half the available memory and "
+                        "at half the model's weight bytes (at least 64 MiB); never less than one "
+                        "--max-model-len sequence)")
     add_device_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; beyond loopback, set --api-key and --admin-key "

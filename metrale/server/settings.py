@@ -7,6 +7,9 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from metrale.errors import UnknownAdapterError
+from metrale.names import shown
+
 
 def is_loopback(host: str) -> bool:
     """True only for addresses that cannot be reached from another machine.
@@ -49,3 +52,10 @@ class ServerSettings:
     def admin_open_to_network(self) -> bool:
         """Mutations are disabled when reachable from other machines without an admin key."""
         return self.admin_key is None and not is_loopback(self.host)
+
+
+def unknown_model(name: str, settings: ServerSettings) -> UnknownAdapterError:
+    """The 404 of a `model` that is neither the base model nor a registered adapter."""
+    return UnknownAdapterError(
+        f"model {shown(name)} does not exist here: it is neither the base model "
+        f"{settings.model_id!r} nor a registered adapter (see GET /v1/models)")

@@ -1,0 +1,176 @@
+"""vLLM's serving metrics, under vLLM's names, labels and units, so that what reads a
+vLLM server (inference-perf's vLLM client, Grafana's vLLM dashboards, llm-d and the
+Gateway API Inference Extension) reads metrale unchanged.
+
+Every series but vllm:lora_requests_info carries model_name (the base model's id, the
+name inference-perf filters on). Times are seconds on the monotonic clock; a request's
+phases, as vLLM defines them:
+
+    arrival --queue--> first scheduled --prefill--> first token --decode--> last token
+    e2e: arrival to finish; inference: prefill + decode; time per output token of a
+    request: decode / (generated tokens - 1); inter-token latency: each gap apart.
+
+"Queue" includes the wait for the request's adapter to land (it is not scheduled
+before). Token counters count tokens as the requests see them: a prompt once, at its
+first token (also when the prefix cache served part of it), each generated token once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# 1-2.5-5 steps: 1 ms to 2500 s, for every duration (vLLM's own buckets differ; quantiles
+# and rates read any)
+SECONDS = tuple(m * 10.0 ** e for e in range(-3, 3) for m in (1, 2.5, 5)) + (1000.0, 2500.0)
+# 1-2-5 steps: 1 to 1M tokens
+TOKENS = tuple(m * 10 ** e for e in range(0, 6) for m in (1, 2, 5)) + (1_000_000,)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """One request's life, for the per-request histograms. Phase starts are None where
+    the request never reached them (aborted while queued, refused when its adapter
+    failed to land)."""
+
+    reason: str
+    arrival: float
+    finished: float
+    scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+    prompt_tokens: int
+    generated_tokens: int
+    cached_prompt_tokens: int
+    max_tokens: int
+
+
+class VllmMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str = "") -> None:
+        r, m = registry, ["model_name"]
+
+        def counter(name: str, doc: str, labels=m) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def gauge(name: str, doc: str, labels=m) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, m, buckets=buckets, registry=r)
+
+        self._families = {
+            "running": gauge("vllm:num_requests_running", "Requests running (in a step)"),
+            "waiting": gauge("vllm:num_requests_waiting", "Requests waiting to run (for a "
+                             "step or for their adapter)"),
+            "kv_usage": gauge("vllm:kv_cache_usage_perc", "KV-cache blocks in use, 0..1"),
+            "prompt_tokens": counter("vllm:prompt_tokens", "Prompt tokens of started requests"),
+            "generation_tokens": counter("vllm:generation_tokens", "Generated tokens"),
+            "preemptions": counter("vllm:num_preemptions", "Running sequences preempted for "
+                                   "KV room (recomputed later)"),
+            "prefix_queries": counter("vllm:prefix_cache_queries", "Prompt tokens looked up "
+                                      "in the prefix cache"),
+            "prefix_hits": counter("vllm:prefix_cache_hits", "Prompt tokens found in the "
+                                   "prefix cache"),
+            "ttft": histogram("vllm:time_to_first_token_seconds", "Arrival to first token",
+                              SECONDS),
+            "itl": histogram("vllm:inter_token_latency_seconds", "Between two tokens of a "
+                             "request", SECONDS),
+            "tpot": histogram("vllm:time_per_output_token_seconds", "Between two tokens of a "
+                              "request (vLLM's older name of the inter-token latency)", SECONDS),
+            "request_tpot": histogram("vllm:request_time_per_output_token_seconds",
+                                      "Per request: decode time / (generated tokens - 1)",
+                                      SECONDS),
+            "e2e": histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", SECONDS),
+            "queue": histogram("vllm:request_queue_time_seconds", "Arrival to first "
+                               "scheduled (its adapter's landing included)", SECONDS),
+            "inference": histogram("vllm:request_inference_time_seconds", "First scheduled "
+                                   "to last token", SECONDS),
+            "prefill": histogram("vllm:request_prefill_time_seconds", "First scheduled to "
+                                 "first token", SECONDS),
+            "decode": histogram("vllm:request_decode_time_seconds", "First to last token",
+                                SECONDS),
+            "request_prompt": histogram("vllm:request_prompt_tokens", "Prompt tokens per "
+                                        "request", TOKENS),
+            "request_generation": histogram("vllm:request_generation_tokens", "Generated "
+                                            "tokens per request", TOKENS),
+            "request_max_generation": histogram(
+                "vllm:request_max_num_generation_tokens", "Most tokens generated by one "
+                "sequence of a request (n = 1: all of them)", TOKENS),
+            "params_n": histogram("vllm:request_params_n", "The request's n", (1, 2, 5, 10, 20)),
+            "params_max_tokens": histogram("vllm:request_params_max_tokens", "The request's "
+                                           "max_tokens (as the server set it)", TOKENS),
+            "prefill_computed": histogram("vllm:request_prefill_kv_computed_tokens",
+                                          "Prompt tokens computed, not found in the prefix "
+                                          "cache, per request", TOKENS),
+            "iteration_tokens": histogram("vllm:iteration_tokens_total", "Tokens computed "
+                                          "per engine step", TOKENS),
+        }
+        self._success = counter("vllm:request_success", "Finished requests by finish reason",
+                                ["model_name", "finished_reason"])
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info", "Running and waiting adapters (the value is the time "
+            "of the last update)", ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=r)
+        self._cache_info = Gauge(
+            "vllm:cache_config_info", "The KV cache's configuration (labels; value 1)",
+            ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=r)
+        self._cache_labels: tuple[str, ...] | None = None
+        self.bind(model_name)
+
+    def bind(self, model_name: str) -> None:
+        """Label every series with `model_name` from now on (the server's base model id,
+        known once the app is made); series of another name are dropped."""
+        self.model_name = model_name
+        for name, family in self._families.items():
+            family.clear()
+            setattr(self, name, family.labels(model_name))
+        self._success.clear()
+        self.success = {r: self._success.labels(model_name, r) for r in FINISH_REASONS}
+        for reason in self.success.values():
+            reason.inc(0)
+        self._label_cache_info()
+
+    def cache_config(self, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
+        self._cache_labels = (str(block_size), str(num_blocks), str(prefix_caching))
+        self._label_cache_info()
+
+    def _label_cache_info(self) -> None:
+        self._cache_info.clear()
+        if self._cache_labels is not None:
+            self._cache_info.labels(self.model_name, *self._cache_labels).set(1)
+
+    def set_lora_info(self, running: list[str], waiting: list[str], max_lora: int) -> None:
+        """Adapter sets as comma-joined sorted names (vLLM's format)."""
+        self.lora_info.clear()
+        self.lora_info.labels(",".join(sorted(set(running))), ",".join(sorted(set(waiting))),
+                              str(max_lora)).set_to_current_time()
+
+    def first_token(self, arrival: float, now: float, prompt_tokens: int) -> None:
+        self.ttft.observe(now - arrival)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def next_tokens(self, gap_s: float) -> None:
+        self.itl.observe(gap_s)
+        self.tpot.observe(gap_s)
+
+    def finished(self, r: FinishedRequest) -> None:
+        self.success.get(r.reason, self.success["error"]).inc()
+        self.e2e.observe(r.finished - r.arrival)
+        self.params_n.observe(1)
+        self.params_max_tokens.observe(r.max_tokens)
+        if r.scheduled is None:
+            return  # it never ran: no phases, no token counts
+        self.queue.observe(r.scheduled - r.arrival)
+        self.request_prompt.observe(r.prompt_tokens)
+        self.prefill_computed.observe(r.prompt_tokens - r.cached_prompt_tokens)
+        self.request_generation.observe(r.generated_tokens)
+        self.request_max_generation.observe(r.generated_tokens)
+        if r.first_token is None or r.last_token is None:
+            return
+        self.prefill.observe(r.first_token - r.scheduled)
+        self.decode.observe(r.last_token - r.first_token)
+        self.inference.observe(r.last_token - r.scheduled)
+        if r.generated_tokens > 1:
+            self.request_tpot.observe((r.last_token - r.first_token) / (r.generated_tokens - 1))
