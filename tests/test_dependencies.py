@@ -137,7 +137,10 @@ def test_no_package_cycle():
 # metrale's units (_unit), bottom layer first: a unit imports only from units below it.
 LAYERS = (
     "metrale.errors",
+    "metrale.names",  # adapter names, torch-free: the CLI and the registry share the rule
+    "metrale.progress",
     "metrale.config",
+    "metrale.dtypes",  # config's dtype names -> torch dtypes (config itself is torch-free)
     "metrale.threads",
     "metrale.forward_context",  # where the engine (writes) and the model and ops (read) meet
     "metrale.adapters",

@@ -95,7 +95,8 @@ def test_engine_slot_exported_without_its_config_lands_identically(root):
     import torch
 
     from metrale.config import ModelConfig, PoolConfig
-    from metrale.peer import AdapterExporter, PeerHTTPServer
+    from metrale.peer.exporter import AdapterExporter
+    from metrale.peer.http_server import PeerHTTPServer
     from metrale.peer.store import StoreNames
     from metrale.pool.layout import SlotLayout
     from metrale.pool.swap import LoraSlots

@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from metrale import errors
-from metrale.peer import AdapterExporter, PeerHTTPServer
 from metrale.peer.errors import LeaseNotFoundError, PeerConnectionError
+from metrale.peer.exporter import AdapterExporter
+from metrale.peer.http_server import PeerHTTPServer
 from metrale.peer.nixl_shim import nixl_available
 from metrale.pool.slots import SlotState
 from tests.helpers.peers import (

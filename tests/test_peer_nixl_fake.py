@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from metrale import errors
-from metrale.peer import PeerHTTPServer, nixl_transport
+from metrale.peer import nixl_transport
 from metrale.peer.errors import PeerTimeoutError, PeerTransferError
+from metrale.peer.http_server import PeerHTTPServer
 from metrale.peer.nixl_transport import coalesce
 from metrale.peer.plans import plan_cache_for
 from tests.helpers.peers import adapter_dir, assert_matches_disk, disk_exporter, new_slots

@@ -6,18 +6,6 @@ Engine side:    prepare_from_peer (a byte source for the engine's promotions)  (
 Exporter side:  AdapterExporter + PeerHTTPServer       (metrale.peer.exporter, .http_server)
 Store:          AdapterStore, serve_store              (metrale.peer.store)
 NIXL is optional (pip install nixl-cu12); everything works over HTTP without it.
+Import from the modules: the package imports nothing, so `metrale peer list` (plain HTTP,
+metrale.peer.listing) never loads the exporter's torch.
 """
-
-from importlib import import_module
-
-# Resolved on first use, so that `metrale peer list` (metrale.peer.listing, plain HTTP)
-# does not import the exporter's torch just by naming a module of this package.
-_EXPORTS = {"LOOPBACK": "allow", "AllowList": "allow", "AdapterExporter": "exporter",
-            "PeerHTTPServer": "http_server", "prepare_from_peer": "landing"}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'metrale.peer' has no attribute {name!r}")
-    return getattr(import_module(f"metrale.peer.{_EXPORTS[name]}"), name)
