@@ -21,7 +21,7 @@ from peft import PeftModel  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from metrale.cluster.config import ClusterConfig, ReplicaSpec  # noqa: E402
-from metrale.cluster.launch import APP_NAME, deploy  # noqa: E402
+from metrale.cluster.launch import APP_NAME, deploy, register_startup  # noqa: E402
 from tests.helpers.process import BOUND_S, Bound, tail  # noqa: E402
 from tests.helpers.reference import hf_greedy  # noqa: E402
 from tests.helpers.server import free_port, make_world  # noqa: E402
@@ -117,6 +117,11 @@ def cluster(tmp_path_factory):
         c = Cluster(f"http://127.0.0.1:{port}", world)
         wait_for("both replicas joined the registry", lambda: len(c.replicas()) == 2,
                  failed=lambda: serve_failure(ray_dir))
+        # /health says "starting" until the start-up adapters are registered (none here)
+        health = httpx.get(f"{c.url}/health", timeout=BOUND_S)
+        assert health.status_code == 503 and health.json()["status"] == "starting", health.text
+        register_startup(spec, {})
+        assert httpx.get(f"{c.url}/health", timeout=BOUND_S).json()["status"] == "ok"
         yield c
     finally:
         serve.shutdown()

@@ -96,6 +96,7 @@ class ClusterEngine:
         self.alive, self.error = True, None
         self.served: dict[str, Counter] = defaultdict(Counter)  # adapter -> replica -> n
         self.retried = 0
+        self._started = False
         self.tokenizer = None  # these two: the base model's, set by setup()
         self.limits: EngineLimits | None = None
         self._http = httpx.AsyncClient(timeout=cluster.sync_timeout_s, headers={
@@ -196,6 +197,11 @@ class ClusterEngine:
 
     async def is_known(self, name: str) -> bool:
         return await self.registry.get.remote(name) is not None
+
+    async def starting(self) -> str | None:
+        if not self._started:  # once true it stays true: ask the registry until then
+            self._started = await self.registry.started.remote()
+        return None if self._started else "registering the start-up adapters"
 
     async def reset_prefix_cache(self) -> int:
         total = 0

@@ -132,3 +132,4 @@ def register_startup(spec: ReplicaSpec, adapters: dict[str, tuple[str, bool]],
         source = unwrap(replicas.validate.remote(name, str(Path(path).resolve())).result())
         version = unwrap(ray.get(registry.register.remote(name, source, pinned, False)))
         ray.get(registry.wait_applied.remote(version, timeout_s))
+    ray.get(registry.mark_started.remote())  # /health turns 200 from here

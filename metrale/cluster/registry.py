@@ -54,6 +54,7 @@ class ClusterRegistry:
         self.names = AdapterRegistry(reserved_names)
         self.state_version = 0
         self.members: dict[str, Member] = {}
+        self.started = False  # the start-up adapters are registered and applied
         self._clock = clock
 
     # --- changes (the ingress) ----------------------------------------------------------
@@ -153,6 +154,12 @@ class RegistryActor:
         out = _result(self.registry.unload, name)
         self._notify()
         return out
+
+    async def mark_started(self) -> None:
+        self.registry.started = True
+
+    async def started(self) -> bool:
+        return self.registry.started
 
     async def get(self, name: str) -> AdapterVersion | None:
         return self.registry.get(name)

@@ -153,6 +153,9 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine.alive:
+            waiting = await engine.starting()
+            if waiting is not None:
+                return JSONResponse({"status": "starting", "reason": waiting}, status_code=503)
             return JSONResponse({"status": "ok", "model": settings.model_id})
         reason = f"engine failed: {engine.error!r}" if engine.error else "engine stopped"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)

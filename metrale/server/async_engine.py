@@ -239,6 +239,9 @@ class AsyncEngine:
     async def is_known(self, name: str) -> bool:
         return await self.call(lambda: self.engine.registry.get(name) is not None)
 
+    async def starting(self) -> str | None:
+        return None  # serve() registers the start-up adapters before the app exists
+
     async def reset_prefix_cache(self) -> int:
         # on the engine thread, between two steps: the block tables are not shared
         return await self.call(self.engine.reset_prefix_cache)

@@ -100,5 +100,9 @@ class EngineAPI(Protocol):
     async def residency(self) -> AdapterListing:
         """Every adapter and every slot, read at one moment."""
 
+    async def starting(self) -> str | None:
+        """What serving still waits for (e.g. the start-up adapters), or None when ready:
+        /health answers 503 until then."""
+
     async def reset_prefix_cache(self) -> int:
         """Drop cached prefix blocks no running request holds; returns how many."""
