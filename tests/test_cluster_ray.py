@@ -213,6 +213,22 @@ def test_vllm_gauges_on_every_replica(cluster):
         assert {"vllm:lora_requests_info", "vllm:num_requests_running",
                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"} <= names
 
+    def ingress() -> dict:
+        text = httpx.get(f"{cluster.url}/metrics", timeout=30).text
+        return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+    def prompt_tokens(families) -> dict:
+        return {s.labels["replica"]: s.value for s in families["vllm:prompt_tokens"]
+                if s.name.endswith("_total")}
+
+    before = ingress()  # the ingress shows every replica's vLLM series, labelled by replica
+    assert set(prompt_tokens(before)) == set(cluster.replicas())
+    assert {s.labels["replica"] for s in before["vllm:num_requests_running"]} == set(cluster.replicas())
+    r = cluster.complete(PROMPTS[0], "model")
+    assert r.status_code == 200, r.text
+    moved = sum(prompt_tokens(ingress()).values()) - sum(prompt_tokens(before).values())
+    assert moved == r.json()["usage"]["prompt_tokens"]
+
 
 def test_unload_drains_everywhere(cluster):
     cluster.register("c")

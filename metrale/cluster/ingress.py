@@ -31,6 +31,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from metrale.cluster.config import ClusterConfig, ReplicaSpec
+from metrale.cluster.replica_metrics import merge_replica_series
 from metrale.config import ModelConfig
 from metrale.engine.llm import load_tokenizer
 from metrale.engine.outputs import RequestOutput
@@ -92,7 +93,7 @@ class ClusterEngine:
     def __init__(self, handle: DeploymentHandle, registry, spec: ReplicaSpec,
                  cluster: ClusterConfig) -> None:
         self.handle, self.registry, self.spec, self.cluster = handle, registry, spec, cluster
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(vllm_series=False)  # the replicas' come with `replica`
         self.alive, self.error = True, None
         self.served: dict[str, Counter] = defaultdict(Counter)  # adapter -> replica -> n
         self.retried = 0
@@ -197,6 +198,19 @@ class ClusterEngine:
 
     async def is_known(self, name: str) -> bool:
         return await self.registry.get.remote(name) is not None
+
+    async def exposition(self) -> bytes:
+        """The ingress's own series, then every live replica's vLLM series with a
+        `replica` label (a replica that does not answer is left out of this scrape)."""
+        texts = {}
+        for m in await self.registry.members.remote():
+            try:
+                r = await self._http.get(m.url + "/metrics")
+                r.raise_for_status()
+                texts[m.replica_id] = r.text
+            except httpx.HTTPError as e:
+                log.warning("metrics of replica %s not read: %s", m.replica_id, e)
+        return self.metrics.exposition() + merge_replica_series(texts).encode()
 
     async def starting(self) -> str | None:
         if not self._started:  # once true it stays true: ask the registry until then

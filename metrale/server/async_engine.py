@@ -239,6 +239,9 @@ class AsyncEngine:
     async def is_known(self, name: str) -> bool:
         return await self.call(lambda: self.engine.registry.get(name) is not None)
 
+    async def exposition(self) -> bytes:
+        return self.metrics.exposition()
+
     async def starting(self) -> str | None:
         return None  # serve() registers the start-up adapters before the app exists
 

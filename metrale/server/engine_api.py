@@ -100,6 +100,9 @@ class EngineAPI(Protocol):
     async def residency(self) -> AdapterListing:
         """Every adapter and every slot, read at one moment."""
 
+    async def exposition(self) -> bytes:
+        """The Prometheus text for /metrics (a cluster adds its replicas' vLLM series)."""
+
     async def starting(self) -> str | None:
         """What serving still waits for (e.g. the start-up adapters), or None when ready:
         /health answers 503 until then."""

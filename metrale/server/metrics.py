@@ -31,8 +31,10 @@ def kv(**fields: object) -> str:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str = "") -> None:
-        """model_name labels the vLLM series; create_app binds the server's model id."""
+    def __init__(self, model_name: str = "", vllm_series: bool = True) -> None:
+        """model_name labels the vLLM series; create_app binds the server's model id.
+        vllm_series=False keeps vLLM's set off this exposition (a cluster's ingress shows its
+        replicas' instead)."""
         self.registry = r = CollectorRegistry()
         self.adapter_resident = Gauge(
             "metrale_adapter_resident", "1 per registered adapter, labelled by where it lives "
@@ -88,7 +90,7 @@ class ServerMetrics:
             "metrale_adapter_queue_depth", "Requests waiting (not yet running) per adapter",
             ["adapter"], registry=r)
         # vLLM's metric set under vLLM's names (vllm_metrics.py): what reads vLLM reads us
-        self.vllm = VllmMetrics(r, model_name)
+        self.vllm = VllmMetrics(r if vllm_series else CollectorRegistry(), model_name)
 
     def set_vllm(self, running: Iterable[str], waiting: Iterable[str], max_lora: int,
                  num_running: int, num_waiting: int, kv_usage: float) -> None:
