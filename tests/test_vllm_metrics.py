@@ -23,7 +23,10 @@ from tests.helpers.tiny_models import make_adapter, make_model, save_model
 BASE = "tiny-base"
 BLOCK = 16
 COUNTERS = ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-            "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+            "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+            "vllm:prompt_tokens_cached", "vllm:prompt_tokens_recomputed",
+            "vllm:corrupted_requests", "vllm:external_prefix_cache_queries",
+            "vllm:external_prefix_cache_hits", "vllm:mm_cache_queries", "vllm:mm_cache_hits")
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
           "vllm:cache_config_info")
 HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
@@ -33,7 +36,9 @@ HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seco
               "vllm:request_decode_time_seconds", "vllm:request_prompt_tokens",
               "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens",
               "vllm:request_params_n", "vllm:request_params_max_tokens",
-              "vllm:request_prefill_kv_computed_tokens", "vllm:iteration_tokens_total")
+              "vllm:request_prefill_kv_computed_tokens", "vllm:iteration_tokens_total",
+              "vllm:kv_block_lifetime_seconds", "vllm:kv_block_idle_before_evict_seconds",
+              "vllm:kv_block_reuse_gap_seconds")
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +151,9 @@ def test_series_move_by_what_the_requests_report(client):
     cached = (long_tokens - 1) // BLOCK * BLOCK
     assert moved("vllm:prefix_cache_queries_total") == prompt_tokens
     assert moved("vllm:prefix_cache_hits_total") == cached
+    assert moved("vllm:prompt_tokens_cached_total") == cached
+    assert moved("vllm:kv_block_reuse_gap_seconds_count") == cached // BLOCK  # one per block hit
+    assert moved("vllm:corrupted_requests_total") == 0
     assert moved("vllm:request_prefill_kv_computed_tokens_sum") == prompt_tokens - cached
     # every step's tokens: each prompt token not cached, and every generated token but the
     # last (it is never fed back); nothing was preempted
@@ -206,3 +214,12 @@ def test_preemptions_counted(world):
          for x in f.samples}
     assert seen.is_set()
     assert s["vllm:num_preemptions_total"].value == engine.scheduler.num_preemptions > 0
+    # their KV was computed again: at least the 10 prompt tokens of each preempted one
+    recomputed = s["vllm:prompt_tokens_recomputed_total"].value
+    assert recomputed == engine.scheduler.num_recomputed_tokens >= 10 * engine.scheduler.num_preemptions
+    # 8 blocks served 3 x 7: blocks were evicted, so their lifetimes were observed, each
+    # at least as long as its idle time before eviction
+    lifetime = s["vllm:kv_block_lifetime_seconds_count"].value
+    assert lifetime > 0 and lifetime == s["vllm:kv_block_idle_before_evict_seconds_count"].value
+    assert s["vllm:kv_block_lifetime_seconds_sum"].value >= \
+        s["vllm:kv_block_idle_before_evict_seconds_sum"].value

@@ -12,6 +12,7 @@ Freed blocks keep their key until reallocated, so a later request can still hit.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import deque
 
 from metrale.engine.sequence import Sequence
@@ -34,6 +35,11 @@ class BlockManager:
         self.by_key: dict[bytes, int] = {}
         self.num_blocks = num_blocks
         self.hits = self.lookups = 0  # prefix-cache statistics, in blocks
+        # per block: when its current contents were allocated and last read (monotonic);
+        # residency: (kind, seconds) observations since the last take_residency()
+        self._born = [0.0] * num_blocks
+        self._read = [0.0] * num_blocks
+        self.residency: list[tuple[str, float]] = []
 
     @property
     def num_free(self) -> int:
@@ -67,6 +73,9 @@ class BlockManager:
                 block = self._take()
             else:
                 self.hits += 1
+                now = time.monotonic()
+                self.residency.append(("reuse_gap", now - self._read[block]))
+                self._read[block] = now
                 seq.num_cached_tokens += bs
                 seq.num_published += 1
                 if self.ref[block] == 0:
@@ -76,8 +85,10 @@ class BlockManager:
             seq.block_keys.append(key)
 
     def free_seq(self, seq: Sequence) -> None:
+        now = time.monotonic()
         for block in reversed(seq.block_table):
             self.ref[block] -= 1
+            self._read[block] = now
             if self.ref[block] == 0:
                 self.free.append(block)
         seq.block_table = []
@@ -131,8 +142,20 @@ class BlockManager:
             dropped += 1
         return dropped
 
+    def take_residency(self) -> list[tuple[str, float]]:
+        """KV-block residency observations (vLLM's kv_block_* histograms), cleared:
+        "lifetime" (allocated to evicted), "idle" (last read to evicted), "reuse_gap"
+        (between two reads of a cached block by different requests)."""
+        out, self.residency = self.residency, []
+        return out
+
     def _take(self) -> int:
         block = self.free.popleft()
+        now = time.monotonic()
+        if self._born[block]:  # its old contents are evicted now
+            self.residency += [("lifetime", now - self._born[block]),
+                               ("idle", now - self._read[block])]
+        self._born[block] = self._read[block] = now
         old = self.key[block]
         if old is not None and self.by_key.get(old) == block:
             del self.by_key[old]

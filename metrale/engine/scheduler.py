@@ -74,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # KV dropped by preemptions, computed again later
         self.num_launched_tokens = 0  # tokens of every step launched so far (metrics)
 
     def add(self, seq: Sequence) -> None:
@@ -189,6 +190,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self.num_recomputed_tokens += seq.num_computed
         self.running.remove(seq)
         self.blocks.free_seq(seq)
         seq.status = SeqStatus.WAITING

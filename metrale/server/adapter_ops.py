@@ -156,6 +156,8 @@ class AdapterOps:
         self.metrics.slot_drains.inc(self._increase("drains", adapters.num_drains))
         vllm = self.metrics.vllm
         vllm.preemptions.inc(self._increase("preemptions", scheduler.num_preemptions))
+        vllm.prompt_recomputed.inc(self._increase("recomputed", scheduler.num_recomputed_tokens))
+        vllm.kv_residency(self.engine.blocks.take_residency())
         step_tokens = self._increase("launched", scheduler.num_launched_tokens)
         if step_tokens:  # one step launched at most per engine step
             vllm.iteration_tokens.observe(step_tokens)

@@ -28,7 +28,7 @@ from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterSource
 from metrale.engine.residency import ResidencyRow
 from metrale.engine.sampling_params import SamplingParams
-from metrale.errors import MetraleError, PeerUnavailableError
+from metrale.errors import MetraleError, PeerUnavailableError, SamplingError
 from metrale.pool.swap import Prepared
 from metrale.server.adapter_ops import AdapterOps, AdapterView
 from metrale.server.engine_api import AdapterListing, EngineLimits
@@ -299,6 +299,8 @@ class AsyncEngine:
                     self._timed_tokens(stream, out, now)
             if out.finished:
                 m.finished.labels(out.finish_reason or "unknown").inc()
+                if isinstance(out.error, SamplingError):  # non-finite logits
+                    v.corrupted.inc()
                 if stream is not None:
                     v.finished(_finished(stream, out.finish_reason or "error",
                                          len(out.prompt_token_ids), len(out.token_ids),
@@ -311,9 +313,7 @@ class AsyncEngine:
         if stream.first_token is None:
             stream.first_token = now
             m.ttft.observe(now - stream.arrival)
-            v.first_token(stream.arrival, now, len(out.prompt_token_ids))
-            v.prefix_queries.inc(len(out.prompt_token_ids))
-            v.prefix_hits.inc(out.num_cached_tokens)
+            v.first_token(stream.arrival, now, len(out.prompt_token_ids), out.num_cached_tokens)
             if out.adapter_wait_s is not None:
                 m.adapter_wait.observe(out.adapter_wait_s)
             if out.queue_wait_s is not None:

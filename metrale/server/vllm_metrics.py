@@ -73,6 +73,27 @@ class VllmMetrics:
                                       "in the prefix cache"),
             "prefix_hits": counter("vllm:prefix_cache_hits", "Prompt tokens found in the "
                                    "prefix cache"),
+            "prompt_cached": counter("vllm:prompt_tokens_cached", "Prompt tokens of started "
+                                     "requests served from the prefix cache"),
+            "prompt_recomputed": counter("vllm:prompt_tokens_recomputed", "Tokens whose KV a "
+                                         "preemption dropped, computed again"),
+            "corrupted": counter("vllm:corrupted_requests", "Requests failed by non-finite "
+                                 "logits (an adapter or a base that overflows)"),
+            # kept at zero: metrale has no KV cache outside the engine and no multimodal
+            # inputs; they exist so that queries written for vLLM find every series
+            "external_queries": counter("vllm:external_prefix_cache_queries", "Tokens looked "
+                                        "up in an external KV cache (none here: 0)"),
+            "external_hits": counter("vllm:external_prefix_cache_hits", "Tokens found in an "
+                                     "external KV cache (none here: 0)"),
+            "mm_queries": counter("vllm:mm_cache_queries", "Multimodal cache lookups (none "
+                                  "here: 0)"),
+            "mm_hits": counter("vllm:mm_cache_hits", "Multimodal cache hits (none here: 0)"),
+            "block_lifetime": histogram("vllm:kv_block_lifetime_seconds", "A KV block's "
+                                        "contents, allocation to eviction", SECONDS),
+            "block_idle": histogram("vllm:kv_block_idle_before_evict_seconds", "A KV block's "
+                                    "last read to its eviction", SECONDS),
+            "block_reuse_gap": histogram("vllm:kv_block_reuse_gap_seconds", "Between two "
+                                         "reads of a cached KV block", SECONDS),
             "ttft": histogram("vllm:time_to_first_token_seconds", "Arrival to first token",
                               SECONDS),
             "itl": histogram("vllm:inter_token_latency_seconds", "Between two tokens of a "
@@ -147,9 +168,19 @@ class VllmMetrics:
         self.lora_info.labels(",".join(sorted(set(running))), ",".join(sorted(set(waiting))),
                               str(max_lora)).set_to_current_time()
 
-    def first_token(self, arrival: float, now: float, prompt_tokens: int) -> None:
+    def first_token(self, arrival: float, now: float, prompt_tokens: int,
+                    cached_tokens: int) -> None:
         self.ttft.observe(now - arrival)
         self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_cached.inc(cached_tokens)
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached_tokens)
+
+    def kv_residency(self, observations: list[tuple[str, float]]) -> None:
+        histograms = {"lifetime": self.block_lifetime, "idle": self.block_idle,
+                      "reuse_gap": self.block_reuse_gap}
+        for kind, seconds in observations:
+            histograms[kind].observe(seconds)
 
     def next_tokens(self, gap_s: float) -> None:
         self.itl.observe(gap_s)
