@@ -33,7 +33,7 @@ class BlockManager:
         self.free: deque[int] = deque(range(num_blocks))  # front = next to reuse
         self.by_key: dict[bytes, int] = {}
         self.num_blocks = num_blocks
-        self.hits = self.lookups = 0  # prefix-cache statistics, in blocks
+        self.hits = 0  # prefix-cache hits, in blocks
 
     @property
     def num_free(self) -> int:
@@ -60,7 +60,6 @@ class BlockManager:
             prev = key
             block = None
             if hitting and i < cacheable:
-                self.lookups += 1
                 block = self.by_key.get(key)
             if block is None:
                 hitting = False

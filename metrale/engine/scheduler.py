@@ -78,9 +78,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.cfg.max_num_batched_tokens)

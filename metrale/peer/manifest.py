@@ -74,10 +74,6 @@ class TensorSpec:
     cols: int
     nbytes: int
 
-    def to_dict(self) -> dict:
-        return {"layer": self.layer, "module": self.module, "kind": self.kind,
-                "shape": [self.rows, self.cols], "nbytes": self.nbytes}
-
 
 @dataclass(frozen=True)
 class NixlInfo:
@@ -101,10 +97,6 @@ class Manifest:
     peft_raw: bytes = field(repr=False)  # the PEFT config's JSON, parsed only when planning
     shape_bytes: bytes = field(repr=False)  # the table without addresses (the plan's input)
     checked: bool = False  # the table was checked against the local layout (not a cache hit)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return FLOAT_DTYPES[self.dtype]
 
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:

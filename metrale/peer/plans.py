@@ -47,10 +47,9 @@ class PeerPlan:
 
 
 class PlanCache:
-    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(self) -> None:
         self._entries: OrderedDict[tuple[str, str], PeerPlan] = OrderedDict()
         self._lock = threading.Lock()
-        self.max_entries = max_entries
         self.hits = self.misses = 0
 
     def get(self, peer: str, adapter_id: str) -> PeerPlan | None:
@@ -65,16 +64,8 @@ class PlanCache:
         with self._lock:
             self._entries[(peer, adapter_id)] = entry
             self._entries.move_to_end((peer, adapter_id))
-            while len(self._entries) > self.max_entries:
+            while len(self._entries) > MAX_ENTRIES:
                 self._entries.popitem(last=False)
-
-    def forget(self, peer: str, adapter_id: str) -> None:
-        with self._lock:
-            self._entries.pop((peer, adapter_id), None)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

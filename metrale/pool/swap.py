@@ -230,15 +230,6 @@ class LoraSlots:
 
     # --- reading adapters (thread-safe: a promotion worker runs these) ---------------
 
-    def stage(self, plan: AdapterPlan, fill: Callable[[torch.Tensor], None],
-              staging: StagingBuffers | None = None) -> list[torch.Tensor]:
-        """fill() writes the plan's data bytes into pinned host staging; they go to
-        the device in one copy and come back as checked, typed tensor views."""
-        staging = staging or self.staging
-        host = staging.host(plan.data_bytes)
-        fill(host)
-        return self.pool.stage_views(plan, staging.to_device(host))
-
     def tier_has(self, identity: AdapterIdentity | None) -> bool:
         tier = self.host_tier
         return identity is not None and tier is not None and tier.enabled and tier.has(identity)
