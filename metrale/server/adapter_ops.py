@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.registry import AdapterSource, AdapterVersion
 from metrale.engine.residency import Residence, ResidencyRow
-from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import RuntimeSwapsDisabledError, UnknownAdapterError
 from metrale.pool.swap import Prepared
 from metrale.server.engine_api import AdapterListing
@@ -59,12 +58,6 @@ class AdapterOps:
         self._waiting_ids: set[str] = set()
         self._counted: dict[str, int] = {}
 
-    # --- requests -------------------------------------------------------------------
-
-    def admit(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-              request_id: str) -> str:
-        return self.engine.add_request(prompt, params, adapter, request_id)
-
     # --- management -----------------------------------------------------------------
 
     def check_register(self, name: str, reload: bool) -> None:
@@ -84,10 +77,6 @@ class AdapterOps:
         self.engine.register_adapter(name, source, pinned=pinned, reload=reload, checked=True,
                                      prepared=prepared)
         return self.view(name)
-
-    def is_resident(self, name: str) -> bool:
-        self.registry.changeable(name)
-        return self.row(name).state is Residence.READY
 
     def cold_version(self, name: str) -> AdapterVersion | None:
         """The version to land for `name`, or None when it is resident (READY)."""

@@ -48,7 +48,6 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float
-    adapter: str | None
     last_token: float | None = None
 
 
@@ -122,11 +121,11 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineUnavailableError("the server is shutting down")
         request_id = f"req-{uuid.uuid4().hex}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), adapter)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
         self._streams[request_id] = stream  # before admission: no output can be missed
         finished = False
         try:
-            await self.call(lambda: self.ops.admit(prompt, params, adapter, request_id))
+            await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id))
             while True:
                 out = await stream.queue.get()
                 if isinstance(out, BaseException):  # engine died or shut down
@@ -166,10 +165,10 @@ class AsyncEngine:
             name, source, lambda p: self.ops.register(name, source, True, reload, p))
 
     async def promote(self, name: str) -> tuple[AdapterView, str | None]:
-        if await self.call(lambda: self.ops.is_resident(name)):
+        version = await self.call(lambda: self.ops.cold_version(name))
+        if version is None:
             return await self.call(lambda: self.ops.promote(name, None))
-        source = await self.call(lambda: self.ops.source_of(name))
-        return await self._with_bytes(name, source, lambda p: self.ops.promote(name, p))
+        return await self._with_bytes(name, version.source, lambda p: self.ops.promote(name, p))
 
     async def promote_via(self, name: str, sources: Sequence[AdapterSource]) -> AdapterSource | None:
         """Make `name`'s current version resident from the first of `sources` that reads
@@ -206,10 +205,10 @@ class AsyncEngine:
         return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, source, reload, p))
 
     async def pin(self, name: str, pinned: bool = True) -> AdapterView:
-        if not pinned or await self.call(lambda: self.ops.is_resident(name)):
+        version = await self.call(lambda: self.ops.cold_version(name)) if pinned else None
+        if version is None:
             return await self.call(lambda: self.ops.set_pinned(name, pinned, None))
-        source = await self.call(lambda: self.ops.source_of(name))
-        return await self._with_bytes(name, source, lambda p: self.ops.set_pinned(name, True, p))
+        return await self._with_bytes(name, version.source, lambda p: self.ops.set_pinned(name, True, p))
 
     async def unload(self, name: str) -> str:
         return await self.call(lambda: self.ops.unload(name))
