@@ -10,6 +10,7 @@ replicas and the ingress, on Ray Serve.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import secrets
@@ -47,11 +48,7 @@ def deploy(spec: ReplicaSpec, cluster: ClusterConfig, settings_kwargs: dict,
     else:
         replicas = serve.deployment(EngineReplica, **common, request_router_config=RequestRouterConfig(
             request_router_class="metrale.cluster.router:AdapterAffinityRouter",
-            request_router_kwargs={"epsilon": cluster.router.epsilon,
-                                   "spread_queue": cluster.router.spread_queue,
-                                   "stall_over_bound": cluster.router.stall_over_bound,
-                                   "tail_fraction": cluster.router.tail_fraction,
-                                   "heat_half_life_s": cluster.router.heat_half_life_s},
+            request_router_kwargs=dataclasses.asdict(cluster.router),
             request_routing_stats_period_s=cluster.stats_period_s,
             request_routing_stats_timeout_s=max(cluster.stats_period_s, 5.0)))
     ingress = serve.deployment(serve.ingress()(ClusterIngress), name="ClusterIngress",
