@@ -217,11 +217,7 @@ class AdapterExporter:
             if lease is None:
                 raise LeaseNotFoundError(f"lease {lease_id[:16]!r} is unknown, released or expired")
             lease.ended = True
-            drop = lease.streams == 0 and lease.ref_held
-            if drop:
-                lease.ref_held = False
-        if drop:
-            self._drop(lease)
+        self._drop_if_done(lease)
 
     def expire(self) -> None:
         now = self._clock()
@@ -281,9 +277,6 @@ class AdapterExporter:
         fresh = cached is not None and cached.uid == info.uid
         return slot, info, None if fresh else self.pool.host_tables(slot), gone
 
-    def _drop(self, lease: _Lease) -> None:
-        self._call(lambda: self.slots.table.release(lease.slot))
-
     def _export(self, slot: int, name: str, info, tables) -> _Export:
         """What a lease on this slot says, built once per landing in the slot (its uid):
         a READY slot's bytes, tables and addresses cannot change under the same uid."""
@@ -331,11 +324,16 @@ class AdapterExporter:
     def _end_stream(self, lease: _Lease) -> None:
         with self._lock:
             lease.streams -= 1
+        self._drop_if_done(lease)
+
+    def _drop_if_done(self, lease: _Lease) -> None:
+        """Release the slot's reference once: when the lease ended and no stream reads it."""
+        with self._lock:
             drop = lease.ended and lease.streams == 0 and lease.ref_held
             if drop:
                 lease.ref_held = False
         if drop:
-            self._drop(lease)
+            self._call(lambda: self.slots.table.release(lease.slot))
 
 
 class DataStream:

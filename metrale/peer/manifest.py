@@ -227,13 +227,10 @@ def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: st
     layer, module, kind = (table[k].astype(np.int64) for k in ("layer", "module", "kind"))
     rows, cols = table["rows"].astype(np.int64), table["cols"].astype(np.int64)
 
-    def first(bad: np.ndarray) -> int | None:
-        idx = np.flatnonzero(bad)
-        return int(idx[0]) if idx.size else None
-
     def refuse(bad: np.ndarray, error: type, message) -> None:
-        i = first(bad)
-        if i is not None:
+        idx = np.flatnonzero(bad)
+        if idx.size:
+            i = int(idx[0])
             t = table[i]
             what = (f"{source}: tensor #{i} (layer {int(t['layer'])} "
                     f"{MODULES[t['module']] if t['module'] < len(MODULES) else t['module']} "

@@ -61,21 +61,14 @@ def endpoint_for(owner: object, buffer: torch.Tensor) -> NixlEndpoint:
         return ep
 
 
-def mem_type(t: torch.Tensor) -> str:
-    return "VRAM" if t.device.type == "cuda" else "DRAM"
-
-
-def device_id(t: torch.Tensor) -> int:
-    return (t.device.index or 0) if t.device.type == "cuda" else 0
-
-
 class NixlEndpoint:
     def __init__(self, buffer: torch.Tensor) -> None:
         nixl = load_nixl()
         if not buffer.is_contiguous():
             raise ValueError("NIXL registration needs a contiguous buffer")
         self.buffer = buffer
-        self.mem_type, self.device_id = mem_type(buffer), device_id(buffer)
+        cuda = buffer.device.type == "cuda"
+        self.mem_type, self.device_id = ("VRAM", buffer.device.index or 0) if cuda else ("DRAM", 0)
         self.base, self.nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
         self.name = f"metrale-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._lock = threading.Lock()  # the agent runs without NIXL's own locking
