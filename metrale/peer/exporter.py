@@ -1,24 +1,15 @@
 """AdapterExporter: serve the READY slots of a LoraSlots to peers.
 
-A lease takes one reference on the slot (SlotTable.acquire), exactly like an
-in-flight sequence: while it is held the slot can be neither swapped nor
-unloaded nor chosen as a promotion victim, so the bytes a peer reads cannot
-change under it. The reference is dropped when the lease is released or
-expires; an expiry that falls during an HTTP stream waits for the stream to
-end (the server's socket timeout bounds that).
+A lease takes one reference on the slot (SlotTable.acquire), exactly like an in-flight
+sequence, so the bytes a peer reads cannot change under it. The reference is dropped
+when the lease is released or expires; an expiry that falls during an HTTP stream waits
+for the stream to end (the server's socket timeout bounds that). HTTP streams send a
+device pool's bytes from a host copy per landing (_HostCopies), a host pool's from the
+pool itself.
 
-HTTP streams from a device pool send a host copy of the slot's bytes, built at
-the first stream of a landing (one device->host copy per tensor, one sync) and
-reused by later streams of the same uid: a READY slot's bytes cannot change under
-one uid, and a lease holds the export it was granted, so a stream never reads
-another landing's copy. Copies are dropped with their export (its slot took another
-landing, seen at the next lease) and beyond `host_copy_bytes`, least recently
-streamed first. A host pool's bytes are sent from the pool itself.
-
-The exporter never touches the slot table from its own threads: every table
-access goes through `call`, which a running engine points at its loop
-(`lambda fn: engine.call_soon(fn).result(timeout)`); the default runs it under a
-lock, which is enough for a LoraSlots nothing else mutates (the peer store).
+The exporter touches the slot table only through `call`, which a running engine points
+at its loop (`lambda fn: engine.call_soon(fn).result(timeout)`); the default runs it
+under a lock, enough for a LoraSlots nothing else mutates (the peer store).
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """The peer manifest: what an exporter says about one adapter, and the strict
 reading of it on the engine side.
 
-Tensors are in the canonical pool layout: A as [r, in], B transposed as
-[r, out], DoRA's magnitude M as [1, out], each contiguous, in the pool dtype. Modules
-are the decoder projections and, when the local pool serves them, embed_tokens and
-lm_head (at layer 0). Version 2 added M and the model-level modules; a version-1 peer
-is refused either way (it would misread a v2 manifest). The HTTP stream carries them
+Tensors are in the canonical pool layout: A as [r, in], B transposed as [r, out],
+DoRA's magnitude M as [1, out], each contiguous, in the pool dtype; the model-level
+modules (embed_tokens, lm_head) sit at layer 0. The HTTP stream carries them
 concatenated in manifest order; NIXL gets one remote descriptor per tensor.
 
-Nothing in a manifest is trusted: its size and nesting are bounded before any
-field is read, every field is type-checked (ints are ints, not bools, and
-bounded; no NaN/Infinity), counts and byte totals are capped by the local slot
-before anything is iterated, every length is checked against shape x dtype,
-the PEFT patterns are refused when they could make the regex engine backtrack
-for minutes, and the plan is rebuilt from the local model and pool. Whatever a
-peer sends, reading it ends in a MetraleError: anything else raised while
-parsing or planning is turned into a PeerManifestError naming the peer.
+Nothing in a manifest is trusted (docs/DESIGN.md, "Peers", lists the checks), and the
+plan is rebuilt from the local model and pool. Whatever a peer sends, reading it ends in
+a MetraleError: anything else raised while parsing or planning becomes a
+PeerManifestError naming the peer.
 """
 
 from __future__ import annotations
