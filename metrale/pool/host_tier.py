@@ -22,6 +22,7 @@ side stream first waits for the engine stream, so an H2D still reading it finish
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -94,29 +95,21 @@ class HostTier:
             if not self._free:
                 self._free.append(self._entries.popitem(last=False)[1].index)  # LRU
         index = self._free.pop()
-        image = self._arena[index]
-        ranks = torch.empty(pool.ranks[slot].shape, dtype=torch.int32, pin_memory=self._cuda)
-        scales = torch.empty(pool.scales[slot].shape, dtype=torch.float32, pin_memory=self._cuda)
-        doras = torch.empty(pool.doras[slot].shape, dtype=torch.int32, pin_memory=self._cuda)
-        ready = None
+        sources = (pool.slot_region(slot), pool.ranks[slot], pool.scales[slot], pool.doras[slot])
+        copies = [self._arena[index]] + [torch.empty(t.shape, dtype=t.dtype, pin_memory=self._cuda)
+                                         for t in sources[1:]]
+        ready, side = None, contextlib.nullcontext()
         if self._cuda:
-            side = self._stream
-            side.wait_stream(torch.cuda.current_stream(pool.device))  # after the landing
-            with torch.cuda.stream(side):
-                image.copy_(pool.slot_region(slot), non_blocking=True)
-                ranks.copy_(pool.ranks[slot], non_blocking=True)
-                scales.copy_(pool.scales[slot], non_blocking=True)
-                doras.copy_(pool.doras[slot], non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(side)
-            self._pending[slot] = ready
-        else:
-            image.copy_(pool.slot_region(slot))
-            ranks.copy_(pool.ranks[slot])
-            scales.copy_(pool.scales[slot])
-            doras.copy_(pool.doras[slot])
+            self._stream.wait_stream(torch.cuda.current_stream(pool.device))  # after the landing
+            side = torch.cuda.stream(self._stream)
+        with side:
+            for dst, src in zip(copies, sources):
+                dst.copy_(src, non_blocking=self._cuda)
+        if self._cuda:
+            ready = self._pending[slot] = torch.cuda.Event()
+            ready.record(self._stream)
         with self._lock:
-            self._entries[key] = TierEntry(index, image, ranks, scales, doras, ready)
+            self._entries[key] = TierEntry(index, *copies, ready)
 
     def before_write(self, slot: int) -> None:
         """Order the next write into slot after a fill copy still reading it (device-side)."""
