@@ -1,23 +1,18 @@
 """Host tier: an LRU of recently landed adapters, kept as slot images.
 
-An entry is the whole slot region exactly as the pool holds it (pool dtype, rank-major,
-rank padding and untargeted modules zero) plus the slot's rank, scale and DoRA rows, in
-pinned memory. Re-promoting it is one H2D copy of the image and three tiny table copies: no
-file read, no parse, no NaN scan, no conversion (a DoRA image's gains are recomputed on the
-device from its bytes, as at its first landing).
+An entry is the whole slot region exactly as the pool holds it plus the slot's rank,
+scale and DoRA rows, in pinned memory: re-promoting it is one H2D copy and three tiny
+table copies, no file read, parse, NaN scan or conversion (DoRA gains are recomputed on
+the device from the bytes). Keys are AdapterIdentity, so any rewrite of the files changes
+the key and a stale image is never served; a newer version of a directory drops the
+older one's entry. A hit skips validation: the image is the output of a landing that
+passed it, for these exact files and this pool.
 
-Keys are AdapterIdentity (metrale.adapters.identity): a digest of the config and the
-header plus the weights file's inode and ctime, so any rewrite of either file changes the
-key and a stale image is never served; the entry of an older version of the same
-directory is dropped when a newer one is stored. A hit skips validation because the
-image is the output of a landing that passed it, for these exact files and this pool.
-
-Filling copies a freshly landed slot back to the host on a side stream (off the hot
-path). Until that copy completes, the next write into that slot waits for it on the
-device (`before_write`), never on the host. Images live in one pinned arena allocated at
-the first fill (pinning memory costs ~ms per MB-scale call; paying it per landing would
-stall the engine loop), and an evicted entry's image is reused by the next fill: the
-side stream first waits for the engine stream, so an H2D still reading it finishes first.
+Filling copies a freshly landed slot to the host on a side stream; the next write into
+that slot waits for it on the device (`before_write`), never on the host. Images live in
+one pinned arena allocated at the first fill (pinning costs ~ms per MB-scale call: per
+landing it would stall the engine loop); an evicted image is reused by the next fill, the
+side stream first waiting for the engine stream so an H2D still reading it finishes.
 """
 
 from __future__ import annotations
