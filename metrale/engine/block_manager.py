@@ -1,12 +1,10 @@
 """Paged KV block bookkeeping with a prefix cache.
 
-A full block's key is a hash chain over (adapter uid, its tokens, the previous
-block's key): KV computed under one adapter landing is never reused under
-another, and a same-name reload (new uid) never hits the old contents.
-A block becomes findable only once a step has computed its KV (`publish`): a prompt
-prefilled in chunks allocates all its blocks up front, and a request admitted in
-between must not hit a block whose KV is not there yet.
-Freed blocks keep their key until reallocated, so a later request can still hit.
+A full block's key is a hash chain over (adapter uid, its tokens, the previous block's
+key): KV of one adapter landing is never reused under another (a reload gets a new uid).
+A block becomes findable only once a step has computed its KV (`publish`): a chunked
+prompt allocates all its blocks up front, and a request admitted meanwhile must not hit
+one whose KV is not there yet. Freed blocks keep their key until reallocated.
 """
 
 from __future__ import annotations
