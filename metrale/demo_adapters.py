@@ -174,14 +174,11 @@ _STYLES: dict[str, Callable[[], list[tuple[str, str]]]] = {
 
 CHECK_PROMPT = "Tell me about the moon."
 
-# Tuned by hand on a 2-core CPU for a first run that is ready in minutes (was 40
-# steps on every layer at 1.5e-3: ~1 min each; now 24 steps, ~20 s): both
-# styles show on unseen prompts. Fewer examples, a higher rate or a near copy of
-# the check prompt in the data ("Tell me about the sun.") made adapters recite a
-# training answer word for word; fewer steps leave `shout` half lowercase.
-# LoRA only on the upper layers: the backward pass stops there, which roughly
-# halves a step, and style is a matter of the last layers anyway. r <= 16 fits a
-# default pool.
+# Tuned by hand on a 2-core CPU (~20 s an adapter): both styles show on unseen prompts.
+# Fewer examples, a higher rate or a near copy of the check prompt in the data made
+# adapters recite a training answer; fewer steps leave `shout` half lowercase. LoRA only
+# on the upper layers: the backward pass stops there (about half a step's cost), and
+# style lives in the last layers. r <= 16 fits a default pool.
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -1,11 +1,8 @@
-"""Adapter management as the server sees it. Every method here runs on the engine
-thread, between steps (AsyncEngine.call): it asks the engine's registry for names and
-versions, reads where adapters live from the engine's residency rows, and turns those
-into views. Reading adapter bytes happens before, off the engine thread (AsyncEngine),
-and arrives here as a `Prepared`.
-
-Unload never waits for a busy slot: the name leaves the registry at once (and admission
-refuses it), and the slot is freed after the step that finishes its last in-flight request.
+"""Adapter management as the server sees it, run on the engine thread between steps
+(AsyncEngine.call): names and versions from the engine's registry, placement from its
+residency rows, turned into views. Adapter bytes are read before, off the engine
+thread, and arrive here as a `Prepared`. An unload never waits for a busy slot: the name
+leaves the registry at once, and the slot is freed after its last in-flight request.
 """
 
 from __future__ import annotations

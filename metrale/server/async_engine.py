@@ -1,12 +1,12 @@
-"""AsyncEngine: the LLMEngine on one background thread, for an asyncio server.
+"""AsyncEngine: the LLMEngine on one background thread, for an asyncio server; it
+implements EngineAPI (engine_api.py), and the cluster's replica code uses the few
+methods beyond it.
 
-The engine is single-threaded by design: every mutation (admission, abort,
-adapter operations) is handed to `engine.call_soon` and runs on the engine
-thread between two steps. The thread steps while there is work and sleeps on
-an Event when there is none; each RequestOutput goes to its request's asyncio
-queue through `loop.call_soon_threadsafe`. It implements EngineAPI (engine_api.py),
-all the HTTP routes use; the cluster's replica code uses the few methods beyond it.
-Its coroutines may be awaited from any event loop (a cluster replica runs several).
+The engine is single-threaded by design: every mutation (admission, abort, adapter
+operations) goes through `engine.call_soon` and runs on the engine thread between two
+steps. The thread steps while there is work and sleeps on an Event when there is none;
+each RequestOutput reaches its request's asyncio queue through `call_soon_threadsafe`,
+so the coroutines may be awaited from any event loop (a cluster replica runs several).
 """
 
 from __future__ import annotations
