@@ -1,13 +1,10 @@
 """Two demo LoRA adapters for the default model, trained on first use in ~20 s each.
 
-`shout` answers in ALL CAPITALS; `pirate` answers like a pirate ("Arr, matey!").
-Both styles show on any prompt, so one look at base vs adapter output on the
-same question shows that the engine applied the right adapter.
-
-Training is a plain PyTorch loop on the CPU: LoRA on every linear projection,
-loss on the answer tokens only, the same chat template the engine applies at
-inference (default system prompt included), fixed seed. Results are cached in
-PEFT format under <cache>/adapters/<name>.
+`shout` answers in ALL CAPITALS; `pirate` answers like a pirate ("Arr, matey!"). Both
+styles show on any prompt, so base vs adapter output on one question shows that the
+engine applied the right adapter. Training is a plain PyTorch loop on the CPU (LoRA on
+the linear projections, loss on the answer tokens only, the engine's chat template,
+fixed seed); results are cached in PEFT format under <cache>/adapters/<name>.
 
     python -m metrale.demo_adapters   # build both and show base vs adapter replies
 """
