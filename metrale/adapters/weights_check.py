@@ -51,11 +51,9 @@ def check_weights(plan: AdapterPlan, pool_dtype: torch.dtype) -> None:
 
 def check_landed(plan: AdapterPlan, tensors: list[torch.Tensor], pool_dtype: torch.dtype) -> None:
     """check_gain for bytes that landed without check_weights (a peer's, a file read
-    again at promotion): `tensors` in plan.landings order, any device, A as [r, in] and
-    B as [out, r] (a slot's Bt[:r] passes as .t(), a view). On a GPU the tensors of one
-    kind and shape (a module's across layers) are reduced together, a few kernels in
-    all; on the CPU one by one, as a stack of them all costs several times more there.
-    One host sync."""
+    again at promotion): `tensors` in plan.landings order, A as [r, in], B as [out, r]
+    (a slot's Bt[:r].t()). One host sync; on a GPU the tensors of one kind and shape are
+    reduced together, on the CPU one by one (a stack costs several times more there)."""
     groups: dict[tuple, list[int]] = {}
     for i, (landing, values) in enumerate(zip(plan.landings, tensors)):
         if landing.kind in ("A", "B") and values.numel():

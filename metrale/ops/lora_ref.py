@@ -159,8 +159,7 @@ def lora_apply_fused_ref(
         groups = list(slot_groups(slot_ids))
     if not groups:
         return
-    # Host copies of the per-slot ranks and scales, once per call: reading one element
-    # of a tensor per group and module was a measurable share of a CPU decode step.
+    # host copies, once per call: an element read per group and module costs a CPU step dearly
     rank_rows = [r.tolist() for r in ranks_list] if ranks_list is not None else None
     scale_rows = [s.tolist() for s in scales_list]
     y_views = [y[:, sl] for sl in out_slices]  # y_i: [T, out_i], views: writes land in y

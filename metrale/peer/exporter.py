@@ -355,11 +355,9 @@ class DataStream:
 
 
 class _HostCopies:
-    """What HTTP streams send, per export. A host pool's bytes go from where they are
-    (the lease keeps them from changing). A device pool's go from a host copy made at
-    the first stream of a landing and kept, by uid, for the next ones: one buffer
-    (pinned on CUDA) filled with one async device->host copy per tensor and a single
-    sync, least recently used dropped beyond `budget` bytes. A stream keeps the
+    """What HTTP streams send, per export: a device pool's bytes from a host copy made at
+    the first stream of a landing (one buffer, one async D2H per tensor, one sync) and
+    kept by uid, least recently used dropped beyond `budget` bytes. A stream keeps the
     buffer it got, so dropping one never pulls bytes from under a running send."""
 
     def __init__(self, device: torch.device, budget: int, copy: bool) -> None:
