@@ -82,10 +82,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def mixed_token_buckets(max_num_batched_tokens: int) -> list[int]:
-    return [t for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens]
-
-
 class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, pool: AdapterPool | None, max_num_seqs: int,
                  max_blocks: int, block_size: int, pad_block: int, max_model_len: int,
@@ -94,7 +90,7 @@ class StepGraphs:
         self.model, self.pool, self.device = model, pool, device
         self.sizes = graph_batch_sizes(max_num_seqs)
         # mixed steps need every sequence row of a step: only when all fit one graph
-        self.buckets = mixed_token_buckets(max_num_batched_tokens) \
+        self.buckets = [t for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens] \
             if max_num_seqs <= MAX_MIXED_GRAPH_BATCH else []
         self.block_size, self.pad_block = block_size, pad_block
         self.max_model_len = max_model_len
@@ -136,9 +132,6 @@ class StepGraphs:
 
     def _block_m(self, t: int) -> int:
         return prefill_block_m(t, self.group)
-
-    def variants(self) -> list[bool]:
-        return [False, True] if self.pool is not None else [False]
 
     @property
     def num_replays(self) -> int:
@@ -190,7 +183,7 @@ class StepGraphs:
         self._mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        variants = self.variants()
+        variants = [False, True] if self.pool is not None else [False]  # lora: without, with
         captures = [(("mixed", t, lora), partial(self._forward_mixed, t, lora))
                     for t in reversed(self.buckets) for lora in variants]
         captures += [((b, lora), partial(self._forward, b, lora))
