@@ -12,10 +12,9 @@ import torch
 from metrale.ops.lora_kernels import DESC_COLS, expand_kernel, shrink_kernel
 from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2
 
-# Block sizes of the two token mappings, first set for an H200 with bench/lora_kernels.py:
-# decode (no order: one program per token) and prefill (BLOCK_T rows of the slot order per
-# program, an upper bound: see config). split_k: shrink programs to aim for (split-K fills
-# the GPU at small T).
+# Block sizes (H200, bench/lora_kernels.py) of the two token mappings: decode (one program
+# per token) and prefill (up to BLOCK_T rows of the slot order per program: see config).
+# split_k: shrink programs to aim for (split-K fills the GPU at small T).
 DECODE_CFG = dict(BLOCK_K=256, BLOCK_N=128, shrink_warps=4, expand_warps=2, split_k=1024)
 PREFILL_CFG = dict(BLOCK_T=32, BLOCK_K=128, BLOCK_N=256, shrink_warps=4, expand_warps=4,
                    split_k=256)
