@@ -25,14 +25,17 @@ from metrale.server.serve import (
 # so that `metrale --help` and the `metrale adapters` HTTP client start at once.
 
 
+def _model_config(args: argparse.Namespace):
+    from metrale.config import ModelConfig
+
+    return ModelConfig.from_dir(args.model or default_model_dir(progress=progress))
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from metrale.adapters.plan import plan_adapter
-    from metrale.config import EXTRA_TARGETS, ModelConfig, PoolConfig
+    from metrale.config import EXTRA_TARGETS, PoolConfig
 
-    if args.model:
-        model = ModelConfig.from_dir(args.model)
-    else:
-        model = ModelConfig.from_dir(default_model_dir(progress=progress))
+    model = _model_config(args)
     plan = plan_adapter(args.adapter, "inspect", model,
                         PoolConfig(1, args.max_lora_rank, extra_targets=EXTRA_TARGETS))
     cfg = plan.config
@@ -119,17 +122,12 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _peer_serve(args: argparse.Namespace) -> int:
-    from metrale.config import ModelConfig
     from metrale.dtypes import parse_dtype
     from metrale.peer.allow import LOOPBACK
     from metrale.peer.store import serve_store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.model:
-        model = ModelConfig.from_dir(args.model)
-    else:
-        model = ModelConfig.from_dir(default_model_dir(progress=progress))
-    serve_store(args.adapters, model, device=args.device, dtype=parse_dtype(args.dtype),
+    serve_store(args.adapters, _model_config(args), device=args.device, dtype=parse_dtype(args.dtype),
                 max_lora_rank=args.max_lora_rank, host=args.host, port=args.port,
                 transport=args.transport, client_allow=args.allow_client or LOOPBACK,
                 announce=lambda line: print(line, flush=True))

@@ -1,13 +1,10 @@
 """Two demo LoRA adapters for the default model, trained on first use in ~20 s each.
 
-`shout` answers in ALL CAPITALS; `pirate` answers like a pirate ("Arr, matey!").
-Both styles show on any prompt, so one look at base vs adapter output on the
-same question shows that the engine applied the right adapter.
-
-Training is a plain PyTorch loop on the CPU: LoRA on every linear projection,
-loss on the answer tokens only, the same chat template the engine applies at
-inference (default system prompt included), fixed seed. Results are cached in
-PEFT format under <cache>/adapters/<name>.
+`shout` answers in ALL CAPITALS; `pirate` answers like a pirate ("Arr, matey!"). Both
+styles show on any prompt, so base vs adapter output on one question shows that the
+engine applied the right adapter. Training is a plain PyTorch loop on the CPU (LoRA on
+the linear projections, loss on the answer tokens only, the engine's chat template,
+fixed seed); results are cached in PEFT format under <cache>/adapters/<name>.
 
     python -m metrale.demo_adapters   # build both and show base vs adapter replies
 """
@@ -173,14 +170,11 @@ _STYLES: dict[str, Callable[[], list[tuple[str, str]]]] = {
 
 CHECK_PROMPT = "Tell me about the moon."
 
-# Tuned by hand on a 2-core CPU for a first run that is ready in minutes (was 40
-# steps on every layer at 1.5e-3: ~1 min each; now 24 steps, ~20 s): both
-# styles show on unseen prompts. Fewer examples, a higher rate or a near copy of
-# the check prompt in the data ("Tell me about the sun.") made adapters recite a
-# training answer word for word; fewer steps leave `shout` half lowercase.
-# LoRA only on the upper layers: the backward pass stops there, which roughly
-# halves a step, and style is a matter of the last layers anyway. r <= 16 fits a
-# default pool.
+# Tuned by hand on a 2-core CPU (~20 s an adapter): both styles show on unseen prompts.
+# Fewer examples, a higher rate or a near copy of the check prompt in the data made
+# adapters recite a training answer; fewer steps leave `shout` half lowercase. LoRA only
+# on the upper layers: the backward pass stops there (about half a step's cost), and
+# style lives in the last layers. r <= 16 fits a default pool.
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -1,13 +1,10 @@
 """How many CPU threads torch uses, chosen on purpose rather than left to its default.
 
-torch's default is one intra-op thread per core. On a machine whose cores are busy
-with other work, those threads wait on each other at every parallel region and a
-training step or a decode step gets many times slower (a 2-core box shared with
-other jobs: 10-20x). So metrale picks the cores that are free now: the cores this
-process may run on minus those busy in a short sample of /proc/stat (the load
-average where there is none; it lags by a minute, so right after `pip install` it
-would still count the install), at least one. An idle box gets every core; a busy
-one degrades by the share it lost, not by an order of magnitude.
+torch's default is one intra-op thread per core. On a machine whose cores are busy with
+other work those threads wait on each other at every parallel region, and a step gets
+many times slower (a shared 2-core box: 10-20x). So metrale takes the cores that are free
+now: the cores this process may run on minus those busy in a short sample of /proc/stat
+(the load average where there is none: it lags a minute), at least one.
 
 Overrides, first match wins:
 - METRALE_NUM_THREADS=N  exactly N threads;

@@ -1,14 +1,12 @@
 """What an adapter directory holds, as a key for caches that must never serve old bytes.
 
 The key digests the bytes that decide a landing plan (adapter_config.json and the
-safetensors header) and fingerprints the data section by its file's stat. The stat
-includes the inode and ctime: every rewrite changes one of them, also one that keeps the
-size and the mtime (`cp -p`, tar, `rsync -t`), since ctime cannot be set from user space.
-Files whose two stats are unchanged since an earlier call reuse its digest, so a landing
-of known files costs two fstats. Like git's "racily clean" index entries, a digest is
-remembered only for files last changed well before they were read: a rewrite within the
-same coarse timestamp tick (Linux stamps files at jiffy granularity) keeps every stat
-field, so files changed just before the read are read and digested again next time.
+safetensors header) and fingerprints the data section by its file's stat, inode and
+ctime included: every rewrite changes one of them, also one that keeps size and mtime
+(`cp -p`, tar, `rsync -t`). Files whose stats are unchanged reuse an earlier digest (two
+fstats per landing). As with git's "racily clean" entries, a digest is remembered only
+for files last changed well before they were read: a rewrite within one timestamp tick
+keeps every stat field.
 """
 
 from __future__ import annotations

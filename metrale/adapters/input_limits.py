@@ -74,13 +74,11 @@ def read_capped_path(path: Path, limit: int, error: type[AdapterError]) -> bytes
 
 
 def json_depth(raw: bytes) -> int:
-    """The deepest [ / { nesting of raw JSON, brackets inside strings not counted
-    (or, when that is at most MAX_JSON_DEPTH anyway, the number of brackets).
-
-    Vectorised with numpy (a Python loop over a 100 MiB header takes many seconds):
-    a quote opens or closes a string unless an odd run of backslashes precedes it.
-    Outside strings a backslash is a syntax error, so this scan and json agree on
-    every byte json reads before it fails."""
+    """The deepest [ / { nesting of raw JSON, brackets inside strings not counted (or,
+    when that is at most MAX_JSON_DEPTH anyway, the number of brackets). Vectorised (a
+    Python loop over a 100 MiB header takes seconds): a quote opens or closes a string
+    unless an odd run of backslashes precedes it; outside strings a backslash is a syntax
+    error, so this scan and json agree on every byte json reads before it fails."""
     data = np.frombuffer(raw, dtype=np.uint8)
     counts = np.bincount(data, minlength=256)
     openers = int(counts[ord("[")] + counts[ord("{")])

@@ -1,22 +1,17 @@
 """PEFT's regex fields, matched exactly as PEFT matches them but in bounded time.
 
-PEFT runs user regexes through Python's `re` (target_modules / exclude_modules as
-a str: re.fullmatch; rank_pattern / alpha_pattern keys: re.match(rf"(.*\\.)?({key})$");
-layers_pattern: re.match(rf"(?:^|.*?\\.){pattern}\\.(?P<idx>\\d+)\\.")). `re` cannot
-be interrupted, so a pattern such as "(a+)+$" would hold a thread (and the GIL)
-for hours. Here each pattern is
-
+PEFT runs user regexes through Python's `re` (target_modules / exclude_modules as a str:
+re.fullmatch; rank_pattern / alpha_pattern keys: re.match(rf"(.*\\.)?({key})$");
+layers_pattern: re.match(rf"(?:^|.*?\\.){pattern}\\.(?P<idx>\\d+)\\.")). `re` cannot be
+interrupted, so "(a+)+$" could hold a thread (and the GIL) for hours. Here each pattern is
 1. validated by `re` itself, so exactly the patterns PEFT accepts are accepted;
-2. rewritten where the `regex` package reads the same text differently (a `{`
-   that `re` takes literally can be fuzzy matching in `regex`, a `[` inside a set
-   can open a POSIX class), and refused where a rewrite is not sound (verbose mode);
-3. bounded before compiling (`regex` unrolls counted repeats at compile time:
-   "(?:(?:a{255}){255}){255}" takes seconds and gigabytes);
-4. matched by `regex` with a timeout drawn from a MatchBudget shared by one
-   resolution, so a whole adapter's matching costs at most MATCH_BUDGET_S.
-
-Patterns without regex syntax (the exporter's re.escape'd paths) are compared as
-strings, which is what their regex means on module names.
+2. rewritten where the `regex` package reads the same text differently (a literal `{`
+   can be fuzzy matching there, a `[` inside a set a POSIX class), and refused where a
+   rewrite is not sound (verbose mode);
+3. bounded before compiling (`regex` unrolls counted repeats at compile time);
+4. matched by `regex` with a timeout from a MatchBudget shared by one resolution, so a
+   whole adapter's matching costs at most MATCH_BUDGET_S.
+Patterns without regex syntax (the exporter's re.escape'd paths) are compared as strings.
 """
 
 from __future__ import annotations

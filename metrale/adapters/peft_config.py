@@ -2,14 +2,11 @@
 rank and scaling rules (peft.tuners.tuners_utils.check_target_module_exists,
 peft.utils.other.get_pattern_key, LoraLayer.update_layer).
 
-The config is untrusted (a user's upload or a peer's manifest): every field
-metrale reads is type-checked here, and every refusal is an AdapterError that
-names the field. Fields metrale does not read are left alone, as PEFT leaves them.
-
-Scale policy: the per-module scale lora_alpha / r (rsLoRA: / sqrt(r)) lands in a
-float32 table, so every combination of the config's alphas and ranks must give
-0 < |scale| <= MAX_SCALE, or exactly 0 when alpha is 0. Negative alphas are
-accepted because PEFT accepts them (they negate the delta).
+The config is untrusted (an upload or a peer's manifest): every field metrale reads is
+type-checked, every refusal is an AdapterError naming the field, and fields metrale
+does not read are left alone, as PEFT leaves them. Every alpha / rank combination must
+give 0 < |scale| <= MAX_SCALE in float32 (or exactly 0 when alpha is 0); negative alphas
+are accepted because PEFT accepts them.
 """
 
 from __future__ import annotations

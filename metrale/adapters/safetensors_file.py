@@ -1,10 +1,8 @@
-"""A safetensors header reader that trusts nothing in the file.
-
-Every size the header claims is checked against shape x dtype and against the
-file's real length before a single data byte is read, so a lying header can
-never make us copy outside a buffer. Every field is type-checked as the format's
-Rust reader types it (u64 offsets, usize dims, string metadata); anything else
-is an AdapterFileError, or an AdapterMismatchError for a valid non-float dtype.
+"""A safetensors header reader that trusts nothing in the file: every size the header
+claims is checked against shape x dtype and the file's real length before a data byte is
+read, and every field is type-checked as the format's Rust reader types it (u64 offsets,
+usize dims, string metadata). Anything else is an AdapterFileError, or an
+AdapterMismatchError for a valid non-float dtype.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""Check the weight DATA of a planned adapter once, on the CPU, off the engine
-thread: every value finite, and still finite once converted to the pool dtype.
+"""Check the weight data of a planned adapter once, on the CPU, off the engine thread.
 
-plan_adapter checks the header (names, shapes, byte ranges) but reads no weight;
-the landing path checks NaN/Inf on the device as it lands. A weight that is finite
-in the file but beyond the pool dtype's range (1e30 in an F32 file served by a
-bf16/fp16 pool) only becomes Inf in the slot, where no check sees it. Calling
-check_weights at registration refuses such an adapter before it is ever promoted.
-
-Finite in the pool is not enough either: one weight of 3e38 in a lora_A fits float32,
-and the first token through it overflows. So check_weights also bounds what each
-module's LoRA can add to its layer's output (module_gain, check_gain) and refuses,
-naming the tensor, what would overflow the pool dtype on an ordinary input.
+plan_adapter reads no weight, and the landing's NaN/Inf check on the device cannot see a
+weight that is finite in the file but Inf in the pool dtype (1e30 in an F32 file served
+from a bf16 pool). Nor is finite enough: one 3e38 in a lora_A fits float32, and the first
+token through it overflows. So check_weights, at registration, refuses (naming the
+tensor) a value the pool dtype cannot hold, and a module whose LoRA could overflow it on
+an ordinary input (check_gain).
 """
 
 from __future__ import annotations
@@ -56,11 +51,9 @@ def check_weights(plan: AdapterPlan, pool_dtype: torch.dtype) -> None:
 
 def check_landed(plan: AdapterPlan, tensors: list[torch.Tensor], pool_dtype: torch.dtype) -> None:
     """check_gain for bytes that landed without check_weights (a peer's, a file read
-    again at promotion): `tensors` in plan.landings order, any device, A as [r, in] and
-    B as [out, r] (a slot's Bt[:r] passes as .t(), a view). On a GPU the tensors of one
-    kind and shape (a module's across layers) are reduced together, a few kernels in
-    all; on the CPU one by one, as a stack of them all costs several times more there.
-    One host sync."""
+    again at promotion): `tensors` in plan.landings order, A as [r, in], B as [out, r]
+    (a slot's Bt[:r].t()). One host sync; on a GPU the tensors of one kind and shape are
+    reduced together, on the CPU one by one (a stack costs several times more there)."""
     groups: dict[tuple, list[int]] = {}
     for i, (landing, values) in enumerate(zip(plan.landings, tensors)):
         if landing.kind in ("A", "B") and values.numel():
@@ -96,22 +89,17 @@ def _group_norms(x: torch.Tensor, kind: str, one_hot: bool) -> torch.Tensor:
 
 # --- what a LoRA can add to its layer's output -------------------------------------------
 #
-# A module adds  dy = s * B (A x)  (A [r, in], B [out, r], s its scale); the kernels form
-# h = A x, then B h, then scale it. For any input x, with A_k the rows of A and B_i those
-# of B (Cauchy-Schwarz, then the triangle inequality):
-#     |h_k|  <= ||A_k||_2 * ||x||_2                    <= a * ||x||_2,  a = max_k ||A_k||_2
-#     |dy_i| <= s * sum_k |B_ik| |h_k|                 <= s * b * a * ||x||_2,  b = max_i ||B_i||_1
+# A module adds dy = s * B (A x) (A [r, in], B [out, r]). For any x, with A_k and B_i the
+# rows of A and B (Cauchy-Schwarz, then the triangle inequality):
+#     |h_k|  <= ||A_k||_2 * ||x||_2    <= a * ||x||_2,  a = max_k ||A_k||_2
+#     |dy_i| <= s * sum_k |B_ik| |h_k| <= s * b * a * ||x||_2,  b = max_i ||B_i||_1
 # so nothing overflows while max(1, s) * b * a * ||x||_2 and a * ||x||_2 stay within the
-# pool dtype's max. That holds for every input up to the ||x||_2 we assume, never more: no
-# finite bound holds for every input (the base layer overflows too on large enough ones).
-# The inputs assumed are those of RMS up to INPUT_RMS: an RMSNorm output has RMS exactly 1
-# before its weight, so ||x||_2 = sqrt(in) for a unit-weight norm; INPUT_RMS leaves room
-# for norm weights and for o_proj / down_proj inputs, which no norm bounds. An embedding's
-# input is one-hot (h_k = A[k, token]), so there a = max |A| and ||x||_2 = 1.
-# Even an adapter as PEFT initialises it with a random B (trained ones start from B = 0)
-# at rank 64 with rsLoRA's scale of 16 passes in float16; 3e38 in a lora_A, or a lora_B
-# entry near the dtype's max, is refused. What later layers make of a large but finite
-# delta is not bounded here: a request that meets non-finite logits fails naming its adapter.
+# pool dtype's max, for inputs of RMS up to INPUT_RMS (no bound holds for every input: the
+# base layer overflows too on large enough ones). An RMSNorm output has RMS 1 before its
+# weight; the margin covers norm weights and the o_proj / down_proj inputs no norm bounds.
+# An embedding's input is one-hot: a = max |A|, ||x||_2 = 1. PEFT's random init at rank 64
+# with rsLoRA's scale 16 passes in float16. Later layers are not bounded here: a request
+# that meets non-finite logits fails naming its adapter.
 INPUT_RMS = 16.0
 
 

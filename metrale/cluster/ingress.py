@@ -1,15 +1,11 @@
-"""The cluster's HTTP ingress: the single-engine server's app over the cluster.
-
-`create_app` (server/app.py) is reused as is, so the routes, auth, body limits and
-error JSON are the single-engine server's. The routes use only EngineAPI
-(server/engine_api.py); ClusterEngine implements it for the cluster:
-- generate: one request through Ray Serve to the replica AdapterAffinityRouter picks;
-  if the replica dies, the request is resent to another (see `generate`);
+"""The cluster's HTTP ingress: the single-engine server's app (create_app: routes, auth,
+body limits, error JSON) over ClusterEngine, which implements EngineAPI for the cluster:
+- generate: through Ray Serve to the replica AdapterAffinityRouter picks, resent to
+  another if that replica dies (see `generate`);
 - register / pin / unload: validated once (on one replica), written to the cluster
   registry, returned once every live replica applied it;
 - promote / swap / residency / reset_prefix_cache: fanned out to each replica's own
-  HTTP server;
-- tokenizer and limits: the base model's, read here once (setup).
+  HTTP server; tokenizer and limits: the base model's, read once (setup).
 """
 
 from __future__ import annotations

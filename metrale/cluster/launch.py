@@ -10,8 +10,8 @@ replicas and the ingress, on Ray Serve.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-import os
 import secrets
 import time
 from pathlib import Path
@@ -47,11 +47,7 @@ def deploy(spec: ReplicaSpec, cluster: ClusterConfig, settings_kwargs: dict,
     else:
         replicas = serve.deployment(EngineReplica, **common, request_router_config=RequestRouterConfig(
             request_router_class="metrale.cluster.router:AdapterAffinityRouter",
-            request_router_kwargs={"epsilon": cluster.router.epsilon,
-                                   "spread_queue": cluster.router.spread_queue,
-                                   "stall_over_bound": cluster.router.stall_over_bound,
-                                   "tail_fraction": cluster.router.tail_fraction,
-                                   "heat_half_life_s": cluster.router.heat_half_life_s},
+            request_router_kwargs=dataclasses.asdict(cluster.router),
             request_routing_stats_period_s=cluster.stats_period_s,
             request_routing_stats_timeout_s=max(cluster.stats_period_s, 5.0)))
     ingress = serve.deployment(serve.ingress()(ClusterIngress), name="ClusterIngress",
@@ -72,14 +68,18 @@ def shutdown(spec: ReplicaSpec) -> None:
 def serve_cluster(args: argparse.Namespace, on_demand: dict[str, Path] | None = None) -> int:
     """The CLI's entry: args are `metrale serve`'s, with --replicas and --ray-address;
     on_demand: adapters registered unpinned at start-up (a --adapter of the same name wins)."""
-    from metrale.server.serve import default_adapter_root, parse_adapter_args, progress
+    from metrale.server.serve import (
+        default_adapter_root,
+        parse_adapter_args,
+        progress,
+        settings_fields,
+    )
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    model, demo = args.model, {n: str(p) for n, p in (on_demand or {}).items()}
-    if model is None:
-        from metrale.model.default_model import default_model_dir
+    from metrale.model.default_model import default_model_dir
 
-        model = str(default_model_dir(progress=progress))
+    model = str(default_model_dir(progress=progress) if args.model is None else args.model)
+    demo = {n: str(p) for n, p in (on_demand or {}).items()}
     adapter_roots = [str(Path(r).resolve()) for r in args.adapter_root]
     if args.model is None and not adapter_roots:
         adapter_roots = [str(default_adapter_root())]
@@ -101,12 +101,7 @@ def serve_cluster(args: argparse.Namespace, on_demand: dict[str, Path] | None = 
         torch_threads=args.replica_threads)
     cluster = ClusterConfig(replicas=args.replicas,
                             router=RouterConfig(args.router_epsilon, args.router_spread_queue))
-    settings_kwargs = dict(
-        model_id=Path(model).name, host=args.host, port=args.port,
-        api_key=args.api_key or os.environ.get("METRALE_API_KEY") or None,
-        admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
-        adapter_roots=tuple(adapter_roots), max_tokens_limit=args.max_tokens_limit,
-        public_metrics=args.public_metrics, public_docs=args.public_docs)
+    settings_kwargs = settings_fields(args, Path(model).name, adapter_roots)
     # one GPU per replica (Ray places them); on a CPU host, --replica-threads cores each
     resources = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": args.replica_threads}
     deploy(spec, cluster, settings_kwargs, resources)

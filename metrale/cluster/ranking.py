@@ -1,39 +1,17 @@
 """Which replica gets a request for an adapter: rendezvous homes with bounded loads.
 
 Pure: the router (router.py) and the simulation (bench/cluster_sim.py) both call
-`rank`, tests call it without Ray.
+`rank`, tests call it without Ray. docs/DESIGN.md ("The cluster") gives the reasons:
+homes make the replicas' slots partition the adapters instead of all caching the same
+hot ones, and the tail pool (`Heat`, `tail_pool`) makes the Zipf tail's landings evict
+each other, not hot adapters.
 
-Why homes. If any replica with room may take any adapter, every replica ends up
-caching the same hot adapters and the cluster's slots hold far fewer distinct adapters
-than it has slots. So each adapter has a deterministic preference order over replicas
-(rendezvous / highest-random-weight hashing of (adapter, replica id)): a cold adapter
-lands on the first replica of its order that is within the load bound and has a slot
-free now, so repeated landings of one adapter go to one place and the cluster's slots
-partition the adapter space. Rendezvous rather than a ring: no virtual nodes, and
-removing a replica moves only the adapters whose home it was.
-
-Why a tail pool. Under Zipf traffic most landings are adapters seen once in a long
-while; wherever they land they evict (LRU) an adapter that would have been hit again.
-`Heat` ranks adapters by their recent request rate; the hottest ones, as many as the
-hot replicas have slots, rank the hot replicas first; every other adapter ranks the
-tail pool first (`tail_fraction` of the replicas, chosen by rendezvous on a constant
-key so the pool is stable). The tail's churn then evicts tail adapters, not hot ones.
-With no `Heat`, or too few replicas for a pool, every adapter is hot.
-
-Tiers, best first:
-  1. the adapter is READY there and the replica is within the load bound (fewest of
-     this adapter's requests first: a holder it shares is not emptied onto one);
-  2. the adapter is landing there (or in its host tier), within the bound;
-  3. within the bound, a replica that can land it now (a free or idle slot: no wait for
-     a busy slot to drain), in the adapter's preference order;
-  4. a holder over the bound, when no replica within it has a slot free now
-     (RouterConfig.stall_over_bound); then everything else, least loaded first.
-The bound: no replica takes more than ceil((1 + epsilon) x mean load) requests for
-affinity's sake (the mean counts the request being placed), so a hot adapter cannot
-pile onto its home ("consistent hashing with bounded loads"): past the bound it spills
-to its next choice. Spreading: once every holder within the bound has `spread_queue` of
-the adapter's requests in flight, tier 3's best replica goes first (its next choice),
-and the adapter gains a replica.
+Tiers, best first, within the bound ceil((1 + epsilon) x mean load, this request
+counted): 1. READY there, fewest of this adapter's requests first; 2. landing there;
+3. a slot free now, in the adapter's preference order; 4. a holder over the bound when
+no replica within it has a slot free now (stall_over_bound), then the rest by load.
+Once every holder has `spread_queue` of the adapter's requests in flight, tier 3's
+best goes first and the adapter gains a replica.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The cluster-wide adapter registry: the desired state every replica follows.
 
-One writer (the ingress, after validating an adapter once) changes the desired
-state; each change bumps `state_version`. Replicas long-poll it (sync.py), apply the
-difference to their own engine and report back the version they applied, their
-resident adapters (name -> cluster version) and their peer export address. A
-change returns to the client once every live replica applied it. A replica that
-joins late (or restarts) gets the whole desired state on its first poll.
-
+One writer (the ingress, after validating an adapter once) changes it; each change
+bumps `state_version`. Replicas long-poll it (sync.py) and report back the version they
+applied, their READY adapters (name -> cluster version) and their exporter address.
 Names and versions are kept by the engine's own AdapterRegistry, so the cluster
-refuses exactly what one engine refuses (reserved names, duplicates, bad names).
+refuses exactly what one engine refuses.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """EngineReplica: one engine in the cluster, as a Ray Serve deployment class.
 
-Each replica is a whole single-engine metrale server: the same AsyncEngine, and the
-same FastAPI app (create_app) on its own port, guarded by the cluster's internal key.
-That app gives every replica its own /metrics (the vLLM-named gauges included, for
-routers that scrape replicas) and the admin routes the ingress fans out to. On top:
-- generate(): the ingress's requests, routed here by AdapterAffinityRouter; a request
-  for an adapter this replica lacks first tries to stage it from a neighbour;
-- record_routing_stats(): what the router ranks by (stats.py);
-- an exporter of its READY slots (peer/) for the neighbours' staging;
-- RegistrySync: follows the cluster registry (sync.py).
+Each replica is a whole single-engine metrale server (AsyncEngine and create_app's app,
+its own /metrics included) on its own port, guarded by the cluster's internal key; the
+ingress fans admin calls out to it. On top: generate() (a request for an adapter this
+replica lacks first tries to stage it from a neighbour), record_routing_stats() (what
+the router ranks by), an exporter of its READY slots, and RegistrySync (sync.py).
 """
 
 from __future__ import annotations

@@ -32,16 +32,11 @@ SENT_TTL_S = 1.0
 
 
 class AdapterAffinityRouter(RequestRouter):
-    def initialize_state(self, epsilon: float = RouterConfig.epsilon,
-                         spread_queue: int = RouterConfig.spread_queue,
-                         stall_over_bound: bool = RouterConfig.stall_over_bound,
-                         tail_fraction: float = RouterConfig.tail_fraction,
-                         heat_half_life_s: float = RouterConfig.heat_half_life_s,
-                         clock=time.monotonic, **_) -> None:
-        self.config = RouterConfig(epsilon, spread_queue, stall_over_bound, tail_fraction,
-                                   heat_half_life_s)
+    def initialize_state(self, clock=time.monotonic, **config) -> None:
+        """config: RouterConfig's fields (launch.py passes them as the router's kwargs)."""
+        self.config = RouterConfig(**config)
         self._clock = clock
-        self.heat = Heat(heat_half_life_s)
+        self.heat = Heat(self.config.heat_half_life_s)
         self._inflight: dict[str, Counter] = defaultdict(Counter)  # replica -> adapter -> n
         self._requests: dict[str, tuple[str, str]] = {}  # internal id -> (replica, adapter)
         # replica -> adapter -> when last sent there: "landing" until stats catch up

@@ -1,13 +1,10 @@
 """Replica-to-replica staging: land an adapter from a neighbour's slot before disk.
 
-When a replica must make an adapter resident and another live replica reports the
-same cluster version READY (the registry's residency, sync.py), the bytes come from
-that replica's exporter (peer/: a lease on its slot, the manifest checked against our
-layout, then NIXL or HTTP), read off the engine thread and landed as the current
-version by the engine (AsyncEngine.promote_via). Any failure (the neighbour evicted it,
-the lease was refused, no free slot) falls back to the engine's own on-demand promotion
-from disk. Every outcome is recorded, with the source, so tests and metrics see where
-bytes came from. Its coroutine may run on any event loop.
+When another live replica reports this replica's cluster version of an adapter READY
+(sync.py), that replica's exporter (peer/) supplies the bytes, read off the engine
+thread and landed as the current version (AsyncEngine.promote_via); any failure leaves
+it to the engine's own disk promotion. Every outcome is recorded with its source, for
+tests and metrics. Its coroutine may run on any event loop.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Paged KV block bookkeeping with a prefix cache.
 
-A full block's key is a hash chain over (adapter uid, its tokens, the previous
-block's key): KV computed under one adapter landing is never reused under
-another, and a same-name reload (new uid) never hits the old contents.
-A block becomes findable only once a step has computed its KV (`publish`): a prompt
-prefilled in chunks allocates all its blocks up front, and a request admitted in
-between must not hit a block whose KV is not there yet.
-Freed blocks keep their key until reallocated, so a later request can still hit.
+A full block's key is a hash chain over (adapter uid, its tokens, the previous block's
+key): KV of one adapter landing is never reused under another (a reload gets a new uid).
+A block becomes findable only once a step has computed its KV (`publish`): a chunked
+prompt allocates all its blocks up front, and a request admitted meanwhile must not hit
+one whose KV is not there yet. Freed blocks keep their key until reallocated.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ class BlockManager:
         self.free: deque[int] = deque(range(num_blocks))  # front = next to reuse
         self.by_key: dict[bytes, int] = {}
         self.num_blocks = num_blocks
-        self.hits = self.lookups = 0  # prefix-cache statistics, in blocks
+        self.hits = 0  # prefix-cache hits, in blocks
         # per block: when its current contents were allocated and last read (monotonic);
         # residency: (kind, seconds) observations since the last take_residency()
         self._born = [0.0] * num_blocks
@@ -66,7 +64,6 @@ class BlockManager:
             prev = key
             block = None
             if hitting and i < cacheable:
-                self.lookups += 1
                 block = self.by_key.get(key)
             if block is None:
                 hitting = False

@@ -2,26 +2,18 @@
 decodes) of up to the largest token bucket.
 
 Graphs are captured once at start-up over static input buffers; a step copies its inputs
-into those buffers (one host->device copy) and replays the smallest graph that fits,
-padding it. Decode graphs are keyed by batch size, mixed graphs by token bucket; each in
-two variants:
-- lora: the LoRA kernels run and read each row's slot from the static slot_ids buffer;
-- base: no LoRA work at all (a batch with no adapter token must not pay for LoRA).
-LoRA decode graphs of SORTED_MIN_BATCH rows or more have a third, slot-sorted variant for
-steps whose rows share few adapters.
+into them (one host->device copy) and replays the smallest graph that fits, padded.
+Decode graphs are keyed by batch size, mixed graphs by token bucket, each in a `lora`
+variant (the kernels read each row's slot from the static slot_ids buffer) and a `base`
+one (a batch with no adapter token pays nothing for LoRA); LoRA decode graphs of
+SORTED_MIN_BATCH rows or more also have a slot-sorted variant. A mixed graph runs the
+varlen attention over a fixed-length tile list (padding tiles exit at once) and takes a
+token order sorted by slot on the host.
 
-A mixed graph runs the varlen (prefill) attention kernel over a tile list sized for the
-bucket (its grid is fixed): the step's query tiles first, then padding tiles that exit
-at once; sequence rows past the step's have no queries. Its LoRA kernels take a token
-order sorted by slot on the host, uploaded with the rest.
-
-Adapter swaps and promotions never invalidate a graph: the pool buffer and its
-rank/scale tables are fixed device addresses that landings rewrite in place, and the
-kernels look slots up at run time. Padded rows read slot -1 (base model), write their
-K/V into a reserved padding block no sequence owns, and attend over that one key.
-
-`capture=False` runs the same static-buffer path eagerly (CPU tests of the padding
-and buffer logic; the forward pass is the one that would be captured).
+Swaps and promotions never invalidate a graph: the pool and its tables are fixed device
+addresses rewritten in place, and the kernels look slots up at run time. Padded rows
+read slot -1, write their K/V into a padding block no sequence owns and attend over it.
+`capture=False` runs the same static-buffer path eagerly (CPU tests).
 """
 
 from __future__ import annotations
@@ -43,11 +35,9 @@ from metrale.ops.attention_triton import max_prefill_tiles, prefill_block_m, pre
 from metrale.pool.pool import AdapterPool
 
 # Batch sizes captured (those <= max_num_seqs, plus max_num_seqs itself up to the cap);
-# bigger batches run eagerly. Past the LoRA kernels' per-token decode limit
-# (lora_triton.DECODE_MAX_T) a batch's tokens go to the kernels in slot order, which the
-# step computes on the host and uploads with its other inputs, as mixed steps do (eager,
-# a batch of 256 paid ~0.3 ms of Python and Triton launches per LoRA group: 8B decode
-# at batch 256 with adapters ran at 0.3x base).
+# bigger batches run eagerly. Past lora_triton.DECODE_MAX_T rows the kernels take a slot
+# order, computed on the host and uploaded with the step's inputs (eagerly, a batch of
+# 256 paid ~0.3 ms per LoRA group: 8B decode with adapters ran at 0.3x base).
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MAX_GRAPH_BATCH = 256
 # Mixed steps are captured only when every sequence row of a step fits this many rows.
@@ -92,10 +82,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def mixed_token_buckets(max_num_batched_tokens: int) -> list[int]:
-    return [t for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens]
-
-
 class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, pool: AdapterPool | None, max_num_seqs: int,
                  max_blocks: int, block_size: int, pad_block: int, max_model_len: int,
@@ -104,7 +90,7 @@ class StepGraphs:
         self.model, self.pool, self.device = model, pool, device
         self.sizes = graph_batch_sizes(max_num_seqs)
         # mixed steps need every sequence row of a step: only when all fit one graph
-        self.buckets = mixed_token_buckets(max_num_batched_tokens) \
+        self.buckets = [t for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens] \
             if max_num_seqs <= MAX_MIXED_GRAPH_BATCH else []
         self.block_size, self.pad_block = block_size, pad_block
         self.max_model_len = max_model_len
@@ -146,9 +132,6 @@ class StepGraphs:
 
     def _block_m(self, t: int) -> int:
         return prefill_block_m(t, self.group)
-
-    def variants(self) -> list[bool]:
-        return [False, True] if self.pool is not None else [False]
 
     @property
     def num_replays(self) -> int:
@@ -200,7 +183,7 @@ class StepGraphs:
         self._mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        variants = self.variants()
+        variants = [False, True] if self.pool is not None else [False]  # lora: without, with
         captures = [(("mixed", t, lora), partial(self._forward_mixed, t, lora))
                     for t in reversed(self.buckets) for lora in variants]
         captures += [((b, lora), partial(self._forward, b, lora))

@@ -1,9 +1,7 @@
-"""Residency: where every adapter lives, as rows, for every reader of adapter state.
-
-The HTTP views (/v1/models, /v1/adapters), /metrics and the cluster's readers
-(routing stats, registry sync, peer staging) read these rows and nothing else. This is
-the only module that reads the registry and the slot table together for a view, so a
-change to either store changes `residency_rows` alone. Engine thread only.
+"""Residency: where every adapter lives, as rows, for every reader of adapter state (the
+HTTP views, /metrics, the cluster's routing stats, registry sync and peer staging). The
+only module that reads the registry and the slot table together for a view, so a change
+to either store changes `residency_rows` alone. Engine thread only.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""ModelRunner: owns the model and its KV cache; turns a scheduled batch into
-flat tensors, runs one forward pass under a forward context, and samples.
-
-On CUDA, decode steps of up to MAX_GRAPH_BATCH sequences and mixed steps of up to the
-largest token bucket replay CUDA graphs (metrale.engine.cuda_graphs) unless
-`enforce_eager`; bigger steps run eagerly. The KV cache holds one block more than the
-block manager hands out: the padding block that padded graph rows write into."""
+"""ModelRunner: owns the model and its KV cache; turns a scheduled batch into flat
+tensors, runs one forward pass under a forward context, and samples. On CUDA, decode and
+mixed steps that fit replay CUDA graphs (metrale.engine.cuda_graphs) unless
+`enforce_eager`. The KV cache holds one block more than the block manager hands out:
+the padding block that padded graph rows write into."""
 
 from __future__ import annotations
 

@@ -7,9 +7,7 @@ trip a device-side assert and take the whole engine down).
 
 Rows without a seed are drawn together, a few kernels for the batch and one inverse-CDF
 draw per row; a seeded row draws alone from its own generator (so its tokens do not
-depend on what shares its batch). Before, every sampled row cost ~6 launches and a host
-sync, and multinomial drew one random number per vocabulary entry (bench/sampler.py
-times both paths side by side).
+depend on what shares its batch). bench/sampler.py times both paths.
 """
 
 from __future__ import annotations

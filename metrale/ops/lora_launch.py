@@ -12,10 +12,9 @@ import torch
 from metrale.ops.lora_kernels import DESC_COLS, expand_kernel, shrink_kernel
 from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2
 
-# Block sizes of the two token mappings, first set for an H200 with bench/lora_kernels.py:
-# decode (no order: one program per token) and prefill (BLOCK_T rows of the slot order per
-# program, an upper bound: see config). split_k: shrink programs to aim for (split-K fills
-# the GPU at small T).
+# Block sizes (H200, bench/lora_kernels.py) of the two token mappings: decode (one program
+# per token) and prefill (up to BLOCK_T rows of the slot order per program: see config).
+# split_k: shrink programs to aim for (split-K fills the GPU at small T).
 DECODE_CFG = dict(BLOCK_K=256, BLOCK_N=128, shrink_warps=4, expand_warps=2, split_k=1024)
 PREFILL_CFG = dict(BLOCK_T=32, BLOCK_K=128, BLOCK_N=256, shrink_warps=4, expand_warps=4,
                    split_k=256)
@@ -38,13 +37,10 @@ class PathRule:
         return self.min_t <= T and (self.max_t is None or T <= self.max_t)
 
 
-# The path per shape: the first row that matches. Past 64 tokens (the slot-sorted prefill
-# mapping) split was faster for every Llama-3-8B group, alone on an H200
-# (bench/results/lora_kernels-20261201-040001.json, T=256: q/k/v 15.7 vs 18.1 us, down
-# 16.1 vs 17.8). At decode sizes the end-to-end measurements are atomic's: every decode
-# benchmark ran it, and the one decode run with split (1B, batch 32: session 10's "auto"
-# default, BENCHMARKS.md) fell from 0.73x to 0.65x of base, though split alone beat atomic
-# for q/k/v and o there. docs/DESIGN.md says what would move a row.
+# The path per shape, the first row that matches, as measured on an H200: past 64 tokens
+# (the slot-sorted mapping) split beat atomic for every Llama-3-8B group (T=256: q/k/v 15.7
+# vs 18.1 us); at decode sizes split fell from 0.73x to 0.65x of base end to end (1B, batch
+# 32; BENCHMARKS.md). docs/DESIGN.md says what would move a row.
 PATH_TABLE = (
     PathRule("split", min_t=65),
     PathRule("atomic"),

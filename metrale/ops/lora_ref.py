@@ -1,26 +1,20 @@
 """Plain-torch multi-LoRA: the CPU engine's path and the tests' oracle for the Triton kernels.
 
-Layout (see metrale.pool): for one (layer, module) the pool exposes
-  A:  [S, R, in]   rank-major; a rank-r adapter fills rows 0..r-1, rows r..R-1 are zero,
-  Bt: [S, R, out]  B transposed, same convention,
-and per-slot `scales: [S]` float32. Each token t carries `slot_ids[t]` (-1 = base model only):
+For one (layer, module) the pool exposes A: [S, R, in] and Bt: [S, R, out] (B transposed),
+rank-major with rows r..R-1 zero (metrale.pool), and per-slot `scales: [S]` float32. Each
+token t carries `slot_ids[t]` (-1 = base model only):
   y[t] += scales[s] * (x[t] @ A[s].T) @ Bt[s]     for s = slot_ids[t] >= 0.
-Zero padding makes the full-R product exact, so the shrink/expand references need no ranks;
-`lora_apply_ref` takes optional `ranks` only to skip work on the CPU path.
+Zero padding makes the full-R product exact: optional `ranks` only skip work.
 
 DoRA (PEFT's use_dora) scales base and delta together, per output row, for tokens of a slot
 whose `doras[s]` flag is set, with the gain row `gains[s]` ([out] float32, m / ||W + sBA||):
   y[t] = gains[s] * (y[t] - bias + scales[s] * (x[t] @ A[s].T) @ Bt[s]) + bias
-(y holds x W^T + bias on entry). Tokens of other slots get exactly the plain update.
+(y holds x W^T + bias on entry). Embedding LoRA (lora_embedding_A/B) has no shrink
+matmul: h[t] = A[s][:, ids[t]], a gather of one column per token (`lora_embed_ref`).
 
-Embedding LoRA (PEFT's lora_embedding_A/B) has no shrink matmul: h[t] = A[s][:, ids[t]],
-a gather of one column per token (`lora_embed_ref`); the expand is the same.
-
-Tokens are grouped by slot so each distinct slot costs one dense matmul, instead of
-gathering a [T, R, in] copy of the weights per token. The engine groups once per batch
-(`token_groups`, passed down through the forward context) rather than once per call: a
-group whose tokens are contiguous is a slice, so the common one-adapter batch reads x and
-adds into y through views, with no gather or scatter.
+Tokens are grouped by slot, one dense matmul per distinct slot instead of a [T, R, in]
+gather of weights; the engine groups once per batch (`token_groups`), and a group whose
+tokens are contiguous is a slice: x is read and y added into through views.
 """
 
 from __future__ import annotations
@@ -165,8 +159,7 @@ def lora_apply_fused_ref(
         groups = list(slot_groups(slot_ids))
     if not groups:
         return
-    # Host copies of the per-slot ranks and scales, once per call: reading one element
-    # of a tensor per group and module was a measurable share of a CPU decode step.
+    # host copies, once per call: an element read per group and module costs a CPU step dearly
     rank_rows = [r.tolist() for r in ranks_list] if ranks_list is not None else None
     scale_rows = [s.tolist() for s in scales_list]
     y_views = [y[:, sl] for sl in out_slices]  # y_i: [T, out_i], views: writes land in y

@@ -1,13 +1,10 @@
-"""The Triton shim every kernel file (metrale.ops.*_triton) imports: triton itself, or a
-stand-in on installs without it, and the helpers their launch wrappers share.
-
-triton is an optional extra (pip install 'metrale[triton]'): without it the kernel modules
-still import, so the torch paths keep working, and calling a kernel raises.
+"""The Triton shim every kernel file imports: triton itself, or (triton is the optional
+`metrale[triton]` extra) a stand-in with which the kernel modules still import, so the
+torch paths keep working and calling a kernel raises; and the launch helpers they share.
 
 On CPU, kernels run in Triton's interpreter, which is on only if TRITON_INTERPRET=1 was set
-before triton was first imported (triton jits its own library, tl.min & co, at import).
-Importing this module imports triton, so whoever wants the interpreter sets the variable
-first (tests/conftest.py does).
+before triton was first imported: whoever wants it sets the variable before importing this
+module (tests/conftest.py does).
 """
 
 from __future__ import annotations

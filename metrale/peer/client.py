@@ -63,14 +63,10 @@ class PeerClient:
         (metrale.peer.wire), read under the manifest byte cap."""
         path = f"/peer/v1/adapters/{quote(adapter_id, safe='')}/lease"
         what = f"lease {adapter_id!r}"
-        conn, resp = self._request("POST", path, {"ttl_s": ttl_s, "manifest_version": WIRE_VERSION},
-                                   what, self.deadline, MAX_MANIFEST_BYTES, accept=CONTENT_TYPE)
-        try:
-            raw = self._read_capped(resp, MAX_MANIFEST_BYTES, what)
-        finally:
-            conn.close()
-        if resp.status != 200:
-            self._refusal(resp.status, raw, what)
+        status, raw = self._reply("POST", path, {"ttl_s": ttl_s, "manifest_version": WIRE_VERSION},
+                                  what, accept=CONTENT_TYPE)
+        if status != 200:
+            self._refusal(status, raw, what)
         return raw
 
     def release(self, lease_id: str) -> None:
@@ -84,20 +80,26 @@ class PeerClient:
             log.info("peer %s: releasing lease %s failed (%s); it will expire", self.addr,
                      lease_id[:16], e)
 
-    def _json(self, method: str, path: str, body: dict | None, what: str) -> dict:
-        conn, resp = self._request(method, path, body, what, self.deadline, MAX_MANIFEST_BYTES)
+    def _reply(self, method: str, path: str, body: dict | None, what: str,
+               accept: str = "application/json") -> tuple[int, bytes]:
+        """(status, body) of one control-plane call, the body read under the manifest cap."""
+        conn, resp = self._request(method, path, body, what, self.deadline, MAX_MANIFEST_BYTES,
+                                   accept)
         try:
-            raw = self._read_capped(resp, MAX_MANIFEST_BYTES, what)
+            return resp.status, self._read_capped(resp, MAX_MANIFEST_BYTES, what)
         finally:
             conn.close()
+
+    def _json(self, method: str, path: str, body: dict | None, what: str) -> dict:
+        status, raw = self._reply(method, path, body, what)
         try:
             doc = strict_json(raw)
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            if resp.status != 200:
-                raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {resp.status}") from None
+            if status != 200:
+                raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {status}") from None
             raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not JSON ({e})") from None
-        if resp.status != 200:
-            self._refusal(resp.status, doc, what)
+        if status != 200:
+            self._refusal(status, doc, what)
         if not isinstance(doc, dict):
             raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not a JSON object")
         return doc

@@ -1,9 +1,5 @@
-"""Typed refusals of peer staging.
-
-Each derives from a metrale.errors class, so callers that map classes to HTTP
-statuses (metrale.server.errors) already treat them sensibly: a peer that is
-gone is PeerUnavailableError, a manifest that does not fit is an AdapterError,
-an adapter the peer does not hold is UnknownAdapterError.
+"""Typed refusals of peer staging. Each derives from a metrale.errors class, so callers
+that map classes to HTTP statuses (metrale.server.errors) already treat them sensibly.
 """
 
 from __future__ import annotations

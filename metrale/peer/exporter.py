@@ -1,24 +1,15 @@
 """AdapterExporter: serve the READY slots of a LoraSlots to peers.
 
-A lease takes one reference on the slot (SlotTable.acquire), exactly like an
-in-flight sequence: while it is held the slot can be neither swapped nor
-unloaded nor chosen as a promotion victim, so the bytes a peer reads cannot
-change under it. The reference is dropped when the lease is released or
-expires; an expiry that falls during an HTTP stream waits for the stream to
-end (the server's socket timeout bounds that).
+A lease takes one reference on the slot (SlotTable.acquire), exactly like an in-flight
+sequence, so the bytes a peer reads cannot change under it. The reference is dropped
+when the lease is released or expires; an expiry that falls during an HTTP stream waits
+for the stream to end (the server's socket timeout bounds that). HTTP streams send a
+device pool's bytes from a host copy per landing (_HostCopies), a host pool's from the
+pool itself.
 
-HTTP streams from a device pool send a host copy of the slot's bytes, built at
-the first stream of a landing (one device->host copy per tensor, one sync) and
-reused by later streams of the same uid: a READY slot's bytes cannot change under
-one uid, and a lease holds the export it was granted, so a stream never reads
-another landing's copy. Copies are dropped with their export (its slot took another
-landing, seen at the next lease) and beyond `host_copy_bytes`, least recently
-streamed first. A host pool's bytes are sent from the pool itself.
-
-The exporter never touches the slot table from its own threads: every table
-access goes through `call`, which a running engine points at its loop
-(`lambda fn: engine.call_soon(fn).result(timeout)`); the default runs it under a
-lock, which is enough for a LoraSlots nothing else mutates (the peer store).
+The exporter touches the slot table only through `call`, which a running engine points
+at its loop (`lambda fn: engine.call_soon(fn).result(timeout)`); the default runs it
+under a lock, enough for a LoraSlots nothing else mutates (the peer store).
 """
 
 from __future__ import annotations
@@ -217,11 +208,7 @@ class AdapterExporter:
             if lease is None:
                 raise LeaseNotFoundError(f"lease {lease_id[:16]!r} is unknown, released or expired")
             lease.ended = True
-            drop = lease.streams == 0 and lease.ref_held
-            if drop:
-                lease.ref_held = False
-        if drop:
-            self._drop(lease)
+        self._drop_if_done(lease)
 
     def expire(self) -> None:
         now = self._clock()
@@ -281,9 +268,6 @@ class AdapterExporter:
         fresh = cached is not None and cached.uid == info.uid
         return slot, info, None if fresh else self.pool.host_tables(slot), gone
 
-    def _drop(self, lease: _Lease) -> None:
-        self._call(lambda: self.slots.table.release(lease.slot))
-
     def _export(self, slot: int, name: str, info, tables) -> _Export:
         """What a lease on this slot says, built once per landing in the slot (its uid):
         a READY slot's bytes, tables and addresses cannot change under the same uid."""
@@ -331,11 +315,16 @@ class AdapterExporter:
     def _end_stream(self, lease: _Lease) -> None:
         with self._lock:
             lease.streams -= 1
+        self._drop_if_done(lease)
+
+    def _drop_if_done(self, lease: _Lease) -> None:
+        """Release the slot's reference once: when the lease ended and no stream reads it."""
+        with self._lock:
             drop = lease.ended and lease.streams == 0 and lease.ref_held
             if drop:
                 lease.ref_held = False
         if drop:
-            self._drop(lease)
+            self._call(lambda: self.slots.table.release(lease.slot))
 
 
 class DataStream:
@@ -366,11 +355,9 @@ class DataStream:
 
 
 class _HostCopies:
-    """What HTTP streams send, per export. A host pool's bytes go from where they are
-    (the lease keeps them from changing). A device pool's go from a host copy made at
-    the first stream of a landing and kept, by uid, for the next ones: one buffer
-    (pinned on CUDA) filled with one async device->host copy per tensor and a single
-    sync, least recently used dropped beyond `budget` bytes. A stream keeps the
+    """What HTTP streams send, per export: a device pool's bytes from a host copy made at
+    the first stream of a landing (one buffer, one async D2H per tensor, one sync) and
+    kept by uid, least recently used dropped beyond `budget` bytes. A stream keeps the
     buffer it got, so dropping one never pulls bytes from under a running send."""
 
     def __init__(self, device: torch.device, budget: int, copy: bool) -> None:

@@ -1,10 +1,7 @@
 """How adapter ids are listed in messages: bounded, and only names that are safe to echo.
-
-An unknown-id error names what the peer does serve, so the caller can fix the id
-without another tool. A peer may hold thousands of adapters, and an id that came
-over the network may hold anything (terminal escapes, megabytes): so at most
-MAX_LISTED ids are shown, then "and N more", and an id that is not a valid adapter
-name is counted, never printed.
+A peer may hold thousands of adapters, and an id that came over the network may hold
+anything (terminal escapes, megabytes): at most MAX_LISTED ids are shown, then "and N
+more", and an id that is not a valid adapter name is counted, never printed.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Land a peer's adapter into a slot: the engine side of peer staging.
 
-Validate everything first, mutate second. Before the slot is touched: the
-peer address is checked against peer_allow (nothing is contacted otherwise),
-the adapter is leased, its manifest read under a byte cap and checked against
-the local SlotLayout, and a full AdapterPlan is built from the local model and
-pool. Then, by transport:
-
-- http: the bytes stream into host staging (exactly data_bytes, under the
-  deadline) and are checked for NaN/Inf; only then is the slot zeroed and
-  written with AdapterPool.land. A peer that dies mid-stream leaves the slot as
-  it was.
-- nixl: the slot is zeroed and NIXL READs each tensor from the peer's memory
-  straight into it. Local descriptors come only from the local SlotLayout; the
-  peer's lengths were checked against them before zeroing. A peer that dies or
-  stalls mid-transfer leaves the slot EMPTY with a fresh identity (Landing.fail).
-
-The lease is released when the operation ends, whatever happened.
+Validate everything first, mutate second: the peer address is checked against
+peer_allow before anything is contacted, then the adapter is leased, its manifest
+checked against the local SlotLayout and planned from the local model and pool, all
+before the slot is touched. Over HTTP the bytes are then streamed into staging and
+checked (NaN/Inf) before the slot is zeroed: a peer that dies mid-stream leaves the slot
+as it was. Over NIXL the zeroed slot is READ into from the peer's memory (local
+descriptors come only from the local layout); a peer that dies or stalls mid-transfer
+leaves it EMPTY with a fresh identity (Landing.fail). The lease is released when the
+operation ends, whatever happened.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Does a peer hold an adapter id? Asked once at registration, without a lease.
-
-Registration promises validation: a `peer://host:port/ID` source whose peer does
-not serve ID (a typo, a store started on another directory) must be refused when
-it is registered, naming what the peer does serve, not at the first request, minutes
-later. The list is the peer's public GET /peer/v1/adapters: no slot is pinned, and
-the manifest itself is still checked in full when the adapter lands.
+"""Does a peer hold an adapter id? Asked once at registration, without a lease, so a
+`peer://host:port/ID` source whose peer does not serve ID (a typo, a store started on
+another directory) is refused when registered, naming what the peer serves, not at its
+first request. The manifest is still checked in full when the adapter lands.
 """
 
 from __future__ import annotations

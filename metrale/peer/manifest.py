@@ -1,21 +1,15 @@
 """The peer manifest: what an exporter says about one adapter, and the strict
 reading of it on the engine side.
 
-Tensors are in the canonical pool layout: A as [r, in], B transposed as
-[r, out], DoRA's magnitude M as [1, out], each contiguous, in the pool dtype. Modules
-are the decoder projections and, when the local pool serves them, embed_tokens and
-lm_head (at layer 0). Version 2 added M and the model-level modules; a version-1 peer
-is refused either way (it would misread a v2 manifest). The HTTP stream carries them
+Tensors are in the canonical pool layout: A as [r, in], B transposed as [r, out],
+DoRA's magnitude M as [1, out], each contiguous, in the pool dtype; the model-level
+modules (embed_tokens, lm_head) sit at layer 0. The HTTP stream carries them
 concatenated in manifest order; NIXL gets one remote descriptor per tensor.
 
-Nothing in a manifest is trusted: its size and nesting are bounded before any
-field is read, every field is type-checked (ints are ints, not bools, and
-bounded; no NaN/Infinity), counts and byte totals are capped by the local slot
-before anything is iterated, every length is checked against shape x dtype,
-the PEFT patterns are refused when they could make the regex engine backtrack
-for minutes, and the plan is rebuilt from the local model and pool. Whatever a
-peer sends, reading it ends in a MetraleError: anything else raised while
-parsing or planning is turned into a PeerManifestError naming the peer.
+Nothing in a manifest is trusted (docs/DESIGN.md, "Peers", lists the checks), and the
+plan is rebuilt from the local model and pool. Whatever a peer sends, reading it ends in
+a MetraleError: anything else raised while parsing or planning becomes a
+PeerManifestError naming the peer.
 """
 
 from __future__ import annotations
@@ -74,10 +68,6 @@ class TensorSpec:
     cols: int
     nbytes: int
 
-    def to_dict(self) -> dict:
-        return {"layer": self.layer, "module": self.module, "kind": self.kind,
-                "shape": [self.rows, self.cols], "nbytes": self.nbytes}
-
 
 @dataclass(frozen=True)
 class NixlInfo:
@@ -101,10 +91,6 @@ class Manifest:
     peft_raw: bytes = field(repr=False)  # the PEFT config's JSON, parsed only when planning
     shape_bytes: bytes = field(repr=False)  # the table without addresses (the plan's input)
     checked: bool = False  # the table was checked against the local layout (not a cache hit)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return FLOAT_DTYPES[self.dtype]
 
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:
@@ -235,13 +221,10 @@ def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: st
     layer, module, kind = (table[k].astype(np.int64) for k in ("layer", "module", "kind"))
     rows, cols = table["rows"].astype(np.int64), table["cols"].astype(np.int64)
 
-    def first(bad: np.ndarray) -> int | None:
-        idx = np.flatnonzero(bad)
-        return int(idx[0]) if idx.size else None
-
     def refuse(bad: np.ndarray, error: type, message) -> None:
-        i = first(bad)
-        if i is not None:
+        idx = np.flatnonzero(bad)
+        if idx.size:
+            i = int(idx[0])
             t = table[i]
             what = (f"{source}: tensor #{i} (layer {int(t['layer'])} "
                     f"{MODULES[t['module']] if t['module'] < len(MODULES) else t['module']} "

@@ -1,9 +1,6 @@
-"""The one place metrale imports NIXL.
-
-NIXL ships as per-CUDA wheels whose import names differ: `nixl-cu12` installs
-the module `nixl_cu12`, `nixl-cu13` installs `nixl_cu13`, and the `nixl` meta
-package (which does not install cleanly everywhere) provides `nixl`. Each of
-them exposes `nixl_agent` and `nixl_agent_config` at top level.
+"""The one place metrale imports NIXL. Its per-CUDA wheels differ in import name
+(`nixl-cu12` installs `nixl_cu12`, `nixl-cu13` `nixl_cu13`, the `nixl` meta package
+`nixl`); each exposes `nixl_agent` and `nixl_agent_config` at top level.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """One NIXL agent per adapter pool: the pool buffer is registered once and used
 both to READ peers' adapters into slots and to export READY slots.
 
-Remote addresses cross the wire as plain integers in the manifest's table (with one
-device id and memory type per reply), never through nixl_agent.get_serialized_descs /
-deserialize_descs: those are pickle, and unpickling a peer's bytes would let the peer
-run code here.
-
-Per landing the control work is small and cached: a peer's agent metadata is loaded
-once (add_remote, keyed by the metadata bytes), the tensors are coalesced into runs
-(`coalesce`: matching layouts give one run per slot), both descriptor lists are
-prepared once per distinct list (prep_xfer_dlist) and a transfer is made from them by
-index (make_prepped_xfer); completion is polled by spinning first, then with a backoff.
+Remote addresses cross the wire as plain integers in the manifest's table, never
+through nixl_agent.get_serialized_descs / deserialize_descs: those are pickle, and
+unpickling a peer's bytes would let the peer run code here. The per-landing control
+work is cached (docs/DESIGN.md, "Peers"): remote agents by their metadata, runs per
+remote placement (`coalesce`), prepared descriptor lists per distinct list.
 """
 
 from __future__ import annotations
@@ -61,21 +56,14 @@ def endpoint_for(owner: object, buffer: torch.Tensor) -> NixlEndpoint:
         return ep
 
 
-def mem_type(t: torch.Tensor) -> str:
-    return "VRAM" if t.device.type == "cuda" else "DRAM"
-
-
-def device_id(t: torch.Tensor) -> int:
-    return (t.device.index or 0) if t.device.type == "cuda" else 0
-
-
 class NixlEndpoint:
     def __init__(self, buffer: torch.Tensor) -> None:
         nixl = load_nixl()
         if not buffer.is_contiguous():
             raise ValueError("NIXL registration needs a contiguous buffer")
         self.buffer = buffer
-        self.mem_type, self.device_id = mem_type(buffer), device_id(buffer)
+        cuda = buffer.device.type == "cuda"
+        self.mem_type, self.device_id = ("VRAM", buffer.device.index or 0) if cuda else ("DRAM", 0)
         self.base, self.nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
         self.name = f"metrale-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._lock = threading.Lock()  # the agent runs without NIXL's own locking

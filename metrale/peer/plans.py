@@ -1,14 +1,11 @@
 """Plans of peer landings, remembered per (peer, adapter id) and checked per landing.
 
-Validating a manifest and planning it (PEFT config, targets, name matching) costs
-milliseconds of Python on an 8B adapter's 448 tensors; a repeat landing of the same
-adapter from the same peer has the same table, config and dtype, so it needs neither.
-The cache is keyed on content, never on anything the peer claims: an entry holds the
-exact shape bytes of the table it checked (wire.SHAPE_BYTES per record), the PEFT
-config's bytes and the dtype. A reply reuses the entry only when
-all of these are byte-for-byte equal, which is the same as passing every check again;
-any difference (the peer's layout changed, or it lies this time) replaces the entry after
-a full validation. One cache per adapter pool, so per local layout.
+Validating and planning a manifest costs milliseconds of Python on an 8B adapter; a
+repeat landing from the same peer has the same table, config and dtype. The cache is
+keyed on content, never on what the peer claims: an entry is reused only when the
+table's shape bytes (wire.SHAPE_BYTES per record), the PEFT config's bytes and the dtype
+are byte-for-byte equal, which is the same as passing every check again; any difference
+is validated in full and replaces the entry. One cache per adapter pool (local layout).
 """
 
 from __future__ import annotations
@@ -47,10 +44,9 @@ class PeerPlan:
 
 
 class PlanCache:
-    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(self) -> None:
         self._entries: OrderedDict[tuple[str, str], PeerPlan] = OrderedDict()
         self._lock = threading.Lock()
-        self.max_entries = max_entries
         self.hits = self.misses = 0
 
     def get(self, peer: str, adapter_id: str) -> PeerPlan | None:
@@ -65,16 +61,8 @@ class PlanCache:
         with self._lock:
             self._entries[(peer, adapter_id)] = entry
             self._entries.move_to_end((peer, adapter_id))
-            while len(self._entries) > self.max_entries:
+            while len(self._entries) > MAX_ENTRIES:
                 self._entries.popitem(last=False)
-
-    def forget(self, peer: str, adapter_id: str) -> None:
-        with self._lock:
-            self._entries.pop((peer, adapter_id), None)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

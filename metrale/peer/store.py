@@ -1,11 +1,7 @@
 """`metrale peer serve`: an adapter store that exports every PEFT adapter of a
-directory to engines.
-
-The store's memory is a LoraSlots with one slot per adapter: the canonical
-layout engines land (pool dtype, A [r, in], Bt [r, out]), filled through the
-same validating disk path as an engine, with rank and scale tables. It never
-changes after start-up; leases still work as for an engine exporting its own
-READY slots, so both kinds of peer speak one protocol.
+directory to engines. Its memory is a LoraSlots with one slot per adapter, filled at
+start-up through the same validating disk path as an engine's and never changed after;
+leases work as for an engine exporting its own READY slots: one protocol for both.
 """
 
 from __future__ import annotations

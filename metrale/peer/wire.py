@@ -9,10 +9,9 @@ lease, the manifest header, the PEFT config and a packed tensor table.
     table    n_tensors records of RECORD (32 bytes each), manifest order
 
 The body's length must be exactly 24 + header_len + peft_len + 32 * n_tensors: a
-truncated or padded body is refused before any field is read. Version 2 (a JSON
-document with one object per tensor) cost ~5 ms to decode and check on an 8B adapter's
-448 tensors; this table is read with one np.frombuffer and checked column-wise, and a
-repeat landing compares its first 24 bytes per record with a table already checked.
+truncated or padded body is refused before any field is read. The table is read with
+one np.frombuffer and checked column-wise (JSON objects per tensor cost ~5 ms on an 8B
+adapter's 448 tensors).
 """
 
 from __future__ import annotations

@@ -1,27 +1,23 @@
 """Host tier: an LRU of recently landed adapters, kept as slot images.
 
-An entry is the whole slot region exactly as the pool holds it (pool dtype, rank-major,
-rank padding and untargeted modules zero) plus the slot's rank, scale and DoRA rows, in
-pinned memory. Re-promoting it is one H2D copy of the image and three tiny table copies: no
-file read, no parse, no NaN scan, no conversion (a DoRA image's gains are recomputed on the
-device from its bytes, as at its first landing).
+An entry is the whole slot region exactly as the pool holds it plus the slot's rank,
+scale and DoRA rows, in pinned memory: re-promoting it is one H2D copy and three tiny
+table copies, no file read, parse, NaN scan or conversion (DoRA gains are recomputed on
+the device from the bytes). Keys are AdapterIdentity, so any rewrite of the files changes
+the key and a stale image is never served; a newer version of a directory drops the
+older one's entry. A hit skips validation: the image is the output of a landing that
+passed it, for these exact files and this pool.
 
-Keys are AdapterIdentity (metrale.adapters.identity): a digest of the config and the
-header plus the weights file's inode and ctime, so any rewrite of either file changes the
-key and a stale image is never served; the entry of an older version of the same
-directory is dropped when a newer one is stored. A hit skips validation because the
-image is the output of a landing that passed it, for these exact files and this pool.
-
-Filling copies a freshly landed slot back to the host on a side stream (off the hot
-path). Until that copy completes, the next write into that slot waits for it on the
-device (`before_write`), never on the host. Images live in one pinned arena allocated at
-the first fill (pinning memory costs ~ms per MB-scale call; paying it per landing would
-stall the engine loop), and an evicted entry's image is reused by the next fill: the
-side stream first waits for the engine stream, so an H2D still reading it finishes first.
+Filling copies a freshly landed slot to the host on a side stream; the next write into
+that slot waits for it on the device (`before_write`), never on the host. Images live in
+one pinned arena allocated at the first fill (pinning costs ~ms per MB-scale call: per
+landing it would stall the engine loop); an evicted image is reused by the next fill, the
+side stream first waiting for the engine stream so an H2D still reading it finishes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -94,29 +90,21 @@ class HostTier:
             if not self._free:
                 self._free.append(self._entries.popitem(last=False)[1].index)  # LRU
         index = self._free.pop()
-        image = self._arena[index]
-        ranks = torch.empty(pool.ranks[slot].shape, dtype=torch.int32, pin_memory=self._cuda)
-        scales = torch.empty(pool.scales[slot].shape, dtype=torch.float32, pin_memory=self._cuda)
-        doras = torch.empty(pool.doras[slot].shape, dtype=torch.int32, pin_memory=self._cuda)
-        ready = None
+        sources = (pool.slot_region(slot), pool.ranks[slot], pool.scales[slot], pool.doras[slot])
+        copies = [self._arena[index]] + [torch.empty(t.shape, dtype=t.dtype, pin_memory=self._cuda)
+                                         for t in sources[1:]]
+        ready, side = None, contextlib.nullcontext()
         if self._cuda:
-            side = self._stream
-            side.wait_stream(torch.cuda.current_stream(pool.device))  # after the landing
-            with torch.cuda.stream(side):
-                image.copy_(pool.slot_region(slot), non_blocking=True)
-                ranks.copy_(pool.ranks[slot], non_blocking=True)
-                scales.copy_(pool.scales[slot], non_blocking=True)
-                doras.copy_(pool.doras[slot], non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(side)
-            self._pending[slot] = ready
-        else:
-            image.copy_(pool.slot_region(slot))
-            ranks.copy_(pool.ranks[slot])
-            scales.copy_(pool.scales[slot])
-            doras.copy_(pool.doras[slot])
+            self._stream.wait_stream(torch.cuda.current_stream(pool.device))  # after the landing
+            side = torch.cuda.stream(self._stream)
+        with side:
+            for dst, src in zip(copies, sources):
+                dst.copy_(src, non_blocking=self._cuda)
+        if self._cuda:
+            ready = self._pending[slot] = torch.cuda.Event()
+            ready.record(self._stream)
         with self._lock:
-            self._entries[key] = TierEntry(index, image, ranks, scales, doras, ready)
+            self._entries[key] = TierEntry(index, *copies, ready)
 
     def before_write(self, slot: int) -> None:
         """Order the next write into slot after a fill copy still reading it (device-side)."""

@@ -1,18 +1,9 @@
-"""Where every (layer, module, A|B) lives inside one slot region.
-
-Rank-major storage: A as [max_rank, in] and B transposed as [max_rank, out], so a
-rank-r tensor of any module lands as one contiguous run of r * dim elements at
-the start of its region (one copy per tensor from disk, one descriptor per
-tensor from a peer).
-
-DoRA: every module also has an "M" region, [1, out], for PEFT's lora_magnitude_vector m
-(zero unless a DoRA adapter landed). The per-row gain g = m / ||W + s B A|| the kernels
-multiply by is not slot bytes: it is computed on the device at landing (AdapterPool) into
-a float32 buffer laid out by `gain_offsets`.
-
-Model-level targets (PoolConfig.extra_targets: embed_tokens, lm_head) get regions only
-when configured; in every (layer, module) key they sit at layer 0. embed_tokens is laid
-out as PEFT's LoRA sees it: A = lora_embedding_A [r, vocab], Bt = lora_embedding_B^T [r, hidden].
+"""Where every (layer, module, A|B|M) lives inside one slot region (docs/DESIGN.md,
+"Pool memory layout"): A as [max_rank, in], B transposed as [max_rank, out], so a rank-r
+tensor lands as one contiguous run at the start of its region; M, [1, out], holds DoRA's
+magnitude. DoRA's per-row gain is not slot bytes: AdapterPool computes it at landing into
+a float32 buffer laid out by `gain_offsets`. Model-level targets (embed_tokens, lm_head)
+get regions only when configured, at layer 0.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ _ALIGN_BYTES = 128
 class TensorRegion:
     layer: int
     module: str
-    kind: str  # "A" | "B"
+    kind: str  # "A" | "B" | "M"
     offset: int  # elements from the slot base
     rows: int  # max_rank
     cols: int  # in (A) or out (B)

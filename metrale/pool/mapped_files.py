@@ -1,22 +1,16 @@
 """Adapter files mapped read-only and registered with CUDA: a re-landing of an unchanged
 file is one DMA straight from the page cache.
 
-Reading a file again for every landing costs more than its copy: on the H200 host, 16
-threads of preads move an 84 MB adapter from the page cache into pinned staging in
-~3.5 ms against a 1.56 ms H2D floor. Mapping the file and registering the mapping
-(cudaHostRegister, read-only) pins its page-cache pages once, after which the GPU copies
-from them at the floor with no host copy at all.
+Reading a file again for every landing costs more than its copy (H200 host: 16 threads
+of preads move an 84 MB adapter into pinned staging in ~3.5 ms, the H2D floor is
+1.56 ms); a registered read-only mapping pins its page-cache pages once, and the GPU then
+copies from them at the floor. A file is mapped at its second landing: registering costs
+more than one read (~6 ms for 84 MB), and a file landed twice is likely to land again.
 
-A file is mapped at its second landing, not its first: registering costs more than reading
-a file once (84 MB: ~6 ms of page faults and pinning against ~3.5 ms of preads), and a file
-landed twice is the one likely to be landed again.
-
-Entries are keyed by AdapterIdentity (config and header digest plus the weights file's
-inode, size, mtime and ctime): any rewrite of the file makes a new key, so an old mapping
-is never read for new bytes, and the opened file's stat must match the key's before it
-is mapped. Registered pages cannot be reclaimed by the OS, so the cache holds at most
-`capacity_bytes` of files, least recently used out; an entry is unregistered only when no
-landing is borrowing it and after the last copy from it finished (its event).
+Keys are AdapterIdentity, so any rewrite of the file makes a new key, and the opened
+file's stat must match the key's before it is mapped. Registered pages cannot be
+reclaimed by the OS: at most `capacity_bytes` of files, least recently used out; an entry
+is unregistered only when no landing borrows it and its last copy finished (its event).
 """
 
 from __future__ import annotations

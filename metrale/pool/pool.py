@@ -1,15 +1,12 @@
 """AdapterPool: the one contiguous device tensor holding every slot, its
 per-slot rank and scale tables, and the strided per-(layer, module) views the
-kernels read. It owns tensors and copies; the SlotTable owns policy.
+kernels read. It owns tensors and copies; the SlotTable owns policy. Addresses
+never change after construction, so CUDA graphs captured over these views stay valid.
 
-Addresses never change after construction: a swap rewrites contents only, so
-CUDA graphs captured over these views stay valid.
-
-DoRA (PEFT's use_dora): y = g * (x W^T + s x A^T B^T) + bias with g = m / ||W + s B A||
-per output row. g depends only on the slot's bytes and the base weight, so it is computed
-once per landing (`compute_gains`, on the device, a chunk of output rows at a time so
-W + sBA is never whole) into the float32 `gains` buffer, and the `doras` table flags the
-(slot, layer, module) cells whose kernels must apply it. Other cells keep g = 1, flag 0.
+DoRA: y = g * (x W^T + s x A^T B^T) + bias with g = m / ||W + s B A|| per output row.
+g depends only on the slot's bytes and the base weight, so it is computed once per
+landing (`compute_gains`) into the float32 `gains` buffer; the `doras` table flags the
+cells whose kernels apply it (elsewhere g = 1, flag 0).
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """LandingRecipe: an adapter plan's landing worked out once for one pool layout.
 
-Landing a staged adapter tensor by tensor costs Python per tensor: a typed view of each
-(three torch calls), a descriptor row, a table cell; on a Llama-3-8B adapter (448
-tensors) that was ~9 ms against 1.6 ms for its bytes. Everything in it depends only on
-the plan's tensors and targets and the layout, so it is computed once and reused while
-they are (plans of one config and header share them: LoraSlots.plan_from_disk): a
-landing is then one NaN/Inf pass over the staged bytes, one landing kernel and three
-table copies.
-
-A recipe exists only for the common shape of a file: every landed tensor of one dtype,
-aligned, and together tiling the staged bytes (so the one NaN/Inf pass over them checks
-exactly the landed tensors). Anything else (mixed dtypes, gaps, a hostile misaligned
-header) lands through typed views one by one, as before.
+Landing a staged adapter tensor by tensor costs Python per tensor (a typed view, a
+descriptor row, a table cell: ~9 ms against 1.6 ms for the bytes of a Llama-3-8B
+adapter's 448 tensors). It depends only on the plan's tensors and targets and the
+layout, so it is computed once and shared by plans of one config and header
+(LoraSlots.plan_from_disk): a landing is then one NaN/Inf pass, one kernel and three
+table copies. Only for the common file: every landed tensor of one dtype, aligned, and
+together tiling the staged bytes (so the one pass checks exactly them); anything else
+lands through typed views.
 """
 
 from __future__ import annotations

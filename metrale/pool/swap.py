@@ -1,13 +1,11 @@
 """LoraSlots: the slot table, the device pool and staging memory, and the two halves of
 every landing: reading an adapter into a `Prepared` (disk here; peers in metrale.peer),
 and writing a `Prepared` into a slot as a version (`land`, or `begin` for a landing
-driven from elsewhere). Names and the seed's operations live in the engine, which asks
-its registry; nothing here lands bytes under a name.
+driven from elsewhere). Names live in the engine's registry; nothing here lands bytes
+under a name.
 
-Validate everything first, mutate second: the adapter is read, checked and
-staged before the slot is touched, so every refusal leaves the slot's bytes and
-identity as they were. A failure after zeroing leaves the slot EMPTY with a new
-identity (never an old version over half-new bytes).
+Validate everything first, mutate second: every refusal leaves the slot's bytes and
+identity as they were; a failure after zeroing leaves the slot EMPTY with a new identity.
 """
 
 from __future__ import annotations
@@ -115,9 +113,8 @@ def on_device(device: torch.device):
 
 
 class LoraSlots:
-    """The slot table, the device pool and staging memory, with the operations that
-    move adapters into slots. The engine calls it from its own loop; the methods named
-    thread-safe below may also run on a promotion worker."""
+    """The engine calls it from its own loop; the methods named thread-safe below may
+    also run on a promotion worker."""
 
     def __init__(
         self, model: ModelConfig, pool: PoolConfig, device: torch.device | str,
@@ -218,15 +215,6 @@ class LoraSlots:
 
     # --- reading adapters (thread-safe: a promotion worker runs these) ---------------
 
-    def stage(self, plan: AdapterPlan, fill: Callable[[torch.Tensor], None],
-              staging: StagingBuffers | None = None) -> list[torch.Tensor]:
-        """fill() writes the plan's data bytes into pinned host staging; they go to
-        the device in one copy and come back as checked, typed tensor views."""
-        staging = staging or self.staging
-        host = staging.host(plan.data_bytes)
-        fill(host)
-        return self.pool.stage_views(plan, staging.to_device(host))
-
     def tier_has(self, identity: AdapterIdentity | None) -> bool:
         tier = self.host_tier
         return identity is not None and tier is not None and tier.enabled and tier.has(identity)
@@ -234,12 +222,10 @@ class LoraSlots:
     def prepare_disk(self, adapter_dir: str | Path, name: str,
                      staging: StagingBuffers | None = None, use_tier: bool = True,
                      identity: AdapterIdentity | None = None) -> Prepared:
-        """Host-tier hit: one H2D copy of a slot image landed earlier from these exact
-        bytes. Else: validate, read the data section in parallel chunks into pinned
-        staging while the chunks go to the device, and check it (NaN/Inf) there.
-        `staging`: a worker's own buffers (the default ones belong to the engine thread);
-        a worker passes use_tier=False: a tier image must be read on the engine thread, which
-        alone reuses image memory. `identity`: the caller's, read just before."""
+        """A host-tier image of these exact bytes, else the file validated, read (in parallel
+        chunks, on to the device) and checked (NaN/Inf) there. A worker passes its own
+        `staging` and use_tier=False (only the engine thread reuses image memory).
+        `identity`: the caller's, read just before."""
         identity = identity or adapter_identity(adapter_dir)
         tier = self.host_tier
         entry = tier.get(identity) if use_tier and tier is not None and tier.enabled else None
@@ -258,13 +244,11 @@ class LoraSlots:
 
     def plan_from_disk(self, adapter_dir: str | Path, name: str,
                        identity: AdapterIdentity | None = None) -> AdapterPlan:
-        """plan_adapter, remembered per content identity (metrale.adapters.identity). The
-        plan is a pure function of the config and header bytes, the file's size and this
-        engine's config, and costs several ms of Python on an 8B adapter, so files with
-        the same config and header (every adapter trained with one PEFT config) share
-        one: another file of a known layout gets it with its own name and path. The data
-        bytes are still read and checked (NaN/Inf) on every landing. `identity`: the
-        caller's, read just before."""
+        """plan_adapter, remembered per content identity. A plan is a pure function of the
+        config and header bytes, the file size and this engine's config (several ms of
+        Python on an 8B adapter), so files sharing a config and header share one, under
+        their own name and path (the data bytes are still checked at every landing).
+        `identity`: the caller's, read just before."""
         identity = identity or adapter_identity(adapter_dir)
         if identity is None:
             return plan_adapter(adapter_dir, name, self.model_config, self.pool_config)

@@ -1,11 +1,8 @@
-"""Adapter management as the server sees it. Every method here runs on the engine
-thread, between steps (AsyncEngine.call): it asks the engine's registry for names and
-versions, reads where adapters live from the engine's residency rows, and turns those
-into views. Reading adapter bytes happens before, off the engine thread (AsyncEngine),
-and arrives here as a `Prepared`.
-
-Unload never waits for a busy slot: the name leaves the registry at once (and admission
-refuses it), and the slot is freed after the step that finishes its last in-flight request.
+"""Adapter management as the server sees it, run on the engine thread between steps
+(AsyncEngine.call): names and versions from the engine's registry, placement from its
+residency rows, turned into views. Adapter bytes are read before, off the engine
+thread, and arrive here as a `Prepared`. An unload never waits for a busy slot: the name
+leaves the registry at once, and the slot is freed after its last in-flight request.
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ from dataclasses import dataclass
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.registry import AdapterSource, AdapterVersion
 from metrale.engine.residency import Residence, ResidencyRow
-from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import RuntimeSwapsDisabledError, UnknownAdapterError
 from metrale.pool.swap import Prepared
 from metrale.server.engine_api import AdapterListing
@@ -61,12 +57,6 @@ class AdapterOps:
         metrics.vllm.cache_config(engine.cfg.block_size, engine.blocks.num_blocks,
                                   engine.cfg.enable_prefix_caching)
 
-    # --- requests -------------------------------------------------------------------
-
-    def admit(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-              request_id: str) -> str:
-        return self.engine.add_request(prompt, params, adapter, request_id)
-
     # --- management -----------------------------------------------------------------
 
     def check_register(self, name: str, reload: bool) -> None:
@@ -91,10 +81,6 @@ class AdapterOps:
         self.engine.register_adapter(name, source, pinned=pinned, reload=reload, checked=True,
                                      prepared=prepared)
         return self.view(name)
-
-    def is_resident(self, name: str) -> bool:
-        self.registry.changeable(name)
-        return self.row(name).state is Residence.READY
 
     def cold_version(self, name: str) -> AdapterVersion | None:
         """The version to land for `name`, or None when it is resident (READY)."""

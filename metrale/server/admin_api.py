@@ -1,13 +1,13 @@
 """Adapter management over HTTP, in three dialects that share one implementation:
 
-- vLLM:     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
+- vLLM:     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, POST /reset_prefix_cache
 - original: POST /v1/lora/load (swap into a given slot), POST /v1/lora/active
 - native:   GET/POST /v1/adapters, POST /v1/adapters/{name}/promote|swap|pin|unpin,
             DELETE /v1/adapters/{name} (a name may hold '/': org/adapter)
 - vLLM's POST /reset_prefix_cache (not about adapters, but a mutation all the same)
 
-Every mutation needs the admin key (auth.require_admin); client-supplied paths
-must resolve inside --adapter-root (paths.resolve_adapter_path).
+Every mutation needs the admin key (auth.require_admin); client-supplied paths must
+resolve inside --adapter-root (paths.resolve_adapter_path).
 """
 
 from __future__ import annotations

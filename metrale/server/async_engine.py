@@ -1,12 +1,12 @@
-"""AsyncEngine: the LLMEngine on one background thread, for an asyncio server.
+"""AsyncEngine: the LLMEngine on one background thread, for an asyncio server; it
+implements EngineAPI (engine_api.py), and the cluster's replica code uses the few
+methods beyond it.
 
-The engine is single-threaded by design: every mutation (admission, abort,
-adapter operations) is handed to `engine.call_soon` and runs on the engine
-thread between two steps. The thread steps while there is work and sleeps on
-an Event when there is none; each RequestOutput goes to its request's asyncio
-queue through `loop.call_soon_threadsafe`. It implements EngineAPI (engine_api.py),
-all the HTTP routes use; the cluster's replica code uses the few methods beyond it.
-Its coroutines may be awaited from any event loop (a cluster replica runs several).
+The engine is single-threaded by design: every mutation (admission, abort, adapter
+operations) goes through `engine.call_soon` and runs on the engine thread between two
+steps. The thread steps while there is work and sleeps on an Event when there is none;
+each RequestOutput reaches its request's asyncio queue through `call_soon_threadsafe`,
+so the coroutines may be awaited from any event loop (a cluster replica runs several).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class AsyncEngine:
 
         def admit() -> str:
             stream.queued = time.monotonic()
-            return self.ops.admit(prompt, params, adapter, request_id)
+            return self.engine.add_request(prompt, params, adapter, request_id)
 
         finished = admitted = False
         try:
@@ -181,10 +181,10 @@ class AsyncEngine:
             name, source, lambda p: self.ops.register(name, source, True, reload, p))
 
     async def promote(self, name: str) -> tuple[AdapterView, str | None]:
-        if await self.call(lambda: self.ops.is_resident(name)):
+        version = await self.call(lambda: self.ops.cold_version(name))
+        if version is None:
             return await self.call(lambda: self.ops.promote(name, None))
-        source = await self.call(lambda: self.ops.source_of(name))
-        return await self._with_bytes(name, source, lambda p: self.ops.promote(name, p))
+        return await self._with_bytes(name, version.source, lambda p: self.ops.promote(name, p))
 
     async def promote_via(self, name: str, sources: Sequence[AdapterSource]) -> AdapterSource | None:
         """Make `name`'s current version resident from the first of `sources` that reads
@@ -221,10 +221,10 @@ class AsyncEngine:
         return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, source, reload, p))
 
     async def pin(self, name: str, pinned: bool = True) -> AdapterView:
-        if not pinned or await self.call(lambda: self.ops.is_resident(name)):
+        version = await self.call(lambda: self.ops.cold_version(name)) if pinned else None
+        if version is None:
             return await self.call(lambda: self.ops.set_pinned(name, pinned, None))
-        source = await self.call(lambda: self.ops.source_of(name))
-        return await self._with_bytes(name, source, lambda p: self.ops.set_pinned(name, True, p))
+        return await self._with_bytes(name, version.source, lambda p: self.ops.set_pinned(name, True, p))
 
     async def unload(self, name: str) -> str:
         return await self.call(lambda: self.ops.unload(name))

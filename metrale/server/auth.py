@@ -5,11 +5,10 @@
 - no admin key, reachable host: mutations are disabled (403) whatever the caller sends.
 The admin key is also accepted wherever the API key is.
 
-AuthGate applies these checks in front of the whole app, before anything reads the
-request body: a caller without the key gets 401/403 whatever it sends, never a 400
-or 413 that would tell it how its body was judged. Every path needs the API key
-(when one is set) except /health (and /ping), and /metrics and the docs where the settings open
-them. The routers' dependencies (require_user, require_admin) still run in the route.
+AuthGate runs these checks in front of the whole app, before anything reads the body, so
+a caller without the key never learns how its body was judged (no 400 or 413). Every
+path needs the API key (when set) except /health and /ping, and /metrics and the docs where
+the settings open them; the routers' require_user / require_admin still run in the route.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""EngineAPI: everything the HTTP routes know of an engine.
-
-The single engine (async_engine.AsyncEngine) and the cluster (cluster/ingress.py's
-ClusterEngine) both implement it, so one set of routes serves either. Refusals are the
-typed errors of metrale.errors (server/errors.py maps their classes to status codes);
-every method may also raise EngineUnavailableError once the engine stopped.
+"""EngineAPI: everything the HTTP routes know of an engine, implemented by the single
+engine (async_engine.AsyncEngine) and the cluster (cluster/ingress.py's ClusterEngine).
+Refusals are the typed errors of metrale.errors (server/errors.py maps their classes to
+status codes); every method may also raise EngineUnavailableError once the engine stopped.
 """
 
 from __future__ import annotations

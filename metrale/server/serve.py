@@ -70,10 +70,7 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
 
     pinned = parse_adapter_args(args.adapter)
     unpinned = {n: p for n, p in (on_demand or {}).items() if n not in pinned}
-    model = args.model
-    if model is None:
-        model = default_model_dir(progress=progress)
-    model_dir = Path(model)
+    model_dir = Path(default_model_dir(progress=progress) if args.model is None else args.model)
     adapter_roots = [Path(r) for r in args.adapter_root]
     if args.model is None and not adapter_roots:  # `make run`: loading by path works out of the box
         adapter_roots = [default_adapter_root()]
@@ -106,17 +103,20 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
     if args.no_runtime_swaps:
         engine.lora.disable_runtime_swaps()
 
-    settings = ServerSettings(
-        model_id=model_dir.name, host=args.host, port=args.port,
-        api_key=args.api_key or os.environ.get("METRALE_API_KEY") or None,
-        admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
-        adapter_roots=tuple(adapter_roots),
-        max_tokens_limit=args.max_tokens_limit, public_metrics=args.public_metrics,
-        public_docs=args.public_docs)
+    settings = ServerSettings(**settings_fields(args, model_dir.name, adapter_roots))
     async_engine = AsyncEngine(engine, on_fatal=_exit_on_engine_failure)
     if args.peer_export_port is not None:
         _start_exporter(async_engine, engine.lora, engine.registry, args)
     return create_app(async_engine, settings), settings, list(pinned) + list(unpinned)
+
+
+def settings_fields(args: argparse.Namespace, model_id: str, adapter_roots) -> dict:
+    """ServerSettings' fields from `serve`'s arguments (the keys may come from the environment)."""
+    return dict(model_id=model_id, host=args.host, port=args.port,
+                api_key=args.api_key or os.environ.get("METRALE_API_KEY") or None,
+                admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
+                adapter_roots=tuple(adapter_roots), max_tokens_limit=args.max_tokens_limit,
+                public_metrics=args.public_metrics, public_docs=args.public_docs)
 
 
 def _exit_on_engine_failure(error: BaseException) -> None:
