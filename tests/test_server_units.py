@@ -87,7 +87,10 @@ def test_loopback_rule():
 
 
 def test_exposed_server_without_admin_key_disables_mutations():
-    stub = SimpleNamespace(metrics=ServerMetrics(), alive=True)
+    async def ready() -> None:
+        return None
+
+    stub = SimpleNamespace(metrics=ServerMetrics(), alive=True, starting=ready)
     app = create_app(stub, ServerSettings(model_id="m", host="0.0.0.0", api_key="k"))
     client = TestClient(app)  # no `with`: the lifespan (engine thread) is not started
     for key in ("k", None):
