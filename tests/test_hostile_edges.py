@@ -373,12 +373,13 @@ def test_refusals_are_bounded_and_show_no_server_path(hostile, method, route, bo
     ("POST", f"/v1/adapters/{HUGE[:5000]}/promote", None),
 ])
 def test_refusals_name_what_was_sent_truncated(hostile, method, route, body):
-    """The 100 KB 404 of a hostile re-run: now the name's first 100 characters and a marker."""
+    """The 100 KB 404 of a hostile re-run: now the start of the name (the name rule quotes
+    64 characters, the error body cuts any run at 100) and a marker that more was sent."""
     r = hostile[0].request(method, route, json=body)
     message = r.json()["error"]["message"]
     assert 400 <= r.status_code < 500 and len(r.content) < 1000, r.text[:300]
-    assert "x" * 90 in message and "x" * 101 not in message, message
-    assert re.search(r"\.\.\.\[\d+ more characters\]", message), message
+    assert "x" * 60 in message and "x" * 101 not in message, message
+    assert re.search(r"x'?\.\.\.", message), message  # a marker that more was sent
 
 
 def test_a_server_path_in_an_engine_message_is_cut_to_what_the_caller_named(hostile):

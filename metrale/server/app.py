@@ -170,7 +170,8 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
             metrics.set_residency(
                 (a.name, "none" if a.slot is None else str(a.slot), a.state)
                 for a in listing.adapters)
-        return Response(await engine.exposition(), media_type="text/plain; version=0.0.4")
+        text = await engine.exposition() if engine.alive else metrics.exposition()
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     app.include_router(openai_api.router)
     app.include_router(admin_api.reads)
