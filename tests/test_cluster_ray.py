@@ -5,6 +5,7 @@ bound only a broken cluster reaches."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -100,10 +101,19 @@ class Cluster:
         return self.stats()["replicas"]
 
 
+# Serve kills a proxy that does not answer its ready check within 5 s (its health check
+# within 10 s): on a 2-core box with other jobs running, start-up alone can take longer.
+# The local cluster's processes inherit these from this one.
+SERVE_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
+                  "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "120"}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     world = make_world(tmp_path_factory.mktemp("cluster-world"))
     ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
+    saved = {k: os.environ.get(k) for k in SERVE_PATIENCE}
+    os.environ.update(SERVE_PATIENCE)
     ray.init(num_cpus=2, include_dashboard=False, namespace=NS, _temp_dir=ray_dir,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, log_to_driver=False)
     port = free_port()
@@ -127,6 +137,11 @@ def cluster(tmp_path_factory):
         serve.shutdown()
         ray.shutdown()
         shutil.rmtree(ray_dir, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def test_outputs_equal_transformers_peft_through_the_ingress(cluster):
