@@ -186,8 +186,7 @@ class AdapterManager:
         """Names to promote, oldest wait first; then pinned names whose reloaded version
         waits for their own slot with no request yet."""
         held = [n for n in self.registry.names()
-                if self.registry.held_slot(n) is not None and n not in self.pending
-                and not self.slots.table.ref_count(self.registry.held_slot(n))]
+                if self.registry.held_slot(n) is not None and n not in self.pending]
         return list(self.pending) + held
 
     def _start_next(self) -> list[Sequence]:
