@@ -180,15 +180,17 @@ class Promoter:
 
     def _read_done(self, p: Promotion) -> None:
         """READING -> WAITING, or FAILED: the bytes were refused, or the version was
-        superseded before a slot was touched."""
+        superseded before a slot was touched. Superseded wins over a read error: a file
+        rewritten in place for the new version may fail the old version's read, and the
+        waiters then get the current version, not that error."""
+        if not self._still_wanted(p):
+            self._fail(p, StaleVersionError(
+                f"adapter {p.name!r} was reloaded or unloaded meanwhile; retry"), quiet=True)
+            return
         try:
             p.prepared = p.read.result()
         except BaseException as e:
             self._fail(p, _typed(e, AdapterFileError, f"reading {p.origin} failed"))
-            return
-        if not self._still_wanted(p):
-            self._fail(p, StaleVersionError(
-                f"adapter {p.name!r} was reloaded or unloaded meanwhile; retry"), quiet=True)
             return
         p.phase = Phase.WAITING
 
