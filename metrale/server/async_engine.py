@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -56,9 +56,20 @@ class _Stream:
     first_token: float | None = None
     last_token: float | None = None
 
+    def finished(self, reason: str, now: float, out: RequestOutput | None = None) -> FinishedRequest:
+        """The request's life for vLLM's histograms; no `out`: the consumer left, and the
+        request counts as never run."""
+        if out is None:
+            return FinishedRequest(reason, self.arrival, now, self.max_tokens)
+        return FinishedRequest(
+            reason, self.arrival, now, self.max_tokens, scheduled=self.scheduled,
+            first_token=self.first_token, last_token=self.last_token,
+            prompt_tokens=len(out.prompt_token_ids), generated_tokens=len(out.token_ids),
+            cached_prompt_tokens=out.num_cached_tokens)
+
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+    def __init__(self, engine: LLMEngine,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
         """on_fatal: called on the engine thread if the loop itself fails (not one request:
         those fail alone); the server exits the process rather than answer 503 forever."""
@@ -66,7 +77,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.limits = EngineLimits(engine.max_seq_tokens, engine.model_config.vocab_size)
         self._on_fatal = on_fatal
-        self.metrics = metrics or ServerMetrics()
+        self.metrics = ServerMetrics()
         self.metrics.instrument(engine.lora)
         self.ops = AdapterOps(engine, self.metrics)
         self._streams: dict[str, _Stream] = {}  # touched by both threads; dict ops are atomic
@@ -154,8 +165,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if admitted and not finished:  # the consumer left: vLLM counts it as aborted
-                self.metrics.vllm.finished(
-                    replace(_finished(stream, "abort", 0, 0, 0), scheduled=None))
+                self.metrics.vllm.finished(stream.finished("abort", time.monotonic()))
             if not finished and self.alive:
                 # the consumer left early (or admission was cancelled mid-flight);
                 # abort of an unknown id is a no-op, so this is safe either way
@@ -302,9 +312,7 @@ class AsyncEngine:
                 if isinstance(out.error, SamplingError):  # non-finite logits
                     v.corrupted.inc()
                 if stream is not None:
-                    v.finished(_finished(stream, out.finish_reason or "error",
-                                         len(out.prompt_token_ids), len(out.token_ids),
-                                         out.num_cached_tokens, now))
+                    v.finished(stream.finished(out.finish_reason or "error", now, out))
             if stream is not None:
                 self._put(stream, out)
 
@@ -347,13 +355,3 @@ class AsyncEngine:
             except RuntimeError:  # already running or done
                 pass
 
-
-def _finished(stream: _Stream, reason: str, prompt_tokens: int, generated_tokens: int,
-              cached_tokens: int, now: float | None = None) -> FinishedRequest:
-    return FinishedRequest(
-        reason=reason, arrival=stream.arrival,
-        finished=time.monotonic() if now is None else now,
-        scheduled=stream.scheduled, first_token=stream.first_token,
-        last_token=stream.last_token, prompt_tokens=prompt_tokens,
-        generated_tokens=generated_tokens, cached_prompt_tokens=cached_tokens,
-        max_tokens=stream.max_tokens)

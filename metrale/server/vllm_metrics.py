@@ -38,13 +38,13 @@ class FinishedRequest:
     reason: str
     arrival: float
     finished: float
-    scheduled: float | None
-    first_token: float | None
-    last_token: float | None
-    prompt_tokens: int
-    generated_tokens: int
-    cached_prompt_tokens: int
     max_tokens: int
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
 
 class VllmMetrics:
