@@ -31,6 +31,7 @@ from metrale.cluster.replica_metrics import merge_replica_series
 from metrale.config import ModelConfig
 from metrale.engine.llm import load_tokenizer
 from metrale.engine.outputs import RequestOutput
+from metrale.engine.registry import AdapterVersion
 from metrale.engine.sampling_params import GREEDY_EPS, SamplingParams
 from metrale.errors import UnknownAdapterError
 from metrale.server.app import create_app
@@ -57,6 +58,13 @@ class ClusterAdapterView:
     slot: int | None = None  # per replica only; kept for the shared views' shape
     uid: int | None = None
     errors: dict[str, str] = field(default_factory=dict)  # replica id -> why it did not apply
+
+    @classmethod
+    def of(cls, name: str, version: AdapterVersion | None, replicas: dict[str, dict],
+           errors: dict[str, str] | None = None) -> ClusterAdapterView:
+        """version: the registry's (None once unloaded, while replicas still drain it)."""
+        return cls(name, str(version.source) if version else None, bool(version and version.pinned),
+                   version.version if version else None, replicas, errors=errors or {})
 
     @property
     def state(self) -> str:
@@ -232,13 +240,8 @@ class ClusterEngine:
             slots[m.replica_id] = doc["slots"]
             for a in doc["adapters"]:
                 per_name[a["name"]][m.replica_id] = a
-        views = []
-        for name in sorted(per_name):
-            version = await self.registry.get.remote(name)
-            views.append(ClusterAdapterView(
-                name, str(version.source) if version else None,
-                bool(version and version.pinned), version.version if version else None,
-                per_name[name]))
+        views = [ClusterAdapterView.of(name, await self.registry.get.remote(name), per_name[name])
+                 for name in sorted(per_name)]
         return AdapterListing(views, slots)
 
     async def view(self, name: str, errors: dict[str, str] | None = None) -> ClusterAdapterView:
@@ -247,10 +250,7 @@ class ClusterEngine:
         for v in (await self.residency()).adapters:
             if v.name == name:
                 return replace(v, errors=errors or {})
-        version = await self.registry.get.remote(name)
-        return ClusterAdapterView(name, str(version.source) if version else None,
-                                  bool(version and version.pinned),
-                                  version.version if version else None, errors=errors or {})
+        return ClusterAdapterView.of(name, await self.registry.get.remote(name), {}, errors)
 
     async def stats(self) -> dict:
         """The ingress's own record, for operators and tests: who served what, retries,

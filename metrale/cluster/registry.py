@@ -137,17 +137,16 @@ class RegistryActor:
         return _result(self.registry.check_new, name, reload)
 
     async def register(self, name: str, source: AdapterSource, pinned: bool, reload: bool):
-        out = _result(self.registry.register, name, source, pinned, reload)
-        self._notify()
-        return out
+        return self._change(self.registry.register, name, source, pinned, reload)
 
     async def set_pinned(self, name: str, pinned: bool):
-        out = _result(self.registry.set_pinned, name, pinned)
-        self._notify()
-        return out
+        return self._change(self.registry.set_pinned, name, pinned)
 
     async def unload(self, name: str):
-        out = _result(self.registry.unload, name)
+        return self._change(self.registry.unload, name)
+
+    def _change(self, fn, *args):
+        out = _result(fn, *args)
         self._notify()
         return out
 

@@ -13,7 +13,7 @@ or the JSON answer would fail on it later.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, field_validator
 
@@ -49,8 +49,15 @@ def _valid_unicode(value: Any) -> Any:
     return value
 
 
-class GenerationRequest(BaseModel):
+class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    _unicode = field_validator("*", mode="before")(_valid_unicode)
+
+
+class GenerationRequest(_Body):
+    # fields that would change the output, refused when set (never silently ignored)
+    unsupported: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "logit_bias")
 
     model: str | None = None
     adapter: str | None = None  # metrale extension; when present it wins over `model`
@@ -69,8 +76,6 @@ class GenerationRequest(BaseModel):
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
 
-    _unicode = field_validator("*", mode="before")(_valid_unicode)
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -84,11 +89,9 @@ class GenerationRequest(BaseModel):
     def refuse_unsupported(self) -> None:
         if self.n not in (None, 1):
             raise BadRequestError("only n=1 is supported; send one request per completion", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name in self.unsupported:
             if getattr(self, name):
                 raise BadRequestError(f"{name} is not supported by this server", name)
-        if self.logit_bias:
-            raise BadRequestError("logit_bias is not supported by this server", "logit_bias")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises InvalidSamplingParamsError (400) on out-of-range values, naming the
@@ -117,6 +120,8 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
+    unsupported = GenerationRequest.unsupported + ("echo", "suffix")
+
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool | None = False
@@ -125,12 +130,8 @@ class CompletionRequest(GenerationRequest):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise BadRequestError("echo is not supported by this server", "echo")
         if self.best_of not in (None, 1):
             raise BadRequestError("only best_of=1 is supported", "best_of")
-        if self.suffix:
-            raise BadRequestError("suffix is not supported by this server", "suffix")
 
     def single_prompt(self) -> str | list[int]:
         """The prompt as text or token ids; batches of prompts are refused (n=1 only)."""
@@ -145,13 +146,9 @@ class CompletionRequest(GenerationRequest):
                               "token ids)", "prompt")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
-
-    _unicode = field_validator("*", mode="before")(_valid_unicode)
 
     def as_template_dict(self) -> dict[str, str]:
         content = self.content
@@ -203,17 +200,13 @@ class ChatCompletionRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):  # vLLM's /tokenize: a prompt or chat messages
-    model_config = ConfigDict(extra="allow")
-
+class TokenizeRequest(_Body):  # vLLM's /tokenize: a prompt or chat messages
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     # as vLLM: false leaves out the tokenizer's BOS/EOS; true (default) gives the very ids
     # this server's generation gets, which encodes every prompt with them
     add_special_tokens: StrictBool = True
-
-    _unicode = field_validator("*", mode="before")(_valid_unicode)
 
     def refuse_unsupported(self) -> None:
         if (self.prompt is None) == (self.messages is None):

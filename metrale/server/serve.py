@@ -45,6 +45,21 @@ def default_adapter_root() -> Path:
     return root
 
 
+def model_and_adapter_roots(args: argparse.Namespace) -> tuple[Path, list[Path]]:
+    """The model dir (--model, else the embedded default) and the checked --adapter-root
+    dirs; the default model alone gets default_adapter_root()."""
+    model_dir = Path(default_model_dir(progress=progress) if args.model is None else args.model)
+    adapter_roots = [Path(r) for r in args.adapter_root]
+    if args.model is None and not adapter_roots:  # `make run`: loading by path works out of the box
+        adapter_roots = [default_adapter_root()]
+        print(f"metrale: adapters can be loaded by path from {adapter_roots[0]} "
+              "(--adapter-root DIR to choose)", flush=True)
+    for root in adapter_roots:
+        if not root.is_dir():
+            raise SystemExit(f"metrale: --adapter-root {str(root)!r} is not a directory")
+    return model_dir, adapter_roots
+
+
 def curl_example(base_url: str, model: str, api_key: str | None = None,
                  key_from_env: bool = False) -> str:
     """A chat request to paste into a shell. api_key: the key the server was started with,
@@ -70,16 +85,7 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
 
     pinned = parse_adapter_args(args.adapter)
     unpinned = {n: p for n, p in (on_demand or {}).items() if n not in pinned}
-    model_dir = Path(default_model_dir(progress=progress) if args.model is None else args.model)
-    adapter_roots = [Path(r) for r in args.adapter_root]
-    if args.model is None and not adapter_roots:  # `make run`: loading by path works out of the box
-        adapter_roots = [default_adapter_root()]
-        print(f"metrale: adapters can be loaded by path from {adapter_roots[0]} "
-              "(--adapter-root DIR to choose)", flush=True)
-    for root in adapter_roots:
-        if not root.is_dir():
-            raise SystemExit(f"metrale: --adapter-root {str(root)!r} is not a directory")
-
+    model_dir, adapter_roots = model_and_adapter_roots(args)
     # Runtime swaps are switched off only after the start-up adapters have landed:
     # --no-runtime-swaps freezes the pool as configured, it must not forbid configuring it.
     llm = LLM(model_dir, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
