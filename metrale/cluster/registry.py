@@ -108,9 +108,6 @@ class ClusterRegistry:
         if m is not None:
             m.last_seen = self._clock()
 
-    def leave(self, replica_id: str) -> None:
-        self.members.pop(replica_id, None)
-
 
 def _result(fn, *args):
     """(True, value) or (False, typed error): a refusal crosses Ray as a value, so the
@@ -189,7 +186,3 @@ class RegistryActor:
 
     async def members(self) -> list[Member]:
         return self.registry.live()
-
-    async def leave(self, replica_id: str) -> None:
-        self.registry.leave(replica_id)
-        self._notify()

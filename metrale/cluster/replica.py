@@ -41,13 +41,6 @@ from metrale.server.settings import ServerSettings
 log = logging.getLogger("metrale.cluster")
 
 
-def _bind(host: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    return sock
-
-
 class EngineReplica:
     def __init__(self, spec: ReplicaSpec) -> None:
         torch.set_num_threads(spec.torch_threads)  # replicas share the host's cores
@@ -169,7 +162,9 @@ class EngineReplica:
                     "records": [r.__dict__ for r in self.stager.records]}
 
         app.include_router(internal)
-        sock = _bind(self.spec.host)
+        sock = socket.socket(socket.AF_INET6 if ":" in self.spec.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.spec.host, 0))
         host, port = sock.getsockname()[:2]
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),),

@@ -119,9 +119,6 @@ class AdapterOps:
         log.info("%s", kv(event="unload", adapter=name, result=result))
         return result
 
-    def source_of(self, name: str) -> AdapterSource:
-        return self.registry.changeable(name).source
-
     # --- after every step -------------------------------------------------------------
 
     def after_step(self) -> None:

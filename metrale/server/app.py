@@ -157,10 +157,10 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
     @app.get("/metrics")
     async def prometheus() -> Response:
         if engine.alive:
-            listing = await engine.residency()
-            metrics.set_residency(
-                (a.name, "none" if a.slot is None else str(a.slot), a.state)
-                for a in listing.adapters)
+            metrics.adapter_resident.clear()
+            for a in (await engine.residency()).adapters:
+                slot = "none" if a.slot is None else str(a.slot)
+                metrics.adapter_resident.labels(a.name, slot, a.state).set(1)
         text = await engine.exposition() if engine.alive else metrics.exposition()
         return Response(text, media_type="text/plain; version=0.0.4")
 

@@ -100,8 +100,6 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     async def shutdown(self, drain_timeout_s: float = 5.0) -> None:
-        """Let running requests finish for up to drain_timeout_s, then abort the rest
-        and stop the thread. New work is refused from the first moment."""
         self._accepting = False
         deadline = time.monotonic() + drain_timeout_s
         while self._streams and time.monotonic() < deadline and self.alive:
@@ -132,9 +130,6 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        adapter: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes. Admission errors (unknown
-        adapter, bad params) and request errors (POOL_FULL after the wait) are raised;
-        leaving the iterator early (client gone, task cancelled) aborts the request."""
         if not self._accepting:
             raise EngineUnavailableError("the server is shutting down")
         request_id = f"req-{uuid.uuid4().hex}"
@@ -224,7 +219,7 @@ class AsyncEngine:
     async def swap(self, name: str, slot: int, path: str | Path | None = None,
                    reload: bool = False) -> AdapterView:
         if path is None:
-            source = await self.call(lambda: self.ops.source_of(name))
+            source = await self.call(lambda: self.engine.registry.changeable(name).source)
             return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, None, False, p))
         await self.call(lambda: self.ops.check_register(name, reload))
         source = await self.check_adapter(name, path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable
 from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -80,12 +79,6 @@ class ServerMetrics:
             ["adapter"])
         # vLLM's metric set under vLLM's names (vllm_metrics.py): what reads vLLM reads us
         self.vllm = VllmMetrics(r if vllm_series else CollectorRegistry(), model_name)
-
-    def set_residency(self, rows: Iterable[tuple[str, str, str]]) -> None:
-        """Replace the residency gauge with (adapter, slot, state) rows."""
-        self.adapter_resident.clear()
-        for adapter, slot, state in rows:
-            self.adapter_resident.labels(adapter, slot, state).set(1)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

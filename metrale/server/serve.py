@@ -118,7 +118,7 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
 
 def settings_fields(args: argparse.Namespace, model_id: str, adapter_roots) -> dict:
     """ServerSettings' fields from `serve`'s arguments (the keys may come from the environment)."""
-    return dict(model_id=model_id, host=args.host, port=args.port,
+    return dict(model_id=model_id, host=args.host,
                 api_key=args.api_key or os.environ.get("METRALE_API_KEY") or None,
                 admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
                 adapter_roots=tuple(adapter_roots), max_tokens_limit=args.max_tokens_limit,
