@@ -29,10 +29,6 @@ from metrale.cluster.sync import RegistrySync
 from metrale.engine.llm import LLM
 from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import MetraleError
-from metrale.peer.allow import LOOPBACK
-from metrale.peer.exporter import AdapterExporter
-from metrale.peer.http_server import PeerHTTPServer
-from metrale.peer.store import resolve_transports
 from metrale.server.app import create_app
 from metrale.server.async_engine import AsyncEngine
 from metrale.server.auth import require_admin
@@ -58,11 +54,7 @@ class EngineReplica:
         self._routing_stats = functools.partial(routing_stats, llm.engine)  # engine thread
         self.engine = AsyncEngine(llm.engine, on_fatal=self._engine_failed)
         self.engine.start()
-        exporter = AdapterExporter(
-            llm.engine.lora, llm.engine.registry, call=lambda fn: self.engine.submit(fn).result(timeout=30),
-            transports=resolve_transports(spec.peer_transport)).start()
-        self.peer_server = PeerHTTPServer(exporter, host=spec.host, port=0,
-                                          client_allow=spec.peer_allow or LOOPBACK).start()
+        self.peer_server = self.engine.export(spec.host, 0, spec.peer_allow, spec.peer_transport)
         self.peer_addr = self.peer_server.url.removeprefix("http://")
         self.stager = PeerStager(self.engine, self._holders)
         self.arrivals = self.hits = 0  # adapter requests, and those whose adapter was READY

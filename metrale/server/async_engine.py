@@ -29,6 +29,10 @@ from metrale.engine.registry import AdapterSource
 from metrale.engine.residency import ResidencyRow
 from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import MetraleError, PeerUnavailableError, SamplingError
+from metrale.peer.allow import LOOPBACK
+from metrale.peer.exporter import AdapterExporter
+from metrale.peer.http_server import PeerHTTPServer
+from metrale.peer.store import resolve_transports
 from metrale.pool.swap import Prepared
 from metrale.server.adapter_ops import AdapterOps, AdapterView
 from metrale.server.engine_api import AdapterListing, EngineLimits
@@ -249,6 +253,17 @@ class AsyncEngine:
 
     async def starting(self) -> str | None:
         return None  # serve() registers the start-up adapters before the app exists
+
+    def export(self, host: str, port: int, peer_allow: tuple[str, ...],
+               transport: str) -> PeerHTTPServer:
+        """Serve this engine's READY slots to peers on (host, port); a lease holds a slot
+        reference, so a leased adapter is never swapped mid-transfer. Slot-table access
+        runs on the engine thread, like every other mutation."""
+        exporter = AdapterExporter(self.engine.lora, self.engine.registry,
+                                   call=lambda fn: self.submit(fn).result(timeout=30),
+                                   transports=resolve_transports(transport)).start()
+        return PeerHTTPServer(exporter, host=host, port=port,
+                              client_allow=peer_allow or LOOPBACK).start()
 
     async def reset_prefix_cache(self) -> int:
         # on the engine thread, between two steps: the block tables are not shared

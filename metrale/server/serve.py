@@ -18,7 +18,7 @@ from metrale.config import ConfigError, SchedulerConfig, check_extra_targets
 from metrale.model.default_model import cache_root, default_model_dir
 from metrale.server.settings import ServerSettings, is_loopback
 
-# The engine, the peer exporter, fastapi and uvicorn are imported where they are used:
+# The engine, fastapi and uvicorn are imported where they are used:
 # they cost seconds (torch) or are the optional `server` extra, and the CLI imports this
 # module for its argument parser.
 
@@ -112,7 +112,9 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
     settings = ServerSettings(**settings_fields(args, model_dir.name, adapter_roots))
     async_engine = AsyncEngine(engine, on_fatal=_exit_on_engine_failure)
     if args.peer_export_port is not None:
-        _start_exporter(async_engine, engine.lora, engine.registry, args)
+        server = async_engine.export(args.host, args.peer_export_port, tuple(args.peer_allow),
+                                     args.peer_transport)
+        print(f"metrale: exporting resident adapters to peers at {server.url}", flush=True)
     return create_app(async_engine, settings), settings, list(pinned) + list(unpinned)
 
 
@@ -131,23 +133,6 @@ def _exit_on_engine_failure(error: BaseException) -> None:
     print(f"metrale: the engine loop failed ({error!r}); exiting with status 70", file=sys.stderr,
           flush=True)
     os._exit(70)
-
-
-def _start_exporter(async_engine, lora, names, args: argparse.Namespace) -> None:
-    """Export this engine's READY slots to peers (leases hold a slot reference, so a
-    leased adapter is never swapped mid-transfer). Slot-table access runs on the
-    engine thread, like every other mutation."""
-    from metrale.peer.allow import LOOPBACK
-    from metrale.peer.exporter import AdapterExporter
-    from metrale.peer.http_server import PeerHTTPServer
-    from metrale.peer.store import resolve_transports
-
-    exporter = AdapterExporter(
-        lora, names, call=lambda fn: async_engine.submit(fn).result(timeout=30),
-        transports=resolve_transports(args.peer_transport)).start()
-    server = PeerHTTPServer(exporter, host=args.host, port=args.peer_export_port,
-                            client_allow=tuple(args.peer_allow) or LOOPBACK).start()
-    print(f"metrale: exporting resident adapters to peers at {server.url}", flush=True)
 
 
 def serve(args: argparse.Namespace, on_demand: dict[str, Path] | None = None) -> int:
