@@ -22,7 +22,7 @@ from urllib.parse import quote
 import httpx
 import ray
 import torch
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
@@ -332,11 +332,6 @@ class ClusterIngress:
         await self.cluster_engine.setup()
         settings = ServerSettings(started=time.time(), **self.settings_kwargs)
         app = create_app(self.cluster_engine, settings)
-        extra = APIRouter(dependencies=[Depends(require_user)])
-
-        @extra.get("/v1/cluster")
-        async def cluster_stats() -> dict:
-            return await self.cluster_engine.stats()
-
-        app.include_router(extra)
+        app.add_api_route("/v1/cluster", self.cluster_engine.stats,
+                          dependencies=[Depends(require_user)])
         return app

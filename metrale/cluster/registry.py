@@ -33,16 +33,6 @@ class Member:
     last_seen: float = 0.0
 
 
-@dataclass(frozen=True)
-class Desired:
-    """One adapter as every replica should have it."""
-
-    name: str
-    source: AdapterSource
-    version: int
-    pinned: bool
-
-
 class ClusterRegistry:
     """Pure state; RegistryActor runs it in a Ray actor."""
 
@@ -79,12 +69,9 @@ class ClusterRegistry:
     def get(self, name: str) -> AdapterVersion | None:
         return self.names.get(name)
 
-    def desired(self) -> dict[str, Desired]:
-        out = {}
-        for name in self.names.names():
-            v = self.names.get(name)
-            out[name] = Desired(name, v.source, v.version, v.pinned)
-        return out
+    def desired(self) -> dict[str, AdapterVersion]:
+        """Every adapter as every replica should have it."""
+        return {name: self.names.get(name) for name in self.names.names()}
 
     def live(self) -> list[Member]:
         now = self._clock()
