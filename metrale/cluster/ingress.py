@@ -28,7 +28,6 @@ from ray.serve.handle import DeploymentHandle
 
 from metrale.cluster.config import ClusterConfig, ReplicaSpec
 from metrale.cluster.replica_metrics import merge_replica_series
-from metrale.config import ModelConfig
 from metrale.engine.llm import load_tokenizer
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterVersion
@@ -55,8 +54,9 @@ class ClusterAdapterView:
     pinned: bool
     version: int | None
     replicas: dict[str, dict] = field(default_factory=dict)  # replica id -> its AdapterView
-    slot: int | None = None  # per replica only; kept for the shared views' shape
+    slot: int | None = None  # these three per replica only; kept for the shared views' shape
     uid: int | None = None
+    last_used: int | None = None
     errors: dict[str, str] = field(default_factory=dict)  # replica id -> why it did not apply
 
     @classmethod
@@ -76,10 +76,6 @@ class ClusterAdapterView:
         return sum(r["ref_count"] for r in self.replicas.values())
 
     @property
-    def last_used(self) -> int | None:
-        return None
-
-    @property
     def unloading(self) -> bool:
         return any(r["unloading"] for r in self.replicas.values())
 
@@ -87,10 +83,6 @@ class ClusterAdapterView:
         return {"name": self.name, "path": self.path, "pinned": self.pinned,
                 "version": self.version, "state": self.state, "ref_count": self.ref_count,
                 "unloading": self.unloading, "replicas": self.replicas, "errors": self.errors}
-
-
-def _deterministic(params: SamplingParams) -> bool:
-    return params.temperature < GREEDY_EPS or params.seed is not None
 
 
 class ClusterEngine:
@@ -108,10 +100,8 @@ class ClusterEngine:
             "Authorization": f"Bearer {spec.internal_key}"})
 
     async def setup(self) -> None:
-        info = await self.handle.info.remote()
-        model_dir = Path(self.spec.model)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.limits = EngineLimits(info["max_seq_tokens"], ModelConfig.from_dir(model_dir).vocab_size)
+        self.tokenizer = load_tokenizer(Path(self.spec.model))
+        self.limits = await self.handle.engine_limits.remote()
 
     # --- EngineAPI ----------------------------------------------------------------------
 
@@ -130,6 +120,7 @@ class ClusterEngine:
         replica produces the same tokens. A sampled request that already streamed
         tokens cannot be replayed faithfully and fails with 503."""
         delivered = 0
+        deterministic = params.temperature < GREEDY_EPS or params.seed is not None
         for attempt in range(self.cluster.retries + 1):
             options = {"stream": True}
             if adapter is not None and self.cluster.routing == "ray_default":
@@ -152,7 +143,7 @@ class ClusterEngine:
                         return
                 return
             except _REPLICA_GONE as e:
-                if delivered and not _deterministic(params):
+                if delivered and not deterministic:
                     raise EngineUnavailableError(
                         "the replica serving this request died after streaming part of a "
                         "sampled answer; retry the request") from e

@@ -32,6 +32,7 @@ from metrale.errors import MetraleError
 from metrale.server.app import create_app
 from metrale.server.async_engine import AsyncEngine
 from metrale.server.auth import require_admin
+from metrale.server.engine_api import EngineLimits
 from metrale.server.settings import ServerSettings
 
 log = logging.getLogger("metrale.cluster")
@@ -89,9 +90,8 @@ class EngineReplica:
 
     # --- requests ---------------------------------------------------------------------
 
-    async def info(self) -> dict:
-        return {"replica_id": self.replica_id, "model_id": self.model_id,
-                "max_seq_tokens": self.engine.limits.max_seq_tokens, "url": self.url}
+    async def engine_limits(self) -> EngineLimits:
+        return self.engine.limits
 
     async def validate(self, name: str, path: str):
         """Check an adapter's files against this engine (the cluster validates once, here):
