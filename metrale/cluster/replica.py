@@ -10,7 +10,6 @@ the router ranks by), an exporter of its READY slots, and RegistrySync (sync.py)
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import socket
 import threading
@@ -52,7 +51,6 @@ class EngineReplica:
                   peer_transport=spec.peer_transport, peer_timeout_s=spec.peer_timeout_s,
                   **({"num_kv_blocks": spec.num_kv_blocks} if spec.num_kv_blocks else {}))
         self.model_id = llm.model_dir.name
-        self._routing_stats = functools.partial(routing_stats, llm.engine)  # engine thread
         self.engine = AsyncEngine(llm.engine, on_fatal=self._engine_failed)
         self.engine.start()
         self.peer_server = self.engine.export(spec.host, 0, spec.peer_allow, spec.peer_transport)
@@ -84,9 +82,7 @@ class EngineReplica:
             raise RuntimeError(f"engine stopped: {self.engine.error!r}")
 
     async def record_routing_stats(self) -> dict:
-        stats = await self.engine.call(self._routing_stats)
-        stats["peer_addr"] = self.peer_addr
-        return stats
+        return await self.engine.call(lambda: routing_stats(self.engine.engine))
 
     # --- requests ---------------------------------------------------------------------
 
