@@ -30,7 +30,7 @@ NAMESPACE = "metrale"
 
 
 def deploy(spec: ReplicaSpec, cluster: ClusterConfig, settings_kwargs: dict,
-           replica_resources: dict | None = None, blocking: bool = False) -> None:
+           replica_resources: dict | None = None) -> None:
     """Registry actor, replicas and ingress on the Ray this process is connected to
     (serve.start must have set the HTTP address). Returns once the app is RUNNING."""
     registry_actor = ray.remote(RegistryActor).options(
@@ -54,7 +54,7 @@ def deploy(spec: ReplicaSpec, cluster: ClusterConfig, settings_kwargs: dict,
                                num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
     app = ingress.bind(replicas.bind(spec), spec, cluster, settings_kwargs)
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
+    serve.run(app, name=APP_NAME, route_prefix="/")
 
 
 def shutdown(spec: ReplicaSpec) -> None:

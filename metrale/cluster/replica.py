@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import ray
 import torch
 import uvicorn
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from ray import serve
 
 from metrale.cluster.config import ReplicaSpec
@@ -136,7 +136,7 @@ class EngineReplica:
         internal = APIRouter(dependencies=[Depends(require_admin)])
 
         @internal.post("/internal/stage/{name:path}")  # a name may hold '/'
-        async def stage(name: str, request: Request) -> dict:
+        async def stage(name: str) -> dict:
             """Make `name` resident here: from a neighbour if one holds it, else from disk."""
             record = await self.stager.ensure(name)
             if record.source != "peer":
@@ -144,7 +144,7 @@ class EngineReplica:
             return {"replica": self.replica_id, "source": record.source, "peer": record.peer}
 
         @internal.get("/internal/staging")
-        async def staging(request: Request) -> dict:
+        async def staging() -> dict:
             return {"replica": self.replica_id, "adapter_requests": self.arrivals,
                     "adapter_hits": self.hits,
                     "records": [r.__dict__ for r in self.stager.records]}

@@ -1,6 +1,6 @@
 """Adapter management over HTTP, in three dialects that share one implementation:
 
-- vLLM:     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, POST /reset_prefix_cache
+- vLLM:     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
 - original: POST /v1/lora/load (swap into a given slot), POST /v1/lora/active
 - native:   GET/POST /v1/adapters, POST /v1/adapters/{name}/promote|swap|pin|unpin,
             DELETE /v1/adapters/{name} (a name may hold '/': org/adapter)

@@ -82,7 +82,7 @@ class AsyncEngine:
         self.limits = EngineLimits(engine.max_seq_tokens, engine.model_config.vocab_size)
         self._on_fatal = on_fatal
         self.metrics = ServerMetrics()
-        self.metrics.instrument(engine.lora)
+        engine.lora.listeners.append(self.metrics.on_landing)
         self.ops = AdapterOps(engine, self.metrics)
         self._streams: dict[str, _Stream] = {}  # touched by both threads; dict ops are atomic
         self._futures: set[concurrent.futures.Future] = set()

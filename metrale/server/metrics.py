@@ -83,12 +83,9 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def instrument(self, lora) -> None:
-        """Time and log every swap and promotion of this LoraSlots, the engine's own
+    def on_landing(self, event) -> None:
+        """A LoraSlots listener: times and logs every swap and promotion, the engine's own
         on-demand promotions and peer landings included."""
-        lora.listeners.append(self._on_landing)
-
-    def _on_landing(self, event) -> None:
         ms = f"{event.seconds * 1e3:.2f}"
         if event.error is not None:
             self.landings.labels(event.kind, event.source, "error").inc()
