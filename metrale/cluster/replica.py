@@ -63,10 +63,9 @@ class EngineReplica:
             self.engine,
             lambda applied, resident, errors: registry.poll.remote(
                 self.replica_id, applied, self.peer_addr, self.url, resident, errors),
-            lambda: registry.beat.remote(self.replica_id), self.replica_id)
-        self._sync_thread = threading.Thread(target=asyncio.run, args=(self.sync.run(),),
-                                             name="metrale-cluster-sync", daemon=True)
-        self._sync_thread.start()
+            lambda: registry.beat.remote(self.replica_id))
+        threading.Thread(target=asyncio.run, args=(self.sync.run(),), name="metrale-cluster-sync",
+                         daemon=True).start()
         log.info("replica %s: engine up, peers at %s, http at %s", self.replica_id,
                  self.peer_addr, self.url)
 

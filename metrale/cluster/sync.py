@@ -23,13 +23,12 @@ log = logging.getLogger("metrale.cluster")
 
 
 class RegistrySync:
-    def __init__(self, engine: AsyncEngine, poll: Callable, beat: Callable,
-                 replica_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, poll: Callable, beat: Callable) -> None:
         """poll(applied, resident, errors) -> awaitable of (state_version, desired, others):
         the registry actor's poll, bound to this replica; beat() -> awaitable: its
         heartbeat, sent while a long reconcile keeps the next poll from happening (the
         registry would count the replica dead and stop waiting for it)."""
-        self.engine, self._poll, self._beat, self.replica_id = engine, poll, beat, replica_id
+        self.engine, self._poll, self._beat = engine, poll, beat
         self.applied_version = -1
         self.applied: dict[str, AdapterVersion] = {}
         self.errors: dict[str, str] = {}

@@ -158,8 +158,10 @@ def serve(args: argparse.Namespace, on_demand: dict[str, Path] | None = None) ->
     return 0
 
 
-def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    """--device and --dtype, shared by `serve` and `generate`."""
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """--max-model-len, --device and --dtype, shared by `serve` and `generate`."""
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="most tokens per sequence, prompt plus output (default: %(default)s)")
     p.add_argument("--device", default="cpu",
                    help="torch device to run on: cpu, cuda or cuda:N (default: %(default)s)")
     # no argparse choices: parse_dtype also takes the aliases fp32, bf16, fp16 and half
@@ -188,15 +190,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated model-level LoRA targets to reserve slot memory for: "
                         "embed_tokens, lm_head (lm_head costs max-lora-rank x vocab per slot); "
                         "adapters with LoRA on them are refused without it (default: none)")
-    p.add_argument("--max-model-len", type=int, default=2048,
-                   help="most tokens per sequence, prompt plus output (default: %(default)s)")
+    add_engine_arguments(p)
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV-cache blocks of 16 tokens to allocate (default: room for "
                         "--max-num-seqs sequences of --max-model-len tokens, capped on cuda at "
                         "80%% of the free device memory, on cpu at half the available memory and "
                         "at half the model's weight bytes (at least 64 MiB); never less than one "
                         "--max-model-len sequence)")
-    add_device_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; beyond loopback, set --api-key and --admin-key "
                         "(default: %(default)s)")
