@@ -88,9 +88,6 @@ def require_admin(request: Request) -> None:
     check_admin(request.app.state.settings, request.headers.get("authorization"))
 
 
-Check = Callable[[ServerSettings, str | None], None]
-
-
 class AuthGate:
     """ASGI middleware: the key check of every HTTP request, before its body is read.
 
@@ -112,7 +109,7 @@ class AuthGate:
                 return await refusal(e, self.metrics)(scope, receive, send)
         await self.app(scope, receive, send)
 
-    def _check_for(self, scope: Scope) -> Check | None:
+    def _check_for(self, scope: Scope) -> Callable[[ServerSettings, str | None], None] | None:
         path = scope["path"]
         if path in (HEALTH_PATH, PING_PATH):
             return None

@@ -34,7 +34,7 @@ from metrale.server.protocol import (
     GenerationRequest,
     TokenizeRequest,
 )
-from metrale.server.responses import ChatFormatter, CompletionFormatter, TokenText, sse, usage
+from metrale.server.responses import ChatFormatter, CompletionFormatter, sse, token_text, usage
 from metrale.server.settings import ServerSettings, unknown_model
 
 router = APIRouter(dependencies=[Depends(require_user)])
@@ -108,7 +108,7 @@ async def _respond(request: Request, body: GenerationRequest, prompt: str | list
     adapter = resolve_adapter(body, settings)
     # `model` names what served the request: the adapter (also a server default one), or
     # the base model; never the alias the client sent
-    fmt = formatter(adapter or settings.model_id, TokenText(engine.tokenizer), logprobs)
+    fmt = formatter(adapter or settings.model_id, token_text(engine.tokenizer), logprobs)
     gen = _generate(engine, settings, prompt, params, adapter)
     continuous_usage = body.continuous_usage
     if not body.stream:

@@ -23,9 +23,9 @@ from metrale.server.errors import BadRequestError
 Number = StrictFloat | StrictInt  # never a bool, never a string
 
 
-def has_lone_surrogate(value: Any) -> bool:
-    """Any string in value (nested lists and dicts, keys too) that UTF-8 cannot encode.
-    Iterative: a deeply nested body must not overflow the stack here."""
+def _valid_unicode(value: Any) -> Any:
+    """`value`, refused if any string in it (nested lists and dicts, keys too) is one UTF-8
+    cannot encode. Iterative: a deeply nested body must not overflow the stack here."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -34,18 +34,12 @@ def has_lone_surrogate(value: Any) -> bool:
                 try:
                     item.encode("utf-8")
                 except UnicodeEncodeError:
-                    return True
+                    raise ValueError("invalid Unicode: the string holds a lone surrogate") from None
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-    return False
-
-
-def _valid_unicode(value: Any) -> Any:
-    if has_lone_surrogate(value):
-        raise ValueError("invalid Unicode: the string holds a lone surrogate")
     return value
 
 
