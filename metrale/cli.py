@@ -14,7 +14,7 @@ from metrale.model.default_model import default_model_dir
 from metrale.server.client import add_adapters_parser
 from metrale.server.listen import check_can_listen, require_ray
 from metrale.server.serve import (
-    add_device_arguments,
+    add_engine_arguments,
     add_serve_arguments,
     parse_adapter_args,
     progress,
@@ -66,8 +66,7 @@ def _generate(args: argparse.Namespace) -> int:
         for name in use:
             if name in DEMO_ADAPTERS and name not in adapters:
                 adapters[name] = str(demo_adapter_dir(name, progress=progress))
-    rank = max([args.max_lora_rank, 16])
-    llm = LLM(args.model, max_loras=max(len(adapters), 1), max_lora_rank=rank,
+    llm = LLM(args.model, max_loras=max(len(adapters), 1), max_lora_rank=max(args.max_lora_rank, 16),
               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
     for name, path in adapters.items():
         llm.register_adapter(name, path)
@@ -169,9 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--max-lora-rank", type=int, default=16,
                      help="largest LoRA rank a slot holds (default: %(default)s)")
-    gen.add_argument("--max-model-len", type=int, default=2048,
-                     help="most tokens per sequence, prompt plus output (default: %(default)s)")
-    add_device_arguments(gen)
+    add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
 
     peer = sub.add_parser("peer", help="adapter peers: serve a directory of adapters to engines")

@@ -22,15 +22,15 @@ from urllib.parse import quote
 import httpx
 import ray
 import torch
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from metrale.cluster.config import ClusterConfig, ReplicaSpec
 from metrale.cluster.replica_metrics import merge_replica_series
-from metrale.config import ModelConfig
 from metrale.engine.llm import load_tokenizer
 from metrale.engine.outputs import RequestOutput
+from metrale.engine.registry import AdapterVersion
 from metrale.engine.sampling_params import GREEDY_EPS, SamplingParams
 from metrale.errors import UnknownAdapterError
 from metrale.server.app import create_app
@@ -54,9 +54,17 @@ class ClusterAdapterView:
     pinned: bool
     version: int | None
     replicas: dict[str, dict] = field(default_factory=dict)  # replica id -> its AdapterView
-    slot: int | None = None  # per replica only; kept for the shared views' shape
+    slot: int | None = None  # these three per replica only; kept for the shared views' shape
     uid: int | None = None
+    last_used: int | None = None
     errors: dict[str, str] = field(default_factory=dict)  # replica id -> why it did not apply
+
+    @classmethod
+    def of(cls, name: str, version: AdapterVersion | None, replicas: dict[str, dict],
+           errors: dict[str, str] | None = None) -> ClusterAdapterView:
+        """version: the registry's (None once unloaded, while replicas still drain it)."""
+        return cls(name, str(version.source) if version else None, bool(version and version.pinned),
+                   version.version if version else None, replicas, errors=errors or {})
 
     @property
     def state(self) -> str:
@@ -68,10 +76,6 @@ class ClusterAdapterView:
         return sum(r["ref_count"] for r in self.replicas.values())
 
     @property
-    def last_used(self) -> int | None:
-        return None
-
-    @property
     def unloading(self) -> bool:
         return any(r["unloading"] for r in self.replicas.values())
 
@@ -79,10 +83,6 @@ class ClusterAdapterView:
         return {"name": self.name, "path": self.path, "pinned": self.pinned,
                 "version": self.version, "state": self.state, "ref_count": self.ref_count,
                 "unloading": self.unloading, "replicas": self.replicas, "errors": self.errors}
-
-
-def _deterministic(params: SamplingParams) -> bool:
-    return params.temperature < GREEDY_EPS or params.seed is not None
 
 
 class ClusterEngine:
@@ -100,10 +100,8 @@ class ClusterEngine:
             "Authorization": f"Bearer {spec.internal_key}"})
 
     async def setup(self) -> None:
-        info = await self.handle.info.remote()
-        model_dir = Path(self.spec.model)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.limits = EngineLimits(info["max_seq_tokens"], ModelConfig.from_dir(model_dir).vocab_size)
+        self.tokenizer = load_tokenizer(Path(self.spec.model))
+        self.limits = await self.handle.engine_limits.remote()
 
     # --- EngineAPI ----------------------------------------------------------------------
 
@@ -122,6 +120,7 @@ class ClusterEngine:
         replica produces the same tokens. A sampled request that already streamed
         tokens cannot be replayed faithfully and fails with 503."""
         delivered = 0
+        deterministic = params.temperature < GREEDY_EPS or params.seed is not None
         for attempt in range(self.cluster.retries + 1):
             options = {"stream": True}
             if adapter is not None and self.cluster.routing == "ray_default":
@@ -144,7 +143,7 @@ class ClusterEngine:
                         return
                 return
             except _REPLICA_GONE as e:
-                if delivered and not _deterministic(params):
+                if delivered and not deterministic:
                     raise EngineUnavailableError(
                         "the replica serving this request died after streaming part of a "
                         "sampled answer; retry the request") from e
@@ -232,13 +231,8 @@ class ClusterEngine:
             slots[m.replica_id] = doc["slots"]
             for a in doc["adapters"]:
                 per_name[a["name"]][m.replica_id] = a
-        views = []
-        for name in sorted(per_name):
-            version = await self.registry.get.remote(name)
-            views.append(ClusterAdapterView(
-                name, str(version.source) if version else None,
-                bool(version and version.pinned), version.version if version else None,
-                per_name[name]))
+        views = [ClusterAdapterView.of(name, await self.registry.get.remote(name), per_name[name])
+                 for name in sorted(per_name)]
         return AdapterListing(views, slots)
 
     async def view(self, name: str, errors: dict[str, str] | None = None) -> ClusterAdapterView:
@@ -247,10 +241,7 @@ class ClusterEngine:
         for v in (await self.residency()).adapters:
             if v.name == name:
                 return replace(v, errors=errors or {})
-        version = await self.registry.get.remote(name)
-        return ClusterAdapterView(name, str(version.source) if version else None,
-                                  bool(version and version.pinned),
-                                  version.version if version else None, errors=errors or {})
+        return ClusterAdapterView.of(name, await self.registry.get.remote(name), {}, errors)
 
     async def stats(self) -> dict:
         """The ingress's own record, for operators and tests: who served what, retries,
@@ -332,11 +323,6 @@ class ClusterIngress:
         await self.cluster_engine.setup()
         settings = ServerSettings(started=time.time(), **self.settings_kwargs)
         app = create_app(self.cluster_engine, settings)
-        extra = APIRouter(dependencies=[Depends(require_user)])
-
-        @extra.get("/v1/cluster")
-        async def cluster_stats() -> dict:
-            return await self.cluster_engine.stats()
-
-        app.include_router(extra)
+        app.add_api_route("/v1/cluster", self.cluster_engine.stats,
+                          dependencies=[Depends(require_user)])
         return app

@@ -30,7 +30,7 @@ NAMESPACE = "metrale"
 
 
 def deploy(spec: ReplicaSpec, cluster: ClusterConfig, settings_kwargs: dict,
-           replica_resources: dict | None = None, blocking: bool = False) -> None:
+           replica_resources: dict | None = None) -> None:
     """Registry actor, replicas and ingress on the Ray this process is connected to
     (serve.start must have set the HTTP address). Returns once the app is RUNNING."""
     registry_actor = ray.remote(RegistryActor).options(
@@ -54,7 +54,7 @@ def deploy(spec: ReplicaSpec, cluster: ClusterConfig, settings_kwargs: dict,
                                num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
     app = ingress.bind(replicas.bind(spec), spec, cluster, settings_kwargs)
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
+    serve.run(app, name=APP_NAME, route_prefix="/")
 
 
 def shutdown(spec: ReplicaSpec) -> None:
@@ -68,21 +68,10 @@ def shutdown(spec: ReplicaSpec) -> None:
 def serve_cluster(args: argparse.Namespace, on_demand: dict[str, Path] | None = None) -> int:
     """The CLI's entry: args are `metrale serve`'s, with --replicas and --ray-address;
     on_demand: adapters registered unpinned at start-up (a --adapter of the same name wins)."""
-    from metrale.server.serve import (
-        default_adapter_root,
-        parse_adapter_args,
-        progress,
-        settings_fields,
-    )
+    from metrale.server.serve import model_and_adapter_roots, parse_adapter_args, settings_fields
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    from metrale.model.default_model import default_model_dir
-
-    model = str(default_model_dir(progress=progress) if args.model is None else args.model)
-    demo = {n: str(p) for n, p in (on_demand or {}).items()}
-    adapter_roots = [str(Path(r).resolve()) for r in args.adapter_root]
-    if args.model is None and not adapter_roots:
-        adapter_roots = [str(default_adapter_root())]
+    model_dir, adapter_roots = model_and_adapter_roots(args)
     local = args.ray_address is None
     if local:
         ray.init(num_cpus=args.ray_num_cpus, include_dashboard=False, namespace=NAMESPACE)
@@ -91,7 +80,7 @@ def serve_cluster(args: argparse.Namespace, on_demand: dict[str, Path] | None = 
     serve.start(http_options={"host": args.host, "port": args.port})
     cuda = args.device.startswith("cuda")
     spec = ReplicaSpec(
-        model=str(Path(model).resolve()), registry_name=f"{APP_NAME}-registry",
+        model=str(model_dir.resolve()), registry_name=f"{APP_NAME}-registry",
         registry_namespace=NAMESPACE, internal_key=secrets.token_urlsafe(24),
         device="cuda" if cuda else args.device, dtype=args.dtype, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len,
@@ -101,13 +90,13 @@ def serve_cluster(args: argparse.Namespace, on_demand: dict[str, Path] | None = 
         torch_threads=args.replica_threads)
     cluster = ClusterConfig(replicas=args.replicas,
                             router=RouterConfig(args.router_epsilon, args.router_spread_queue))
-    settings_kwargs = settings_fields(args, Path(model).name, adapter_roots)
+    settings_kwargs = settings_fields(args, model_dir.name, [str(r.resolve()) for r in adapter_roots])
     # one GPU per replica (Ray places them); on a CPU host, --replica-threads cores each
     resources = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": args.replica_threads}
     deploy(spec, cluster, settings_kwargs, resources)
-    register_startup(spec, {**{n: (p, False) for n, p in demo.items()},
+    register_startup(spec, {**{n: (str(p), False) for n, p in (on_demand or {}).items()},
                             **{n: (p, True) for n, p in parse_adapter_args(args.adapter).items()}})
-    print(f"metrale: {args.replicas} replicas of {Path(model).name} behind "
+    print(f"metrale: {args.replicas} replicas of {model_dir.name} behind "
           f"http://{args.host}:{args.port}/v1 (Ray Serve; Ctrl-C stops)", flush=True)
     try:
         while True:

@@ -136,9 +136,8 @@ def rank(adapter: str | None, views: Sequence[ReplicaView], cfg: RouterConfig,
     # No replica within the bound can land it without waiting for a busy slot to drain
     # (a whole request's time): then a holder, even over the bound, runs it at once in
     # its batch, which costs one more row in a step.
-    over = [v for v in by_load if v.replica_id not in taken and adapter in v.ready]
-    if not cfg.stall_over_bound:
-        over = []
+    over = ([v for v in by_load if v.replica_id not in taken and adapter in v.ready]
+            if cfg.stall_over_bound else [])
     taken |= {v.replica_id for v in over}
     rest = free + over + [v for v in by_load if v.replica_id not in taken]
     holders = ready + warm

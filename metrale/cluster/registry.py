@@ -33,16 +33,6 @@ class Member:
     last_seen: float = 0.0
 
 
-@dataclass(frozen=True)
-class Desired:
-    """One adapter as every replica should have it."""
-
-    name: str
-    source: AdapterSource
-    version: int
-    pinned: bool
-
-
 class ClusterRegistry:
     """Pure state; RegistryActor runs it in a Ray actor."""
 
@@ -79,12 +69,9 @@ class ClusterRegistry:
     def get(self, name: str) -> AdapterVersion | None:
         return self.names.get(name)
 
-    def desired(self) -> dict[str, Desired]:
-        out = {}
-        for name in self.names.names():
-            v = self.names.get(name)
-            out[name] = Desired(name, v.source, v.version, v.pinned)
-        return out
+    def desired(self) -> dict[str, AdapterVersion]:
+        """Every adapter as every replica should have it."""
+        return {name: self.names.get(name) for name in self.names.names()}
 
     def live(self) -> list[Member]:
         now = self._clock()
@@ -107,9 +94,6 @@ class ClusterRegistry:
         m = self.members.get(replica_id)
         if m is not None:
             m.last_seen = self._clock()
-
-    def leave(self, replica_id: str) -> None:
-        self.members.pop(replica_id, None)
 
 
 def _result(fn, *args):
@@ -137,17 +121,16 @@ class RegistryActor:
         return _result(self.registry.check_new, name, reload)
 
     async def register(self, name: str, source: AdapterSource, pinned: bool, reload: bool):
-        out = _result(self.registry.register, name, source, pinned, reload)
-        self._notify()
-        return out
+        return self._change(self.registry.register, name, source, pinned, reload)
 
     async def set_pinned(self, name: str, pinned: bool):
-        out = _result(self.registry.set_pinned, name, pinned)
-        self._notify()
-        return out
+        return self._change(self.registry.set_pinned, name, pinned)
 
     async def unload(self, name: str):
-        out = _result(self.registry.unload, name)
+        return self._change(self.registry.unload, name)
+
+    def _change(self, fn, *args):
+        out = _result(fn, *args)
         self._notify()
         return out
 
@@ -190,7 +173,3 @@ class RegistryActor:
 
     async def members(self) -> list[Member]:
         return self.registry.live()
-
-    async def leave(self, replica_id: str) -> None:
-        self.registry.leave(replica_id)
-        self._notify()

@@ -10,7 +10,6 @@ the router ranks by), an exporter of its READY slots, and RegistrySync (sync.py)
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import socket
 import threading
@@ -19,7 +18,7 @@ from collections.abc import AsyncIterator
 import ray
 import torch
 import uvicorn
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from ray import serve
 
 from metrale.cluster.config import ReplicaSpec
@@ -29,23 +28,13 @@ from metrale.cluster.sync import RegistrySync
 from metrale.engine.llm import LLM
 from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import MetraleError
-from metrale.peer.allow import LOOPBACK
-from metrale.peer.exporter import AdapterExporter
-from metrale.peer.http_server import PeerHTTPServer
-from metrale.peer.store import resolve_transports
 from metrale.server.app import create_app
 from metrale.server.async_engine import AsyncEngine
 from metrale.server.auth import require_admin
+from metrale.server.engine_api import EngineLimits
 from metrale.server.settings import ServerSettings
 
 log = logging.getLogger("metrale.cluster")
-
-
-def _bind(host: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    return sock
 
 
 class EngineReplica:
@@ -62,14 +51,9 @@ class EngineReplica:
                   peer_transport=spec.peer_transport, peer_timeout_s=spec.peer_timeout_s,
                   **({"num_kv_blocks": spec.num_kv_blocks} if spec.num_kv_blocks else {}))
         self.model_id = llm.model_dir.name
-        self._routing_stats = functools.partial(routing_stats, llm.engine)  # engine thread
         self.engine = AsyncEngine(llm.engine, on_fatal=self._engine_failed)
         self.engine.start()
-        exporter = AdapterExporter(
-            llm.engine.lora, llm.engine.registry, call=lambda fn: self.engine.submit(fn).result(timeout=30),
-            transports=resolve_transports(spec.peer_transport)).start()
-        self.peer_server = PeerHTTPServer(exporter, host=spec.host, port=0,
-                                          client_allow=spec.peer_allow or LOOPBACK).start()
+        self.peer_server = self.engine.export(spec.host, 0, spec.peer_allow, spec.peer_transport)
         self.peer_addr = self.peer_server.url.removeprefix("http://")
         self.stager = PeerStager(self.engine, self._holders)
         self.arrivals = self.hits = 0  # adapter requests, and those whose adapter was READY
@@ -79,10 +63,9 @@ class EngineReplica:
             self.engine,
             lambda applied, resident, errors: registry.poll.remote(
                 self.replica_id, applied, self.peer_addr, self.url, resident, errors),
-            lambda: registry.beat.remote(self.replica_id), self.replica_id)
-        self._sync_thread = threading.Thread(target=asyncio.run, args=(self.sync.run(),),
-                                             name="metrale-cluster-sync", daemon=True)
-        self._sync_thread.start()
+            lambda: registry.beat.remote(self.replica_id))
+        threading.Thread(target=asyncio.run, args=(self.sync.run(),), name="metrale-cluster-sync",
+                         daemon=True).start()
         log.info("replica %s: engine up, peers at %s, http at %s", self.replica_id,
                  self.peer_addr, self.url)
 
@@ -98,15 +81,12 @@ class EngineReplica:
             raise RuntimeError(f"engine stopped: {self.engine.error!r}")
 
     async def record_routing_stats(self) -> dict:
-        stats = await self.engine.call(self._routing_stats)
-        stats["peer_addr"] = self.peer_addr
-        return stats
+        return await self.engine.call(lambda: routing_stats(self.engine.engine))
 
     # --- requests ---------------------------------------------------------------------
 
-    async def info(self) -> dict:
-        return {"replica_id": self.replica_id, "model_id": self.model_id,
-                "max_seq_tokens": self.engine.limits.max_seq_tokens, "url": self.url}
+    async def engine_limits(self) -> EngineLimits:
+        return self.engine.limits
 
     async def validate(self, name: str, path: str):
         """Check an adapter's files against this engine (the cluster validates once, here):
@@ -155,7 +135,7 @@ class EngineReplica:
         internal = APIRouter(dependencies=[Depends(require_admin)])
 
         @internal.post("/internal/stage/{name:path}")  # a name may hold '/'
-        async def stage(name: str, request: Request) -> dict:
+        async def stage(name: str) -> dict:
             """Make `name` resident here: from a neighbour if one holds it, else from disk."""
             record = await self.stager.ensure(name)
             if record.source != "peer":
@@ -163,13 +143,15 @@ class EngineReplica:
             return {"replica": self.replica_id, "source": record.source, "peer": record.peer}
 
         @internal.get("/internal/staging")
-        async def staging(request: Request) -> dict:
+        async def staging() -> dict:
             return {"replica": self.replica_id, "adapter_requests": self.arrivals,
                     "adapter_hits": self.hits,
                     "records": [r.__dict__ for r in self.stager.records]}
 
         app.include_router(internal)
-        sock = _bind(self.spec.host)
+        sock = socket.socket(socket.AF_INET6 if ":" in self.spec.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.spec.host, 0))
         host, port = sock.getsockname()[:2]
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),),

@@ -1,5 +1,6 @@
-"""What a replica reports to the router (Ray Serve's routing stats): residency, idle
-slots, queue depth and KV usage. Computed on the engine thread, between steps."""
+"""What a replica reports to the router (Ray Serve's routing stats, read by
+router.AdapterAffinityRouter.view): residency, idle slots and load. Computed on the
+engine thread, between steps."""
 
 from __future__ import annotations
 
@@ -27,12 +28,9 @@ def routing_stats(engine: LLMEngine) -> dict:
     scheduler = engine.scheduler
     per_adapter = Counter(s.adapter for s in list(scheduler.running) + list(scheduler.waiting)
                           if s.adapter)
-    waiting = len(scheduler.waiting)  # requests waiting for a promotion are queued there too
-    blocks = engine.blocks
     return {
         "ready": sorted(ready), "warm": sorted(set(landing)), "idle_slots": idle, "slots": slots,
-        "running": len(scheduler.running), "waiting": waiting,
-        "load": len(scheduler.running) + waiting,
+        # requests waiting for a promotion are queued in `waiting` too
+        "load": len(scheduler.running) + len(scheduler.waiting),
         "adapter_load": dict(per_adapter),
-        "kv_usage": 1.0 - blocks.num_free / blocks.num_blocks if blocks.num_blocks else 0.0,
     }

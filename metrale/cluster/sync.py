@@ -13,7 +13,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from metrale.cluster.registry import POLL_S, Desired
+from metrale.cluster.registry import POLL_S
+from metrale.engine.registry import AdapterVersion
 from metrale.engine.residency import Residence
 from metrale.errors import MetraleError, UnknownAdapterError
 from metrale.server.async_engine import AsyncEngine
@@ -22,15 +23,14 @@ log = logging.getLogger("metrale.cluster")
 
 
 class RegistrySync:
-    def __init__(self, engine: AsyncEngine, poll: Callable, beat: Callable,
-                 replica_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, poll: Callable, beat: Callable) -> None:
         """poll(applied, resident, errors) -> awaitable of (state_version, desired, others):
         the registry actor's poll, bound to this replica; beat() -> awaitable: its
         heartbeat, sent while a long reconcile keeps the next poll from happening (the
         registry would count the replica dead and stop waiting for it)."""
-        self.engine, self._poll, self._beat, self.replica_id = engine, poll, beat, replica_id
+        self.engine, self._poll, self._beat = engine, poll, beat
         self.applied_version = -1
-        self.applied: dict[str, Desired] = {}
+        self.applied: dict[str, AdapterVersion] = {}
         self.errors: dict[str, str] = {}
         self.others: dict[str, tuple[str | None, dict[str, int]]] = {}
         self.resident: dict[str, int] = {}  # as last reported
@@ -67,7 +67,7 @@ class RegistrySync:
         return {r.name: self.applied[r.name].version for r in await self.engine.rows()
                 if r.registered and r.state is Residence.READY and r.name in self.applied}
 
-    async def reconcile(self, desired: dict[str, Desired]) -> None:
+    async def reconcile(self, desired: dict[str, AdapterVersion]) -> None:
         for name in sorted(set(self.applied) - set(desired)):
             await self._apply(name, self._unload(name))
         for name, want in sorted(desired.items()):
@@ -92,7 +92,7 @@ class RegistrySync:
         except UnknownAdapterError:
             pass
 
-    async def _register(self, want: Desired, reload: bool) -> None:
+    async def _register(self, want: AdapterVersion, reload: bool) -> None:
         ops = self.engine.ops
         reload = reload or await self.engine.is_known(want.name)
         await self.engine.call(lambda: ops.register(want.name, want.source, False, reload, None))
@@ -100,6 +100,6 @@ class RegistrySync:
         if want.pinned:
             await self.engine.pin(want.name, True)  # reads the bytes off the engine thread
 
-    async def _pin(self, want: Desired) -> None:
+    async def _pin(self, want: AdapterVersion) -> None:
         await self.engine.pin(want.name, want.pinned)
         self.applied[want.name] = want

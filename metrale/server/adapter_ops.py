@@ -119,9 +119,6 @@ class AdapterOps:
         log.info("%s", kv(event="unload", adapter=name, result=result))
         return result
 
-    def source_of(self, name: str) -> AdapterSource:
-        return self.registry.changeable(name).source
-
     # --- after every step -------------------------------------------------------------
 
     def after_step(self) -> None:
@@ -154,7 +151,7 @@ class AdapterOps:
         self.metrics.adapter_queue.clear()
         for name, n in depth.items():
             self.metrics.adapter_queue.labels(name).set(n)
-        self._vllm_gauges(scheduler, adapters)
+        self._vllm_gauges(scheduler)
 
     def _count(self, residency: str, total: int) -> None:
         self.metrics.adapter_requests.labels(residency).inc(self._increase(residency, total))
@@ -164,15 +161,16 @@ class AdapterOps:
         before, self._counted[key] = self._counted.get(key, 0), total
         return total - before
 
-    def _vllm_gauges(self, scheduler, adapters) -> None:
+    def _vllm_gauges(self, scheduler) -> None:
         """Running = adapters of scheduled sequences; waiting = adapters of queued ones, those
         waiting for a promotion included (both sets kept apart, as vLLM reports them)."""
-        running = [s.adapter for s in scheduler.running if s.adapter]
-        waiting = [s.adapter for s in scheduler.waiting if s.adapter]  # pending ones too
-        blocks = self.engine.blocks
-        used = 1.0 - blocks.num_free / blocks.num_blocks if blocks.num_blocks else 0.0
-        self.metrics.set_vllm(running, waiting, self.engine.lora.pool_config.max_loras,
-                              len(scheduler.running), len(scheduler.waiting), used)
+        vllm, blocks = self.metrics.vllm, self.engine.blocks
+        vllm.set_lora_info([s.adapter for s in scheduler.running if s.adapter],
+                           [s.adapter for s in scheduler.waiting if s.adapter],
+                           self.engine.lora.pool_config.max_loras)
+        vllm.running.set(len(scheduler.running))
+        vllm.waiting.set(len(scheduler.waiting))
+        vllm.kv_usage.set(1.0 - blocks.num_free / blocks.num_blocks if blocks.num_blocks else 0.0)
 
     # --- views ------------------------------------------------------------------------
 

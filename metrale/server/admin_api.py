@@ -1,6 +1,6 @@
 """Adapter management over HTTP, in three dialects that share one implementation:
 
-- vLLM:     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, POST /reset_prefix_cache
+- vLLM:     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
 - original: POST /v1/lora/load (swap into a given slot), POST /v1/lora/active
 - native:   GET/POST /v1/adapters, POST /v1/adapters/{name}/promote|swap|pin|unpin,
             DELETE /v1/adapters/{name} (a name may hold '/': org/adapter)
@@ -21,7 +21,7 @@ from metrale.engine.registry import PEER_SCHEME
 from metrale.errors import AdapterExistsError
 from metrale.names import validate_adapter_name
 from metrale.server.auth import require_admin, require_user
-from metrale.server.engine_api import EngineAPI
+from metrale.server.engine_api import app_context
 from metrale.server.errors import BadRequestError
 from metrale.server.paths import resolve_adapter_path
 from metrale.server.protocol import (
@@ -46,16 +46,12 @@ def _adapter_source(raw: object, settings: ServerSettings, param: str) -> str | 
     return resolve_adapter_path(raw, settings.adapter_roots, param)
 
 
-def _ctx(request: Request) -> tuple[EngineAPI, ServerSettings]:
-    return request.app.state.engine, request.app.state.settings
-
-
 # --- vLLM ------------------------------------------------------------------------------
 
 
 @admin.post("/v1/load_lora_adapter")
 async def vllm_load(body: LoadLoraRequest, request: Request) -> PlainTextResponse:
-    engine, settings = _ctx(request)
+    engine, settings = app_context(request)
     path = _adapter_source(body.lora_path, settings, "lora_path")
     try:
         await engine.register(body.lora_name, path, reload=body.load_inplace)
@@ -67,14 +63,14 @@ async def vllm_load(body: LoadLoraRequest, request: Request) -> PlainTextRespons
 
 @admin.post("/v1/unload_lora_adapter")
 async def vllm_unload(body: UnloadLoraRequest, request: Request) -> PlainTextResponse:
-    engine, _ = _ctx(request)
+    engine, _ = app_context(request)
     await engine.unload(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 @admin.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> dict:
-    engine, _ = _ctx(request)
+    engine, _ = app_context(request)
     dropped = await engine.reset_prefix_cache()
     return {"status": "ok", "dropped_blocks": dropped}
 
@@ -84,7 +80,7 @@ async def reset_prefix_cache(request: Request) -> dict:
 
 @admin.post("/v1/lora/load")
 async def slot_load(body: SlotLoadRequest, request: Request) -> dict:
-    engine, settings = _ctx(request)
+    engine, settings = app_context(request)
     path = resolve_adapter_path(body.path, settings.adapter_roots, "path")
     try:
         view = await engine.swap(body.name, body.slot, path, reload=body.reload)
@@ -95,7 +91,7 @@ async def slot_load(body: SlotLoadRequest, request: Request) -> dict:
 
 @admin.post("/v1/lora/active")
 async def set_active(body: ActiveAdapterRequest, request: Request) -> dict:
-    engine, settings = _ctx(request)
+    engine, settings = app_context(request)
     name = body.adapter or None
     if name is not None and name != settings.model_id:
         validate_adapter_name(name)
@@ -115,7 +111,7 @@ async def get_active(request: Request) -> dict:
 
 @reads.get("/v1/adapters")
 async def list_adapters(request: Request) -> dict:
-    engine, settings = _ctx(request)
+    engine, settings = app_context(request)
     listing = await engine.residency()
     return {"model": settings.model_id, "default_adapter": settings.default_adapter,
             "adapters": [a.as_dict() for a in listing.adapters], "slots": listing.slots}
@@ -123,7 +119,7 @@ async def list_adapters(request: Request) -> dict:
 
 @admin.post("/v1/adapters", status_code=201)
 async def register(body: RegisterRequest, request: Request) -> JSONResponse:
-    engine, settings = _ctx(request)
+    engine, settings = app_context(request)
     path = _adapter_source(body.path, settings, "path")
     view = await engine.register(body.name, path, pinned=body.pinned)
     return JSONResponse({"adapter": view.as_dict()}, status_code=201)
@@ -135,32 +131,32 @@ async def register(body: RegisterRequest, request: Request) -> JSONResponse:
 
 @admin.post("/v1/adapters/{name:path}/promote")
 async def promote(name: str, request: Request) -> dict:
-    engine, _ = _ctx(request)
+    engine, _ = app_context(request)
     view, evicted = await engine.promote(validate_adapter_name(name))
     return {"adapter": view.as_dict(), "evicted": evicted}
 
 
 @admin.post("/v1/adapters/{name:path}/swap")
 async def swap(name: str, body: SwapRequest, request: Request) -> dict:
-    engine, _ = _ctx(request)
+    engine, _ = app_context(request)
     view = await engine.swap(validate_adapter_name(name), body.slot)
     return {"adapter": view.as_dict()}
 
 
 @admin.post("/v1/adapters/{name:path}/pin")
 async def pin(name: str, request: Request) -> dict:
-    engine, _ = _ctx(request)
+    engine, _ = app_context(request)
     return {"adapter": (await engine.pin(validate_adapter_name(name), True)).as_dict()}
 
 
 @admin.post("/v1/adapters/{name:path}/unpin")
 async def unpin(name: str, request: Request) -> dict:
-    engine, _ = _ctx(request)
+    engine, _ = app_context(request)
     return {"adapter": (await engine.pin(validate_adapter_name(name), False)).as_dict()}
 
 
 @admin.delete("/v1/adapters/{name:path}")
 async def unload(name: str, request: Request) -> dict:
-    engine, _ = _ctx(request)
+    engine, _ = app_context(request)
     status = await engine.unload(validate_adapter_name(name))
     return {"name": name, "status": status}

@@ -21,9 +21,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metrale.errors import MetraleError
 from metrale.server import admin_api, openai_api
-from metrale.server.auth import PING_PATH, AuthGate
+from metrale.server.auth import PING_PATH, AuthGate, refusal
 from metrale.server.engine_api import EngineAPI
-from metrale.server.errors import error_body, exception_body
+from metrale.server.errors import PayloadTooLargeError, error_body
 from metrale.server.metrics import ServerMetrics
 from metrale.server.settings import ServerSettings
 
@@ -66,11 +66,8 @@ class BodyLimit:
         await self.app(scope, replayed, send)
 
     async def _refuse(self, send: Send) -> None:
-        self.metrics.refusals.labels("PayloadTooLargeError").inc()
-        response = JSONResponse(
-            error_body(f"request body exceeds {self.max_bytes} bytes", "invalid_request_error"),
-            status_code=413)
-        await response({"type": "http"}, _no_receive, send)
+        error = PayloadTooLargeError(f"request body exceeds {self.max_bytes} bytes")
+        await refusal(error, self.metrics)({"type": "http"}, _no_receive, send)
 
 
 class HeadAsGet:
@@ -111,16 +108,9 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
     metrics = engine.metrics
     metrics.vllm.bind(settings.model_id)  # vLLM's series carry the served model's name
 
-    def refuse(exc: BaseException) -> JSONResponse:
-        status, body = exception_body(exc)
-        metrics.refusals.labels(type(exc).__name__).inc()
-        if status >= 500 and not isinstance(exc, MetraleError):
-            log.error("internal error", exc_info=exc)
-        return JSONResponse(body, status_code=status)
-
     @app.exception_handler(MetraleError)
     async def _metrale(request: Request, exc: MetraleError) -> JSONResponse:
-        return refuse(exc)
+        return refusal(exc, metrics)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -147,8 +137,9 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return refuse(exc)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:  # a bug: 500
+        log.error("internal error", exc_info=exc)
+        return refusal(exc, metrics)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -166,10 +157,10 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
     @app.get("/metrics")
     async def prometheus() -> Response:
         if engine.alive:
-            listing = await engine.residency()
-            metrics.set_residency(
-                (a.name, "none" if a.slot is None else str(a.slot), a.state)
-                for a in listing.adapters)
+            metrics.adapter_resident.clear()
+            for a in (await engine.residency()).adapters:
+                slot = "none" if a.slot is None else str(a.slot)
+                metrics.adapter_resident.labels(a.name, slot, a.state).set(1)
         text = await engine.exposition() if engine.alive else metrics.exposition()
         return Response(text, media_type="text/plain; version=0.0.4")
 

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -29,6 +29,10 @@ from metrale.engine.registry import AdapterSource
 from metrale.engine.residency import ResidencyRow
 from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import MetraleError, PeerUnavailableError, SamplingError
+from metrale.peer.allow import LOOPBACK
+from metrale.peer.exporter import AdapterExporter
+from metrale.peer.http_server import PeerHTTPServer
+from metrale.peer.store import resolve_transports
 from metrale.pool.swap import Prepared
 from metrale.server.adapter_ops import AdapterOps, AdapterView
 from metrale.server.engine_api import AdapterListing, EngineLimits
@@ -56,9 +60,20 @@ class _Stream:
     first_token: float | None = None
     last_token: float | None = None
 
+    def finished(self, reason: str, now: float, out: RequestOutput | None = None) -> FinishedRequest:
+        """The request's life for vLLM's histograms; no `out`: the consumer left, and the
+        request counts as never run."""
+        if out is None:
+            return FinishedRequest(reason, self.arrival, now, self.max_tokens)
+        return FinishedRequest(
+            reason, self.arrival, now, self.max_tokens, scheduled=self.scheduled,
+            first_token=self.first_token, last_token=self.last_token,
+            prompt_tokens=len(out.prompt_token_ids), generated_tokens=len(out.token_ids),
+            cached_prompt_tokens=out.num_cached_tokens)
+
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+    def __init__(self, engine: LLMEngine,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
         """on_fatal: called on the engine thread if the loop itself fails (not one request:
         those fail alone); the server exits the process rather than answer 503 forever."""
@@ -66,8 +81,8 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.limits = EngineLimits(engine.max_seq_tokens, engine.model_config.vocab_size)
         self._on_fatal = on_fatal
-        self.metrics = metrics or ServerMetrics()
-        self.metrics.instrument(engine.lora)
+        self.metrics = ServerMetrics()
+        engine.lora.listeners.append(self.metrics.on_landing)
         self.ops = AdapterOps(engine, self.metrics)
         self._streams: dict[str, _Stream] = {}  # touched by both threads; dict ops are atomic
         self._futures: set[concurrent.futures.Future] = set()
@@ -89,8 +104,6 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     async def shutdown(self, drain_timeout_s: float = 5.0) -> None:
-        """Let running requests finish for up to drain_timeout_s, then abort the rest
-        and stop the thread. New work is refused from the first moment."""
         self._accepting = False
         deadline = time.monotonic() + drain_timeout_s
         while self._streams and time.monotonic() < deadline and self.alive:
@@ -121,9 +134,6 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        adapter: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes. Admission errors (unknown
-        adapter, bad params) and request errors (POOL_FULL after the wait) are raised;
-        leaving the iterator early (client gone, task cancelled) aborts the request."""
         if not self._accepting:
             raise EngineUnavailableError("the server is shutting down")
         request_id = f"req-{uuid.uuid4().hex}"
@@ -154,8 +164,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if admitted and not finished:  # the consumer left: vLLM counts it as aborted
-                self.metrics.vllm.finished(
-                    replace(_finished(stream, "abort", 0, 0, 0), scheduled=None))
+                self.metrics.vllm.finished(stream.finished("abort", time.monotonic()))
             if not finished and self.alive:
                 # the consumer left early (or admission was cancelled mid-flight);
                 # abort of an unknown id is a no-op, so this is safe either way
@@ -214,7 +223,7 @@ class AsyncEngine:
     async def swap(self, name: str, slot: int, path: str | Path | None = None,
                    reload: bool = False) -> AdapterView:
         if path is None:
-            source = await self.call(lambda: self.ops.source_of(name))
+            source = await self.call(lambda: self.engine.registry.changeable(name).source)
             return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, None, False, p))
         await self.call(lambda: self.ops.check_register(name, reload))
         source = await self.check_adapter(name, path)
@@ -244,6 +253,17 @@ class AsyncEngine:
 
     async def starting(self) -> str | None:
         return None  # serve() registers the start-up adapters before the app exists
+
+    def export(self, host: str, port: int, peer_allow: tuple[str, ...],
+               transport: str) -> PeerHTTPServer:
+        """Serve this engine's READY slots to peers on (host, port); a lease holds a slot
+        reference, so a leased adapter is never swapped mid-transfer. Slot-table access
+        runs on the engine thread, like every other mutation."""
+        exporter = AdapterExporter(self.engine.lora, self.engine.registry,
+                                   call=lambda fn: self.submit(fn).result(timeout=30),
+                                   transports=resolve_transports(transport)).start()
+        return PeerHTTPServer(exporter, host=host, port=port,
+                              client_allow=peer_allow or LOOPBACK).start()
 
     async def reset_prefix_cache(self) -> int:
         # on the engine thread, between two steps: the block tables are not shared
@@ -302,9 +322,7 @@ class AsyncEngine:
                 if isinstance(out.error, SamplingError):  # non-finite logits
                     v.corrupted.inc()
                 if stream is not None:
-                    v.finished(_finished(stream, out.finish_reason or "error",
-                                         len(out.prompt_token_ids), len(out.token_ids),
-                                         out.num_cached_tokens, now))
+                    v.finished(stream.finished(out.finish_reason or "error", now, out))
             if stream is not None:
                 self._put(stream, out)
 
@@ -347,13 +365,3 @@ class AsyncEngine:
             except RuntimeError:  # already running or done
                 pass
 
-
-def _finished(stream: _Stream, reason: str, prompt_tokens: int, generated_tokens: int,
-              cached_tokens: int, now: float | None = None) -> FinishedRequest:
-    return FinishedRequest(
-        reason=reason, arrival=stream.arrival,
-        finished=time.monotonic() if now is None else now,
-        scheduled=stream.scheduled, first_token=stream.first_token,
-        last_token=stream.last_token, prompt_tokens=prompt_tokens,
-        generated_tokens=generated_tokens, cached_prompt_tokens=cached_tokens,
-        max_tokens=stream.max_tokens)

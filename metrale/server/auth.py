@@ -72,15 +72,20 @@ def check_admin(settings: ServerSettings, authorization: str | None) -> None:
         "missing or invalid admin key: send the header 'Authorization: Bearer <admin key>'")
 
 
+def refusal(error: BaseException, metrics: ServerMetrics) -> JSONResponse:
+    """A refusal's error JSON, counted in metrale_refusals by the error's class."""
+    metrics.refusals.labels(type(error).__name__).inc()
+    status, body = exception_body(error)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def require_user(request: Request) -> None:
     check_user(request.app.state.settings, request.headers.get("authorization"))
 
 
 def require_admin(request: Request) -> None:
     check_admin(request.app.state.settings, request.headers.get("authorization"))
-
-
-Check = Callable[[ServerSettings, str | None], None]
 
 
 class AuthGate:
@@ -101,10 +106,10 @@ class AuthGate:
             try:
                 check(self.settings, Headers(scope=scope).get("authorization"))
             except ServerError as e:
-                return await self._refuse(e, scope, receive, send)
+                return await refusal(e, self.metrics)(scope, receive, send)
         await self.app(scope, receive, send)
 
-    def _check_for(self, scope: Scope) -> Check | None:
+    def _check_for(self, scope: Scope) -> Callable[[ServerSettings, str | None], None] | None:
         path = scope["path"]
         if path in (HEALTH_PATH, PING_PATH):
             return None
@@ -114,10 +119,3 @@ class AuthGate:
             return None
         # deny by default: unknown paths need the key too (a 404 would map the API)
         return check_admin if self.is_admin(scope) else check_user
-
-    async def _refuse(self, error: ServerError, scope: Scope, receive: Receive,
-                      send: Send) -> None:
-        self.metrics.refusals.labels(type(error).__name__).inc()
-        status, body = exception_body(error)
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)

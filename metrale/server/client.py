@@ -36,10 +36,6 @@ def call(url: str, method: str, path: str, key: str | None = None, body: dict | 
         raise ClientError(f"cannot reach {url}: {e.reason}") from None
 
 
-def _quote(name: str) -> str:
-    return urllib.parse.quote(name, safe="")
-
-
 def _print_table(listing: dict) -> None:
     print(f"model {listing['model']}  default adapter: {listing['default_adapter'] or '-'}")
     print(f"{'adapter':<24} {'slot':>4} {'state':<8} {'pinned':<6} {'in-flight':>9}  path")
@@ -61,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 _print_table(listing)
             return 0
-        name = _quote(args.name)
+        name = urllib.parse.quote(args.name, safe="")  # a name may hold '/'
         if args.action == "load":
             result = call(args.url, "POST", "/v1/adapters", key,
                           {"name": args.name, "path": args.path, "pinned": args.pinned})

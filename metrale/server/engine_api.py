@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.sampling_params import SamplingParams
 from metrale.server.metrics import ServerMetrics
+from metrale.server.settings import ServerSettings
 
 
 @dataclass(frozen=True)
@@ -107,3 +108,8 @@ class EngineAPI(Protocol):
 
     async def reset_prefix_cache(self) -> int:
         """Drop cached prefix blocks no running request holds; returns how many."""
+
+
+def app_context(request) -> tuple[EngineAPI, ServerSettings]:
+    """The engine and the settings a route's app serves (create_app keeps them in app.state)."""
+    return request.app.state.engine, request.app.state.settings

@@ -35,14 +35,10 @@ def check_can_listen(host: str, port: int) -> None:
         try:
             s.bind(address)
         except OSError as e:
-            raise _refusal(host, port, e) from None
-
-
-def _refusal(host: str, port: int, e: OSError) -> ListenError:
-    if e.errno == errno.EADDRINUSE:
-        return ListenError(f"{host}:{port} is already in use (another `metrale serve`, or "
-                           "`make run`?): stop it or pass another --port")
-    return ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}")
+            if e.errno == errno.EADDRINUSE:
+                raise ListenError(f"{host}:{port} is already in use (another `metrale serve`, or "
+                                  "`make run`?): stop it or pass another --port") from None
+            raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def require_ray() -> None:

@@ -21,10 +21,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import metrale
 from metrale.engine.outputs import RequestOutput
+from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import UnknownAdapterError
 from metrale.names import is_valid_name
 from metrale.server.auth import require_user
-from metrale.server.engine_api import EngineAPI
+from metrale.server.engine_api import EngineAPI, app_context
 from metrale.server.errors import BadRequestError, exception_body
 from metrale.server.protocol import (
     ChatCompletionRequest,
@@ -33,7 +34,7 @@ from metrale.server.protocol import (
     GenerationRequest,
     TokenizeRequest,
 )
-from metrale.server.responses import ChatFormatter, CompletionFormatter, TokenText, sse, usage
+from metrale.server.responses import ChatFormatter, CompletionFormatter, sse, token_text, usage
 from metrale.server.settings import ServerSettings, unknown_model
 
 router = APIRouter(dependencies=[Depends(require_user)])
@@ -45,10 +46,6 @@ _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 class ClientDisconnected(Exception):
     """The client went away; its request was aborted and nobody reads the answer."""
-
-
-def _ctx(request: Request) -> tuple[EngineAPI, ServerSettings]:
-    return request.app.state.engine, request.app.state.settings
 
 
 def resolve_adapter(body: GenerationRequest, settings: ServerSettings) -> str | None:
@@ -104,9 +101,17 @@ async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
-async def _respond(request: Request, gen: AsyncIterator[RequestOutput], fmt, stream: bool,
-                   include_usage: bool, continuous_usage: bool = False) -> Response:
-    if not stream:
+async def _respond(request: Request, body: GenerationRequest, prompt: str | list[int],
+                   params: SamplingParams, formatter: type[CompletionFormatter | ChatFormatter],
+                   logprobs: bool) -> Response:
+    engine, settings = app_context(request)
+    adapter = resolve_adapter(body, settings)
+    # `model` names what served the request: the adapter (also a server default one), or
+    # the base model; never the alias the client sent
+    fmt = formatter(adapter or settings.model_id, token_text(engine.tokenizer), logprobs)
+    gen = _generate(engine, settings, prompt, params, adapter)
+    continuous_usage = body.continuous_usage
+    if not body.stream:
         try:
             out = await _watch(request, _last(gen))
         except ClientDisconnected:
@@ -119,7 +124,6 @@ async def _respond(request: Request, gen: AsyncIterator[RequestOutput], fmt, str
     except ClientDisconnected:
         await gen.aclose()
         return Response(status_code=499)
-    metrics = request.app.state.engine.metrics
 
     async def events() -> AsyncIterator[str]:
         async with contextlib.aclosing(gen):  # closing aborts the request (client gone)
@@ -134,10 +138,10 @@ async def _respond(request: Request, gen: AsyncIterator[RequestOutput], fmt, str
                 async for out in gen:
                     yield sse(_chunk(fmt, out, continuous_usage))
             except Exception as e:  # the status line is sent: report in-band, then end
-                metrics.refusals.labels(type(e).__name__).inc()
+                engine.metrics.refusals.labels(type(e).__name__).inc()
                 yield sse(exception_body(e)[1])
             else:
-                if include_usage:
+                if body.include_usage:
                     yield sse(fmt.usage_chunk(out))
             yield sse("[DONE]")
 
@@ -167,17 +171,13 @@ def _chunk(fmt, out: RequestOutput, continuous_usage: bool) -> dict:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    engine, settings = _ctx(request)
+    _, settings = app_context(request)
     body.refuse_unsupported()
     prompt = body.single_prompt()
     max_tokens = _max_tokens(body.max_tokens, _COMPLETIONS_DEFAULT_MAX_TOKENS, settings)
     params = body.sampling_params(max_tokens, body.logprobs)
-    adapter = resolve_adapter(body, settings)
-    fmt = CompletionFormatter(adapter or settings.model_id, TokenText(engine.tokenizer),
-                              body.logprobs is not None)
-    gen = _generate(engine, settings, prompt, params, adapter)
-    return await _respond(request, gen, fmt, bool(body.stream), body.include_usage,
-                          body.continuous_usage)
+    return await _respond(request, body, prompt, params, CompletionFormatter,
+                          body.logprobs is not None)
 
 
 def _chat_prompt(engine: EngineAPI, body: ChatCompletionRequest | TokenizeRequest) -> str:
@@ -193,7 +193,7 @@ def _chat_prompt(engine: EngineAPI, body: ChatCompletionRequest | TokenizeReques
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    engine, settings = _ctx(request)
+    engine, settings = app_context(request)
     body.refuse_unsupported()
     prompt = _chat_prompt(engine, body)
     # Default: as long as the context allows (OpenAI's behaviour), capped by the server limit.
@@ -204,14 +204,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     max_tokens = _max_tokens(body.requested_max_tokens, room, settings,
                              body.api_param("max_tokens"))
     params = body.sampling_params(max_tokens, body.engine_logprobs)
-    adapter = resolve_adapter(body, settings)
-    # `model` names what served the request: the adapter (also a server default one), or
-    # the base model; never the alias the client sent
-    fmt = ChatFormatter(adapter or settings.model_id, TokenText(engine.tokenizer),
-                        bool(body.logprobs))
-    gen = _generate(engine, settings, prompt, params, adapter)
-    return await _respond(request, gen, fmt, bool(body.stream), body.include_usage,
-                          body.continuous_usage)
+    return await _respond(request, body, prompt, params, ChatFormatter, bool(body.logprobs))
 
 
 def _tokenizer(engine: EngineAPI):
@@ -234,7 +227,7 @@ async def _check_model(body: TokenizeRequest | DetokenizeRequest, engine: Engine
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
-    engine, settings = _ctx(request)
+    engine, settings = app_context(request)
     body.refuse_unsupported()
     await _check_model(body, engine, settings)
     # the very ids generation would get: chat messages through the template, then
@@ -246,7 +239,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-    engine, settings = _ctx(request)
+    engine, settings = app_context(request)
     await _check_model(body, engine, settings)
     vocab = engine.limits.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
@@ -276,7 +269,7 @@ def _adapter_entry(a, settings: ServerSettings) -> dict:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
-    engine, settings = _ctx(request)
+    engine, settings = app_context(request)
     listing = await engine.residency()
     data = [_base_entry(engine, settings)]
     data += [_adapter_entry(a, settings) for a in listing.adapters]
@@ -286,7 +279,7 @@ async def models(request: Request) -> dict:
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> dict:
     """One entry of /v1/models (an adapter id may hold '/'); 404 for anything else."""
-    engine, settings = _ctx(request)
+    engine, settings = app_context(request)
     if model_id == settings.model_id:
         return _base_entry(engine, settings)
     if is_valid_name(model_id):

@@ -13,7 +13,7 @@ or the JSON answer would fail on it later.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, field_validator
 
@@ -23,9 +23,9 @@ from metrale.server.errors import BadRequestError
 Number = StrictFloat | StrictInt  # never a bool, never a string
 
 
-def has_lone_surrogate(value: Any) -> bool:
-    """Any string in value (nested lists and dicts, keys too) that UTF-8 cannot encode.
-    Iterative: a deeply nested body must not overflow the stack here."""
+def _valid_unicode(value: Any) -> Any:
+    """`value`, refused if any string in it (nested lists and dicts, keys too) is one UTF-8
+    cannot encode. Iterative: a deeply nested body must not overflow the stack here."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -34,23 +34,24 @@ def has_lone_surrogate(value: Any) -> bool:
                 try:
                     item.encode("utf-8")
                 except UnicodeEncodeError:
-                    return True
+                    raise ValueError("invalid Unicode: the string holds a lone surrogate") from None
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-    return False
-
-
-def _valid_unicode(value: Any) -> Any:
-    if has_lone_surrogate(value):
-        raise ValueError("invalid Unicode: the string holds a lone surrogate")
     return value
 
 
-class GenerationRequest(BaseModel):
+class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    _unicode = field_validator("*", mode="before")(_valid_unicode)
+
+
+class GenerationRequest(_Body):
+    # fields that would change the output, refused when set (never silently ignored)
+    unsupported: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "logit_bias")
 
     model: str | None = None
     adapter: str | None = None  # metrale extension; when present it wins over `model`
@@ -69,8 +70,6 @@ class GenerationRequest(BaseModel):
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
 
-    _unicode = field_validator("*", mode="before")(_valid_unicode)
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -84,11 +83,9 @@ class GenerationRequest(BaseModel):
     def refuse_unsupported(self) -> None:
         if self.n not in (None, 1):
             raise BadRequestError("only n=1 is supported; send one request per completion", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name in self.unsupported:
             if getattr(self, name):
                 raise BadRequestError(f"{name} is not supported by this server", name)
-        if self.logit_bias:
-            raise BadRequestError("logit_bias is not supported by this server", "logit_bias")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises InvalidSamplingParamsError (400) on out-of-range values, naming the
@@ -117,6 +114,8 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
+    unsupported = GenerationRequest.unsupported + ("echo", "suffix")
+
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool | None = False
@@ -125,12 +124,8 @@ class CompletionRequest(GenerationRequest):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise BadRequestError("echo is not supported by this server", "echo")
         if self.best_of not in (None, 1):
             raise BadRequestError("only best_of=1 is supported", "best_of")
-        if self.suffix:
-            raise BadRequestError("suffix is not supported by this server", "suffix")
 
     def single_prompt(self) -> str | list[int]:
         """The prompt as text or token ids; batches of prompts are refused (n=1 only)."""
@@ -145,13 +140,9 @@ class CompletionRequest(GenerationRequest):
                               "token ids)", "prompt")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
-
-    _unicode = field_validator("*", mode="before")(_valid_unicode)
 
     def as_template_dict(self) -> dict[str, str]:
         content = self.content
@@ -203,17 +194,13 @@ class ChatCompletionRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):  # vLLM's /tokenize: a prompt or chat messages
-    model_config = ConfigDict(extra="allow")
-
+class TokenizeRequest(_Body):  # vLLM's /tokenize: a prompt or chat messages
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     # as vLLM: false leaves out the tokenizer's BOS/EOS; true (default) gives the very ids
     # this server's generation gets, which encodes every prompt with them
     add_special_tokens: StrictBool = True
-
-    _unicode = field_validator("*", mode="before")(_valid_unicode)
 
     def refuse_unsupported(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -9,21 +9,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 
 from metrale.engine.outputs import RequestOutput
 
 
-class TokenText:
+def token_text(tokenizer) -> Callable[[int], str]:
     """Token id -> its text as shown in logprobs; `token_id:N` without a tokenizer
     (vLLM's convention for models served on token ids)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def __call__(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    if tokenizer is None:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def usage(out: RequestOutput, completion_tokens: int | None = None) -> dict:
@@ -44,7 +40,7 @@ class _Formatter:
     chunk_object = ""  # one stream chunk
     id_prefix = ""
 
-    def __init__(self, model: str, token_text: TokenText, logprobs: bool) -> None:
+    def __init__(self, model: str, token_text: Callable[[int], str], logprobs: bool) -> None:
         self.model, self.token_text, self.logprobs = model, token_text, logprobs
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())

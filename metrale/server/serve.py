@@ -18,7 +18,7 @@ from metrale.config import ConfigError, SchedulerConfig, check_extra_targets
 from metrale.model.default_model import cache_root, default_model_dir
 from metrale.server.settings import ServerSettings, is_loopback
 
-# The engine, the peer exporter, fastapi and uvicorn are imported where they are used:
+# The engine, fastapi and uvicorn are imported where they are used:
 # they cost seconds (torch) or are the optional `server` extra, and the CLI imports this
 # module for its argument parser.
 
@@ -43,6 +43,21 @@ def default_adapter_root() -> Path:
     root = cache_root() / "adapter-root"
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def model_and_adapter_roots(args: argparse.Namespace) -> tuple[Path, list[Path]]:
+    """The model dir (--model, else the embedded default) and the checked --adapter-root
+    dirs; the default model alone gets default_adapter_root()."""
+    model_dir = Path(default_model_dir(progress=progress) if args.model is None else args.model)
+    adapter_roots = [Path(r) for r in args.adapter_root]
+    if args.model is None and not adapter_roots:  # `make run`: loading by path works out of the box
+        adapter_roots = [default_adapter_root()]
+        print(f"metrale: adapters can be loaded by path from {adapter_roots[0]} "
+              "(--adapter-root DIR to choose)", flush=True)
+    for root in adapter_roots:
+        if not root.is_dir():
+            raise SystemExit(f"metrale: --adapter-root {str(root)!r} is not a directory")
+    return model_dir, adapter_roots
 
 
 def curl_example(base_url: str, model: str, api_key: str | None = None,
@@ -70,16 +85,7 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
 
     pinned = parse_adapter_args(args.adapter)
     unpinned = {n: p for n, p in (on_demand or {}).items() if n not in pinned}
-    model_dir = Path(default_model_dir(progress=progress) if args.model is None else args.model)
-    adapter_roots = [Path(r) for r in args.adapter_root]
-    if args.model is None and not adapter_roots:  # `make run`: loading by path works out of the box
-        adapter_roots = [default_adapter_root()]
-        print(f"metrale: adapters can be loaded by path from {adapter_roots[0]} "
-              "(--adapter-root DIR to choose)", flush=True)
-    for root in adapter_roots:
-        if not root.is_dir():
-            raise SystemExit(f"metrale: --adapter-root {str(root)!r} is not a directory")
-
+    model_dir, adapter_roots = model_and_adapter_roots(args)
     # Runtime swaps are switched off only after the start-up adapters have landed:
     # --no-runtime-swaps freezes the pool as configured, it must not forbid configuring it.
     llm = LLM(model_dir, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
@@ -106,13 +112,15 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
     settings = ServerSettings(**settings_fields(args, model_dir.name, adapter_roots))
     async_engine = AsyncEngine(engine, on_fatal=_exit_on_engine_failure)
     if args.peer_export_port is not None:
-        _start_exporter(async_engine, engine.lora, engine.registry, args)
+        server = async_engine.export(args.host, args.peer_export_port, tuple(args.peer_allow),
+                                     args.peer_transport)
+        print(f"metrale: exporting resident adapters to peers at {server.url}", flush=True)
     return create_app(async_engine, settings), settings, list(pinned) + list(unpinned)
 
 
 def settings_fields(args: argparse.Namespace, model_id: str, adapter_roots) -> dict:
     """ServerSettings' fields from `serve`'s arguments (the keys may come from the environment)."""
-    return dict(model_id=model_id, host=args.host, port=args.port,
+    return dict(model_id=model_id, host=args.host,
                 api_key=args.api_key or os.environ.get("METRALE_API_KEY") or None,
                 admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
                 adapter_roots=tuple(adapter_roots), max_tokens_limit=args.max_tokens_limit,
@@ -125,23 +133,6 @@ def _exit_on_engine_failure(error: BaseException) -> None:
     print(f"metrale: the engine loop failed ({error!r}); exiting with status 70", file=sys.stderr,
           flush=True)
     os._exit(70)
-
-
-def _start_exporter(async_engine, lora, names, args: argparse.Namespace) -> None:
-    """Export this engine's READY slots to peers (leases hold a slot reference, so a
-    leased adapter is never swapped mid-transfer). Slot-table access runs on the
-    engine thread, like every other mutation."""
-    from metrale.peer.allow import LOOPBACK
-    from metrale.peer.exporter import AdapterExporter
-    from metrale.peer.http_server import PeerHTTPServer
-    from metrale.peer.store import resolve_transports
-
-    exporter = AdapterExporter(
-        lora, names, call=lambda fn: async_engine.submit(fn).result(timeout=30),
-        transports=resolve_transports(args.peer_transport)).start()
-    server = PeerHTTPServer(exporter, host=args.host, port=args.peer_export_port,
-                            client_allow=tuple(args.peer_allow) or LOOPBACK).start()
-    print(f"metrale: exporting resident adapters to peers at {server.url}", flush=True)
 
 
 def serve(args: argparse.Namespace, on_demand: dict[str, Path] | None = None) -> int:
@@ -167,8 +158,10 @@ def serve(args: argparse.Namespace, on_demand: dict[str, Path] | None = None) ->
     return 0
 
 
-def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    """--device and --dtype, shared by `serve` and `generate`."""
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """--max-model-len, --device and --dtype, shared by `serve` and `generate`."""
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="most tokens per sequence, prompt plus output (default: %(default)s)")
     p.add_argument("--device", default="cpu",
                    help="torch device to run on: cpu, cuda or cuda:N (default: %(default)s)")
     # no argparse choices: parse_dtype also takes the aliases fp32, bf16, fp16 and half
@@ -197,15 +190,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated model-level LoRA targets to reserve slot memory for: "
                         "embed_tokens, lm_head (lm_head costs max-lora-rank x vocab per slot); "
                         "adapters with LoRA on them are refused without it (default: none)")
-    p.add_argument("--max-model-len", type=int, default=2048,
-                   help="most tokens per sequence, prompt plus output (default: %(default)s)")
+    add_engine_arguments(p)
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV-cache blocks of 16 tokens to allocate (default: room for "
                         "--max-num-seqs sequences of --max-model-len tokens, capped on cuda at "
                         "80%% of the free device memory, on cpu at half the available memory and "
                         "at half the model's weight bytes (at least 64 MiB); never less than one "
                         "--max-model-len sequence)")
-    add_device_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; beyond loopback, set --api-key and --admin-key "
                         "(default: %(default)s)")

@@ -26,7 +26,6 @@ def is_loopback(host: str) -> bool:
 class ServerSettings:
     model_id: str  # the base model's name in /v1/models and in requests
     host: str = "127.0.0.1"
-    port: int = 8000
     api_key: str | None = None  # inference endpoints
     admin_key: str | None = None  # every mutation endpoint
     adapter_roots: tuple[Path, ...] = ()  # path-based loading only inside these; none = refused

@@ -18,6 +18,7 @@ first token (also when the prefix cache served part of it), each generated token
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -38,24 +39,19 @@ class FinishedRequest:
     reason: str
     arrival: float
     finished: float
-    scheduled: float | None
-    first_token: float | None
-    last_token: float | None
-    prompt_tokens: int
-    generated_tokens: int
-    cached_prompt_tokens: int
     max_tokens: int
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
 
 class VllmMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str = "") -> None:
         r, m = registry, ["model_name"]
-
-        def counter(name: str, doc: str, labels=m) -> Counter:
-            return Counter(name, doc, labels, registry=r)
-
-        def gauge(name: str, doc: str, labels=m) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
+        counter, gauge = partial(Counter, labelnames=m, registry=r), partial(Gauge, labelnames=m, registry=r)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, m, buckets=buckets, registry=r)
@@ -128,8 +124,8 @@ class VllmMetrics:
             "iteration_tokens": histogram("vllm:iteration_tokens_total", "Tokens computed "
                                           "per engine step", TOKENS),
         }
-        self._success = counter("vllm:request_success", "Finished requests by finish reason",
-                                ["model_name", "finished_reason"])
+        self._success = Counter("vllm:request_success", "Finished requests by finish reason",
+                                ["model_name", "finished_reason"], registry=r)
         self.lora_info = Gauge(
             "vllm:lora_requests_info", "Running and waiting adapters (the value is the time "
             "of the last update)", ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
