@@ -29,11 +29,11 @@ from metrale.errors import (
     RuntimeSwapsDisabledError,
 )
 from metrale.pool.host_tier import HostTier
-from metrale.pool.landing import Landing, LandingResult
+from metrale.pool.landing import Landing
 from metrale.pool.layout import SlotLayout
 from metrale.pool.mapped_files import MappedFiles
 from metrale.pool.pool import AdapterPool
-from metrale.pool.slots import SlotInfo, SlotTable
+from metrale.pool.slots import SlotTable
 from metrale.pool.staging import ShortReadError, StagingBuffers, read_chunks
 
 log = logging.getLogger("metrale.pool")
@@ -163,7 +163,7 @@ class LoraSlots:
         zero=False: the caller's write fills the whole slot). Refuses a busy slot before
         touching it."""
         self.table.begin_load(slot)  # re-checks idleness; from here the slot serves nothing
-        landing = Landing(self.table, self.pool, slot, self._write_image)
+        landing = Landing(self.table, self.pool, slot, self.host_tier)
         try:
             if self.host_tier is not None:
                 self.host_tier.before_write(slot)
@@ -173,7 +173,7 @@ class LoraSlots:
             raise landing.fail(e) from e
         return landing
 
-    def land(self, slot: int, version: int, prepared: Prepared) -> LandingResult:
+    def land(self, slot: int, version: int, prepared: Prepared) -> None:
         """begin, write, commit, all here: the synchronous write of `prepared` into `slot`
         as `version` (a registry's, or a store's own number). Any failure after begin
         leaves the slot EMPTY with a fresh identity (LandingError)."""
@@ -182,17 +182,13 @@ class LoraSlots:
             prepared.write(landing)
         except BaseException as e:
             raise landing.fail(e) from e
-        result = landing.commit(version)
+        landing.commit(version)
         self.fill_tier(prepared, slot)
-        return result
 
     def fill_tier(self, prepared: Prepared, slot: int) -> None:
         tier = self.host_tier
         if prepared.identity is not None and tier is not None and tier.enabled:
             tier.put(prepared.identity, slot)
-
-    def _write_image(self, entry, slot: int) -> None:
-        self.host_tier.land(entry, slot)
 
     def notify(self, event: LandingEvent) -> None:
         """Tell every listener how a landing went (metrics, logs)."""
@@ -209,9 +205,6 @@ class LoraSlots:
             if self.host_tier is not None:
                 self.host_tier.before_write(slot)
             self.pool.zero_slot(slot)
-
-    def slot_info(self) -> list[SlotInfo]:
-        return self.table.infos()
 
     # --- reading adapters (thread-safe: a promotion worker runs these) ---------------
 
