@@ -200,7 +200,7 @@ class LLMEngine:
         nothing is in flight (nothing to wait for here)."""
         if self._in_flight is not None:
             return True  # a launched step: the next step() returns its outputs
-        if not self.adapters.busy():
+        if self.adapters.promoting() is None:
             return False
         if self._commands.empty():
             self.adapters.wait(timeout)
@@ -347,7 +347,7 @@ class LLMEngine:
         return self.adapters.promote_new(name, source, slot, prepared)
 
     def slot_info(self) -> list[SlotInfo]:
-        return self.lora.slot_info()
+        return self.lora.table.infos()
 
     def check_integrity(self) -> None:
         """The registry and the slot table agree (tests and debugging)."""
