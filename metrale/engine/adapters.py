@@ -133,12 +133,11 @@ class AdapterManager:
         slot = self.registry.slot_of(name)
         busy = slot is not None and self.slots.table.ref_count(slot) > 0
         self.registry.unload(name, slot if busy else None)
-        if slot is None:
-            return "unloaded"
-        if not busy:
+        if busy:
+            return "draining"
+        if slot is not None:
             self.slots.unload_slot(slot)
-            return "unloaded"
-        return "draining"
+        return "unloaded"
 
     def finish_unloads(self) -> None:
         table, routed = self.slots.table, self.registry.routed_slots()
@@ -152,12 +151,9 @@ class AdapterManager:
 
     # --- on-demand promotions (the engine calls these between steps) ---------------------
 
-    def busy(self) -> bool:
-        """A promotion is moving off the engine thread: worth waiting for when idle."""
-        return self.job is not None and self.job.progressing
-
     def promoting(self) -> str | None:
-        """The name whose promotion is in flight (its waiters wait for bytes, not a slot)."""
+        """The name whose promotion is moving off the engine thread (worth waiting for when
+        idle; its waiters wait for bytes, not a slot)."""
         job = self.job
         return job.name if job is not None and job.progressing else None
 

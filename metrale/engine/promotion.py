@@ -132,15 +132,14 @@ class Promoter:
               prepared: Prepared | None = None, origin: AdapterSource | None = None,
               inline: bool = False) -> Promotion:
         """READING begins: on the worker, or here when inline (or `prepared` was read)."""
-        read = Future()
+        origin = origin or version.source
         if prepared is not None:
-            read.set_result(prepared)
+            read = self._submit(True, lambda: prepared)
         elif inline or self._worker is None:
-            self._run(read, self._read_inline, version.name, origin or version.source)
+            read = self._submit(True, self._read_inline, version.name, origin)
         else:
-            read = self.read(version.name, origin or version.source)
-        return Promotion(version, origin or version.source, target, installs, read,
-                         time.perf_counter())
+            read = self.read(version.name, origin)
+        return Promotion(version, origin, target, installs, read, time.perf_counter())
 
     def run_inline(self, version: AdapterVersion, *, target: int | None = None,
                    installs: bool = False, prepared: Prepared | None = None,
@@ -220,11 +219,7 @@ class Promoter:
             self.registry.unroute(evicted)
         p.slot, p.phase = slot, Phase.WRITING
         p.evicted = evicted if evicted != p.name else None  # a pinned name's own slot
-        if inline or self._worker is None:
-            p.written = Future()
-            self._run(p.written, self._write, p.landing, p.prepared, side)
-        else:
-            p.written = self._worker.submit(self._write, p.landing, p.prepared, side)
+        p.written = self._submit(inline, self._write, p.landing, p.prepared, side)
 
     def _written(self, p: Promotion) -> None:
         """WRITING -> COMMITTED, or FAILED (a write error, or superseded meanwhile)."""
@@ -302,11 +297,7 @@ class Promoter:
         future gives a Prepared, or None for a host-tier hit (its image is read on the
         engine thread, which alone reuses image memory). Each read has staging memory of
         its own until its Prepared is closed."""
-        if self._worker is None:
-            future = Future()
-            self._run(future, self._read_background, name, source)
-            return future
-        return self._worker.submit(self._read_background, name, source)
+        return self._submit(False, self._read_background, name, source)
 
     def _read_inline(self, name: str, source: AdapterSource) -> Prepared:
         return self._read(name, source, self.slots.staging, use_tier=True)
@@ -362,12 +353,16 @@ class Promoter:
     def _on(stream: torch.cuda.Stream | None):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    @staticmethod
-    def _run(future: Future, fn, *args) -> None:
+    def _submit(self, inline: bool, fn, *args) -> Future:
+        """fn(*args) on the worker, or on this thread when inline or there is no worker."""
+        if not inline and self._worker is not None:
+            return self._worker.submit(fn, *args)
+        future = Future()
         try:
             future.set_result(fn(*args))
         except BaseException as e:
             future.set_exception(e)
+        return future
 
     def _closed(self, p: Promotion) -> None:
         """Release what the read holds (e.g. a peer's lease), once."""
