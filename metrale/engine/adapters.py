@@ -105,11 +105,6 @@ class AdapterManager:
         """Land a registered version into `slot` (None: the promoter chooses). `prepared`:
         bytes already read; they are closed here. `origin`: where those bytes came from
         when not the version's own source (a cluster replica reading a neighbour's slot)."""
-        if not self.registry.is_current(version):
-            if prepared is not None:
-                prepared.close()
-            raise StaleVersionError(
-                f"adapter {version.name!r} was reloaded or unloaded meanwhile; retry")
         return self._landed(self.promoter.run_inline(version, target=slot, prepared=prepared,
                                                      origin=origin))
 

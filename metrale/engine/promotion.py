@@ -28,7 +28,7 @@ from enum import Enum
 
 import torch
 
-from metrale.adapters.identity import adapter_identity
+from metrale.adapters.identity import AdapterIdentity, adapter_identity
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion
 from metrale.errors import (
     AdapterFileError,
@@ -145,8 +145,11 @@ class Promoter:
                    installs: bool = False, prepared: Prepared | None = None,
                    origin: AdapterSource | None = None) -> Promotion:
         """The synchronous landing: every phase here, now; a failure is raised (a refusal
-        before WRITING changed nothing)."""
+        before WRITING changed nothing). `prepared` is closed here."""
         try:
+            if not installs and not self.registry.is_current(version):
+                raise StaleVersionError(
+                    f"adapter {version.name!r} was reloaded or unloaded meanwhile; retry")
             self.slots.require_swappable(self._op(version, origin, target))
             self._slot_for(version, target)  # POOL_FULL, busy or pinned before reading anything
         except MetraleError:
@@ -303,18 +306,14 @@ class Promoter:
         return self._read(name, source, self.slots.staging, use_tier=True)
 
     def _read_background(self, name: str, source: AdapterSource) -> Prepared | None:
-        if source.path is not None:
-            identity = adapter_identity(source.path)  # read once: for the tier and the plan
-            if self.slots.tier_has(identity):
-                return None
+        # a file's identity is read once: for the tier and the plan
+        identity = adapter_identity(source.path) if source.path is not None else None
+        if self.slots.tier_has(identity):
+            return None
         staging = self._free_staging.pop() if self._free_staging else StagingBuffers(self.device)
         try:
             with on_device(self.device), self._on(self._stream):
-                if source.path is not None:
-                    prepared = self.slots.prepare_disk(source.path, name, staging, use_tier=False,
-                                                       identity=identity)
-                else:
-                    prepared = self._read(name, source, staging, use_tier=False)
+                prepared = self._read(name, source, staging, False, identity)
         except BaseException:
             self._free_staging.append(staging)
             raise
@@ -329,13 +328,13 @@ class Promoter:
         return replace(prepared, close=close)
 
     def _read(self, name: str, source: AdapterSource, staging: StagingBuffers,
-              use_tier: bool) -> Prepared:
+              use_tier: bool, identity: AdapterIdentity | None = None) -> Prepared:
         if source.peer is not None:
             p = self.peer
             return prepare_from_peer(self.slots, source.peer.addr, source.peer.adapter_id, name,
                                      source.peft, staging=staging, transport=p.transport,
                                      timeout_s=p.timeout_s, peer_allow=p.peer_allow)
-        return self.slots.prepare_disk(source.path, name, staging, use_tier)
+        return self.slots.prepare_disk(source.path, name, staging, use_tier, identity)
 
     def _write(self, landing: Landing, prepared: Prepared,
                side: torch.cuda.Stream | None) -> torch.cuda.Event | None:
