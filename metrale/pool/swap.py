@@ -59,17 +59,12 @@ def read_adapter_data(plan: AdapterPlan, staging: StagingBuffers,
                 pos += b - a
             return staging.to_device(host)
         return staging.read_file(plan.source, plan.data_offset, plan.data_bytes)
-    except OSError as e:
-        raise _read_error(plan, e) from None
-
-
-def _read_error(plan: AdapterPlan, e: OSError) -> AdapterFileError:
-    if isinstance(e, ShortReadError):
-        return AdapterFileError(
+    except ShortReadError as e:
+        raise AdapterFileError(
             f"{plan.source}: read fewer than its {plan.data_bytes} data bytes ({e}); the "
-            "file changed or was truncated while loading"
-        )
-    return AdapterFileError(f"cannot read {plan.source}: {e}")
+            "file changed or was truncated while loading") from None
+    except OSError as e:
+        raise AdapterFileError(f"cannot read {plan.source}: {e}") from None
 
 
 @dataclass(frozen=True)
