@@ -55,9 +55,8 @@ class AdapterManager:
     def bind(self, seq: Sequence) -> None:
         """Bind seq to its adapter's slot if the current version is resident; else queue
         it for a promotion."""
-        if seq.adapter is None:
-            seq.slot, seq.adapter_uid, seq.bound = -1, 0, True
-            seq.bound_at = seq.arrival
+        if seq.adapter is None:  # the base model: slot -1, uid 0 (Sequence's defaults)
+            seq.bound, seq.bound_at = True, seq.arrival
             return
         slot = self._route(self.registry.current(seq.adapter))
         if slot is not None:
@@ -152,10 +151,6 @@ class AdapterManager:
         job = self.job
         return job.name if job is not None and job.progressing else None
 
-    def wait(self, timeout: float) -> None:
-        if self.job is not None:
-            self.job.wait(timeout)
-
     def advance(self, now: float) -> list[Sequence]:
         """Move promotions on by what happened since the last boundary; returns the
         sequences that failed (their adapter was refused, unloaded, or never got a slot)."""
@@ -173,16 +168,13 @@ class AdapterManager:
         self._drain_for_waiting()
         return failed + self._expire(now)
 
-    def _wanted(self) -> list[str]:
-        """Names to promote, oldest wait first; then pinned names whose reloaded version
-        waits for their own slot with no request yet."""
-        held = [n for n in self.registry.names()
-                if self.registry.held_slot(n) is not None and n not in self.pending]
-        return list(self.pending) + held
-
     def _start_next(self) -> list[Sequence]:
         failed = []
-        for name in self._wanted():
+        # names to promote, oldest wait first; then pinned names whose reloaded version
+        # waits for their own slot with no request yet
+        held = [n for n in self.registry.names()
+                if self.registry.held_slot(n) is not None and n not in self.pending]
+        for name in list(self.pending) + held:
             version = self.registry.get(name)
             if version is None:
                 failed += self._fail(name, UnknownAdapterError(f"adapter {name!r} was unloaded"))
@@ -274,6 +266,3 @@ class AdapterManager:
             seq.error = error
         log.warning("promotion of %r failed for %d request(s): %s", name, len(waiters), error)
         return waiters
-
-    def close(self) -> None:
-        self.promoter.close()

@@ -203,7 +203,7 @@ class LLMEngine:
         if self.adapters.promoting() is None:
             return False
         if self._commands.empty():
-            self.adapters.wait(timeout)
+            self.adapters.job.wait(timeout)
         return True
 
     def _between_steps(self) -> list[RequestOutput]:

@@ -383,10 +383,6 @@ class Promoter:
                                        p.evicted if p.phase is Phase.COMMITTED else None,
                                        time.perf_counter() - p.start, p.error))
 
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
-
 
 def _typed(error: BaseException, cls: type[MetraleError], what: str) -> MetraleError:
     """A typed error for one nobody foresaw, caused by it (callers classify by the cause)."""
