@@ -7,7 +7,7 @@ asks each of them:
 - binding: a request takes a reference on the slot its adapter's current version is
   routed to, or waits for a promotion (FIFO by first request, single-flight per name);
 - on-demand promotions: at most one in flight; the engine drives it between steps;
-- explicit promotions (`promote`, `promote_new`): the same promotion, run inline;
+- explicit promotions (`promote`): the same promotion, run inline;
 - unloads: the name leaves at once, its slot is freed after its last request.
 
 Waiters take their slot reference the moment their adapter lands, so it cannot be
@@ -99,23 +99,15 @@ class AdapterManager:
     # --- explicit promotions (run inline) --------------------------------------------------
 
     def promote(self, version: AdapterVersion, slot: int | None = None,
-             prepared: Prepared | None = None,
-             origin: AdapterSource | None = None) -> tuple[int, str | None]:
-        """Land a registered version into `slot` (None: the promoter chooses). `prepared`:
-        bytes already read; they are closed here. `origin`: where those bytes came from
-        when not the version's own source (a cluster replica reading a neighbour's slot)."""
-        return self._landed(self.promoter.run_inline(version, target=slot, prepared=prepared,
-                                                     origin=origin))
-
-    def promote_new(self, name: str, source: AdapterSource, slot: int | None = None,
-                 prepared: Prepared | None = None, pinned: bool = False) -> tuple[int, str | None]:
-        """Land `source` as a new version of `name`, current from its commit on (a reload
-        of an existing name). A refusal changes nothing, the registry included."""
-        version = self.registry.new_version(name, source, pinned)
-        return self._landed(self.promoter.run_inline(version, target=slot, installs=True,
-                                                     prepared=prepared))
-
-    def _landed(self, p: Promotion) -> tuple[int, str | None]:
+                prepared: Prepared | None = None, origin: AdapterSource | None = None,
+                installs: bool = False) -> tuple[int, str | None]:
+        """Land `version` into `slot` (None: the promoter chooses). installs: a new version
+        (registry.new_version), current from its commit on; a refusal changes nothing, the
+        registry included. `prepared`: bytes already read; they are closed here. `origin`:
+        where those bytes came from when not the version's own source (a cluster replica
+        reading a neighbour's slot)."""
+        p = self.promoter.run_inline(version, target=slot, installs=installs, prepared=prepared,
+                                     origin=origin)
         self._bind_waiters(p.name, p.slot)
         return p.slot, p.evicted
 

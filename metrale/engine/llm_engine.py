@@ -287,7 +287,8 @@ class LLMEngine:
         own = self.registry.slot_of(name)
         if pinned or (old is not None and old.pinned):
             if own is None or not self.lora.table.ref_count(own):
-                self.adapters.promote_new(name, source, own, prepared, pinned=True)
+                self.adapters.promote(self.registry.new_version(name, source, True), own,
+                                      prepared, installs=True)
                 return self.registry.current(name)
         if prepared is not None:
             prepared.close()
@@ -344,7 +345,8 @@ class LLMEngine:
             if prepared is not None:
                 prepared.close()
             raise
-        return self.adapters.promote_new(name, source, slot, prepared)
+        return self.adapters.promote(self.registry.new_version(name, source), slot, prepared,
+                                     installs=True)
 
     def slot_info(self) -> list[SlotInfo]:
         return self.lora.table.infos()
