@@ -59,7 +59,7 @@ class HostTier:
         return len(self._entries)
 
     def get(self, key: AdapterIdentity | None) -> TierEntry | None:
-        entry = self._entries.get(key) if key is not None else None
+        entry = self._entries.get(key)  # None is never a key
         if entry is None:
             self.misses += 1
             return None
@@ -70,12 +70,11 @@ class HostTier:
     def has(self, key: AdapterIdentity | None) -> bool:
         """Whether get(key) would hit now (counts nothing, moves nothing)."""
         with self._lock:
-            return key is not None and key in self._entries
+            return key in self._entries
 
-    def put(self, key: AdapterIdentity | None, slot: int) -> None:
-        """Store `slot`'s current contents under key (call right after landing it)."""
-        if key is None or not self.enabled:
-            return
+    def put(self, key: AdapterIdentity, slot: int) -> None:
+        """Store `slot`'s current contents under key (call right after landing it; the
+        caller checks that the tier is enabled)."""
         pool = self.pool
         if self._arena is None:
             n = self.capacity // self.entry_bytes

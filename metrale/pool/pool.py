@@ -152,9 +152,8 @@ class AdapterPool:
         """Check staged bytes ([plan.staged_bytes] uint8 on the device): with a recipe,
         one NaN/Inf pass over them all; else typed views, checked. Raises
         NonFiniteWeightsError (naming a tensor) before anything is written."""
-        if recipe is not None:
-            if bool(data[:plan.staged_bytes].view(recipe.dtype).isfinite().all()):
-                return StagedAdapter(plan, data, recipe, [])
+        if recipe is not None and bool(data[:plan.staged_bytes].view(recipe.dtype).isfinite().all()):
+            return StagedAdapter(plan, data, recipe, [])
         return StagedAdapter(plan, data, None, self.stage_views(plan, data))
 
     def land_staged(self, slot: int, staged: StagedAdapter) -> None:

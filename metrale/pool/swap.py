@@ -205,7 +205,7 @@ class LoraSlots:
 
     def tier_has(self, identity: AdapterIdentity | None) -> bool:
         tier = self.host_tier
-        return identity is not None and tier is not None and tier.enabled and tier.has(identity)
+        return tier is not None and tier.enabled and tier.has(identity)
 
     def prepare_disk(self, adapter_dir: str | Path, name: str,
                      staging: StagingBuffers | None = None, use_tier: bool = True,
