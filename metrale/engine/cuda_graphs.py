@@ -137,9 +137,6 @@ class StepGraphs:
     def num_replays(self) -> int:
         return sum(self.replays.values())
 
-    def can_run(self, batch: int) -> bool:
-        return batch <= self.max_batch
-
     def can_run_mixed(self, batch: ScheduledBatch) -> bool:
         return bool(self.buckets) and len(batch) <= self.max_batch \
             and batch.num_tokens <= self.buckets[-1]
