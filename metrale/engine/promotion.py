@@ -128,18 +128,12 @@ class Promoter:
 
     # --- starting -----------------------------------------------------------------------
 
-    def start(self, version: AdapterVersion, *, target: int | None = None, installs: bool = False,
-              prepared: Prepared | None = None, origin: AdapterSource | None = None,
-              inline: bool = False) -> Promotion:
-        """READING begins: on the worker, or here when inline (or `prepared` was read)."""
-        origin = origin or version.source
-        if prepared is not None:
-            read = self._submit(True, lambda: prepared)
-        elif inline or self._worker is None:
-            read = self._submit(True, self._read_inline, version.name, origin)
-        else:
-            read = self.read(version.name, origin)
-        return Promotion(version, origin, target, installs, read, time.perf_counter())
+    def start(self, version: AdapterVersion) -> Promotion:
+        """An on-demand promotion: READING begins on the worker (here when there is none)."""
+        name, source = version.name, version.source
+        read = self.read(name, source) if self._worker is not None \
+            else self._submit(True, self._read_inline, name, source)
+        return Promotion(version, source, None, False, read, time.perf_counter())
 
     def run_inline(self, version: AdapterVersion, *, target: int | None = None,
                    installs: bool = False, prepared: Prepared | None = None,
@@ -156,8 +150,10 @@ class Promoter:
             if prepared is not None:
                 prepared.close()
             raise
-        promotion = self.start(version, target=target, installs=installs, prepared=prepared,
-                               origin=origin, inline=True)
+        origin = origin or version.source
+        read = self._submit(True, lambda: prepared if prepared is not None
+                            else self._read_inline(version.name, origin))
+        promotion = Promotion(version, origin, target, installs, read, time.perf_counter())
         self.advance(promotion, inline=True)
         if promotion.error is not None:
             raise promotion.error
