@@ -138,7 +138,7 @@ class LoraSlots:
 
     # --- refusals that need no I/O ------------------------------------------------
 
-    def require_swappable(self, op: str) -> AdapterPool:
+    def require_swappable(self, op: str) -> None:
         if self.pool is None:
             raise NoAdapterPoolError(
                 f"{op}: no adapter pool (the engine was started with --max-loras 0); "
@@ -149,7 +149,6 @@ class LoraSlots:
                 f"{op}: runtime swaps are disabled by configuration; restart without "
                 "--no-runtime-swaps to change adapters at run time"
             )
-        return self.pool
 
     # --- the two-phase landing ------------------------------------------------------
 
