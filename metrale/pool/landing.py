@@ -16,7 +16,7 @@ import time
 import torch
 
 from metrale.adapters.plan import AdapterPlan
-from metrale.adapters.weights_check import check_landed
+from metrale.adapters.weights_check import all_finite, check_landed
 from metrale.errors import LandingError, NonFiniteWeightsError
 from metrale.pool.host_tier import HostTier, TierEntry
 from metrale.pool.pool import AdapterPool, ByteRange, StagedAdapter
@@ -83,7 +83,7 @@ class Landing:
     def check_written(self, plan: AdapterPlan) -> None:
         """Raw bytes skipped staging's NaN/Inf check: check the slot in place. It was
         zeroed at begin, so one pass over the whole region covers every tensor."""
-        if not self._pool.slot_is_finite(self.slot):
+        if not all_finite(self._pool.slot_region(self.slot)):
             raise NonFiniteWeightsError(
                 f"{plan.source}: the landed weights hold NaN or Inf in the pool's dtype "
                 f"({self._pool.layout.dtype})")

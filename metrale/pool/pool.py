@@ -124,9 +124,6 @@ class AdapterPool:
         n = self.layout.slot_elems
         return self.buffer[slot * n:(slot + 1) * n]
 
-    def slot_is_finite(self, slot: int) -> bool:
-        return all_finite(self.slot_region(slot))
-
     # --- landing ----------------------------------------------------------------
 
     def recipe(self, plan: AdapterPlan, staged_bt: bool = False) -> LandingRecipe | None:

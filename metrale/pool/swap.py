@@ -193,12 +193,11 @@ class LoraSlots:
                 log.exception("landing listener failed")
 
     def unload_slot(self, slot: int) -> None:
-        """An idle slot -> EMPTY, zeroed."""
+        """An idle slot -> EMPTY, zeroed (a pool with slots exists: table.unload checked it)."""
         self.table.unload(slot)
-        if self.pool is not None:
-            if self.host_tier is not None:
-                self.host_tier.before_write(slot)
-            self.pool.zero_slot(slot)
+        if self.host_tier is not None:
+            self.host_tier.before_write(slot)
+        self.pool.zero_slot(slot)
 
     # --- reading adapters (thread-safe: a promotion worker runs these) ---------------
 
