@@ -71,18 +71,14 @@ class AdapterPool:
         self.doras = torch.zeros(S, L, M, dtype=torch.int32, device=self.device)  # 1: apply g
         # gains: [S, gain_elems] float32, DoRA's g per output row; 1 where no DoRA landed
         self.gains = torch.ones(S, layout.gain_elems, dtype=torch.float32, device=self.device)
-        self._views = {key: self._view(r) for key, r in layout.regions.items()}
+        # per region [S, max_rank, cols]: one row block per slot, slot stride = slot_elems
+        self._views = {key: self.buffer.as_strided((S, r.rows, r.cols), (layout.slot_elems, r.cols, 1),
+                                                   r.offset)
+                       for key, r in layout.regions.items()}
         self._fused: dict = {}
         # id(plan.landings) -> (landings, targets, recipe), oldest first
         self._recipes: dict[int, tuple] = {}
         self._recipes_lock = threading.Lock()
-
-    def _view(self, region) -> torch.Tensor:
-        S = self.layout.max_loras
-        # [S, max_rank, cols]: one row block per slot, slot stride = slot_elems
-        return self.buffer.as_strided(
-            (S, region.rows, region.cols), (self.layout.slot_elems, region.cols, 1), region.offset
-        )
 
     def lora_a(self, layer: int, module: str) -> torch.Tensor:
         """A: [S, max_rank, in]"""
