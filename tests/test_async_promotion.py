@@ -46,7 +46,7 @@ def _pool_hash(engine) -> tuple:
     digest = hashlib.sha256()
     for t in (pool.buffer, pool.ranks, pool.scales):
         digest.update(t.contiguous().view(-1).view(dtype=t.dtype).numpy().tobytes())
-    ids = tuple((i.slot, i.version, i.uid, i.generation, i.state) for i in engine.lora.slot_info())
+    ids = tuple((i.slot, i.version, i.uid, i.generation, i.state) for i in engine.slot_info())
     ids += tuple(sorted(engine.registry.routes().items()))
     return digest.hexdigest(), ids
 

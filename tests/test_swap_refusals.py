@@ -227,10 +227,10 @@ def test_failure_mid_landing_leaves_slot_empty(filled, adapters, monkeypatch):
     real_land = AdapterPool.land
     died = []
 
-    def land_half_then_die(self, slot, plan, views, tables=True):
+    def land_half_then_die(self, slot, plan, views):
         half = len(plan.landings) // 2
         real_land(self, slot, plan.__class__(**{**plan.__dict__, "landings": plan.landings[:half]}),
-                  views[:half], tables)
+                  views[:half])
         assert self.slot_region(slot).any()  # half of c's bytes are in the slot now
         died.append(slot)
         raise OSError("disk vanished mid-read")

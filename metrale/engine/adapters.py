@@ -7,7 +7,7 @@ asks each of them:
 - binding: a request takes a reference on the slot its adapter's current version is
   routed to, or waits for a promotion (FIFO by first request, single-flight per name);
 - on-demand promotions: at most one in flight; the engine drives it between steps;
-- explicit promotions (`promote`, `promote_new`): the same promotion, run inline;
+- explicit promotions (`promote`): the same promotion, run inline;
 - unloads: the name leaves at once, its slot is freed after its last request.
 
 Waiters take their slot reference the moment their adapter lands, so it cannot be
@@ -55,9 +55,8 @@ class AdapterManager:
     def bind(self, seq: Sequence) -> None:
         """Bind seq to its adapter's slot if the current version is resident; else queue
         it for a promotion."""
-        if seq.adapter is None:
-            seq.slot, seq.adapter_uid, seq.bound = -1, 0, True
-            seq.bound_at = seq.arrival
+        if seq.adapter is None:  # the base model: slot -1, uid 0 (Sequence's defaults)
+            seq.bound, seq.bound_at = True, seq.arrival
             return
         slot = self._route(self.registry.current(seq.adapter))
         if slot is not None:
@@ -100,28 +99,15 @@ class AdapterManager:
     # --- explicit promotions (run inline) --------------------------------------------------
 
     def promote(self, version: AdapterVersion, slot: int | None = None,
-             prepared: Prepared | None = None,
-             origin: AdapterSource | None = None) -> tuple[int, str | None]:
-        """Land a registered version into `slot` (None: the promoter chooses). `prepared`:
-        bytes already read; they are closed here. `origin`: where those bytes came from
-        when not the version's own source (a cluster replica reading a neighbour's slot)."""
-        if not self.registry.is_current(version):
-            if prepared is not None:
-                prepared.close()
-            raise StaleVersionError(
-                f"adapter {version.name!r} was reloaded or unloaded meanwhile; retry")
-        return self._landed(self.promoter.run_inline(version, target=slot, prepared=prepared,
-                                                     origin=origin))
-
-    def promote_new(self, name: str, source: AdapterSource, slot: int | None = None,
-                 prepared: Prepared | None = None, pinned: bool = False) -> tuple[int, str | None]:
-        """Land `source` as a new version of `name`, current from its commit on (a reload
-        of an existing name). A refusal changes nothing, the registry included."""
-        version = self.registry.new_version(name, source, pinned)
-        return self._landed(self.promoter.run_inline(version, target=slot, installs=True,
-                                                     prepared=prepared))
-
-    def _landed(self, p: Promotion) -> tuple[int, str | None]:
+                prepared: Prepared | None = None, origin: AdapterSource | None = None,
+                installs: bool = False) -> tuple[int, str | None]:
+        """Land `version` into `slot` (None: the promoter chooses). installs: a new version
+        (registry.new_version), current from its commit on; a refusal changes nothing, the
+        registry included. `prepared`: bytes already read; they are closed here. `origin`:
+        where those bytes came from when not the version's own source (a cluster replica
+        reading a neighbour's slot)."""
+        p = self.promoter.run_inline(version, target=slot, installs=installs, prepared=prepared,
+                                     origin=origin)
         self._bind_waiters(p.name, p.slot)
         return p.slot, p.evicted
 
@@ -133,12 +119,11 @@ class AdapterManager:
         slot = self.registry.slot_of(name)
         busy = slot is not None and self.slots.table.ref_count(slot) > 0
         self.registry.unload(name, slot if busy else None)
-        if slot is None:
-            return "unloaded"
-        if not busy:
+        if busy:
+            return "draining"
+        if slot is not None:
             self.slots.unload_slot(slot)
-            return "unloaded"
-        return "draining"
+        return "unloaded"
 
     def finish_unloads(self) -> None:
         table, routed = self.slots.table, self.registry.routed_slots()
@@ -152,18 +137,11 @@ class AdapterManager:
 
     # --- on-demand promotions (the engine calls these between steps) ---------------------
 
-    def busy(self) -> bool:
-        """A promotion is moving off the engine thread: worth waiting for when idle."""
-        return self.job is not None and self.job.progressing
-
     def promoting(self) -> str | None:
-        """The name whose promotion is in flight (its waiters wait for bytes, not a slot)."""
+        """The name whose promotion is moving off the engine thread (worth waiting for when
+        idle; its waiters wait for bytes, not a slot)."""
         job = self.job
         return job.name if job is not None and job.progressing else None
-
-    def wait(self, timeout: float) -> None:
-        if self.job is not None:
-            self.job.wait(timeout)
 
     def advance(self, now: float) -> list[Sequence]:
         """Move promotions on by what happened since the last boundary; returns the
@@ -182,16 +160,13 @@ class AdapterManager:
         self._drain_for_waiting()
         return failed + self._expire(now)
 
-    def _wanted(self) -> list[str]:
-        """Names to promote, oldest wait first; then pinned names whose reloaded version
-        waits for their own slot with no request yet."""
-        held = [n for n in self.registry.names()
-                if self.registry.held_slot(n) is not None and n not in self.pending]
-        return list(self.pending) + held
-
     def _start_next(self) -> list[Sequence]:
         failed = []
-        for name in self._wanted():
+        # names to promote, oldest wait first; then pinned names whose reloaded version
+        # waits for their own slot with no request yet
+        held = [n for n in self.registry.names()
+                if self.registry.held_slot(n) is not None and n not in self.pending]
+        for name in list(self.pending) + held:
             version = self.registry.get(name)
             if version is None:
                 failed += self._fail(name, UnknownAdapterError(f"adapter {name!r} was unloaded"))
@@ -283,6 +258,3 @@ class AdapterManager:
             seq.error = error
         log.warning("promotion of %r failed for %d request(s): %s", name, len(waiters), error)
         return waiters
-
-    def close(self) -> None:
-        self.promoter.close()

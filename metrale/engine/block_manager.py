@@ -108,7 +108,8 @@ class BlockManager:
                 if prev is None:
                     break  # a chain is only as findable as its first unkeyed block
                 key = seq.block_keys[i] = block_key(prev, seq.adapter_uid, seq.tokens(i * bs, (i + 1) * bs))
-            self._set_key(seq.block_table[i], key)
+            self.key[seq.block_table[i]] = key
+            self.by_key.setdefault(key, seq.block_table[i])
             seq.num_published = i + 1
 
     def can_append(self, seq: Sequence) -> bool:
@@ -158,7 +159,3 @@ class BlockManager:
             del self.by_key[old]
         self.key[block] = None
         return block
-
-    def _set_key(self, block: int, key: bytes) -> None:
-        self.key[block] = key
-        self.by_key.setdefault(key, block)

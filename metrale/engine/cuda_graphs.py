@@ -95,7 +95,7 @@ class StepGraphs:
         self.block_size, self.pad_block = block_size, pad_block
         self.max_model_len = max_model_len
         B, W = self.sizes[-1], max_blocks
-        self.max_batch, self.width = B, W
+        self.max_batch = B
         self.max_tokens = max([B, *self.buckets])
         # Every input in one int64 buffer: one H2D copy per step. Layout: the [T] token
         # fields, the [B] sequence fields, cu_query [B + 1], the attention's query tiles
@@ -136,9 +136,6 @@ class StepGraphs:
     @property
     def num_replays(self) -> int:
         return sum(self.replays.values())
-
-    def can_run(self, batch: int) -> bool:
-        return batch <= self.max_batch
 
     def can_run_mixed(self, batch: ScheduledBatch) -> bool:
         return bool(self.buckets) and len(batch) <= self.max_batch \

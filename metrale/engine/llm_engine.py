@@ -200,10 +200,10 @@ class LLMEngine:
         nothing is in flight (nothing to wait for here)."""
         if self._in_flight is not None:
             return True  # a launched step: the next step() returns its outputs
-        if not self.adapters.busy():
+        if self.adapters.promoting() is None:
             return False
         if self._commands.empty():
-            self.adapters.wait(timeout)
+            self.adapters.job.wait(timeout)
         return True
 
     def _between_steps(self) -> list[RequestOutput]:
@@ -287,7 +287,8 @@ class LLMEngine:
         own = self.registry.slot_of(name)
         if pinned or (old is not None and old.pinned):
             if own is None or not self.lora.table.ref_count(own):
-                self.adapters.promote_new(name, source, own, prepared, pinned=True)
+                self.adapters.promote(self.registry.new_version(name, source, True), own,
+                                      prepared, installs=True)
                 return self.registry.current(name)
         if prepared is not None:
             prepared.close()
@@ -344,10 +345,11 @@ class LLMEngine:
             if prepared is not None:
                 prepared.close()
             raise
-        return self.adapters.promote_new(name, source, slot, prepared)
+        return self.adapters.promote(self.registry.new_version(name, source), slot, prepared,
+                                     installs=True)
 
     def slot_info(self) -> list[SlotInfo]:
-        return self.lora.slot_info()
+        return self.lora.table.infos()
 
     def check_integrity(self) -> None:
         """The registry and the slot table agree (tests and debugging)."""

@@ -28,7 +28,7 @@ from enum import Enum
 
 import torch
 
-from metrale.adapters.identity import adapter_identity
+from metrale.adapters.identity import AdapterIdentity, adapter_identity
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion
 from metrale.errors import (
     AdapterFileError,
@@ -128,34 +128,32 @@ class Promoter:
 
     # --- starting -----------------------------------------------------------------------
 
-    def start(self, version: AdapterVersion, *, target: int | None = None, installs: bool = False,
-              prepared: Prepared | None = None, origin: AdapterSource | None = None,
-              inline: bool = False) -> Promotion:
-        """READING begins: on the worker, or here when inline (or `prepared` was read)."""
-        read = Future()
-        if prepared is not None:
-            read.set_result(prepared)
-        elif inline or self._worker is None:
-            self._run(read, self._read_inline, version.name, origin or version.source)
-        else:
-            read = self.read(version.name, origin or version.source)
-        return Promotion(version, origin or version.source, target, installs, read,
-                         time.perf_counter())
+    def start(self, version: AdapterVersion) -> Promotion:
+        """An on-demand promotion: READING begins on the worker (here when there is none)."""
+        name, source = version.name, version.source
+        read = self.read(name, source) if self._worker is not None \
+            else self._submit(True, self._read_inline, name, source)
+        return Promotion(version, source, None, False, read, time.perf_counter())
 
     def run_inline(self, version: AdapterVersion, *, target: int | None = None,
                    installs: bool = False, prepared: Prepared | None = None,
                    origin: AdapterSource | None = None) -> Promotion:
         """The synchronous landing: every phase here, now; a failure is raised (a refusal
-        before WRITING changed nothing)."""
+        before WRITING changed nothing). `prepared` is closed here."""
         try:
+            if not installs and not self.registry.is_current(version):
+                raise StaleVersionError(
+                    f"adapter {version.name!r} was reloaded or unloaded meanwhile; retry")
             self.slots.require_swappable(self._op(version, origin, target))
             self._slot_for(version, target)  # POOL_FULL, busy or pinned before reading anything
         except MetraleError:
             if prepared is not None:
                 prepared.close()
             raise
-        promotion = self.start(version, target=target, installs=installs, prepared=prepared,
-                               origin=origin, inline=True)
+        origin = origin or version.source
+        read = self._submit(True, lambda: prepared if prepared is not None
+                            else self._read_inline(version.name, origin))
+        promotion = Promotion(version, origin, target, installs, read, time.perf_counter())
         self.advance(promotion, inline=True)
         if promotion.error is not None:
             raise promotion.error
@@ -220,11 +218,7 @@ class Promoter:
             self.registry.unroute(evicted)
         p.slot, p.phase = slot, Phase.WRITING
         p.evicted = evicted if evicted != p.name else None  # a pinned name's own slot
-        if inline or self._worker is None:
-            p.written = Future()
-            self._run(p.written, self._write, p.landing, p.prepared, side)
-        else:
-            p.written = self._worker.submit(self._write, p.landing, p.prepared, side)
+        p.written = self._submit(inline, self._write, p.landing, p.prepared, side)
 
     def _written(self, p: Promotion) -> None:
         """WRITING -> COMMITTED, or FAILED (a write error, or superseded meanwhile)."""
@@ -302,28 +296,20 @@ class Promoter:
         future gives a Prepared, or None for a host-tier hit (its image is read on the
         engine thread, which alone reuses image memory). Each read has staging memory of
         its own until its Prepared is closed."""
-        if self._worker is None:
-            future = Future()
-            self._run(future, self._read_background, name, source)
-            return future
-        return self._worker.submit(self._read_background, name, source)
+        return self._submit(False, self._read_background, name, source)
 
     def _read_inline(self, name: str, source: AdapterSource) -> Prepared:
         return self._read(name, source, self.slots.staging, use_tier=True)
 
     def _read_background(self, name: str, source: AdapterSource) -> Prepared | None:
-        if source.path is not None:
-            identity = adapter_identity(source.path)  # read once: for the tier and the plan
-            if self.slots.tier_has(identity):
-                return None
+        # a file's identity is read once: for the tier and the plan
+        identity = adapter_identity(source.path) if source.path is not None else None
+        if self.slots.tier_has(identity):
+            return None
         staging = self._free_staging.pop() if self._free_staging else StagingBuffers(self.device)
         try:
             with on_device(self.device), self._on(self._stream):
-                if source.path is not None:
-                    prepared = self.slots.prepare_disk(source.path, name, staging, use_tier=False,
-                                                       identity=identity)
-                else:
-                    prepared = self._read(name, source, staging, use_tier=False)
+                prepared = self._read(name, source, staging, False, identity)
         except BaseException:
             self._free_staging.append(staging)
             raise
@@ -338,13 +324,13 @@ class Promoter:
         return replace(prepared, close=close)
 
     def _read(self, name: str, source: AdapterSource, staging: StagingBuffers,
-              use_tier: bool) -> Prepared:
+              use_tier: bool, identity: AdapterIdentity | None = None) -> Prepared:
         if source.peer is not None:
             p = self.peer
             return prepare_from_peer(self.slots, source.peer.addr, source.peer.adapter_id, name,
                                      source.peft, staging=staging, transport=p.transport,
                                      timeout_s=p.timeout_s, peer_allow=p.peer_allow)
-        return self.slots.prepare_disk(source.path, name, staging, use_tier)
+        return self.slots.prepare_disk(source.path, name, staging, use_tier, identity)
 
     def _write(self, landing: Landing, prepared: Prepared,
                side: torch.cuda.Stream | None) -> torch.cuda.Event | None:
@@ -362,12 +348,16 @@ class Promoter:
     def _on(stream: torch.cuda.Stream | None):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    @staticmethod
-    def _run(future: Future, fn, *args) -> None:
+    def _submit(self, inline: bool, fn, *args) -> Future:
+        """fn(*args) on the worker, or on this thread when inline or there is no worker."""
+        if not inline and self._worker is not None:
+            return self._worker.submit(fn, *args)
+        future = Future()
         try:
             future.set_result(fn(*args))
         except BaseException as e:
             future.set_exception(e)
+        return future
 
     def _closed(self, p: Promotion) -> None:
         """Release what the read holds (e.g. a peer's lease), once."""
@@ -388,10 +378,6 @@ class Promoter:
                                        p.slot if p.phase is Phase.COMMITTED else None,
                                        p.evicted if p.phase is Phase.COMMITTED else None,
                                        time.perf_counter() - p.start, p.error))
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
 
 
 def _typed(error: BaseException, cls: type[MetraleError], what: str) -> MetraleError:

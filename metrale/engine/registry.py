@@ -90,9 +90,6 @@ class AdapterRegistry:
     def names(self) -> list[str]:
         return sorted(self._current)
 
-    def __len__(self) -> int:
-        return len(self._current)
-
     def get(self, name: str) -> AdapterVersion | None:
         return self._current.get(name)
 

@@ -77,7 +77,7 @@ class ModelRunner:
         where a sequence's pending input token is (Sequence.pending_row)."""
         seqs, graphs = batch.seqs, self.graphs
         lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
-        if graphs is not None and batch.is_decode and graphs.can_run(len(seqs)):
+        if graphs is not None and batch.is_decode and len(seqs) <= graphs.max_batch:
             logits = graphs.run(seqs, lora, in_flight)  # [B, V]
         elif graphs is not None and graphs.can_run_mixed(batch):
             logits = graphs.run_mixed(batch, lora, in_flight)  # [sampling B, V]

@@ -29,10 +29,6 @@ class SampleResult:
     logprob: dict | None = None
     error: MetraleError | None = None
 
-    @classmethod
-    def failed(cls, error: MetraleError) -> SampleResult:
-        return cls(None, None, error)
-
 
 class SampledTokens:
     """One step's draws. tokens [B] stays on the device, where the next step may read its
@@ -69,7 +65,7 @@ class SampledTokens:
     def _failed(self, i: int) -> SampleResult:
         seq = self.seqs[i]
         blame = "" if seq.adapter is None else "; the adapter's weights may overflow the pool's dtype"
-        return SampleResult.failed(SamplingError(
+        return SampleResult(None, error=SamplingError(
             f"{_who(seq)}: the model produced non-finite logits (max {float(self.row_max[i])}); "
             f"no token can be drawn{blame}"))
 
@@ -82,8 +78,8 @@ class SampledTokens:
                 try:
                     seeded[i] = _sample_row(logits[i], seq)
                 except RuntimeError as e:  # a backstop: the row is checked, this must not happen
-                    results[i] = SampleResult.failed(
-                        SamplingError(f"{_who(seq)}: sampling failed: {e}"))
+                    results[i] = SampleResult(
+                        None, error=SamplingError(f"{_who(seq)}: sampling failed: {e}"))
         if seeded:  # the device copy too: a next step may read its inputs from it
             self.tokens[list(seeded)] = torch.tensor(list(seeded.values()), device=self.tokens.device)
         tokens = [seeded.get(i, r.token) for i, r in enumerate(results)]

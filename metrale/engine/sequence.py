@@ -90,7 +90,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
-
-    @property
-    def wants_adapter(self) -> bool:
-        return self.adapter is not None

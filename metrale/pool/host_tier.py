@@ -27,8 +27,6 @@ import torch
 from metrale.adapters.identity import AdapterIdentity
 from metrale.pool.pool import AdapterPool
 
-Key = AdapterIdentity
-
 
 @dataclass
 class TierEntry:
@@ -44,7 +42,7 @@ class HostTier:
     def __init__(self, pool: AdapterPool, capacity_bytes: int) -> None:
         self.pool, self.capacity = pool, capacity_bytes
         self.entry_bytes = pool.layout.slot_bytes
-        self._entries: OrderedDict[Key, TierEntry] = OrderedDict()  # oldest first
+        self._entries: OrderedDict[AdapterIdentity, TierEntry] = OrderedDict()  # oldest first
         self._lock = threading.Lock()  # has() is asked from a promotion worker
         self._cuda = pool.device.type == "cuda"
         self._stream = torch.cuda.Stream(pool.device) if self._cuda else None
@@ -60,8 +58,8 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: Key | None) -> TierEntry | None:
-        entry = self._entries.get(key) if key is not None else None
+    def get(self, key: AdapterIdentity | None) -> TierEntry | None:
+        entry = self._entries.get(key)  # None is never a key
         if entry is None:
             self.misses += 1
             return None
@@ -69,15 +67,14 @@ class HostTier:
         self.hits += 1
         return entry
 
-    def has(self, key: Key | None) -> bool:
+    def has(self, key: AdapterIdentity | None) -> bool:
         """Whether get(key) would hit now (counts nothing, moves nothing)."""
         with self._lock:
-            return key is not None and key in self._entries
+            return key in self._entries
 
-    def put(self, key: Key | None, slot: int) -> None:
-        """Store `slot`'s current contents under key (call right after landing it)."""
-        if key is None or not self.enabled:
-            return
+    def put(self, key: AdapterIdentity, slot: int) -> None:
+        """Store `slot`'s current contents under key (call right after landing it; the
+        caller checks that the tier is enabled)."""
         pool = self.pool
         if self._arena is None:
             n = self.capacity // self.entry_bytes

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from metrale.adapters.plan import AdapterPlan
-from metrale.adapters.weights_check import check_landed
+from metrale.adapters.weights_check import all_finite, check_landed
 from metrale.errors import LandingError, NonFiniteWeightsError
-from metrale.pool.host_tier import TierEntry
+from metrale.pool.host_tier import HostTier, TierEntry
 from metrale.pool.pool import AdapterPool, ByteRange, StagedAdapter
 from metrale.pool.recipe import table_rows
 from metrale.pool.slots import SlotTable
@@ -28,18 +26,11 @@ from metrale.pool.slots import SlotTable
 log = logging.getLogger("metrale.pool")
 
 
-@dataclass(frozen=True)
-class LandingResult:
-    slot: int
-    uid: int
-    seconds: float
-
-
 class Landing:
     def __init__(self, table: SlotTable, pool: AdapterPool, slot: int,
-                 write_image: Callable[[TierEntry, int], None]) -> None:
+                 host_tier: HostTier | None) -> None:
         self._table, self._pool, self.slot = table, pool, slot
-        self._write_image = write_image
+        self._host_tier = host_tier  # the source of write_image's entries
         # host (ranks, scales, doras) rows still to write at commit
         self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._open = True
@@ -57,7 +48,7 @@ class Landing:
     def write_views(self, plan: AdapterPlan, views: list[torch.Tensor]) -> None:
         """Staged, checked tensors (on the pool's device) into the slot. The rank/scale
         rows wait for commit: their copy from host memory would block on the stream."""
-        self._pool.land(self.slot, plan, views, tables=False)
+        self._pool.land(self.slot, plan, views)
         self._tables = table_rows(plan, self._pool.layout)
         self._plan = plan
         if any(v.dtype != self._pool.layout.dtype for v in views):
@@ -66,13 +57,14 @@ class Landing:
     def write_staged(self, staged: StagedAdapter) -> None:
         """A staged, checked adapter into the slot (one kernel when it has a recipe)."""
         self._pool.land_staged(self.slot, staged)
-        self._tables = self._pool.tables_of(staged)
+        self._tables = staged.recipe.tables if staged.recipe is not None \
+            else table_rows(staged.plan, self._pool.layout)
         if staged.dtype != self._pool.layout.dtype:
             self.check_written(staged.plan)  # finite in the file's dtype, maybe not in the pool's
 
     def write_image(self, entry: TierEntry) -> None:
         """A host-tier slot image (bytes and table rows) in one copy."""
-        self._write_image(entry, self.slot)
+        self._host_tier.land(entry, self.slot)
         self._tables = None
 
     def slot_range(self, plan: AdapterPlan) -> ByteRange:
@@ -91,14 +83,14 @@ class Landing:
     def check_written(self, plan: AdapterPlan) -> None:
         """Raw bytes skipped staging's NaN/Inf check: check the slot in place. It was
         zeroed at begin, so one pass over the whole region covers every tensor."""
-        if not self._pool.slot_is_finite(self.slot):
+        if not all_finite(self._pool.slot_region(self.slot)):
             raise NonFiniteWeightsError(
                 f"{plan.source}: the landed weights hold NaN or Inf in the pool's dtype "
                 f"({self._pool.layout.dtype})")
 
     # --- the end -----------------------------------------------------------------------
 
-    def commit(self, version: int) -> LandingResult:
+    def commit(self, version: int) -> None:
         """LOADING -> READY holding `version` (the bytes must have landed)."""
         self._close()
         try:
@@ -109,10 +101,9 @@ class Landing:
         except BaseException as e:
             raise self._failed(e) from e
         uid = self._table.finish_load(self.slot, version)
-        seconds = time.perf_counter() - self.start
         log.info("version %d landed in slot %d (uid=%d, generation=%d) in %.2f ms", version,
-                 self.slot, uid, self._table.info(self.slot).generation, seconds * 1e3)
-        return LandingResult(self.slot, uid, seconds)
+                 self.slot, uid, self._table.info(self.slot).generation,
+                 (time.perf_counter() - self.start) * 1e3)
 
     def _check_gains(self, plan: AdapterPlan) -> None:
         """What the landed LoRA can add to each layer stays within the pool dtype: a peer's

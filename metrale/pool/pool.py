@@ -22,7 +22,7 @@ from metrale.adapters.weights_check import all_finite
 from metrale.errors import NonFiniteWeightsError
 from metrale.ops.landing_triton import base_of, land_rows, land_views
 from metrale.pool.layout import SlotLayout
-from metrale.pool.recipe import LandingRecipe, build_recipe, table_rows
+from metrale.pool.recipe import LandingRecipe, build_recipe
 
 
 @dataclass(frozen=True)
@@ -71,18 +71,14 @@ class AdapterPool:
         self.doras = torch.zeros(S, L, M, dtype=torch.int32, device=self.device)  # 1: apply g
         # gains: [S, gain_elems] float32, DoRA's g per output row; 1 where no DoRA landed
         self.gains = torch.ones(S, layout.gain_elems, dtype=torch.float32, device=self.device)
-        self._views = {key: self._view(r) for key, r in layout.regions.items()}
+        # per region [S, max_rank, cols]: one row block per slot, slot stride = slot_elems
+        self._views = {key: self.buffer.as_strided((S, r.rows, r.cols), (layout.slot_elems, r.cols, 1),
+                                                   r.offset)
+                       for key, r in layout.regions.items()}
         self._fused: dict = {}
         # id(plan.landings) -> (landings, targets, recipe), oldest first
         self._recipes: dict[int, tuple] = {}
         self._recipes_lock = threading.Lock()
-
-    def _view(self, region) -> torch.Tensor:
-        S = self.layout.max_loras
-        # [S, max_rank, cols]: one row block per slot, slot stride = slot_elems
-        return self.buffer.as_strided(
-            (S, region.rows, region.cols), (self.layout.slot_elems, region.cols, 1), region.offset
-        )
 
     def lora_a(self, layer: int, module: str) -> torch.Tensor:
         """A: [S, max_rank, in]"""
@@ -124,9 +120,6 @@ class AdapterPool:
         n = self.layout.slot_elems
         return self.buffer[slot * n:(slot + 1) * n]
 
-    def slot_is_finite(self, slot: int) -> bool:
-        return all_finite(self.slot_region(slot))
-
     # --- landing ----------------------------------------------------------------
 
     def recipe(self, plan: AdapterPlan, staged_bt: bool = False) -> LandingRecipe | None:
@@ -152,26 +145,19 @@ class AdapterPool:
         """Check staged bytes ([plan.staged_bytes] uint8 on the device): with a recipe,
         one NaN/Inf pass over them all; else typed views, checked. Raises
         NonFiniteWeightsError (naming a tensor) before anything is written."""
-        if recipe is not None:
-            if bool(data[:plan.staged_bytes].view(recipe.dtype).isfinite().all()):
-                return StagedAdapter(plan, data, recipe, [])
+        if recipe is not None and bool(data[:plan.staged_bytes].view(recipe.dtype).isfinite().all()):
+            return StagedAdapter(plan, data, recipe, [])
         return StagedAdapter(plan, data, None, self.stage_views(plan, data))
 
     def land_staged(self, slot: int, staged: StagedAdapter) -> None:
-        """Write a staged adapter into a zeroed slot (tables are the caller's: tables_of)."""
+        """Write a staged adapter into a zeroed slot (its table rows are the caller's)."""
         recipe = staged.recipe
         if recipe is None:
-            self.land(slot, staged.plan, staged.views, tables=False)
+            self.land(slot, staged.plan, staged.views)
             return
         n = self.layout.slot_elems
         land_rows(self.buffer[slot * n:], staged.data.view(recipe.dtype), recipe.desc,
                   recipe.tiles)
-
-    def tables_of(self, staged: StagedAdapter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Host (ranks, scales, doras) rows [L, M] of a slot holding the staged adapter."""
-        if staged.recipe is not None:
-            return staged.recipe.tables
-        return table_rows(staged.plan, self.layout)
 
     def stage_views(self, plan: AdapterPlan, data: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of each planned tensor inside the staged data bytes.
@@ -215,12 +201,11 @@ class AdapterPool:
         self.doras[slot].zero_()
         self.gains[slot].fill_(1.0)
 
-    def land(self, slot: int, plan: AdapterPlan, views: list[torch.Tensor],
-             tables: bool = True) -> None:
+    def land(self, slot: int, plan: AdapterPlan, views: list[torch.Tensor]) -> None:
         """Write staged tensors into a zeroed slot: dtype conversion and the B
         transpose happen on the device, no host round trip. On CUDA one kernel lands
-        every tensor (metrale.ops.landing_triton); elsewhere one copy per tensor.
-        tables=False leaves the rank/scale rows to a later set_tables (their copy from
+        every tensor (metrale.ops.landing_triton); elsewhere one copy per tensor. The
+        rank/scale rows are the caller's (write_tables at commit: their copy from
         pageable host memory would wait for the stream on the host)."""
         src_base = None
         if self.buffer.is_cuda:
@@ -242,12 +227,6 @@ class AdapterPool:
                     self.lora_a(t.layer, t.module)[slot, :t.rank].copy_(src)  # [r, in]
                 else:
                     self.lora_bt(t.layer, t.module)[slot, :t.rank].copy_(src.t())  # [r, out]
-        if tables:
-            self.set_tables(slot, plan)
-
-    def set_tables(self, slot: int, plan: AdapterPlan) -> None:
-        """The rank/scale/DoRA rows of a landed plan, then (DoRA) its gains."""
-        self.write_tables(slot, *table_rows(plan, self.layout))
 
     def write_tables(self, slot: int, ranks: torch.Tensor, scales: torch.Tensor,
                      doras: torch.Tensor) -> None:

@@ -29,11 +29,11 @@ from metrale.errors import (
     RuntimeSwapsDisabledError,
 )
 from metrale.pool.host_tier import HostTier
-from metrale.pool.landing import Landing, LandingResult
+from metrale.pool.landing import Landing
 from metrale.pool.layout import SlotLayout
 from metrale.pool.mapped_files import MappedFiles
 from metrale.pool.pool import AdapterPool
-from metrale.pool.slots import SlotInfo, SlotTable
+from metrale.pool.slots import SlotTable
 from metrale.pool.staging import ShortReadError, StagingBuffers, read_chunks
 
 log = logging.getLogger("metrale.pool")
@@ -59,17 +59,12 @@ def read_adapter_data(plan: AdapterPlan, staging: StagingBuffers,
                 pos += b - a
             return staging.to_device(host)
         return staging.read_file(plan.source, plan.data_offset, plan.data_bytes)
-    except OSError as e:
-        raise _read_error(plan, e) from None
-
-
-def _read_error(plan: AdapterPlan, e: OSError) -> AdapterFileError:
-    if isinstance(e, ShortReadError):
-        return AdapterFileError(
+    except ShortReadError as e:
+        raise AdapterFileError(
             f"{plan.source}: read fewer than its {plan.data_bytes} data bytes ({e}); the "
-            "file changed or was truncated while loading"
-        )
-    return AdapterFileError(f"cannot read {plan.source}: {e}")
+            "file changed or was truncated while loading") from None
+    except OSError as e:
+        raise AdapterFileError(f"cannot read {plan.source}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -143,7 +138,7 @@ class LoraSlots:
 
     # --- refusals that need no I/O ------------------------------------------------
 
-    def require_swappable(self, op: str) -> AdapterPool:
+    def require_swappable(self, op: str) -> None:
         if self.pool is None:
             raise NoAdapterPoolError(
                 f"{op}: no adapter pool (the engine was started with --max-loras 0); "
@@ -154,7 +149,6 @@ class LoraSlots:
                 f"{op}: runtime swaps are disabled by configuration; restart without "
                 "--no-runtime-swaps to change adapters at run time"
             )
-        return self.pool
 
     # --- the two-phase landing ------------------------------------------------------
 
@@ -163,7 +157,7 @@ class LoraSlots:
         zero=False: the caller's write fills the whole slot). Refuses a busy slot before
         touching it."""
         self.table.begin_load(slot)  # re-checks idleness; from here the slot serves nothing
-        landing = Landing(self.table, self.pool, slot, self._write_image)
+        landing = Landing(self.table, self.pool, slot, self.host_tier)
         try:
             if self.host_tier is not None:
                 self.host_tier.before_write(slot)
@@ -173,7 +167,7 @@ class LoraSlots:
             raise landing.fail(e) from e
         return landing
 
-    def land(self, slot: int, version: int, prepared: Prepared) -> LandingResult:
+    def land(self, slot: int, version: int, prepared: Prepared) -> None:
         """begin, write, commit, all here: the synchronous write of `prepared` into `slot`
         as `version` (a registry's, or a store's own number). Any failure after begin
         leaves the slot EMPTY with a fresh identity (LandingError)."""
@@ -182,17 +176,13 @@ class LoraSlots:
             prepared.write(landing)
         except BaseException as e:
             raise landing.fail(e) from e
-        result = landing.commit(version)
+        landing.commit(version)
         self.fill_tier(prepared, slot)
-        return result
 
     def fill_tier(self, prepared: Prepared, slot: int) -> None:
         tier = self.host_tier
         if prepared.identity is not None and tier is not None and tier.enabled:
             tier.put(prepared.identity, slot)
-
-    def _write_image(self, entry, slot: int) -> None:
-        self.host_tier.land(entry, slot)
 
     def notify(self, event: LandingEvent) -> None:
         """Tell every listener how a landing went (metrics, logs)."""
@@ -203,21 +193,17 @@ class LoraSlots:
                 log.exception("landing listener failed")
 
     def unload_slot(self, slot: int) -> None:
-        """An idle slot -> EMPTY, zeroed."""
+        """An idle slot -> EMPTY, zeroed (a pool with slots exists: table.unload checked it)."""
         self.table.unload(slot)
-        if self.pool is not None:
-            if self.host_tier is not None:
-                self.host_tier.before_write(slot)
-            self.pool.zero_slot(slot)
-
-    def slot_info(self) -> list[SlotInfo]:
-        return self.table.infos()
+        if self.host_tier is not None:
+            self.host_tier.before_write(slot)
+        self.pool.zero_slot(slot)
 
     # --- reading adapters (thread-safe: a promotion worker runs these) ---------------
 
     def tier_has(self, identity: AdapterIdentity | None) -> bool:
         tier = self.host_tier
-        return identity is not None and tier is not None and tier.enabled and tier.has(identity)
+        return tier is not None and tier.enabled and tier.has(identity)
 
     def prepare_disk(self, adapter_dir: str | Path, name: str,
                      staging: StagingBuffers | None = None, use_tier: bool = True,
