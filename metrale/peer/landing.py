@@ -36,7 +36,7 @@ from metrale.peer.manifest import (
     parse_manifest,
     read_reply,
 )
-from metrale.peer.nixl_transport import coalesce
+from metrale.peer.nixl_transport import coalesce, endpoint_for
 from metrale.peer.plans import PeerPlan, plan_cache_for
 from metrale.pool.landing import Landing
 from metrale.pool.staging import StagingBuffers
@@ -107,7 +107,7 @@ class _PeerFetch:
         t_lease = time.perf_counter()
         pool = self.slots.pool
         reply = read_reply(raw, self.source)
-        self._take_lease(reply.lease, deadline)
+        self._take_lease(reply.header.get("lease"), deadline)
         peer = f"{addr.ip}:{addr.port}"
         cache = plan_cache_for(pool)
         cached = cache.get(peer, self.adapter_id) if self.peft is None else None
@@ -205,8 +205,6 @@ class _PeerFetch:
         return "http"
 
     def _endpoint(self):
-        from metrale.peer.nixl_transport import endpoint_for
-
         return endpoint_for(self.slots.pool, self.slots.pool.buffer)
 
     def _http_writer(self, client: PeerClient, manifest: Manifest,
