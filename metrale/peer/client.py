@@ -92,26 +92,22 @@ class PeerClient:
 
     def _json(self, method: str, path: str, body: dict | None, what: str) -> dict:
         status, raw = self._reply(method, path, body, what)
+        if status != 200:
+            self._refusal(status, raw, what)
         try:
             doc = strict_json(raw)
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            if status != 200:
-                raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {status}") from None
             raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not JSON ({e})") from None
-        if status != 200:
-            self._refusal(status, doc, what)
         if not isinstance(doc, dict):
             raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not a JSON object")
         return doc
 
-    def _refusal(self, status: int, body: bytes | object, what: str):
-        """Raise the typed error for a non-200 reply (body: raw bytes or decoded JSON)."""
-        doc = body
-        if isinstance(body, bytes):
-            try:
-                doc = strict_json(body)
-            except ValueError:
-                raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {status}") from None
+    def _refusal(self, status: int, raw: bytes, what: str):
+        """Raise the typed error for a non-200 reply."""
+        try:
+            doc = strict_json(raw)
+        except ValueError:
+            raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {status}") from None
         message = _error_message(doc)
         if status == 404:
             raise UnknownPeerAdapterError(f"peer {self.addr}: {what}: {message}")
