@@ -56,7 +56,17 @@ class PeerClient:
     # --- control plane --------------------------------------------------------------
 
     def list_adapters(self) -> dict:
-        return self._json("GET", "/peer/v1/adapters", None, "list adapters")
+        what = "list adapters"
+        status, raw = self._reply("GET", "/peer/v1/adapters", None, what)
+        if status != 200:
+            self._refusal(status, raw, what)
+        try:
+            doc = strict_json(raw)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not a JSON object")
+        return doc
 
     def lease(self, adapter_id: str, ttl_s: float) -> bytes:
         """One round trip: the lease and the adapter's manifest, as the reply body
@@ -89,18 +99,6 @@ class PeerClient:
             return resp.status, self._read_capped(resp, MAX_MANIFEST_BYTES, what)
         finally:
             conn.close()
-
-    def _json(self, method: str, path: str, body: dict | None, what: str) -> dict:
-        status, raw = self._reply(method, path, body, what)
-        if status != 200:
-            self._refusal(status, raw, what)
-        try:
-            doc = strict_json(raw)
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not JSON ({e})") from None
-        if not isinstance(doc, dict):
-            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not a JSON object")
-        return doc
 
     def _refusal(self, status: int, raw: bytes, what: str):
         """Raise the typed error for a non-200 reply."""
@@ -159,16 +157,13 @@ class PeerClient:
 
     # --- plumbing -------------------------------------------------------------------------
 
-    def _host(self) -> str:
-        host = f"[{self.addr.host}]" if ":" in self.addr.host else self.addr.host
-        return f"{host}:{self.addr.port}"
-
     def _request(self, method: str, path: str, body: dict | None, what: str,
                  deadline: Deadline, body_cap: int, accept: str = "application/json"):
         """Send the request and read the status line and headers, all under `deadline`."""
         label = f"peer {self.addr}: {what}"
         conn = _PeerConnection(self.addr, deadline, label, body_cap + FRAMING_BYTES)
-        headers = {"Host": self._host(), "Accept": accept}
+        host = f"[{self.addr.host}]" if ":" in self.addr.host else self.addr.host
+        headers = {"Host": f"{host}:{self.addr.port}", "Accept": accept}
         payload = None
         if body is not None:
             payload = json.dumps(body).encode()

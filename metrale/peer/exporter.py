@@ -77,8 +77,6 @@ class _Export:
 
 @dataclass
 class _Lease:
-    id: str
-    adapter_id: str
     slot: int
     expires: float
     export: _Export  # the landing it was granted: its streams send that landing's bytes
@@ -195,7 +193,7 @@ class AdapterExporter:
         except BaseException:
             self._call(lambda: self.slots.table.release(slot))
             raise
-        lease = _Lease(lease_id, adapter_id, slot, self._clock() + ttl, export)
+        lease = _Lease(slot, self._clock() + ttl, export)
         with self._lock:
             self._leases[lease_id] = lease
         log.debug("peer exporter: lease %s on %r (slot %d, %d bytes, %.0fs)", lease_id[:8],

@@ -77,8 +77,6 @@ class NixlEndpoint:
                 raise RuntimeError("the UCX backend could not be created")
             self._reg = self._agent.register_memory(buffer)
             self.metadata = self._agent.get_agent_metadata()
-        except NixlUnavailableError:
-            raise
         except Exception as e:
             raise NixlUnavailableError(f"NIXL could not start here: {type(e).__name__}: {e}") from e
         log.info("nixl: agent %s registered %d bytes of %s", self.name, self.nbytes, self.mem_type)
