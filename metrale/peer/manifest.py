@@ -79,7 +79,6 @@ class Manifest:
     nixl: NixlInfo | None
     peft_raw: bytes = field(repr=False)  # the PEFT config's JSON, parsed only when planning
     shape_bytes: bytes = field(repr=False)  # the table without addresses (the plan's input)
-    checked: bool = False  # the table was checked against the local layout (not a cache hit)
 
     def peft_config(self, layout: SlotLayout, source: str) -> PeftAdapterConfig:
         with refusing_malformed(source, "PEFT config"):
@@ -164,8 +163,7 @@ def _parse(doc: dict, wire: WireReply, layout: SlotLayout, source: str,
         )
     itemsize = FLOAT_DTYPES[dtype].itemsize
     table, shapes = wire.table, wire.shape_bytes()
-    hit = known_shapes is not None and shapes == known_shapes
-    if not hit:
+    if shapes != known_shapes:
         check_table(table, layout, itemsize, source)
     data_bytes = int(table["nbytes"].sum(dtype=np.uint64))  # checked rows: no overflow
     if _int(doc, "data_bytes", source) != data_bytes:
@@ -185,7 +183,7 @@ def _parse(doc: dict, wire: WireReply, layout: SlotLayout, source: str,
         dtype=dtype, table=table, data_bytes=data_bytes,
         http_path=_http_path(transports.get("http"), source),
         nixl=_nixl(transports.get("nixl"), table, source), peft_raw=wire.peft,
-        shape_bytes=shapes, checked=not hit,
+        shape_bytes=shapes,
     )
 
 
