@@ -95,8 +95,7 @@ class AdapterExporter:
     ) -> None:
         if lora_slots.pool is None:
             raise UnknownAdapterError("this engine has no adapter pool: there is nothing to export")
-        unknown = set(transports) - set(TRANSPORTS)
-        if unknown or not transports:
+        if not transports or not set(transports) <= set(TRANSPORTS):
             raise ValueError(f"transports {transports!r}: choose from {TRANSPORTS}")
         self.slots, self.pool, self.names = lora_slots, lora_slots.pool, names
         self.transports = tuple(transports)
@@ -303,11 +302,9 @@ class AdapterExporter:
                   "dtype": DTYPE_NAMES[layout.dtype], "data_bytes": data_bytes,
                   "transports": transports}
         export = _Export(info.uid, header, json.dumps(peft_dict).encode(), table, views, data_bytes)
+        # _take dropped any other landing's export of this slot, and the slot is held since
         with self._lock:
-            old = self._exports.get(slot)
             self._exports[slot] = export
-        if old is not None and old.uid != export.uid:  # not a racing lease of the same landing
-            self._host.drop(old.uid)
         return export
 
     def _end_stream(self, lease: _Lease) -> None:

@@ -64,9 +64,8 @@ def prepare_from_peer(
     given, is the config to serve the adapter with (the seed's argument); otherwise the
     manifest's. peer_allow defaults to loopback only. `stats`, when given, receives the
     phases' timings in ms (benchmarks)."""
-    fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
-                       timeout_s, peer_allow, staging, stats)
-    return fetch.prepare()
+    return _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
+                      timeout_s, peer_allow, staging, stats).prepare()
 
 
 class _PeerFetch:
