@@ -14,7 +14,6 @@ PeerManifestError naming the peer.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -229,7 +228,7 @@ def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: st
     refuse(rows > layout.max_rank, AdapterMismatchError, lambda i: (
         f"rank {int(rows[i])} > --max-lora-rank {layout.max_rank}; start the engine with "
         f"--max-lora-rank {int(rows[i])} or more"))
-    expected = _expected_cols(model)
+    expected = np.array([model.linear_shape(m) for m in MODULES], dtype=np.int64)  # [module, A | B,M]
     want = expected[module, np.minimum(kind, 1)]
     refuse(cols != want, AdapterMismatchError, lambda i: (
         f"is [{int(rows[i])}, {int(cols[i])}], expected [{int(rows[i])}, {int(want[i])}] for "
@@ -243,16 +242,6 @@ def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: st
     dup = np.zeros(n, dtype=bool)
     dup[order[1:]] = keys[order[1:]] == keys[order[:-1]]
     refuse(dup, PeerManifestError, lambda i: "a second tensor for the same layer, module and kind")
-
-
-@functools.lru_cache(maxsize=16)
-def _expected_cols(model: ModelConfig) -> np.ndarray:
-    """[module index, A=0 | B,M=1] -> the local column count."""
-    out = np.zeros((len(MODULES), 2), dtype=np.int64)
-    for i, module in enumerate(MODULES):
-        out[i] = model.linear_shape(module)
-    out.setflags(write=False)
-    return out
 
 
 @contextmanager
