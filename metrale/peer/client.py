@@ -223,7 +223,8 @@ class PeerClient:
 
 class _DeadlineSocket(socket.socket):
     """A TCP socket whose every blocking call gets only what is left of one
-    Deadline, and that refuses to receive more than `max_bytes` in all."""
+    Deadline, and that refuses to receive more than `max_bytes` in all. http.client
+    only calls recv_into (through makefile) and sendall on it."""
 
     deadline: Deadline
     label: str
@@ -244,16 +245,6 @@ class _DeadlineSocket(socket.socket):
     def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
         self._arm()
         return self._count(super().recv_into(buffer, nbytes, flags))
-
-    def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        self._arm()
-        data = super().recv(bufsize, flags)
-        self._count(len(data))
-        return data
-
-    def send(self, data, flags: int = 0) -> int:
-        self._arm()
-        return super().send(data, flags)
 
     def sendall(self, data, flags: int = 0) -> None:
         self._arm()  # sendall's timeout bounds the whole call, not each piece
