@@ -138,12 +138,11 @@ class NixlEndpoint:
             if not (self._inside(addr, nbytes) and lo <= addr and addr + nbytes <= lo + hi):
                 raise PeerTransferError("a local descriptor falls outside the target slot")
         with self._lock:
-            agent = self._agent
             try:
                 local_h = self._prepped_dlist(_LOCAL, tuple(local), self.mem_type)
                 remote_h = self._prepped_dlist(remote_agent, tuple(remote), remote_mem)
                 idx = list(range(len(local)))
-                handle = agent.make_prepped_xfer("READ", local_h, idx, remote_h, idx)
+                handle = self._agent.make_prepped_xfer("READ", local_h, idx, remote_h, idx)
             except Exception as e:
                 raise PeerTransferError(
                     f"NIXL refused the transfer ({type(e).__name__}: {e}); the peer's "
