@@ -57,9 +57,7 @@ class PeerClient:
 
     def list_adapters(self) -> dict:
         what = "list adapters"
-        status, raw = self._reply("GET", "/peer/v1/adapters", None, what)
-        if status != 200:
-            self._refusal(status, raw, what)
+        raw = self._reply("GET", "/peer/v1/adapters", None, what)
         try:
             doc = strict_json(raw)
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -73,11 +71,8 @@ class PeerClient:
         (metrale.peer.wire), read under the manifest byte cap."""
         path = f"/peer/v1/adapters/{quote(adapter_id, safe='')}/lease"
         what = f"lease {adapter_id!r}"
-        status, raw = self._reply("POST", path, {"ttl_s": ttl_s, "manifest_version": WIRE_VERSION},
-                                  what, accept=CONTENT_TYPE)
-        if status != 200:
-            self._refusal(status, raw, what)
-        return raw
+        return self._reply("POST", path, {"ttl_s": ttl_s, "manifest_version": WIRE_VERSION}, what,
+                           accept=CONTENT_TYPE)
 
     def release(self, lease_id: str) -> None:
         """Best effort, under its own short deadline; never raises."""
@@ -91,14 +86,18 @@ class PeerClient:
                      lease_id[:16], e)
 
     def _reply(self, method: str, path: str, body: dict | None, what: str,
-               accept: str = "application/json") -> tuple[int, bytes]:
-        """(status, body) of one control-plane call, the body read under the manifest cap."""
+               accept: str = "application/json") -> bytes:
+        """The body of one control-plane call, read under the manifest cap; a status other
+        than 200 raises its typed error."""
         conn, resp = self._request(method, path, body, what, self.deadline, MAX_MANIFEST_BYTES,
                                    accept)
         try:
-            return resp.status, self._read_capped(resp, MAX_MANIFEST_BYTES, what)
+            raw = self._read_capped(resp, MAX_MANIFEST_BYTES, what)
         finally:
             conn.close()
+        if resp.status != 200:
+            self._refusal(resp.status, raw, what)
+        return raw
 
     def _refusal(self, status: int, raw: bytes, what: str):
         """Raise the typed error for a non-200 reply."""
