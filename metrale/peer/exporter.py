@@ -14,6 +14,7 @@ under a lock, enough for a LoraSlots nothing else mutates (the peer store).
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -295,7 +296,7 @@ class AdapterExporter:
             layout, ranks, scales, doras)
         transports: dict = {}
         if self.nixl is not None:
-            transports["nixl"] = {"agent_metadata": wire.b64(self.nixl.metadata),
+            transports["nixl"] = {"agent_metadata": base64.b64encode(self.nixl.metadata).decode(),
                                   "mem_type": self.nixl.mem_type, "device": self.nixl.device_id}
         data_bytes = int(table["nbytes"].sum())
         header = {"name": name, "uid": info.uid, "generation": info.generation,
