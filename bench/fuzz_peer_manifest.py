@@ -228,7 +228,7 @@ def read(doc: object) -> None:
     for t in plan.targets:
         if not (0 < t.rank <= POOL.max_lora_rank and math.isfinite(t.scale)):
             raise AssertionError(f"accepted a bad target: {t}")
-    if plan.data_bytes != manifest.data_bytes or len(plan.landings) != len(manifest.tensors):
+    if plan.data_bytes != manifest.data_bytes or len(plan.landings) != len(manifest.table):
         raise AssertionError("accepted a plan that does not cover the manifest's bytes")
 
 

@@ -24,13 +24,12 @@ IPNet = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 @dataclass(frozen=True)
 class PeerAddress:
-    scheme: str  # "http"
     host: str  # as the caller wrote it (for messages and the Host header)
     ip: str  # the checked address we connect to
     port: int
 
     def __str__(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 class AllowList:
@@ -63,8 +62,8 @@ def as_allow_list(allow: AllowList | Iterable[str] | None) -> AllowList:
     return allow if isinstance(allow, AllowList) else AllowList(allow)
 
 
-def parse_peer_addr(addr: str) -> tuple[str, str, int]:
-    """'host:port', 'http://host:port' or '[::1]:port' -> (scheme, host, port)."""
+def parse_peer_addr(addr: str) -> tuple[str, int]:
+    """'host:port', 'http://host:port' or '[::1]:port' -> (host, port)."""
     if not isinstance(addr, str) or not addr or len(addr) > 512:
         raise PeerNotAllowedError(f"peer address {addr!r} is not a host:port or http URL")
     text = addr if "://" in addr else f"http://{addr}"
@@ -80,7 +79,7 @@ def parse_peer_addr(addr: str) -> tuple[str, str, int]:
         raise PeerNotAllowedError(
             f"peer address {addr!r} must be scheme://host:port only (no path, user or query)"
         )
-    return parts.scheme, parts.hostname, port
+    return parts.hostname, port
 
 
 def resolve_peer(addr: str, allow: AllowList | Iterable[str] | None) -> PeerAddress:
@@ -90,7 +89,7 @@ def resolve_peer(addr: str, allow: AllowList | Iterable[str] | None) -> PeerAddr
     traffic, only the resolver) and the connection goes to the checked address,
     so a name cannot change its mind between the check and the connection."""
     allow = as_allow_list(allow)
-    scheme, host, port = parse_peer_addr(addr)
+    host, port = parse_peer_addr(addr)
     try:
         literal = ipaddress.ip_address(host)
     except ValueError:
@@ -101,7 +100,7 @@ def resolve_peer(addr: str, allow: AllowList | Iterable[str] | None) -> PeerAddr
                 f"peer {host} is not in the peer allow-list {allow}; add it (an address or "
                 "network) with --peer-allow to fetch adapters from it"
             )
-        return PeerAddress(scheme, host, host, port)
+        return PeerAddress(host, host, port)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
@@ -114,4 +113,4 @@ def resolve_peer(addr: str, allow: AllowList | Iterable[str] | None) -> PeerAddr
             f"peer {host} ({', '.join(ips) or 'no address'}) is not in the peer allow-list "
             f"{allow}; add its name or network with --peer-allow to fetch adapters from it"
         )
-    return PeerAddress(scheme, host, ips[0], port)
+    return PeerAddress(host, ips[0], port)

@@ -56,18 +56,23 @@ class PeerClient:
     # --- control plane --------------------------------------------------------------
 
     def list_adapters(self) -> dict:
-        return self._json("GET", "/peer/v1/adapters", None, "list adapters")
+        what = "list adapters"
+        raw = self._reply("GET", "/peer/v1/adapters", None, what)
+        try:
+            doc = strict_json(raw)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not a JSON object")
+        return doc
 
     def lease(self, adapter_id: str, ttl_s: float) -> bytes:
         """One round trip: the lease and the adapter's manifest, as the reply body
         (metrale.peer.wire), read under the manifest byte cap."""
         path = f"/peer/v1/adapters/{quote(adapter_id, safe='')}/lease"
         what = f"lease {adapter_id!r}"
-        status, raw = self._reply("POST", path, {"ttl_s": ttl_s, "manifest_version": WIRE_VERSION},
-                                  what, accept=CONTENT_TYPE)
-        if status != 200:
-            self._refusal(status, raw, what)
-        return raw
+        return self._reply("POST", path, {"ttl_s": ttl_s, "manifest_version": WIRE_VERSION}, what,
+                           accept=CONTENT_TYPE)
 
     def release(self, lease_id: str) -> None:
         """Best effort, under its own short deadline; never raises."""
@@ -81,37 +86,25 @@ class PeerClient:
                      lease_id[:16], e)
 
     def _reply(self, method: str, path: str, body: dict | None, what: str,
-               accept: str = "application/json") -> tuple[int, bytes]:
-        """(status, body) of one control-plane call, the body read under the manifest cap."""
+               accept: str = "application/json") -> bytes:
+        """The body of one control-plane call, read under the manifest cap; a status other
+        than 200 raises its typed error."""
         conn, resp = self._request(method, path, body, what, self.deadline, MAX_MANIFEST_BYTES,
                                    accept)
         try:
-            return resp.status, self._read_capped(resp, MAX_MANIFEST_BYTES, what)
+            raw = self._read_capped(resp, MAX_MANIFEST_BYTES, what)
         finally:
             conn.close()
+        if resp.status != 200:
+            self._refusal(resp.status, raw, what)
+        return raw
 
-    def _json(self, method: str, path: str, body: dict | None, what: str) -> dict:
-        status, raw = self._reply(method, path, body, what)
+    def _refusal(self, status: int, raw: bytes, what: str):
+        """Raise the typed error for a non-200 reply."""
         try:
             doc = strict_json(raw)
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            if status != 200:
-                raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {status}") from None
-            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not JSON ({e})") from None
-        if status != 200:
-            self._refusal(status, doc, what)
-        if not isinstance(doc, dict):
-            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not a JSON object")
-        return doc
-
-    def _refusal(self, status: int, body: bytes | object, what: str):
-        """Raise the typed error for a non-200 reply (body: raw bytes or decoded JSON)."""
-        doc = body
-        if isinstance(body, bytes):
-            try:
-                doc = strict_json(body)
-            except ValueError:
-                raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {status}") from None
+        except ValueError:
+            raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {status}") from None
         message = _error_message(doc)
         if status == 404:
             raise UnknownPeerAdapterError(f"peer {self.addr}: {what}: {message}")
@@ -163,16 +156,13 @@ class PeerClient:
 
     # --- plumbing -------------------------------------------------------------------------
 
-    def _host(self) -> str:
-        host = f"[{self.addr.host}]" if ":" in self.addr.host else self.addr.host
-        return f"{host}:{self.addr.port}"
-
     def _request(self, method: str, path: str, body: dict | None, what: str,
                  deadline: Deadline, body_cap: int, accept: str = "application/json"):
         """Send the request and read the status line and headers, all under `deadline`."""
         label = f"peer {self.addr}: {what}"
         conn = _PeerConnection(self.addr, deadline, label, body_cap + FRAMING_BYTES)
-        headers = {"Host": self._host(), "Accept": accept}
+        host = f"[{self.addr.host}]" if ":" in self.addr.host else self.addr.host
+        headers = {"Host": f"{host}:{self.addr.port}", "Accept": accept}
         payload = None
         if body is not None:
             payload = json.dumps(body).encode()
@@ -232,7 +222,8 @@ class PeerClient:
 
 class _DeadlineSocket(socket.socket):
     """A TCP socket whose every blocking call gets only what is left of one
-    Deadline, and that refuses to receive more than `max_bytes` in all."""
+    Deadline, and that refuses to receive more than `max_bytes` in all. http.client
+    only calls recv_into (through makefile) and sendall on it."""
 
     deadline: Deadline
     label: str
@@ -253,16 +244,6 @@ class _DeadlineSocket(socket.socket):
     def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
         self._arm()
         return self._count(super().recv_into(buffer, nbytes, flags))
-
-    def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        self._arm()
-        data = super().recv(bufsize, flags)
-        self._count(len(data))
-        return data
-
-    def send(self, data, flags: int = 0) -> int:
-        self._arm()
-        return super().send(data, flags)
 
     def sendall(self, data, flags: int = 0) -> None:
         self._arm()  # sendall's timeout bounds the whole call, not each piece

@@ -14,6 +14,7 @@ under a lock, enough for a LoraSlots nothing else mutates (the peer store).
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -77,8 +78,6 @@ class _Export:
 
 @dataclass
 class _Lease:
-    id: str
-    adapter_id: str
     slot: int
     expires: float
     export: _Export  # the landing it was granted: its streams send that landing's bytes
@@ -97,8 +96,7 @@ class AdapterExporter:
     ) -> None:
         if lora_slots.pool is None:
             raise UnknownAdapterError("this engine has no adapter pool: there is nothing to export")
-        unknown = set(transports) - set(TRANSPORTS)
-        if unknown or not transports:
+        if not transports or not set(transports) <= set(TRANSPORTS):
             raise ValueError(f"transports {transports!r}: choose from {TRANSPORTS}")
         self.slots, self.pool, self.names = lora_slots, lora_slots.pool, names
         self.transports = tuple(transports)
@@ -195,7 +193,7 @@ class AdapterExporter:
         except BaseException:
             self._call(lambda: self.slots.table.release(slot))
             raise
-        lease = _Lease(lease_id, adapter_id, slot, self._clock() + ttl, export)
+        lease = _Lease(slot, self._clock() + ttl, export)
         with self._lock:
             self._leases[lease_id] = lease
         log.debug("peer exporter: lease %s on %r (slot %d, %d bytes, %.0fs)", lease_id[:8],
@@ -298,18 +296,16 @@ class AdapterExporter:
             layout, ranks, scales, doras)
         transports: dict = {}
         if self.nixl is not None:
-            transports["nixl"] = {"agent_metadata": wire.b64(self.nixl.metadata),
+            transports["nixl"] = {"agent_metadata": base64.b64encode(self.nixl.metadata).decode(),
                                   "mem_type": self.nixl.mem_type, "device": self.nixl.device_id}
         data_bytes = int(table["nbytes"].sum())
         header = {"name": name, "uid": info.uid, "generation": info.generation,
                   "dtype": DTYPE_NAMES[layout.dtype], "data_bytes": data_bytes,
                   "transports": transports}
         export = _Export(info.uid, header, json.dumps(peft_dict).encode(), table, views, data_bytes)
+        # _take dropped any other landing's export of this slot, and the slot is held since
         with self._lock:
-            old = self._exports.get(slot)
             self._exports[slot] = export
-        if old is not None and old.uid != export.uid:  # not a racing lease of the same landing
-            self._host.drop(old.uid)
         return export
 
     def _end_stream(self, lease: _Lease) -> None:

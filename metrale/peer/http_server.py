@@ -49,16 +49,8 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
         log.debug("peer http %s: " + format, self.client_address[0], *args)
 
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    def do_DELETE(self) -> None:
-        self._dispatch("DELETE")
-
-    def _dispatch(self, method: str) -> None:
+    def _dispatch(self) -> None:
+        method = self.command
         if not self.server.client_allow.allows_ip(self.client_address[0]):
             self._send_json(403, _error(f"client {self.client_address[0]} is not in this peer's "
                                         "client allow-list", "forbidden"))
@@ -89,6 +81,8 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as e:
             log.exception("peer http: %s %s failed", method, path)
             self._send_json(500, _error(f"internal error: {type(e).__name__}", "internal"))
+
+    do_GET = do_POST = do_DELETE = _dispatch  # the routes check the method (self.command)
 
     def _body(self) -> dict:
         raw_length = self.headers.get("Content-Length") or "0"

@@ -15,15 +15,11 @@ MAX_LISTED = 20
 
 def describe_ids(ids: Iterable[object], limit: int = MAX_LISTED) -> str:
     """'a, b, c' / 'a, b and 7 more' / 'none'; invalid names are counted, not shown."""
-    safe: list[str] = []
-    hidden = 0
-    for item in ids:
-        if is_valid_name(item):
-            safe.append(item)
-        else:
-            hidden += 1
-    shown = sorted(set(safe))[:limit]
-    rest = len(set(safe)) - len(shown) + hidden
+    ids = list(ids)
+    safe = sorted({item for item in ids if is_valid_name(item)})
+    hidden = sum(not is_valid_name(item) for item in ids)
+    shown = safe[:limit]
+    rest = len(safe) - len(shown) + hidden
     if not shown:
         return f"{rest} id(s) that are not valid names" if rest else "none"
     text = ", ".join(shown)

@@ -36,7 +36,7 @@ from metrale.peer.manifest import (
     parse_manifest,
     read_reply,
 )
-from metrale.peer.nixl_transport import coalesce
+from metrale.peer.nixl_transport import coalesce, endpoint_for
 from metrale.peer.plans import PeerPlan, plan_cache_for
 from metrale.pool.landing import Landing
 from metrale.pool.staging import StagingBuffers
@@ -64,9 +64,8 @@ def prepare_from_peer(
     given, is the config to serve the adapter with (the seed's argument); otherwise the
     manifest's. peer_allow defaults to loopback only. `stats`, when given, receives the
     phases' timings in ms (benchmarks)."""
-    fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
-                       timeout_s, peer_allow, staging, stats)
-    return fetch.prepare()
+    return _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
+                      timeout_s, peer_allow, staging, stats).prepare()
 
 
 class _PeerFetch:
@@ -107,7 +106,7 @@ class _PeerFetch:
         t_lease = time.perf_counter()
         pool = self.slots.pool
         reply = read_reply(raw, self.source)
-        self._take_lease(reply.lease, deadline)
+        self._take_lease(reply.header.get("lease"), deadline)
         peer = f"{addr.ip}:{addr.port}"
         cache = plan_cache_for(pool)
         cached = cache.get(peer, self.adapter_id) if self.peft is None else None
@@ -205,8 +204,6 @@ class _PeerFetch:
         return "http"
 
     def _endpoint(self):
-        from metrale.peer.nixl_transport import endpoint_for
-
         return endpoint_for(self.slots.pool, self.slots.pool.buffer)
 
     def _http_writer(self, client: PeerClient, manifest: Manifest,

@@ -13,19 +13,13 @@ from metrale.peer.errors import PeerManifestError, UnknownPeerAdapterError
 from metrale.peer.ids import describe_ids
 
 
-def peer_ids(addr: PeerAddress, timeout_s: float) -> list[object]:
-    """The ids the peer lists (as sent: untrusted, to be validated before use)."""
-    listing = PeerClient(addr, Deadline(timeout_s)).list_adapters()
-    adapters = listing.get("adapters") if isinstance(listing, dict) else None
-    if not isinstance(adapters, list):
-        raise PeerManifestError(f"peer {addr}: its adapter list is not {{'adapters': [...]}}")
-    return [a.get("id") if isinstance(a, dict) else None for a in adapters]
-
-
 def check_peer_holds(addr: PeerAddress, adapter_id: str, timeout_s: float) -> None:
     """Raise UnknownPeerAdapterError (listing what it serves) unless the peer holds the id;
     an unreachable peer raises the peer client's PeerUnavailableError."""
-    ids = peer_ids(addr, timeout_s)
+    adapters = PeerClient(addr, Deadline(timeout_s)).list_adapters().get("adapters")
+    if not isinstance(adapters, list):
+        raise PeerManifestError(f"peer {addr}: its adapter list is not {{'adapters': [...]}}")
+    ids = [a.get("id") if isinstance(a, dict) else None for a in adapters]  # as sent: untrusted
     if adapter_id not in ids:
         raise UnknownPeerAdapterError(
             f"peer {addr} holds no adapter {adapter_id!r}; it serves: {describe_ids(ids)} "

@@ -14,8 +14,6 @@ PeerManifestError naming the peer.
 
 from __future__ import annotations
 
-import functools
-import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,16 +58,6 @@ DATA_PATH_RE = re.compile(r"/peer/v1/leases/[A-Za-z0-9_-]{8,64}/data")
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    layer: int
-    module: str
-    kind: str  # "A": [r, in]; "B": Bt, [r, out]; "M": DoRA magnitude, [1, out]
-    rows: int  # the rank
-    cols: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class NixlInfo:
     agent_metadata: bytes
     mem_type: str  # "DRAM" | "VRAM"
@@ -90,20 +78,11 @@ class Manifest:
     nixl: NixlInfo | None
     peft_raw: bytes = field(repr=False)  # the PEFT config's JSON, parsed only when planning
     shape_bytes: bytes = field(repr=False)  # the table without addresses (the plan's input)
-    checked: bool = False  # the table was checked against the local layout (not a cache hit)
-
-    @property
-    def tensors(self) -> tuple[TensorSpec, ...]:
-        """Per-tensor objects, for planning a table never seen (not the repeat path)."""
-        return tuple(TensorSpec(layer, MODULES[m], KINDS[k], rows, cols, nbytes)
-                     for layer, m, k, rows, cols, _, nbytes, _ in self.table.tolist())
-
-    def peft_doc(self, source: str) -> dict:
-        return json_object(self.peft_raw, source, "PEFT config", MAX_PEFT_BYTES)
 
     def peft_config(self, layout: SlotLayout, source: str) -> PeftAdapterConfig:
         with refusing_malformed(source, "PEFT config"):
-            return _peft_config(self.peft_doc(source), layout, source)
+            doc = json_object(self.peft_raw, source, "PEFT config", MAX_PEFT_BYTES)
+            return _peft_config(doc, layout, source)
 
 
 # --- reading a peer's manifest ----------------------------------------------------------
@@ -132,8 +111,7 @@ def _short(value: object, limit: int = 80) -> str:
 
 @dataclass(frozen=True)
 class Reply:
-    lease: object  # the lease object as sent: the landing checks it (and releases it)
-    header: dict
+    header: dict  # its "lease" object is as sent: the landing checks it (and releases it)
     wire: WireReply
 
 
@@ -143,7 +121,7 @@ def read_reply(raw: bytes, source: str) -> Reply:
     with refusing_malformed(source, "manifest"):
         wire = decode(raw, source)
         header = json_object(wire.header, source, "manifest header", MAX_HEADER_BYTES)
-        return Reply(header.get("lease"), header, wire)
+        return Reply(header, wire)
 
 
 def json_object(raw: bytes, source: str, what: str, limit: int) -> dict:
@@ -184,8 +162,7 @@ def _parse(doc: dict, wire: WireReply, layout: SlotLayout, source: str,
         )
     itemsize = FLOAT_DTYPES[dtype].itemsize
     table, shapes = wire.table, wire.shape_bytes()
-    hit = known_shapes is not None and shapes == known_shapes
-    if not hit:
+    if shapes != known_shapes:
         check_table(table, layout, itemsize, source)
     data_bytes = int(table["nbytes"].sum(dtype=np.uint64))  # checked rows: no overflow
     if _int(doc, "data_bytes", source) != data_bytes:
@@ -205,7 +182,7 @@ def _parse(doc: dict, wire: WireReply, layout: SlotLayout, source: str,
         dtype=dtype, table=table, data_bytes=data_bytes,
         http_path=_http_path(transports.get("http"), source),
         nixl=_nixl(transports.get("nixl"), table, source), peft_raw=wire.peft,
-        shape_bytes=shapes, checked=not hit,
+        shape_bytes=shapes,
     )
 
 
@@ -251,7 +228,7 @@ def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: st
     refuse(rows > layout.max_rank, AdapterMismatchError, lambda i: (
         f"rank {int(rows[i])} > --max-lora-rank {layout.max_rank}; start the engine with "
         f"--max-lora-rank {int(rows[i])} or more"))
-    expected = _expected_cols(model)
+    expected = np.array([model.linear_shape(m) for m in MODULES], dtype=np.int64)  # [module, A | B,M]
     want = expected[module, np.minimum(kind, 1)]
     refuse(cols != want, AdapterMismatchError, lambda i: (
         f"is [{int(rows[i])}, {int(cols[i])}], expected [{int(rows[i])}, {int(want[i])}] for "
@@ -265,16 +242,6 @@ def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: st
     dup = np.zeros(n, dtype=bool)
     dup[order[1:]] = keys[order[1:]] == keys[order[:-1]]
     refuse(dup, PeerManifestError, lambda i: "a second tensor for the same layer, module and kind")
-
-
-@functools.lru_cache(maxsize=16)
-def _expected_cols(model: ModelConfig) -> np.ndarray:
-    """[module index, A=0 | B,M=1] -> the local column count."""
-    out = np.zeros((len(MODULES), 2), dtype=np.int64)
-    for i, module in enumerate(MODULES):
-        out[i] = model.linear_shape(module)
-    out.setflags(write=False)
-    return out
 
 
 @contextmanager
@@ -298,43 +265,29 @@ def refusing_malformed(source: str, what: str) -> Iterator[None]:
 
 
 def check_json_bounds(doc: object, source: str, max_bytes: int = MAX_MANIFEST_BYTES) -> None:
-    """`doc` holds only JSON values (str keys; ints within 64 bits; finite floats),
-    nests at most MAX_JSON_DEPTH deep and would encode to about max_bytes at most.
+    """`doc`, as strict_json parsed it (str keys, finite floats), holds no integer beyond
+    64 bits, nests at most MAX_JSON_DEPTH deep and would encode to about max_bytes at most.
     Iterative, so no nesting can exhaust the stack here."""
     budget, stack = max_bytes, [(doc, 0)]
-    while stack:
+    while stack and budget >= 0:
         value, depth = stack.pop()
         kind = type(value)
         if kind is dict or kind is list:
             if depth >= MAX_JSON_DEPTH:
                 raise PeerManifestError(f"{source}: manifest nests deeper than {MAX_JSON_DEPTH}")
             budget -= 2 + 2 * len(value)
-            if budget < 0:
-                break
             if kind is dict:
-                for key, item in value.items():
-                    if type(key) is not str:
-                        raise PeerManifestError(f"{source}: manifest has a non-string key")
-                    budget -= len(key) + 3
-                    stack.append((item, depth + 1))
-            else:
-                stack.extend((item, depth + 1) for item in value)
+                budget -= sum(len(key) + 3 for key in value)
+            items = value.values() if kind is dict else value
+            stack.extend((item, depth + 1) for item in items)
         elif kind is str:
             budget -= len(value) + 2
         elif kind is int:
             if not -(1 << 63) <= value < 1 << 64:
                 raise PeerManifestError(f"{source}: manifest has an integer beyond 64 bits")
             budget -= 20
-        elif kind is float:
-            if not math.isfinite(value):
-                raise PeerManifestError(f"{source}: manifest has a NaN or infinite number")
-            budget -= 24
-        elif value is None or kind is bool:
-            budget -= 5
-        else:
-            raise PeerManifestError(f"{source}: manifest holds a {kind.__name__}, not a JSON value")
-        if budget < 0:
-            break
+        else:  # a float, true, false or null
+            budget -= 24 if kind is float else 5
     if budget < 0:
         raise PeerManifestError(f"{source}: manifest is larger than {max_bytes} bytes")
 
@@ -355,8 +308,7 @@ def _peft_config(doc: dict, layout: SlotLayout, source: str) -> PeftAdapterConfi
             f"{source}: the PEFT patterns hold {repeats} repeats in all (at most "
             f"{MAX_PEFT_REPEATS}); list module names instead of patterns"
         )
-    with refusing_malformed(source, "PEFT config"):
-        return PeftAdapterConfig.from_dict(doc)
+    return PeftAdapterConfig.from_dict(doc)
 
 
 def _peft_patterns(doc: dict) -> Iterator[tuple[str, str]]:
@@ -473,14 +425,14 @@ def _nixl(doc: object, table: np.ndarray, source: str) -> NixlInfo | None:
     return NixlInfo(metadata, mem, device, addrs)
 
 
-def tensor_name(model: ModelConfig, t: TensorSpec) -> str:
+def tensor_name(model: ModelConfig, layer: int, module: str, kind: str) -> str:
     """The PEFT name of a manifest tensor (what plan_from_tensors matches)."""
-    path = f"base_model.model.{model.module_path(t.layer, t.module)}"
-    if t.kind == "M":
+    path = f"base_model.model.{model.module_path(layer, module)}"
+    if kind == "M":
         return f"{path}.lora_magnitude_vector"
-    if t.module == "embed_tokens":
-        return f"{path}.lora_embedding_{t.kind}"
-    return f"{path}.lora_{t.kind}.weight"
+    if module == "embed_tokens":
+        return f"{path}.lora_embedding_{kind}"
+    return f"{path}.lora_{kind}.weight"
 
 
 def manifest_plan(manifest: Manifest, name: str, peft: PeftAdapterConfig, model: ModelConfig,
@@ -490,11 +442,12 @@ def manifest_plan(manifest: Manifest, name: str, peft: PeftAdapterConfig, model:
     shape here even though its bytes arrive transposed (see canonical_views)."""
     with refusing_malformed(source, "manifest or PEFT config"):
         specs, cursor = {}, 0
-        for t in manifest.tensors:
-            shape = {"A": [t.rows, t.cols], "B": [t.cols, t.rows], "M": [t.cols]}[t.kind]
-            specs[tensor_name(model, t)] = {"dtype": manifest.dtype, "shape": shape,
-                                            "data_offsets": [cursor, cursor + t.nbytes]}
-            cursor += t.nbytes
+        for layer, m, k, rows, cols, _, nbytes, _ in manifest.table.tolist():
+            kind = KINDS[k]
+            shape = {"A": [rows, cols], "B": [cols, rows], "M": [cols]}[kind]
+            specs[tensor_name(model, layer, MODULES[m], kind)] = {
+                "dtype": manifest.dtype, "shape": shape, "data_offsets": [cursor, cursor + nbytes]}
+            cursor += nbytes
         entries = check_entries(source, specs, manifest.data_bytes)
         return plan_from_tensors(name, peft, source, entries.values(), manifest.data_bytes, model,
                                  pool)

@@ -77,8 +77,6 @@ class NixlEndpoint:
                 raise RuntimeError("the UCX backend could not be created")
             self._reg = self._agent.register_memory(buffer)
             self.metadata = self._agent.get_agent_metadata()
-        except NixlUnavailableError:
-            raise
         except Exception as e:
             raise NixlUnavailableError(f"NIXL could not start here: {type(e).__name__}: {e}") from e
         log.info("nixl: agent %s registered %d bytes of %s", self.name, self.nbytes, self.mem_type)
@@ -140,12 +138,11 @@ class NixlEndpoint:
             if not (self._inside(addr, nbytes) and lo <= addr and addr + nbytes <= lo + hi):
                 raise PeerTransferError("a local descriptor falls outside the target slot")
         with self._lock:
-            agent = self._agent
             try:
                 local_h = self._prepped_dlist(_LOCAL, tuple(local), self.mem_type)
                 remote_h = self._prepped_dlist(remote_agent, tuple(remote), remote_mem)
                 idx = list(range(len(local)))
-                handle = agent.make_prepped_xfer("READ", local_h, idx, remote_h, idx)
+                handle = self._agent.make_prepped_xfer("READ", local_h, idx, remote_h, idx)
             except Exception as e:
                 raise PeerTransferError(
                     f"NIXL refused the transfer ({type(e).__name__}: {e}); the peer's "

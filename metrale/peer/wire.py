@@ -59,13 +59,12 @@ class WireReply:
         return raw[:, :SHAPE_BYTES].tobytes()
 
 
-def encode(header: dict | bytes, peft: dict | bytes, table: np.ndarray) -> bytes:
+def encode(header: dict | bytes, peft: bytes, table: np.ndarray) -> bytes:
     """The reply body (exporters; tests build lying peers with it)."""
     head = header if isinstance(header, bytes) else json.dumps(header).encode()
-    peft_raw = peft if isinstance(peft, bytes) else json.dumps(peft).encode()
     table = np.ascontiguousarray(table, dtype=RECORD)
-    return b"".join((PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(head), len(peft_raw), len(table)),
-                     head, peft_raw, table.tobytes()))
+    return b"".join((PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(head), len(peft), len(table)),
+                     head, peft, table.tobytes()))
 
 
 def decode(raw: bytes, source: str) -> WireReply:
@@ -106,10 +105,6 @@ def _not_v3(raw: bytes, source: str) -> PeerManifestError:
             f"engine speaks version {WIRE_VERSION}: upgrade the peer")
     return PeerManifestError(f"{source}: the lease reply is not a version-{WIRE_VERSION} "
                              f"manifest ({len(raw)} bytes without the {MAGIC!r} magic)")
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 def unb64(text: str, source: str, what: str) -> bytes:
