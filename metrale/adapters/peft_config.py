@@ -66,8 +66,7 @@ class PeftAdapterConfig:
     _match: _Matchers = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_served(self)
-        _check_numbers(self)
+        _check_scales(self)
         _check_layer_fields(self)
         object.__setattr__(self, "_match", _Matchers.build(self))
 
@@ -78,7 +77,7 @@ class PeftAdapterConfig:
         One budget shared over calls bounds their total regex time."""
         budget = budget or MatchBudget()
         m = self._match
-        if m.exclude is not None and m.exclude.matches(key, budget):
+        if m.exclude is not None and m.exclude(key, budget):
             return False
         if isinstance(m.target, PeftPattern):
             return m.target.fullmatch(key, budget)
@@ -192,14 +191,6 @@ class NameSet:
         return key in self.names or self.suffix_of(key)
 
 
-@dataclass(frozen=True)
-class RegexMatcher:
-    pattern: PeftPattern
-
-    def matches(self, key: str, budget: MatchBudget) -> bool:
-        return self.pattern.fullmatch(key, budget)
-
-
 class PatternTable:
     """rank_pattern / alpha_pattern: the value of the first key (in file order) that
     re.match(rf"(.*\\.)?({key})$", module) accepts, as PEFT's get_pattern_key. Plain
@@ -233,7 +224,7 @@ class PatternTable:
 @dataclass(frozen=True)
 class _Matchers:
     target: PeftPattern | NameSet
-    exclude: RegexMatcher | NameSet | None
+    exclude: Callable[[str, MatchBudget], bool] | None  # PeftPattern.fullmatch or NameSet.matches
     layers: tuple[PeftPattern, ...]
     rank: PatternTable
     alpha: PatternTable
@@ -244,8 +235,8 @@ class _Matchers:
         target = (fullmatch_pattern("target_modules", t) if isinstance(t, str)
                   else NameSet(frozenset(t)))
         e = c.exclude_modules
-        exclude = (None if not e else RegexMatcher(fullmatch_pattern("exclude_modules", e))
-                   if isinstance(e, str) else NameSet(frozenset(e)))
+        exclude = (None if not e else fullmatch_pattern("exclude_modules", e).fullmatch
+                   if isinstance(e, str) else NameSet(frozenset(e)).matches)
         lp = c.layers_pattern  # PEFT: None, "" or [] all mean its default layer rule
         lp = () if not lp else (lp,) if isinstance(lp, str) else lp
         layers = tuple(layers_pattern("layers_pattern", p) for p in lp)
@@ -256,33 +247,7 @@ class _Matchers:
         )
 
 
-# --- invariants (also for configs built directly, not from a dict) ------------------
-
-
-def _check_served(c: PeftAdapterConfig) -> None:
-    if not isinstance(c.peft_type, str) or c.peft_type.upper() != "LORA":
-        raise UnsupportedAdapterError(
-            f"peft_type {brief(c.peft_type)} is not served; metrale serves LoRA adapters only"
-        )
-    if not isinstance(c.use_dora, bool):
-        raise AdapterConfigError(f"use_dora must be true or false, got {brief(c.use_dora)}")
-    if c.bias != "none" or c.modules_to_save:
-        raise UnsupportedAdapterError(
-            "LoRA biases and modules_to_save (full-weight overlays, a full-size copy per slot) "
-            "are not served; retrain without them"
-        )
-
-
-def _check_numbers(c: PeftAdapterConfig) -> None:
-    _rank("r", c.r)
-    _alpha("lora_alpha", c.lora_alpha)
-    for key, r in c.rank_pattern:
-        _rank(f"rank_pattern[{brief(key)}]", r)
-    for key, a in c.alpha_pattern:
-        _alpha(f"alpha_pattern[{brief(key)}]", a)
-    if not isinstance(c.use_rslora, bool):
-        raise AdapterConfigError(f"use_rslora must be true or false, got {brief(c.use_rslora)}")
-    _check_scales(c)
+# --- invariants across fields (each field was read and checked by from_dict) -------------
 
 
 def _check_scales(c: PeftAdapterConfig) -> None:
@@ -322,16 +287,12 @@ def _value(named: tuple[str, float]) -> float:
 def _check_layer_fields(c: PeftAdapterConfig) -> None:
     """PEFT's LoraConfig.__post_init__ refuses these combinations; so do we, rather
     than guess what the trainer meant."""
-    if isinstance(c.target_modules, str) and c.layers_to_transform is not None:
-        raise AdapterConfigError(
-            "layers_to_transform cannot be used when target_modules is a str (a regex); "
-            "PEFT refuses this config: list target_modules or drop layers_to_transform"
-        )
-    if isinstance(c.target_modules, str) and c.layers_pattern is not None:
-        raise AdapterConfigError(
-            "layers_pattern cannot be used when target_modules is a str (a regex); "
-            "PEFT refuses this config: list target_modules or drop layers_pattern"
-        )
+    for name in ("layers_to_transform", "layers_pattern"):
+        if isinstance(c.target_modules, str) and getattr(c, name) is not None:
+            raise AdapterConfigError(
+                f"{name} cannot be used when target_modules is a str (a regex); "
+                f"PEFT refuses this config: list target_modules or drop {name}"
+            )
     if c.layers_pattern and c.layers_to_transform is None:
         raise AdapterConfigError(
             "layers_pattern needs layers_to_transform (PEFT refuses it alone); set "
@@ -387,6 +348,10 @@ def _peft_type(value: Any) -> str:
         return "LORA"
     if not isinstance(value, str):
         raise AdapterConfigError(f"peft_type must be a string such as \"LORA\", got {brief(value)}")
+    if value.upper() != "LORA":
+        raise UnsupportedAdapterError(
+            f"peft_type {brief(value)} is not served; metrale serves LoRA adapters only"
+        )
     return value
 
 
