@@ -149,11 +149,7 @@ def parse_json(raw: bytes, source: object, error: type[AdapterError]) -> Any:
         raise error(f"{source} is not valid JSON: {e}") from None
     except (ValueError, RecursionError, MemoryError) as e:
         # ValueError: an integer literal longer than Python's int digit limit
-        raise error(f"{source} holds JSON this parser refuses: {type(e).__name__}: {_short(e)}") from None
-
-
-def _short(e: BaseException) -> str:
-    return str(e)[:200]
+        raise error(f"{source} holds JSON this parser refuses: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def brief(value: object, limit: int = 80) -> str:

@@ -266,11 +266,9 @@ def _atom(stack: list[_Group]) -> None:
 
 
 def _repeat(group: _Group, m: re.Match) -> None:
-    lo, hi = m.group(1), m.group(2)
-    counts = [int(x) for x in (lo, hi) if x]  # digits only: re already parsed them
-    k = max(counts, default=1)
-    group.total += group.last * (max(k, 1) - 1)
-    group.last *= max(k, 1)
+    k = max([1] + [int(x) for x in m.groups() if x])  # digits only: re already parsed them
+    group.total += group.last * (k - 1)
+    group.last *= k
 
 
 def _escape_end(text: str, i: int) -> int:
