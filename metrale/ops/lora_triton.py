@@ -44,10 +44,6 @@ def _path_for(x: torch.Tensor, path: str | None) -> str:
     return path
 
 
-def _optional(tabs):
-    return None if tabs is None else list(tabs)
-
-
 def lora_shrink(
     x: torch.Tensor, A: torch.Tensor, slot_ids: torch.Tensor, ranks: torch.Tensor, *,
     order: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -111,9 +107,9 @@ def lora_apply_fused(
     path = _path_for(x, path)
     order = _order_for(slot_ids, order)
     h = launch.workspace(x, As, order, partials=path == "split")
-    launch.shrink(x, list(As), slot_ids, list(ranks_list), order, h)
-    launch.expand(y, h, list(Bts), cols, slot_ids, list(ranks_list), list(scales_list), order,
-                  _optional(doras_list), _optional(gains_list), bias)
+    launch.shrink(x, As, slot_ids, ranks_list, order, h)
+    launch.expand(y, h, Bts, cols, slot_ids, ranks_list, scales_list, order, doras_list,
+                  gains_list, bias)
 
 
 _SIDE_STREAMS: dict = {}
@@ -151,9 +147,9 @@ def lora_linear(
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
     side.wait_stream(main)  # x, slot_ids and order are written on the current stream
     with torch.cuda.stream(side):
-        launch.shrink(x, list(As), slot_ids, list(ranks_list), order, h)
+        launch.shrink(x, As, slot_ids, ranks_list, order, h)
     y = F.linear(x, weight, bias)  # [T, out]
     main.wait_stream(side)
-    launch.expand(y, h, list(Bts), cols, slot_ids, list(ranks_list), list(scales_list), order,
-                  _optional(doras_list), _optional(gains_list), bias)
+    launch.expand(y, h, Bts, cols, slot_ids, ranks_list, scales_list, order, doras_list,
+                  gains_list, bias)
     return y
