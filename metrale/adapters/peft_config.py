@@ -57,9 +57,7 @@ class PeftAdapterConfig:
     layers_to_transform: int | tuple[int, ...] | None = None
     layers_pattern: Names | None = None
     exclude_modules: Names | None = None
-    modules_to_save: tuple[str, ...] | None = None
     use_dora: bool = False
-    bias: str = "none"
     fan_in_fan_out: bool = False
     peft_type: str = "LORA"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -138,7 +136,6 @@ class PeftAdapterConfig:
             layers_to_transform=_layer_indices(d.get("layers_to_transform")),
             layers_pattern=_names_or_regex("layers_pattern", d.get("layers_pattern")),
             exclude_modules=_names_or_regex("exclude_modules", d.get("exclude_modules")),
-            modules_to_save=None,  # _refuse_unserved let only an empty one through
             use_dora=_flag(d, "use_dora"),
             fan_in_fan_out=_flag(d, "fan_in_fan_out"),
             peft_type=_peft_type(d.get("peft_type")),
@@ -165,8 +162,9 @@ class PeftAdapterConfig:
             "layers_to_transform": _jsonable(self.layers_to_transform),
             "layers_pattern": _jsonable(self.layers_pattern),
             "exclude_modules": _jsonable(self.exclude_modules),
-            "modules_to_save": list(self.modules_to_save) if self.modules_to_save else None,
-            "use_dora": self.use_dora, "bias": self.bias, "fan_in_fan_out": self.fan_in_fan_out,
+            # from_dict refuses any other bias and a non-empty modules_to_save
+            "modules_to_save": None,
+            "use_dora": self.use_dora, "bias": "none", "fan_in_fan_out": self.fan_in_fan_out,
         }
 
 
