@@ -10,6 +10,8 @@ never read or write a token with slot -1."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -112,14 +114,9 @@ def lora_apply_fused(
                   gains_list, bias)
 
 
-_SIDE_STREAMS: dict = {}
-
-
+@functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    key = str(device)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[key]
+    return torch.cuda.Stream(device)
 
 
 def lora_linear(
