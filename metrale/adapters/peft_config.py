@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -255,7 +256,7 @@ def _check_scales(c: PeftAdapterConfig) -> None:
     alphas = [("lora_alpha", c.lora_alpha),
               *((f"alpha_pattern[{brief(k)}]", a) for k, a in c.alpha_pattern)]
     kind = "lora_alpha / sqrt(r) (rsLoRA)" if c.use_rslora else "lora_alpha / r"
-    (a_name, big), (r_name, low) = max(alphas, key=_magnitude), min(ranks, key=_value)
+    (a_name, big), (r_name, low) = max(alphas, key=_magnitude), min(ranks, key=itemgetter(1))
     worst = _scale(big, low, c.use_rslora)
     if not abs(worst) <= MAX_SCALE:
         raise AdapterConfigError(
@@ -264,7 +265,7 @@ def _check_scales(c: PeftAdapterConfig) -> None:
         )
     nonzero = [(n, a) for n, a in alphas if a != 0]
     if nonzero:
-        (a_name, small), (r_name, high) = min(nonzero, key=_magnitude), max(ranks, key=_value)
+        (a_name, small), (r_name, high) = min(nonzero, key=_magnitude), max(ranks, key=itemgetter(1))
         least = _scale(small, high, c.use_rslora)
         if np.float32(least) == 0:
             raise AdapterConfigError(
@@ -276,10 +277,6 @@ def _check_scales(c: PeftAdapterConfig) -> None:
 
 def _magnitude(named: tuple[str, float]) -> float:
     return abs(named[1])
-
-
-def _value(named: tuple[str, float]) -> float:
-    return named[1]
 
 
 def _check_layer_fields(c: PeftAdapterConfig) -> None:
@@ -305,10 +302,6 @@ def _scale(alpha: float, rank: int, rslora: bool) -> float:
 # --- field readers: a wrong JSON type is an AdapterConfigError naming the field ---------
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _rank(name: str, value: Any) -> int:
     # PEFT builds nn.Linear(in, r): a float r (even 8.0) fails there, so it fails here.
     if not isinstance(value, int) or isinstance(value, bool):
@@ -321,7 +314,7 @@ def _rank(name: str, value: Any) -> int:
 
 
 def _alpha(name: str, value: Any) -> float:
-    if not _is_number(value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise AdapterConfigError(f"{name} must be a number (LoRA alpha, e.g. 16), got {brief(value)}")
     try:
         alpha = float(value)
