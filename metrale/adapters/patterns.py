@@ -221,12 +221,11 @@ def scan(text: str) -> tuple[str, int, bool]:
             if m is None or m.group(0) == "{}":
                 out.append("\\{")  # literal for re; regex may read fuzzy matching here
                 _atom(stack)
+                i += 1
             else:
                 out.append(m.group(0))
                 _repeat(stack[-1], m)
                 i = m.end()
-                continue
-            i += 1
         elif c == "(" and text.startswith("(?#", i):
             j = _comment_end(text, i)
             out.append(text[i:j])
@@ -234,14 +233,13 @@ def scan(text: str) -> tuple[str, int, bool]:
         elif c == "(":
             flags = _SCOPED_FLAGS.match(text, i)
             verbose |= bool(flags and "x" in flags.group(1))
-            out.append(c)
-            if not (flags and flags.group(0).endswith(")")):  # (?i) alone opens no group
-                stack.append(_Group())
-            else:
-                out.append(text[i + 1:flags.end()])
+            if flags and flags.group(0).endswith(")"):  # (?i) alone opens no group
+                out.append(flags.group(0))
                 i = flags.end()
-                continue
-            i += 1
+            else:
+                out.append(c)
+                stack.append(_Group())
+                i += 1
         elif c == ")":
             out.append(c)
             if len(stack) > 1:
