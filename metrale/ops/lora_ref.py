@@ -81,24 +81,11 @@ def _add_group(
     """y[idx] += scale * h @ Bt_s for one slot's tokens, h: [n, r] float32, Bt_s: [r, out]
     (DoRA, gain given: y[idx] = gain * (y[idx] - bias + that delta) + bias)."""
     delta = (h @ Bt_s.float()) * scale.float()  # delta: [n, out]
-    if gain is None:
-        if isinstance(idx, slice):
-            y_g = y[idx]  # a view: add in place
-            if y.dtype == torch.float32:
-                y_g.add_(delta)
-            else:
-                y_g.copy_(y_g.float() + delta)  # float32 sum, stored in y's dtype
-        else:
-            y[idx] = (y[idx].float() + delta).to(y.dtype)  # y[idx]: [n, out]
+    if gain is None:  # float32 sum, stored in y's dtype
+        y[idx] = (y[idx].float() + delta).to(y.dtype)  # y[idx]: [n, out]
         return
-    base = y[idx].float()  # [n, out]: x W^T + bias
-    b = bias.float() if bias is not None else None  # [out]
-    if b is not None:
-        base = base - b
-    out = gain.float() * (base + delta)  # [out] * [n, out]
-    if b is not None:
-        out = out + b
-    y[idx] = out.to(y.dtype)
+    b = 0.0 if bias is None else bias.float()  # [out]; y[idx] holds x W^T + bias
+    y[idx] = (gain.float() * (y[idx].float() - b + delta) + b).to(y.dtype)
 
 
 def lora_apply_ref(
