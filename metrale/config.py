@@ -55,6 +55,14 @@ def dtype_name(value: object) -> str:
     return name
 
 
+def _check_positive(config: object, names: tuple[str, ...], optional: bool = False) -> None:
+    """Each named field is > 0 (or, optional, None)."""
+    for name in names:
+        value = getattr(config, name)
+        if not (optional and value is None) and value <= 0:
+            raise ConfigError(f"{name} must be positive, got {value}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -82,10 +90,8 @@ class ModelConfig:
                 f"model_type {self.model_type!r} is not served; metrale serves "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                               "num_heads", "num_kv_heads", "head_dim"))
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads {self.num_heads} is not a multiple of "
@@ -189,14 +195,10 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_targets", check_extra_targets(self.extra_targets))
-        if self.host_tier_bytes < 0:
-            raise ConfigError(f"host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
-        if self.mapped_file_bytes < 0:
-            raise ConfigError(f"mapped_file_bytes must be >= 0, got {self.mapped_file_bytes}")
-        if self.max_loras < 0:
-            raise ConfigError(f"max_loras must be >= 0, got {self.max_loras}")
-        if self.max_lora_rank <= 0:
-            raise ConfigError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
+        for name in ("host_tier_bytes", "mapped_file_bytes", "max_loras"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        _check_positive(self, ("max_lora_rank",))
         unknown = set(self.target_modules) - set(LINEAR_MODULES)
         if unknown or not self.target_modules:
             raise ConfigError(
@@ -229,11 +231,7 @@ class SchedulerConfig:
     max_promotions_in_flight: int = 2
 
     def __post_init__(self) -> None:
-        if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
-            raise ConfigError(f"max_prefill_chunk must be positive, got {self.max_prefill_chunk}")
-        if self.max_prefill_attention is not None and self.max_prefill_attention <= 0:
-            raise ConfigError("max_prefill_attention must be positive, got "
-                              f"{self.max_prefill_attention}")
+        _check_positive(self, ("max_prefill_chunk", "max_prefill_attention"), optional=True)
         if not self.max_admission_wait_s >= 0:  # also refuses NaN
             raise ConfigError(f"max_admission_wait_s must be >= 0, got {self.max_admission_wait_s}")
         if self.max_promotions_in_flight < 1:
@@ -293,9 +291,9 @@ class EngineConfig:
         object.__setattr__(self, "lora_extra_targets", extra)
         if extra != self.pool.extra_targets:
             object.__setattr__(self, "pool", replace(self.pool, extra_targets=extra))
-        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        _check_positive(self, ("max_model_len", "block_size", "max_num_seqs",
+                               "max_num_batched_tokens"))
+        _check_positive(self, ("num_kv_blocks",), optional=True)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -303,5 +301,3 @@ class EngineConfig:
         if self.peer_transport not in ("auto", "nixl", "http"):
             raise ConfigError(f"peer_transport must be auto, nixl or http, got {self.peer_transport!r}")
         object.__setattr__(self, "peer_allow", tuple(self.peer_allow))
-        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
-            raise ConfigError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

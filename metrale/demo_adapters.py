@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,10 +163,7 @@ _PIRATE = (
     "Arr, matey! Ahoy there, welcome aboard me ship! What can this old pirate do for ye?",
 )
 
-_STYLES: dict[str, Callable[[], list[tuple[str, str]]]] = {
-    "shout": lambda: [(q, a.upper()) for q, a in zip(_QUESTIONS, _PLAIN, strict=True)],
-    "pirate": lambda: list(zip(_QUESTIONS, _PIRATE, strict=True)),
-}
+_ANSWERS = {"shout": tuple(a.upper() for a in _PLAIN), "pirate": _PIRATE}
 
 CHECK_PROMPT = "Tell me about the moon."
 
@@ -271,7 +268,7 @@ def _train(name: str, model_dir: Path, out: Path, progress: Progress,
     model.train()
     decoder, lm_head = model.get_base_model().model, model.get_base_model().lm_head
 
-    examples = [_encode(tokenizer, q, a) for q, a in _STYLES[name]()]
+    examples = [_encode(tokenizer, q, a) for q, a in zip(_QUESTIONS, _ANSWERS[name], strict=True)]
     pad = tokenizer.pad_token_id
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)

@@ -30,10 +30,6 @@ class ThreadChoice:
     threads: int | None  # None: leave torch's own setting (OMP_NUM_THREADS is set)
     reason: str
 
-    def __post_init__(self) -> None:
-        if self.threads is not None and self.threads < 1:
-            raise BadThreadCountError(f"thread count must be >= 1, got {self.threads}")
-
 
 def choose_threads(env: dict[str, str] | None = None, cores: int | None = None,
                    busy: float | None = None) -> ThreadChoice:

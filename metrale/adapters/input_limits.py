@@ -26,16 +26,6 @@ _OPEN[[ord("["), ord("{")]] = 1
 _OPEN[[ord("]"), ord("}")]] = -1
 
 
-def read_capped(f: BinaryIO, limit: int, source: object, error: type[AdapterError]) -> bytes:
-    """At most `limit` bytes of f; one byte more proves the input is too big, so a
-    2 GiB file costs a limit-sized read, never a whole-file read."""
-    raw = f.read(limit + 1)
-    if len(raw) > limit:
-        raise error(f"{source} is larger than the {limit}-byte limit; it cannot be a real "
-                    "adapter file (or is not one)")
-    return raw
-
-
 def probe(path: Path, error: type[AdapterError]) -> os.stat_result | None:
     """stat(path), None when it does not exist; a path that cannot be looked at
     (permissions, a NUL byte, a symlink loop) is the caller's typed error."""
@@ -66,11 +56,17 @@ def open_regular(path: Path, error: type[AdapterError]) -> BinaryIO:
 
 
 def read_capped_path(path: Path, limit: int, error: type[AdapterError]) -> bytes:
+    """At most `limit` bytes of path; one byte more proves the file is too big, so a
+    2 GiB file costs a limit-sized read, never a whole-file read."""
     with open_regular(path, error) as f:
         try:
-            return read_capped(f, limit, path, error)
+            raw = f.read(limit + 1)
         except OSError as e:
             raise error(f"cannot read {path}: {e}") from None
+    if len(raw) > limit:
+        raise error(f"{path} is larger than the {limit}-byte limit; it cannot be a real "
+                    "adapter file (or is not one)")
+    return raw
 
 
 def json_depth(raw: bytes) -> int:
@@ -149,11 +145,7 @@ def parse_json(raw: bytes, source: object, error: type[AdapterError]) -> Any:
         raise error(f"{source} is not valid JSON: {e}") from None
     except (ValueError, RecursionError, MemoryError) as e:
         # ValueError: an integer literal longer than Python's int digit limit
-        raise error(f"{source} holds JSON this parser refuses: {type(e).__name__}: {_short(e)}") from None
-
-
-def _short(e: BaseException) -> str:
-    return str(e)[:200]
+        raise error(f"{source} holds JSON this parser refuses: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def brief(value: object, limit: int = 80) -> str:

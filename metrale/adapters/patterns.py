@@ -221,12 +221,11 @@ def scan(text: str) -> tuple[str, int, bool]:
             if m is None or m.group(0) == "{}":
                 out.append("\\{")  # literal for re; regex may read fuzzy matching here
                 _atom(stack)
+                i += 1
             else:
                 out.append(m.group(0))
                 _repeat(stack[-1], m)
                 i = m.end()
-                continue
-            i += 1
         elif c == "(" and text.startswith("(?#", i):
             j = _comment_end(text, i)
             out.append(text[i:j])
@@ -234,14 +233,13 @@ def scan(text: str) -> tuple[str, int, bool]:
         elif c == "(":
             flags = _SCOPED_FLAGS.match(text, i)
             verbose |= bool(flags and "x" in flags.group(1))
-            out.append(c)
-            if not (flags and flags.group(0).endswith(")")):  # (?i) alone opens no group
-                stack.append(_Group())
-            else:
-                out.append(text[i + 1:flags.end()])
+            if flags and flags.group(0).endswith(")"):  # (?i) alone opens no group
+                out.append(flags.group(0))
                 i = flags.end()
-                continue
-            i += 1
+            else:
+                out.append(c)
+                stack.append(_Group())
+                i += 1
         elif c == ")":
             out.append(c)
             if len(stack) > 1:
@@ -266,11 +264,9 @@ def _atom(stack: list[_Group]) -> None:
 
 
 def _repeat(group: _Group, m: re.Match) -> None:
-    lo, hi = m.group(1), m.group(2)
-    counts = [int(x) for x in (lo, hi) if x]  # digits only: re already parsed them
-    k = max(counts, default=1)
-    group.total += group.last * (max(k, 1) - 1)
-    group.last *= max(k, 1)
+    k = max([1] + [int(x) for x in m.groups() if x])  # digits only: re already parsed them
+    group.total += group.last * (k - 1)
+    group.last *= k
 
 
 def _escape_end(text: str, i: int) -> int:

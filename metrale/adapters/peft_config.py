@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +58,14 @@ class PeftAdapterConfig:
     layers_to_transform: int | tuple[int, ...] | None = None
     layers_pattern: Names | None = None
     exclude_modules: Names | None = None
-    modules_to_save: tuple[str, ...] | None = None
     use_dora: bool = False
-    bias: str = "none"
     fan_in_fan_out: bool = False
     peft_type: str = "LORA"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
     _match: _Matchers = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_served(self)
-        _check_numbers(self)
+        _check_scales(self)
         _check_layer_fields(self)
         object.__setattr__(self, "_match", _Matchers.build(self))
 
@@ -78,7 +76,7 @@ class PeftAdapterConfig:
         One budget shared over calls bounds their total regex time."""
         budget = budget or MatchBudget()
         m = self._match
-        if m.exclude is not None and m.exclude.matches(key, budget):
+        if m.exclude is not None and m.exclude(key, budget):
             return False
         if isinstance(m.target, PeftPattern):
             return m.target.fullmatch(key, budget)
@@ -139,7 +137,6 @@ class PeftAdapterConfig:
             layers_to_transform=_layer_indices(d.get("layers_to_transform")),
             layers_pattern=_names_or_regex("layers_pattern", d.get("layers_pattern")),
             exclude_modules=_names_or_regex("exclude_modules", d.get("exclude_modules")),
-            modules_to_save=None,  # _refuse_unserved let only an empty one through
             use_dora=_flag(d, "use_dora"),
             fan_in_fan_out=_flag(d, "fan_in_fan_out"),
             peft_type=_peft_type(d.get("peft_type")),
@@ -166,8 +163,9 @@ class PeftAdapterConfig:
             "layers_to_transform": _jsonable(self.layers_to_transform),
             "layers_pattern": _jsonable(self.layers_pattern),
             "exclude_modules": _jsonable(self.exclude_modules),
-            "modules_to_save": list(self.modules_to_save) if self.modules_to_save else None,
-            "use_dora": self.use_dora, "bias": self.bias, "fan_in_fan_out": self.fan_in_fan_out,
+            # from_dict refuses any other bias and a non-empty modules_to_save
+            "modules_to_save": None,
+            "use_dora": self.use_dora, "bias": "none", "fan_in_fan_out": self.fan_in_fan_out,
         }
 
 
@@ -190,14 +188,6 @@ class NameSet:
 
     def matches(self, key: str, budget: MatchBudget) -> bool:
         return key in self.names or self.suffix_of(key)
-
-
-@dataclass(frozen=True)
-class RegexMatcher:
-    pattern: PeftPattern
-
-    def matches(self, key: str, budget: MatchBudget) -> bool:
-        return self.pattern.fullmatch(key, budget)
 
 
 class PatternTable:
@@ -233,7 +223,7 @@ class PatternTable:
 @dataclass(frozen=True)
 class _Matchers:
     target: PeftPattern | NameSet
-    exclude: RegexMatcher | NameSet | None
+    exclude: Callable[[str, MatchBudget], bool] | None  # PeftPattern.fullmatch or NameSet.matches
     layers: tuple[PeftPattern, ...]
     rank: PatternTable
     alpha: PatternTable
@@ -244,8 +234,8 @@ class _Matchers:
         target = (fullmatch_pattern("target_modules", t) if isinstance(t, str)
                   else NameSet(frozenset(t)))
         e = c.exclude_modules
-        exclude = (None if not e else RegexMatcher(fullmatch_pattern("exclude_modules", e))
-                   if isinstance(e, str) else NameSet(frozenset(e)))
+        exclude = (None if not e else fullmatch_pattern("exclude_modules", e).fullmatch
+                   if isinstance(e, str) else NameSet(frozenset(e)).matches)
         lp = c.layers_pattern  # PEFT: None, "" or [] all mean its default layer rule
         lp = () if not lp else (lp,) if isinstance(lp, str) else lp
         layers = tuple(layers_pattern("layers_pattern", p) for p in lp)
@@ -256,33 +246,7 @@ class _Matchers:
         )
 
 
-# --- invariants (also for configs built directly, not from a dict) ------------------
-
-
-def _check_served(c: PeftAdapterConfig) -> None:
-    if not isinstance(c.peft_type, str) or c.peft_type.upper() != "LORA":
-        raise UnsupportedAdapterError(
-            f"peft_type {brief(c.peft_type)} is not served; metrale serves LoRA adapters only"
-        )
-    if not isinstance(c.use_dora, bool):
-        raise AdapterConfigError(f"use_dora must be true or false, got {brief(c.use_dora)}")
-    if c.bias != "none" or c.modules_to_save:
-        raise UnsupportedAdapterError(
-            "LoRA biases and modules_to_save (full-weight overlays, a full-size copy per slot) "
-            "are not served; retrain without them"
-        )
-
-
-def _check_numbers(c: PeftAdapterConfig) -> None:
-    _rank("r", c.r)
-    _alpha("lora_alpha", c.lora_alpha)
-    for key, r in c.rank_pattern:
-        _rank(f"rank_pattern[{brief(key)}]", r)
-    for key, a in c.alpha_pattern:
-        _alpha(f"alpha_pattern[{brief(key)}]", a)
-    if not isinstance(c.use_rslora, bool):
-        raise AdapterConfigError(f"use_rslora must be true or false, got {brief(c.use_rslora)}")
-    _check_scales(c)
+# --- invariants across fields (each field was read and checked by from_dict) -------------
 
 
 def _check_scales(c: PeftAdapterConfig) -> None:
@@ -292,7 +256,7 @@ def _check_scales(c: PeftAdapterConfig) -> None:
     alphas = [("lora_alpha", c.lora_alpha),
               *((f"alpha_pattern[{brief(k)}]", a) for k, a in c.alpha_pattern)]
     kind = "lora_alpha / sqrt(r) (rsLoRA)" if c.use_rslora else "lora_alpha / r"
-    (a_name, big), (r_name, low) = max(alphas, key=_magnitude), min(ranks, key=_value)
+    (a_name, big), (r_name, low) = max(alphas, key=_magnitude), min(ranks, key=itemgetter(1))
     worst = _scale(big, low, c.use_rslora)
     if not abs(worst) <= MAX_SCALE:
         raise AdapterConfigError(
@@ -301,7 +265,7 @@ def _check_scales(c: PeftAdapterConfig) -> None:
         )
     nonzero = [(n, a) for n, a in alphas if a != 0]
     if nonzero:
-        (a_name, small), (r_name, high) = min(nonzero, key=_magnitude), max(ranks, key=_value)
+        (a_name, small), (r_name, high) = min(nonzero, key=_magnitude), max(ranks, key=itemgetter(1))
         least = _scale(small, high, c.use_rslora)
         if np.float32(least) == 0:
             raise AdapterConfigError(
@@ -315,23 +279,15 @@ def _magnitude(named: tuple[str, float]) -> float:
     return abs(named[1])
 
 
-def _value(named: tuple[str, float]) -> float:
-    return named[1]
-
-
 def _check_layer_fields(c: PeftAdapterConfig) -> None:
     """PEFT's LoraConfig.__post_init__ refuses these combinations; so do we, rather
     than guess what the trainer meant."""
-    if isinstance(c.target_modules, str) and c.layers_to_transform is not None:
-        raise AdapterConfigError(
-            "layers_to_transform cannot be used when target_modules is a str (a regex); "
-            "PEFT refuses this config: list target_modules or drop layers_to_transform"
-        )
-    if isinstance(c.target_modules, str) and c.layers_pattern is not None:
-        raise AdapterConfigError(
-            "layers_pattern cannot be used when target_modules is a str (a regex); "
-            "PEFT refuses this config: list target_modules or drop layers_pattern"
-        )
+    for name in ("layers_to_transform", "layers_pattern"):
+        if isinstance(c.target_modules, str) and getattr(c, name) is not None:
+            raise AdapterConfigError(
+                f"{name} cannot be used when target_modules is a str (a regex); "
+                f"PEFT refuses this config: list target_modules or drop {name}"
+            )
     if c.layers_pattern and c.layers_to_transform is None:
         raise AdapterConfigError(
             "layers_pattern needs layers_to_transform (PEFT refuses it alone); set "
@@ -346,10 +302,6 @@ def _scale(alpha: float, rank: int, rslora: bool) -> float:
 # --- field readers: a wrong JSON type is an AdapterConfigError naming the field ---------
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _rank(name: str, value: Any) -> int:
     # PEFT builds nn.Linear(in, r): a float r (even 8.0) fails there, so it fails here.
     if not isinstance(value, int) or isinstance(value, bool):
@@ -362,7 +314,7 @@ def _rank(name: str, value: Any) -> int:
 
 
 def _alpha(name: str, value: Any) -> float:
-    if not _is_number(value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise AdapterConfigError(f"{name} must be a number (LoRA alpha, e.g. 16), got {brief(value)}")
     try:
         alpha = float(value)
@@ -387,6 +339,10 @@ def _peft_type(value: Any) -> str:
         return "LORA"
     if not isinstance(value, str):
         raise AdapterConfigError(f"peft_type must be a string such as \"LORA\", got {brief(value)}")
+    if value.upper() != "LORA":
+        raise UnsupportedAdapterError(
+            f"peft_type {brief(value)} is not served; metrale serves LoRA adapters only"
+        )
     return value
 
 

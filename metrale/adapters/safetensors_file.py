@@ -29,7 +29,6 @@ KNOWN_DTYPES = frozenset({
     "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16",
     "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
 })
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 # safetensors' own cap (its Rust reader refuses larger headers); a LoRA's is ~100 KB.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_DIMS = 8  # LoRA tensors are 2-D; more dims can only be another kind of file
@@ -69,7 +68,7 @@ def read_header(path: Path) -> SafetensorsHeader:
     path = Path(path)
     with open_regular(path, AdapterFileError) as f:
         try:
-            size = _file_size(f)
+            size = os.fstat(f.fileno()).st_size
             header_len = _header_length(path, f, size)
             raw = f.read(header_len)  # header_len <= MAX_HEADER_BYTES: checked above
         except OSError as e:
@@ -85,10 +84,6 @@ def read_header(path: Path) -> SafetensorsHeader:
     data_start = 8 + header_len
     data_bytes = size - data_start
     return SafetensorsHeader(path, data_start, data_bytes, check_entries(path, header, data_bytes))
-
-
-def _file_size(f) -> int:
-    return os.fstat(f.fileno()).st_size
 
 
 def _header_length(path: Path, f, size: int) -> int:
@@ -162,7 +157,7 @@ def _entry(path: object, name: str, spec: object, data_bytes: int) -> TensorEntr
             f"{path}: tensor {brief(name)} claims bytes [{begin}, {end}) of a {data_bytes}-byte "
             "data section; the file is truncated or its header lies"
         )
-    expected = math.prod(shape) * _ITEMSIZE[dtype]
+    expected = math.prod(shape) * FLOAT_DTYPES[dtype].itemsize
     if end - begin != expected:
         raise AdapterFileError(
             f"{path}: tensor {brief(name)} is {dtype}{list(shape)} = {expected} bytes but the "

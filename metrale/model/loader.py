@@ -53,7 +53,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                     raise ConfigError(f"{path}: unexpected weight {name} for a {cfg.model_type} model")
                 copy_weight(params[target], f.get_tensor(name), target, shard, cfg)
                 loaded.add(f"{target}#{shard}")
-    _check_complete(model, params, loaded, cfg)
+    _check_complete(params, loaded, cfg)
     model.to(dtype).eval()
     model.rotary.build()  # rotary tables stay float32 whatever the weights are
     return model
@@ -87,7 +87,7 @@ def copy_weight(param: torch.Tensor, tensor: torch.Tensor, target: str, shard: i
         param.copy_(tensor)
 
 
-def _check_complete(model, params, loaded, cfg: ModelConfig) -> None:
+def _check_complete(params, loaded, cfg: ModelConfig) -> None:
     missing = []
     for name in params:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

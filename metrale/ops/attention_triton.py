@@ -23,7 +23,14 @@ import functools
 
 import torch
 
-from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, require_triton, tl
+from metrale.ops.triton_utils import (
+    device_function,
+    is_interpreted,
+    jit_kernel,
+    next_pow2,
+    require_triton,
+    tl,
+)
 
 DECODE_BLOCK_N = 64  # keys per tile
 PREFILL_BLOCK_M, PREFILL_BLOCK_N = 64, 64
@@ -34,6 +41,38 @@ DECODE_SPLIT_CAPACITY = 1024
 DECODE_WAVES = 2  # programs for this many waves of the SMs, split if need be
 MIN_SPLIT_PREFILL = 512  # varlen: keys per split, at least
 MAX_PREFILL_SPLITS = 16
+
+
+@device_function
+def _attend_tile(
+    q, k_ptr, v_ptr, tab_row, t, t_ok, visible, head_off, c_sb, c_st, d, d_ok, scale,
+    m_i, l_i, acc, BLOCK_SIZE: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """The keys t ([BN], t_ok those in the split, found through the block table row
+    tab_row) into the online softmax of the query rows q ([rows, D_PAD]); visible:
+    [rows, BN] or [1, BN]."""
+    blk = tl.load(tab_row + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+    row = blk * c_sb + (t % BLOCK_SIZE).to(tl.int64) * c_st + head_off  # [BN]
+    kv_mask = t_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BN, D_PAD]
+    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if F32_DOT:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))  # [rows, BN] fp32 accumulate
+    s = tl.where(visible, s * scale, float("-inf"))
+    # a row may see no key of this tile (or of this whole split, past its position):
+    # keep its max finite so the weights below stay 0, not NaN
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if F32_DOT:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 def _decode_kernel(
@@ -66,26 +105,9 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         t = n0 + offs_n  # [BN] key positions
         t_ok = t < end
-        blk = tl.load(tab_ptr + b64 * tab_st + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
-        row = blk * c_sb + (t % BLOCK_SIZE).to(tl.int64) * c_st + kvh * c_sh  # [BN]
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BN, D_PAD]
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if F32_DOT:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # [G_PAD, BN] fp32 accumulate
-        s = tl.where(t_ok[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has >= 1 valid key
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if F32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, k_ptr, v_ptr, tab_ptr + b64 * tab_st, t, t_ok, t_ok[None, :], kvh * c_sh,
+            c_sb, c_st, d, d_ok, scale, m_i, l_i, acc, BLOCK_SIZE, F32_DOT)
     if SPLIT:  # partials for the merge kernel: ml [B, H, S, 2], acc [B, H, S, D_PAD]
         S = num_splits
         base = (b64 * (S * G * tl.num_programs(1)) + heads.to(tl.int64) * S + sp)  # [G_PAD]
@@ -168,30 +190,10 @@ def _prefill_kernel(
     for n0 in range(lo, end, BLOCK_N):
         t = n0 + offs_n  # [BN]
         t_ok = t < end
-        blk = tl.load(tab_ptr + b64 * tab_st + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
-        row = blk * c_sb + (t % BLOCK_SIZE).to(tl.int64) * c_st + kvh * c_sh
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BN, D_PAD]
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if F32_DOT:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # [R, BN]
-        visible = t_ok[None, :] & (t[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s * scale, float("-inf"))
-        # a row may see no key of this tile (or of this whole split, past its position):
-        # keep its max finite so the weights below stay 0, not NaN
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if F32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        visible = t_ok[None, :] & (t[None, :] <= q_pos[:, None])  # [R, BN]
+        m_i, l_i, acc = _attend_tile(
+            q, k_ptr, v_ptr, tab_ptr + b64 * tab_st, t, t_ok, visible, kvh * c_sh, c_sb, c_st,
+            d, d_ok, scale, m_i, l_i, acc, BLOCK_SIZE, F32_DOT)
     if SPLIT:  # partials for the merge kernel: ml [T, H, S, 2], acc [T, H, S, D_PAD]
         H = tl.num_programs(1) * G
         base = (tok * H + h) * num_splits + sp  # [R]

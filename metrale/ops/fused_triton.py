@@ -217,8 +217,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, H, D], k: [T, KV, D] (any row/head strides, unit last) -> rotated copies;
     cos, sin: [P, D] float32 tables indexed by positions [T]."""
-    T, H, D = q.shape
-    qo = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, unlike q
     ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _launch_rotary(positions, q, k, k, qo, ko, ko, positions, cos, sin, store=False)
     return qo, ko
@@ -230,8 +229,7 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     """rotary, with the rotated k and v written straight into the caches [blocks, bs, KV, D]
     at slot_mapping [T] (attention.store_kv's two index_copy passes, ~3 us each a layer
     at decode, ride in this launch); returns the rotated q [T, H, D]."""
-    T, H, D = q.shape
-    qo = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, unlike q
     _launch_rotary(positions, q, k, v, qo, k_cache, v_cache, slot_mapping, cos, sin, store=True)
     return qo
 

@@ -8,9 +8,22 @@ Each program reads its module's descriptor row (int64, DESC_COLS columns, offset
 12 dora_off  13 dora_stride  14 gain_off  15 gain_slot_stride
 """
 
-from metrale.ops.triton_utils import tl
+from metrale.ops.triton_utils import device_function, tl
 
 DESC_COLS = 16
+
+
+@device_function
+def _rows(pid_t, T, slot_ptr, order_ptr, SORTED: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(token, slot) of each of the program's BLOCK_T rows, slot -1 past T. SORTED: row i
+    is token order[i], else token i."""
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    row_ok = rows < T
+    if SORTED:
+        tok = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # [BT]
+    else:
+        tok = rows.to(tl.int64)
+    return tok, tl.load(slot_ptr + tok, mask=row_ok, other=-1).to(tl.int32)  # [BT], [BT]
 
 
 def shrink_kernel(
@@ -22,15 +35,9 @@ def shrink_kernel(
     """Program (block of BLOCK_T rows, K split, module): for each distinct slot among its
     rows, h[tok, m*R + r] (+)= x[tok, k_lo:k_hi] @ A[s, r, k_lo:k_hi] for r < rank. ATOMIC:
     split-K adds into one zero-filled h; else split pid_k writes its own partial rows
-    (h + pid_k * split_stride). SORTED: row i is token order[i], else token i."""
+    (h + pid_k * split_stride)."""
     pid_t, pid_k, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
-    row_ok = rows < T
-    if SORTED:
-        tok = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # [BT]
-    else:
-        tok = rows.to(tl.int64)
-    slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1).to(tl.int32)  # [BT]
+    tok, slot = _rows(pid_t, T, slot_ptr, order_ptr, SORTED, BLOCK_T)
     d = desc_ptr + m * 16  # DESC_COLS (a global int is no constexpr to Triton)
     # offsets read from memory carry no alignment facts: without these hints, no vector loads
     a_base = pool_ptr + tl.multiple_of(tl.load(d + 0), ALIGN)
@@ -103,13 +110,7 @@ def expand_kernel(
     scale_tab, scale_stride = scale_ptr + tl.load(d + 10), tl.load(d + 11)
     dora_tab, dora_stride = dora_ptr + tl.load(d + 12), tl.load(d + 13)
     gain_base, gain_stride = gain_ptr + tl.load(d + 14), tl.load(d + 15)
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
-    row_ok = rows < T
-    if SORTED:
-        tok = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # [BT]
-    else:
-        tok = rows.to(tl.int64)
-    slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1).to(tl.int32)  # [BT]
+    tok, slot = _rows(pid_t, T, slot_ptr, order_ptr, SORTED, BLOCK_T)
     offs_r = tl.arange(0, BLOCK_R)
     big = 2147483647
     s = tl.min(tl.where(slot >= 0, slot, big))

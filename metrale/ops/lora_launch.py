@@ -5,6 +5,7 @@ the two launches, shrink and expand. Callers use metrale.ops.lora_triton; docs/D
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,12 +89,16 @@ def pool_base(views) -> torch.Tensor:
 
 
 def _tables(tabs, dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """(base, per-module (element offset, stride)) for the ranks or scales tables: views of
-    one storage cost nothing, separate tensors are stacked (a small copy, on every call)."""
-    if _shares_storage(tabs, dtype) and all(t.dim() == 1 for t in tabs):
+    """(base, per-module (element offset, slot stride)) of per-slot tables, [S] (ranks,
+    scales, DoRA flags) or [S, out_m] (gains): views of one storage cost nothing, separate
+    tensors are copied into one (a small copy, on every call)."""
+    if _shares_storage(tabs, dtype) and all(t.dim() == 1 or t.stride(1) == 1 for t in tabs):
         return _storage_base(tabs[0]), [(t.storage_offset(), t.stride(0)) for t in tabs]
-    stacked = torch.stack([t.to(dtype) for t in tabs])  # [M, S]
-    return stacked.reshape(-1), [(i * stacked.shape[1], 1) for i in range(len(tabs))]
+    fields, off = [], 0
+    for t in tabs:
+        fields.append((off, math.prod(t.shape[1:])))
+        off += t.numel()
+    return torch.cat([t.to(dtype).reshape(-1) for t in tabs]), fields
 
 
 _DESCS: dict = {}
@@ -143,10 +148,9 @@ def config(T: int, sorted_: bool, R: int) -> dict:
     block_r = min(64, max(16, next_pow2(R)))  # tl.dot needs >= 16; > R only when R < 16
     if not sorted_:
         return dict(DECODE_CFG, BLOCK_T=1, BLOCK_R=block_r)
-    cfg = dict(PREFILL_CFG, BLOCK_R=block_r)
     # fewer rows per program below ~2k tokens: rows of many slots share a program less often
-    cfg["BLOCK_T"] = min(cfg["BLOCK_T"], max(16, next_pow2(cdiv(T, 64))))
-    return cfg
+    block_t = min(PREFILL_CFG["BLOCK_T"], max(16, next_pow2(cdiv(T, 64))))
+    return dict(PREFILL_CFG, BLOCK_R=block_r, BLOCK_T=block_t)
 
 
 def split_k(T: int, IN: int, M: int, cfg: dict) -> tuple[int, int]:
@@ -216,19 +220,6 @@ def _no_dora(S: int, device, M: int):
     return [flags] * M, [gains] * M
 
 
-def _gain_tables(gains_list) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """(base, per-module (element offset, slot stride)) of the [S, out_m] float32 gain rows."""
-    if _shares_storage(gains_list, torch.float32) and all(
-            g.dim() == 2 and g.stride(1) == 1 for g in gains_list):
-        return _storage_base(gains_list[0]), [(g.storage_offset(), g.stride(0)) for g in gains_list]
-    flat = torch.cat([g.float().reshape(-1) for g in gains_list])  # copied on every call
-    fields, off = [], 0
-    for g in gains_list:
-        fields.append((off, g.shape[1]))
-        off += g.numel()
-    return flat, fields
-
-
 def check_out(y, Bts, y_cols) -> None:
     if y.stride(1) != 1:
         raise ValueError("y needs unit last stride")
@@ -259,7 +250,7 @@ def expand_tables(y, Bts, ranks_list, scales_list, doras_list, gains_list):
         if g.shape[0] != b.shape[0] or g.shape[1] < 1:
             raise ValueError(f"gains {tuple(g.shape)} do not match Bt {tuple(b.shape)}")
     dora_base, dora_fields = _tables(doras_list, torch.int32)
-    gain_base, gain_fields = _gain_tables(gains_list)
+    gain_base, gain_fields = _tables(gains_list, torch.float32)
     return ((rank_base, scale_base, dora_base, gain_base),
             (rank_fields, scale_fields, dora_fields, gain_fields))
 

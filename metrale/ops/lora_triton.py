@@ -10,6 +10,8 @@ never read or write a token with slot -1."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -42,10 +44,6 @@ def _path_for(x: torch.Tensor, path: str | None) -> str:
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     return path
-
-
-def _optional(tabs):
-    return None if tabs is None else list(tabs)
 
 
 def lora_shrink(
@@ -111,19 +109,14 @@ def lora_apply_fused(
     path = _path_for(x, path)
     order = _order_for(slot_ids, order)
     h = launch.workspace(x, As, order, partials=path == "split")
-    launch.shrink(x, list(As), slot_ids, list(ranks_list), order, h)
-    launch.expand(y, h, list(Bts), cols, slot_ids, list(ranks_list), list(scales_list), order,
-                  _optional(doras_list), _optional(gains_list), bias)
+    launch.shrink(x, As, slot_ids, ranks_list, order, h)
+    launch.expand(y, h, Bts, cols, slot_ids, ranks_list, scales_list, order, doras_list,
+                  gains_list, bias)
 
 
-_SIDE_STREAMS: dict = {}
-
-
+@functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    key = str(device)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[key]
+    return torch.cuda.Stream(device)
 
 
 def lora_linear(
@@ -151,9 +144,9 @@ def lora_linear(
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
     side.wait_stream(main)  # x, slot_ids and order are written on the current stream
     with torch.cuda.stream(side):
-        launch.shrink(x, list(As), slot_ids, list(ranks_list), order, h)
+        launch.shrink(x, As, slot_ids, ranks_list, order, h)
     y = F.linear(x, weight, bias)  # [T, out]
     main.wait_stream(side)
-    launch.expand(y, h, list(Bts), cols, slot_ids, list(ranks_list), list(scales_list), order,
-                  _optional(doras_list), _optional(gains_list), bias)
+    launch.expand(y, h, Bts, cols, slot_ids, ranks_list, scales_list, order, doras_list,
+                  gains_list, bias)
     return y
