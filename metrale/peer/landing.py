@@ -255,6 +255,8 @@ class _PeerFetch:
                 endpoint.forget_remote(agent)  # reconnect from fresh metadata next time
                 raise
             mid = time.perf_counter()
+            transport = endpoint.transport_of(agent)
+            stats["ucx_transport"] = transport.name if transport is not None else None
             if runs.gaps:
                 landing.zero_elements(runs.gap_elements(itemsize, self.slots.pool.device))
             landing.check_written(plan)
