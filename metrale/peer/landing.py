@@ -68,6 +68,23 @@ def prepare_from_peer(
                       timeout_s, peer_allow, staging, stats).prepare()
 
 
+def warm_up_nixl(lora_slots: LoraSlots) -> bool:
+    """Before the first peer landing: start the pool's NIXL endpoint (agent and memory
+    registration, ~1.3 s on the H200) and load the in-slot checks' kernels. False when
+    NIXL cannot start here (HTTP still serves)."""
+    from metrale.peer.nixl_transport import endpoint_for
+
+    pool = lora_slots.pool
+    try:
+        endpoint_for(pool, pool.buffer)
+    except NixlUnavailableError as e:
+        log.info("NIXL not warmed up: %s", e)
+        return False
+    pool.slot_is_finite(0)  # reads only
+    pool.gain_norms(0)
+    return True
+
+
 class _PeerFetch:
     def __init__(self, lora_slots: LoraSlots, peer_addr: str, adapter_id: str, name: str,
                  peft: PeftLike, transport: str, timeout_s: float, peer_allow,
