@@ -11,7 +11,8 @@ Each landing reports its phases (prepare_from_peer's `stats`): control (the one 
 manifest round trip), validate (decode, check against the local layout, plan or reuse
 the cached plan), transfer (NIXL READ, or the HTTP stream into pinned staging and its
 device-side NaN/Inf check), check (NIXL: the in-slot NaN/Inf check) and the rest
-(tables at commit, slot bookkeeping). The first landing plans; the others reuse the plan.
+(NIXL: descriptor lookups; the gain bound and tables at commit, slot bookkeeping, the
+lease's release). The first landing plans; the others reuse the plan.
 
 The adapter is Llama-3-8B shaped, r=16, all seven linear modules, bf16, written in
 PEFT's file format (adapter_config.json + adapter_model.safetensors) with random

@@ -11,6 +11,7 @@ cells whose kernels apply it (elsewhere g = 1, flag 0).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -130,18 +131,14 @@ class AdapterPool:
         groups = self._norm_groups.get(slot)
         if groups is None:
             groups = self._norm_groups[slot] = self._group_regions(slot)
-        norms = []
-        for _, x, kind, one_hot in groups:  # x: [layers, max_rank, cols]
-            for dtype in (torch.float32, torch.float64):  # float64 past ~1e19
-                y = x.to(dtype).abs()
-                n = y.sum(1).amax(1) if kind == "B" else (
-                    y.amax((1, 2)) if one_hot else y.square().sum(2).amax(1).sqrt())
-                if dtype == torch.float64 or bool(torch.isfinite(n).all()):
-                    break
-            norms.append(n)
-        values = torch.cat(norms).tolist() if norms else []
+        values = torch.cat([_norms(x, kind, one_hot, torch.float32)
+                            for _, x, kind, one_hot in groups]).tolist() if groups else []
         keys = [key for group_keys, _, _, _ in groups for key in group_keys]
-        return dict(zip(keys, values))
+        norms = dict(zip(keys, values))
+        for group_keys, x, kind, one_hot in groups:  # float32 overflows past ~1e19
+            if not all(math.isfinite(norms[key]) for key in group_keys):
+                norms.update(zip(group_keys, _norms(x, kind, one_hot, torch.float64).tolist()))
+        return norms
 
     def _group_regions(self, slot: int) -> list:
         """(keys, [layers, rows, cols] view, kind, one_hot) per (module, kind) of A and B."""
@@ -318,3 +315,12 @@ class AdapterPool:
         a = self.lora_a(layer, module)[slot].float()  # [R, in]
         bt = self.lora_bt(layer, module)[slot].float()  # [R, out]
         return self.scales[slot, layer, m].float() * (bt.t() @ a)
+
+
+def _norms(x: torch.Tensor, kind: str, one_hot: bool, dtype: torch.dtype) -> torch.Tensor:
+    """gain_norms of x [layers, max_rank, cols] (A, or B as Bt), accumulated in dtype."""
+    if kind == "B":
+        return torch.linalg.vector_norm(x, 1, dim=1, dtype=dtype).amax(1)
+    if one_hot:
+        return torch.linalg.vector_norm(x, math.inf, dim=(1, 2), dtype=dtype)
+    return torch.linalg.vector_norm(x, 2, dim=2, dtype=dtype).amax(1)
