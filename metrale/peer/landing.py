@@ -22,6 +22,7 @@ import numpy as np
 
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import AdapterPlan
+from metrale.adapters.weights_check import all_finite
 from metrale.errors import AdapterMismatchError, InvalidNameError, MetraleError
 from metrale.names import is_valid_name
 from metrale.peer.allow import AllowList, resolve_peer
@@ -72,15 +73,13 @@ def warm_up_nixl(lora_slots: LoraSlots) -> bool:
     """Before the first peer landing: start the pool's NIXL endpoint (agent and memory
     registration, ~1.3 s on the H200) and load the in-slot checks' kernels. False when
     NIXL cannot start here (HTTP still serves)."""
-    from metrale.peer.nixl_transport import endpoint_for
-
     pool = lora_slots.pool
     try:
         endpoint_for(pool, pool.buffer)
     except NixlUnavailableError as e:
         log.info("NIXL not warmed up: %s", e)
         return False
-    pool.slot_is_finite(0)  # reads only
+    all_finite(pool.slot_region(0))  # reads only
     pool.gain_norms(0)
     return True
 
