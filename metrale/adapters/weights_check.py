@@ -73,19 +73,20 @@ def check_gain(source: str, a: TensorLanding, b: TensorLanding, a_norm: float, b
     target = a.target
     reach = 1.0 if _one_hot(a) else INPUT_RMS * math.sqrt(a.entry.shape[-1])  # max ||x||_2
     h = a_norm * reach
+    dy = max(1.0, target.scale) * b_norm * h
+    if h <= limit and dy <= limit:  # False for NaN too; the messages cost more than the check
+        return
     where = f"layer {target.layer} {target.module}"
-    if not h <= limit:  # also NaN
+    if not h <= limit:
         raise WeightsOverflowError(
             f"{source}: tensor {brief(a.entry.name)} can make {where}'s LoRA input projection "
             f"reach {h:.3g} on an input of RMS {INPUT_RMS:g}, beyond the pool's {pool_dtype} "
             f"(max {limit:.4g}): its rows are too large (the largest row norm is {a_norm:.3g})")
-    dy = max(1.0, target.scale) * b_norm * h
-    if not dy <= limit:
-        raise WeightsOverflowError(
-            f"{source}: tensors {brief(b.entry.name)} and {brief(a.entry.name)} can add up to "
-            f"{dy:.3g} to {where}'s output on an input of RMS {INPUT_RMS:g} (scale "
-            f"{target.scale:g} x |B| {b_norm:.3g} x |A| {a_norm:.3g}), beyond the pool's "
-            f"{pool_dtype} (max {limit:.4g}); rescale the adapter or serve it from a float32 pool")
+    raise WeightsOverflowError(
+        f"{source}: tensors {brief(b.entry.name)} and {brief(a.entry.name)} can add up to "
+        f"{dy:.3g} to {where}'s output on an input of RMS {INPUT_RMS:g} (scale "
+        f"{target.scale:g} x |B| {b_norm:.3g} x |A| {a_norm:.3g}), beyond the pool's "
+        f"{pool_dtype} (max {limit:.4g}); rescale the adapter or serve it from a float32 pool")
 
 
 def check_gains(plan: AdapterPlan, norms: list[float], pool_dtype: torch.dtype) -> None:

@@ -40,6 +40,7 @@ from metrale.peer.manifest import (
 from metrale.peer.nixl_transport import coalesce, endpoint_for
 from metrale.peer.plans import PeerPlan, plan_cache_for
 from metrale.pool.landing import Landing
+from metrale.pool.recipe import table_rows
 from metrale.pool.staging import StagingBuffers
 from metrale.pool.swap import LoraSlots, Prepared
 
@@ -170,7 +171,7 @@ class _PeerFetch:
                             for t in plan.landings], dtype=np.int64) * layout.itemsize
         nbytes = manifest.table["nbytes"].astype(np.int64)
         return PeerPlan(manifest.shape_bytes, manifest.peft_raw, manifest.dtype, plan, offsets,
-                        nbytes)
+                        nbytes, table_rows(plan, layout))
 
     # --- steps ---------------------------------------------------------------------------
 
@@ -261,7 +262,7 @@ class _PeerFetch:
 
         def write(landing: Landing) -> None:
             start = time.perf_counter()
-            slot = landing.slot_range(plan)
+            slot = landing.slot_range(plan, entry.tables)
             local = [(slot.addr + off, n, endpoint.device_id) for off, n in runs.local]
             remote = [(addr, n, nixl.device) for addr, n in runs.remote]
             try:
