@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
+import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import AdapterPlan
@@ -82,6 +83,8 @@ def warm_up_nixl(lora_slots: LoraSlots) -> bool:
         return False
     all_finite(pool.slot_region(0))  # reads only
     pool.gain_norms(0)
+    scratch = torch.zeros(2, dtype=pool.buffer.dtype, device=pool.device)
+    scratch.index_fill_(0, torch.ones(1, dtype=torch.int64, device=pool.device), 0)  # gaps' op
     return True
 
 
