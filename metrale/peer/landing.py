@@ -228,15 +228,16 @@ class _PeerFetch:
 
     def _http_writer(self, client: PeerClient, manifest: Manifest,
                      plan: AdapterPlan) -> Callable[[Landing], None]:
-        """Stream the bytes into pinned staging, each chunk going on to the device as it
-        arrives (StagingBuffers.stream), then the disk path's checks (NaN/Inf on the
+        """Stream the bytes into pinned staging (over several streams when the peer serves
+        ranges), each chunk going on to the device as the bytes before it are in
+        (StagingBuffers.stream), then the disk path's checks (NaN/Inf on the
         device) before any slot is touched. On CUDA the plan's recipe (B sent as Bt)
         lands it in one kernel, as a disk landing does; else typed views, one by one."""
         staging = self.staging or self.slots.staging
         pool = self.slots.pool
         start = time.perf_counter()
         data = staging.stream(plan.data_bytes, lambda out, progress: client.read_exact(
-            manifest.http_path, out, progress))
+            manifest.http_path, out, progress, ranged=manifest.http_ranges))
         recipe = pool.recipe(plan, staged_bt=True)
         if recipe is not None:
             staged = pool.stage(plan, data, recipe)  # raises, naming a tensor, on NaN/Inf
