@@ -9,8 +9,10 @@ what UCX reported carrying the READs (e.g. cuda_ipc), never assumed.
 
 Each landing reports its phases (prepare_from_peer's `stats`): control (the one lease +
 manifest round trip), validate (decode, check against the local layout, plan or reuse
-the cached plan), transfer (NIXL READ, or the HTTP stream into pinned staging and its
-device-side NaN/Inf check), check (NIXL: the in-slot NaN/Inf check) and the rest
+the cached plan), transfer (NIXL READ, or the HTTP streams into pinned staging and
+their device-side NaN/Inf check: the store serves byte ranges, so the engine reads
+`http_streams` ranges at once, each on its own connection and thread; runs before
+that figure was recorded read one stream), check (NIXL: the in-slot NaN/Inf check) and the rest
 (NIXL: descriptor lookups; the gain bound and tables at commit, slot bookkeeping, the
 lease's release). The first landing plans; the others reuse the plan.
 
@@ -36,6 +38,7 @@ from safetensors.torch import save_file
 
 from bench.common import CONFIGS, gpu_tag, median, merge_results, results_path, table
 from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
+from metrale.peer.client import DATA_STREAMS
 from metrale.peer.landing import prepare_from_peer, warm_up_nixl
 from metrale.pool.swap import LoraSlots
 
@@ -212,6 +215,7 @@ def main() -> None:
     result = {"adapter_bytes": nbytes, "gpus": gpus, "transport": transport,
               "peer_nixl_ms": nixl["promote_ms"], "peer_nixl_first_ms": nixl.get("first_promote_ms"),
               "nixl_warm_up_ms": warm_up_ms, "peer_http_ms": by["http"]["promote_ms"],
+              "http_streams": DATA_STREAMS,
               "peer_floor_ms": floor,
               "disk_ms": median(disk), "landed_bytes_equal_disk": same,
               "disk_plan_cached_ms": median(disk_cached[1:]),
