@@ -335,15 +335,14 @@ class AdapterExporter:
 
 
 def _byte_range(offset: int, length: int | None, size: int) -> tuple[int, int]:
-    """[start, stop) of a stream of `size` leased bytes; a range that is not a non-empty
-    part of them is refused (the whole stream of an empty adapter is still fine)."""
+    """[start, stop) of a stream of `size` leased bytes (length None: to the end); a
+    range that is not a non-empty part of them is refused."""
     if offset == 0 and length is None:
-        return 0, size
-    ints = type(offset) is int and (length is None or type(length) is int)
-    stop = (size if length is None else offset + length) if ints else -1
-    if not (ints and 0 <= offset < stop <= size):
-        raise DataRangeError(f"byte range offset={str(offset)[:24]} length={str(length)[:24]} "
-                             f"is not a non-empty part of the lease's {size} bytes")
+        return 0, size  # the whole stream, also of an adapter of no bytes
+    stop = size if length is None else offset + length
+    if not 0 <= offset < stop <= size:
+        raise DataRangeError(f"byte range offset={offset} length={length} is not a non-empty "
+                             f"part of the lease's {size} bytes")
     return offset, stop
 
 

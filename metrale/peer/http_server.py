@@ -57,7 +57,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(403, _error(f"client {self.client_address[0]} is not in this peer's "
                                         "client allow-list", "forbidden"))
             return
-        exporter, (path, _, query) = self.server.exporter, self.path.partition("?")
+        exporter = self.server.exporter
+        path, _, query = self.path.partition("?")
         try:
             if method == "GET" and path == "/peer/v1/adapters":
                 self._send_json(200, exporter.list_adapters())
@@ -129,14 +130,15 @@ def _data_range(query: str) -> tuple[int, int | None]:
     to say (it knows the lease's size). Raises DataRangeError (a 400)."""
     if not query:
         return 0, None
+    refusal = DataRangeError(f"data query {query[:80]!r}: expected offset=<bytes>&length=<bytes>")
     try:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True, max_num_fields=2)
-    except ValueError:
-        pairs = [("", "")]
+    except ValueError:  # malformed, or more than two fields
+        raise refusal from None
     values = dict(pairs)
     if len(values) != len(pairs) or not set(values) <= {"offset", "length"} \
             or not all(_RANGE_INT.fullmatch(v) for v in values.values()):
-        raise DataRangeError(f"data query {query[:80]!r}: expected offset=<bytes>&length=<bytes>")
+        raise refusal
     length = values.get("length")
     return int(values.get("offset", "0")), None if length is None else int(length)
 
