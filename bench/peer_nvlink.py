@@ -11,10 +11,10 @@ Each landing reports its phases (prepare_from_peer's `stats`): control (the one 
 manifest round trip), validate (decode, check against the local layout, plan or reuse
 the cached plan), transfer (NIXL READ, or the HTTP streams into pinned staging and
 their device-side NaN/Inf check: the store serves byte ranges, so the engine reads
-`http_streams` ranges at once, each on its own connection and thread; runs before
-that figure was recorded read one stream), check (NIXL: the in-slot NaN/Inf check) and the rest
-(NIXL: descriptor lookups; the gain bound and tables at commit, slot bookkeeping, the
-lease's release). The first landing plans; the others reuse the plan.
+`http_streams` ranges at once, each on its own connection and thread; runs that do not
+record that figure read one stream), check (NIXL: the in-slot NaN/Inf check) and the
+rest (NIXL: descriptor lookups; the gain bound and tables at commit, slot bookkeeping,
+the lease's release). The first landing plans; the others reuse the plan.
 
 The adapter is Llama-3-8B shaped, r=16, all seven linear modules, bf16, written in
 PEFT's file format (adapter_config.json + adapter_model.safetensors) with random
