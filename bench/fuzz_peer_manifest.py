@@ -53,9 +53,10 @@ LAYOUT = SlotLayout(MODEL, POOL, torch.float32)
 
 FIELDS = ["version", "adapter_id", "name", "uid", "generation", "peft", "dtype", "tensors",
           "data_bytes", "transports", "layer", "module", "kind", "shape", "nbytes", "http", "nixl",
-          "data_path", "agent_metadata", "mem_type", "descs", "r", "lora_alpha", "target_modules",
-          "rank_pattern", "alpha_pattern", "use_rslora", "layers_to_transform", "layers_pattern",
-          "exclude_modules", "modules_to_save", "use_dora", "bias", "peft_type", "lora_bias"]
+          "data_path", "ranges", "agent_metadata", "mem_type", "descs", "r", "lora_alpha",
+          "target_modules", "rank_pattern", "alpha_pattern", "use_rslora", "layers_to_transform",
+          "layers_pattern", "exclude_modules", "modules_to_save", "use_dora", "bias", "peft_type",
+          "lora_bias"]
 ATOMS = [0, 1, -1, 2, 3, 4, 8, 9, 64, 96, 2**31, 2**62, 2**63, 2**64, -2**63, 10**30, True, False,
          None, 0.5, 4.0, 1e308, -0.0, float("inf"), float("-inf"), float("nan"), "", "(", ")", "[",
          "*", "\\", "(.*)*x", "(a|a)*y", ".*.*.*.*.*x", ".*", ".*\\.(q_proj|v_proj)", "all-linear",

@@ -1,5 +1,6 @@
-"""Promote an adapter from a peer store on another GPU (NIXL VRAM -> VRAM over
-NVLink), and time the raw peer copy of the same bytes in the same run.
+"""Promote an adapter from a peer store (NIXL VRAM -> VRAM, on another GPU or the same
+one), and time the raw device copy of the same bytes in the same run. `transport` is
+what UCX reported carrying the READs (e.g. cuda_ipc), never assumed.
 
     PYTHONPATH=. python3 bench/peer_nvlink.py            # 2 GPUs: store on cuda:0, engine on cuda:1
                                                          # 1 GPU: both on cuda:0 (HTTP vs disk)
@@ -8,9 +9,12 @@ NVLink), and time the raw peer copy of the same bytes in the same run.
 
 Each landing reports its phases (prepare_from_peer's `stats`): control (the one lease +
 manifest round trip), validate (decode, check against the local layout, plan or reuse
-the cached plan), transfer (NIXL READ, or the HTTP stream into pinned staging and its
-device-side NaN/Inf check), check (NIXL: the in-slot NaN/Inf check) and the rest
-(tables at commit, slot bookkeeping). The first landing plans; the others reuse the plan.
+the cached plan), transfer (NIXL READ, or the HTTP streams into pinned staging and
+their device-side NaN/Inf check: the store serves byte ranges, so the engine reads
+`http_streams` ranges at once, each on its own connection and thread; runs that do not
+record that figure read one stream), check (NIXL: the in-slot NaN/Inf check) and the
+rest (NIXL: descriptor lookups; the gain bound and tables at commit, slot bookkeeping,
+the lease's release). The first landing plans; the others reuse the plan.
 
 The adapter is Llama-3-8B shaped, r=16, all seven linear modules, bf16, written in
 PEFT's file format (adapter_config.json + adapter_model.safetensors) with random
@@ -34,7 +38,8 @@ from safetensors.torch import save_file
 
 from bench.common import CONFIGS, gpu_tag, median, merge_results, results_path, table
 from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
-from metrale.peer.landing import prepare_from_peer
+from metrale.peer.client import DATA_STREAMS
+from metrale.peer.landing import prepare_from_peer, warm_up_nixl
 from metrale.pool.swap import LoraSlots
 
 RANK = 16
@@ -134,12 +139,14 @@ def land_many(slots, addr: str, transport: str, reps: int, gpu: bool, engine_dev
         rest = total - sum(stats.get(k, 0.0) for k in PHASES)
         phases.append({**{k: stats.get(k, 0.0) for k in PHASES}, "tables_and_rest_ms": rest,
                        "cached": stats.get("plan_cached"), "runs": stats.get("runs"),
+                       "ucx_transport": stats.get("ucx_transport"),
                        "manifest_bytes": stats.get("manifest_bytes"), "tensors": stats.get("tensors")})
     warm = phases[2:]
     row = {"transport": transport, "promote_ms": median(times[2:]), "first_promote_ms": times[0],
            "first": phases[0],
            "warm": {k: median([p[k] for p in warm]) for k in (*PHASES, "tables_and_rest_ms")},
            "plan_cached": all(p["cached"] for p in warm), "runs": warm[-1]["runs"],
+           "ucx_transport": warm[-1]["ucx_transport"],
            "manifest_bytes": warm[-1]["manifest_bytes"], "tensors": warm[-1]["tensors"]}
     return row, slot
 
@@ -163,6 +170,9 @@ def main() -> None:
     try:
         slots = LoraSlots(ModelConfig.from_dir(model_dir), PoolConfig(4, RANK), engine_dev,
                           torch.bfloat16)
+        start = time.perf_counter()
+        warm_up_nixl(slots)  # as an engine on a GPU does when it starts
+        warm_up_ms = (time.perf_counter() - start) * 1e3
         nbytes = slots.pool.layout.slot_bytes
         rows = []
         slot = None
@@ -200,8 +210,13 @@ def main() -> None:
     finally:
         proc.kill()
     by = {r["transport"]: r for r in rows}
-    result = {"adapter_bytes": nbytes, "gpus": gpus, "peer_nvlink_ms": by["nixl"]["promote_ms"],
-              "peer_http_ms": by["http"]["promote_ms"], "peer_floor_ms": floor,
+    nixl = by["nixl"]
+    transport = nixl.get("ucx_transport")
+    result = {"adapter_bytes": nbytes, "gpus": gpus, "transport": transport,
+              "peer_nixl_ms": nixl["promote_ms"], "peer_nixl_first_ms": nixl.get("first_promote_ms"),
+              "nixl_warm_up_ms": warm_up_ms, "peer_http_ms": by["http"]["promote_ms"],
+              "http_streams": DATA_STREAMS,
+              "peer_floor_ms": floor,
               "disk_ms": median(disk), "landed_bytes_equal_disk": same,
               "disk_plan_cached_ms": median(disk_cached[1:]),
               "http_over_disk": by["http"]["promote_ms"] / median(disk),
@@ -209,6 +224,7 @@ def main() -> None:
               "breakdown": {r["transport"]: {k: r[k] for k in r if k not in ("transport", "error")}
                             for r in rows if "error" not in r},
               "errors": {r["transport"]: r["error"] for r in rows if "error" in r},
+              "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
               "date": time.strftime("%Y-%m-%d"),
               "command": f"PYTHONPATH=. python3 bench/peer_nvlink.py --model {args.model} "
                          f"--device {args.device}"}
@@ -221,6 +237,8 @@ def main() -> None:
               f"runs {r['runs']}, plan cached on repeats: {r['plan_cached']}")
         print(table([{"phase": k, "first_ms": round(r["first"][k], 3), "warm_ms": round(r["warm"][k], 3)}
                      for k in (*PHASES, "tables_and_rest_ms")], ["phase", "first_ms", "warm_ms"]))
+    if gpus > 1 and transport == "cuda_ipc":  # the name this figure had on two GPUs
+        result["peer_nvlink_ms"] = result["peer_nixl_ms"]
     key = f"{args.model}-peer" if gpus != 1 else f"{args.model}-peer-1gpu"
     merge_results(results_path(args.device), "swap", key, result)
     print("gpu:", gpu_tag(args.device) if gpu else "cpu")

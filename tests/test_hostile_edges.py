@@ -22,7 +22,7 @@ from metrale.peer import nixl_transport
 from metrale.peer.http_server import PeerHTTPServer
 from metrale.peer.store import AdapterStore
 from metrale.server.serve import build_app
-from tests.helpers.peers import adapter_dir, model_config, peer_root
+from tests.helpers.peers import adapter_dir, model_config, new_slots, peer_root
 
 # --- a peer lost during or before the transfer: 502 peer_unavailable, whatever the transport --
 
@@ -242,9 +242,10 @@ def test_gain_bound_keeps_peft_initialised_adapters(tmp_path, pool_dtype):
 @pytest.mark.parametrize("key_part", [None, "lora_A", "lora_B"])
 def test_landed_bytes_get_the_bound_registration_applies(tmp_path, monkeypatch, key_part,
                                                           chunk_bytes):
-    """check_landed (bytes already on a device, B as a slot's transposed view) and
-    check_weights (the file read in pieces) refuse the same adapters, naming the same
-    tensor; adapter b has rank_pattern, alpha_pattern and rsLoRA on every linear."""
+    """The bound at landing (the slot's bytes, reduced per module across layers by
+    AdapterPool.gain_norms) and at registration (check_weights: the file read in pieces)
+    refuse the same adapters, naming the same tensor; adapter b has rank_pattern,
+    alpha_pattern and rsLoRA on every linear."""
     from metrale.adapters import weights_check
     from metrale.adapters.plan import plan_adapter
     from metrale.config import PoolConfig
@@ -256,15 +257,20 @@ def test_landed_bytes_get_the_bound_registration_applies(tmp_path, monkeypatch, 
     path = tmp_path / "h" if key_part else src
     plan = plan_adapter(path, "h", model_config(), PoolConfig(1, 8))
     tensors = load_file(path / "adapter_model.safetensors")
-    landed = [tensors[t.entry.name].t().contiguous().t() if t.kind == "B"
-              else tensors[t.entry.name] for t in plan.landings]
-    for check, arg in ((weights_check.check_weights, None), (weights_check.check_landed, landed)):
-        args = (plan, torch.float32) if arg is None else (plan, arg, torch.float32)
+    pool = new_slots(max_loras=2).pool
+    pool.land(1, plan, [tensors[t.entry.name] for t in plan.landings])  # unchecked bytes
+
+    def check_landed(plan, dtype):
+        norms = pool.gain_norms(1)
+        weights_check.check_gains(plan, [norms[(t.target.layer, t.target.module, t.kind)]
+                                         for t in plan.landings], dtype)
+
+    for check in (weights_check.check_weights, check_landed):
         if key is None:
-            check(*args)
+            check(plan, torch.float32)
             continue
         with pytest.raises(weights_check.WeightsOverflowError, match=re.escape(key)):
-            check(*args)
+            check(plan, torch.float32)
 
 
 def test_non_finite_logits_name_the_adapter():

@@ -8,10 +8,13 @@ script).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -144,6 +147,62 @@ def test_a_stream_closed_before_its_first_slice_still_lets_the_slot_go(leased):
     chunks.close()
     exporter.release(lease_id)
     assert engine.lora.table.ref_count(0) == 0
+
+
+def _read(stream) -> bytes:
+    return b"".join(bytes(c) for c in stream)
+
+
+def test_ranged_streams_are_parts_and_each_holds_the_lease(leased):
+    """Byte ranges of a lease are pieces of its whole stream, and each open one holds the
+    slot as a whole stream does: the expiry waits for the last of them."""
+    engine, exporter, clock, lease_id = leased
+    n, whole = exporter.open_data(lease_id)
+    want = _read(whole)
+    cuts = [0, 1, n // 3, n - 1]
+    parts = [exporter.open_data(lease_id, a, b - a) for a, b in zip(cuts, cuts[1:])]
+    parts.append(exporter.open_data(lease_id, n - 1))  # no length: to the end
+    assert [m for m, _ in parts] == [1, n // 3 - 1, n - 1 - n // 3, 1]
+    clock.now += 60
+    got = b""
+    for _, stream in parts:
+        exporter.expire()
+        _refusals(engine)  # a part still open: the bytes must not change
+        got += _read(stream)
+    assert got == want
+    exporter.expire()
+    assert exporter.open_leases == 0 and engine.lora.table.ref_count(0) == 0
+
+
+def _hostile_queries(n: int) -> list[str]:
+    """Data queries that are not a non-empty range of n bytes, in every way we know."""
+    return ["offset=-1", "offset=%2B1", "offset=1_0", "offset=%D9%A1", "offset=1e3", "offset=0x1",
+            "offset=%201", "offset=", "offset", "length=0", "offset=1&offset=2", "bogus=1",
+            "offset=1&length=1&length=1", "offset=1;length=1", "%zz", "&", "offset=1&&length=1",
+            "offset=" + "9" * 40, f"offset={n}", f"length={n + 1}", f"offset={n - 1}&length=2",
+            "offset=18446744073709551615&length=18446744073709551615", f"offset=1&length={n}"]
+
+
+def test_hostile_ranges_are_a_typed_400_and_hold_nothing(leased):
+    engine, exporter, clock, lease_id = leased
+    n, stream = exporter.open_data(lease_id)
+    stream.close()
+    server = PeerHTTPServer(exporter).start()
+    try:
+        for query in _hostile_queries(n):
+            url = f"{server.url}/peer/v1/leases/{lease_id}/data?{query}"
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(url, timeout=10)
+            assert info.value.code == 400, query
+            assert json.load(info.value)["error"]["code"] == "DataRangeError", query
+        with urllib.request.urlopen(f"{server.url}/peer/v1/leases/{lease_id}/data?offset=1",
+                                    timeout=10) as reply:
+            assert len(reply.read()) == n - 1  # the lease still serves
+    finally:
+        server.close()
+    clock.now += 60
+    exporter.expire()  # no refused range kept a hold on the lease
+    assert exporter.open_leases == 0 and engine.lora.table.ref_count(0) == 0
 
 
 def _stream(exporter, name):

@@ -33,7 +33,7 @@ PEFT_KEYS = ["r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern
              "use_dora", "bias", "peft_type", "fan_in_fan_out", "lora_bias"]
 MANIFEST_KEYS = ["version", "adapter_id", "name", "uid", "generation", "peft", "dtype", "tensors",
                  "data_bytes", "transports", "layer", "module", "kind", "shape", "nbytes", "http",
-                 "nixl", "data_path", "agent_metadata", "mem_type", "descs", *PEFT_KEYS]
+                 "nixl", "data_path", "ranges", "agent_metadata", "mem_type", "descs", *PEFT_KEYS]
 ATOMS = st.sampled_from([
     0, 1, -1, 2, 4, 8, 64, 2**31, 2**62, 2**63, 2**64, -2**63, 10**30, True, False, None,
     0.5, 1e308, -0.0, float("inf"), float("-inf"), float("nan"),

@@ -100,6 +100,8 @@ MANIFESTS = {
     "data-url-elsewhere": (lambda m: m["transports"]["http"].update(
         data_path="http://10.9.9.9/peer/v1/leases/fakelease0001/data"), PeerManifestError),
     "no-transport": (_set("transports", {}), errors.PeerUnavailableError),
+    "http-ranges-not-bool": (lambda m: m["transports"]["http"].update(ranges="yes"),
+                             PeerManifestError),
 }
 if nixl_available():
     MANIFESTS["nixl-desc-length"] = (_nixl_len, PeerManifestError, "nixl")

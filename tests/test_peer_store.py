@@ -6,7 +6,9 @@ leave the slot EMPTY within the timeout; leases never leak."""
 from __future__ import annotations
 
 import json
+import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -77,6 +79,107 @@ def test_swap_into_slot_evicts_and_renews_identity(store, transport):
     slot, version = land_peer(slots, store, "c", name="y", transport=transport, timeout_s=20)
     assert slot in (0, 2) and slots.table.holds(slot, version) and slots.table.holds(1, second.version)
     slots.table.check_integrity()
+
+
+@pytest.fixture
+def several_streams(monkeypatch):
+    """Split even a tiny adapter's bytes (3 parts: not a divisor of their sizes), and
+    record each read's spans and what its progress said."""
+    from metrale.peer import client, streams
+
+    monkeypatch.setattr(client, "DATA_STREAMS", 3)
+    monkeypatch.setattr(client, "SPLIT_BYTES", 1)
+    reads = []
+
+    def read_spans(spans, read, progress):
+        told = []
+        reads.append((spans, told))
+        def tell(n):  # a CPU engine's staging asks for no progress: record it anyway
+            told.append(n)
+            if progress is not None:
+                progress(n)
+
+        return streams.read_spans(spans, read, tell)
+
+    monkeypatch.setattr(client, "read_spans", read_spans)
+    return reads
+
+
+def test_http_over_several_streams_matches_disk(store, several_streams):
+    slots = new_slots()
+    for i, name in enumerate(("a", "b", "c")):
+        slot, version = land_peer(slots, store, name, transport="http", timeout_s=20)
+        assert slot == i and slots.table.holds(slot, version)
+        assert_matches_disk(slots, slot, name)
+    assert len(several_streams) == 3
+    for spans, told in several_streams:
+        assert len(spans) == 3
+        assert told == sorted(set(told)) and told[-1] == spans[-1][1]  # monotone, to the end
+    assert open_leases(store) == 0
+
+
+def test_http_peer_killed_between_streams_leaves_the_slot(several_streams, monkeypatch):
+    """The first part lands, then the peer dies before the others connect: a typed error,
+    and the slot keeps what it held (HTTP bytes are staged before the slot is touched)."""
+    from metrale.peer import client
+
+    proc, url = start_store()
+    ranged = client.read_spans
+
+    def kill_after_the_first_part(spans, read, progress):
+        first_in = threading.Event()
+
+        def gated(a, b, on_progress, group):
+            if a:
+                first_in.wait()
+                return read(a, b, on_progress, group)
+            try:
+                return read(a, b, on_progress, group)
+            finally:
+                stop(proc)
+                first_in.set()
+
+        return ranged(spans, gated, progress)
+
+    monkeypatch.setattr(client, "read_spans", kill_after_the_first_part)
+    slots = new_slots()
+    land_disk(slots, adapter_dir("c"), 0)
+    before = snapshot(slots)
+    try:
+        with pytest.raises(errors.PeerUnavailableError):
+            land_peer(slots, url, "b", 0, name="c", transport="http", timeout_s=10)
+    finally:
+        stop(proc)
+    assert snapshot(slots) == before
+    assert several_streams[0][1][-1] == several_streams[0][0][0][1]  # the first part was in
+    slots.table.check_integrity()
+
+
+def test_hostile_data_ranges_are_refused_and_leak_nothing(store):
+    """A byte range that is malformed or out of the lease is a typed 400, never a 500."""
+    from metrale.peer.wire import decode_doc
+
+    request = urllib.request.Request(f"{store}/peer/v1/adapters/b/lease", method="POST",
+                                     data=json.dumps({"ttl_s": 60, "manifest_version": 3}).encode())
+    with urllib.request.urlopen(request, timeout=10) as r:
+        reply = decode_doc(r.read())
+    lease, n = reply["lease"]["id"], reply["manifest"]["data_bytes"]
+    data_url = f"{store}{reply['manifest']['transports']['http']['data_path']}"
+    assert reply["manifest"]["transports"]["http"]["ranges"] is True
+    with urllib.request.urlopen(data_url, timeout=10) as r:
+        whole = r.read()
+    for query in ("offset=-1", "offset=%2B1", "offset=1_0", "offset=%D9%A1", "length=0",
+                  "offset=1&offset=2", "bogus=1", "offset=" + "9" * 40, f"offset={n}",
+                  f"offset={n - 1}&length=2", "offset=18446744073709551615&length=1"):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"{data_url}?{query}", timeout=10)
+        assert info.value.code == 400, query
+        assert json.load(info.value)["error"]["code"] == "DataRangeError", query
+    with urllib.request.urlopen(f"{data_url}?offset=5&length=7", timeout=10) as r:
+        assert r.read() == whole[5:12]
+    urllib.request.urlopen(urllib.request.Request(f"{store}/peer/v1/leases/{lease}",
+                                                  method="DELETE"), timeout=10).close()
+    assert open_leases(store) == 0
 
 
 def test_http_converts_dtype_nixl_refuses(store):

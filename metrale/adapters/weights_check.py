@@ -46,45 +46,7 @@ def check_weights(plan: AdapterPlan, pool_dtype: torch.dtype) -> None:
                 check_tensor(plan.source, e.name, values, pool_dtype)
                 rows.add(values)
             norms[i] = rows.result()
-    _check_gains(plan, norms, pool_dtype)
-
-
-def check_landed(plan: AdapterPlan, tensors: list[torch.Tensor], pool_dtype: torch.dtype) -> None:
-    """check_gain for bytes that landed without check_weights (a peer's, a file read
-    again at promotion): `tensors` in plan.landings order, A as [r, in], B as [out, r]
-    (a slot's Bt[:r].t()). One host sync; on a GPU the tensors of one kind and shape are
-    reduced together, on the CPU one by one (a stack costs several times more there)."""
-    groups: dict[tuple, list[int]] = {}
-    for i, (landing, values) in enumerate(zip(plan.landings, tensors)):
-        if landing.kind in ("A", "B") and values.numel():
-            key = (landing.kind, _one_hot(landing), tuple(values.shape), values.is_cuda)
-            groups.setdefault(key, []).append(i)
-    batches: list[tuple[tuple, list[int]]] = []
-    for key, idx in groups.items():
-        batches += [(key, idx)] if key[3] else [(key, [i]) for i in idx]
-    norms = [0.0] * len(plan.landings)
-    if batches:
-        stacked = [torch.stack([tensors[i] for i in idx]) if len(idx) > 1 else tensors[idx[0]][None]
-                   for _, idx in batches]
-        fast = torch.cat([_group_norms(x.float(), *key[:2]) for (key, _), x in zip(batches, stacked)])
-        fast, pos = fast.tolist(), 0  # the one host sync
-        for (key, idx), x in zip(batches, stacked):
-            values, pos = fast[pos:pos + len(idx)], pos + len(idx)
-            if not all(map(math.isfinite, values)):  # past float32 (~1e19): again in float64
-                values = _group_norms(x.double(), *key[:2]).tolist()
-            for i, norm in zip(idx, values):
-                norms[i] = norm
-    _check_gains(plan, norms, pool_dtype)
-
-
-def _group_norms(x: torch.Tensor, kind: str, one_hot: bool) -> torch.Tensor:
-    """check_gain's norm of each of n stacked tensors x [n, rows, cols]."""
-    x = x.abs()
-    if kind == "B":
-        return x.sum(2).amax(1)
-    if one_hot:
-        return x.amax((1, 2))
-    return x.square().sum(2).amax(1).sqrt()
+    check_gains(plan, norms, pool_dtype)
 
 
 # --- what a LoRA can add to its layer's output -------------------------------------------
@@ -111,22 +73,23 @@ def check_gain(source: str, a: TensorLanding, b: TensorLanding, a_norm: float, b
     target = a.target
     reach = 1.0 if _one_hot(a) else INPUT_RMS * math.sqrt(a.entry.shape[-1])  # max ||x||_2
     h = a_norm * reach
+    dy = max(1.0, target.scale) * b_norm * h
+    if h <= limit and dy <= limit:  # False for NaN too; the messages cost more than the check
+        return
     where = f"layer {target.layer} {target.module}"
-    if not h <= limit:  # also NaN
+    if not h <= limit:
         raise WeightsOverflowError(
             f"{source}: tensor {brief(a.entry.name)} can make {where}'s LoRA input projection "
             f"reach {h:.3g} on an input of RMS {INPUT_RMS:g}, beyond the pool's {pool_dtype} "
             f"(max {limit:.4g}): its rows are too large (the largest row norm is {a_norm:.3g})")
-    dy = max(1.0, target.scale) * b_norm * h
-    if not dy <= limit:
-        raise WeightsOverflowError(
-            f"{source}: tensors {brief(b.entry.name)} and {brief(a.entry.name)} can add up to "
-            f"{dy:.3g} to {where}'s output on an input of RMS {INPUT_RMS:g} (scale "
-            f"{target.scale:g} x |B| {b_norm:.3g} x |A| {a_norm:.3g}), beyond the pool's "
-            f"{pool_dtype} (max {limit:.4g}); rescale the adapter or serve it from a float32 pool")
+    raise WeightsOverflowError(
+        f"{source}: tensors {brief(b.entry.name)} and {brief(a.entry.name)} can add up to "
+        f"{dy:.3g} to {where}'s output on an input of RMS {INPUT_RMS:g} (scale "
+        f"{target.scale:g} x |B| {b_norm:.3g} x |A| {a_norm:.3g}), beyond the pool's "
+        f"{pool_dtype} (max {limit:.4g}); rescale the adapter or serve it from a float32 pool")
 
 
-def _check_gains(plan: AdapterPlan, norms: list[float], pool_dtype: torch.dtype) -> None:
+def check_gains(plan: AdapterPlan, norms: list[float], pool_dtype: torch.dtype) -> None:
     """check_gain for each module; norms[i]: plan.landings[i]'s."""
     by_target: dict[tuple[int, str], dict[str, int]] = {}
     for i, landing in enumerate(plan.landings):

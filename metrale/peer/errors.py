@@ -41,6 +41,10 @@ class LeaseNotFoundError(MetraleError):
     """The lease id is unknown, released or expired (exporter side)."""
 
 
+class DataRangeError(MetraleError):
+    """A data stream's byte range is malformed or outside the leased bytes (exporter side)."""
+
+
 class TooManyLeasesError(MetraleError):
     """The exporter holds its maximum number of open leases; retry after some end."""
 

@@ -34,7 +34,12 @@ from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.errors import UnknownAdapterError
 from metrale.names import is_valid_name
 from metrale.peer import wire
-from metrale.peer.errors import LeaseNotFoundError, ManifestVersionError, TooManyLeasesError
+from metrale.peer.errors import (
+    DataRangeError,
+    LeaseNotFoundError,
+    ManifestVersionError,
+    TooManyLeasesError,
+)
 from metrale.peer.ids import describe_ids
 from metrale.peer.manifest import DTYPE_NAMES, MANIFEST_VERSION
 from metrale.peer.nixl_transport import endpoint_for
@@ -187,8 +192,10 @@ class AdapterExporter:
             header = {"version": MANIFEST_VERSION, "lease": {"id": lease_id, "expires_in_s": ttl},
                       "adapter_id": adapter_id, **export.header}
             if "http" in self.transports:
-                header["transports"] = {**header["transports"],
-                                        "http": {"data_path": f"/peer/v1/leases/{lease_id}/data"}}
+                # "ranges": the data route takes ?offset=&length= (an addition to wire
+                # version 3: engines that do not know it read one whole stream, as before)
+                http = {"data_path": f"/peer/v1/leases/{lease_id}/data", "ranges": True}
+                header["transports"] = {**header["transports"], "http": http}
             body = wire.encode(header, export.peft_raw, export.table)
         except BaseException:
             self._call(lambda: self.slots.table.release(slot))
@@ -219,23 +226,27 @@ class AdapterExporter:
             except LeaseNotFoundError:
                 pass  # released meanwhile
 
-    def open_data(self, lease_id: str) -> tuple[int, DataStream]:
-        """(nbytes, stream) of the leased tensors, concatenated in manifest order. The
-        caller must close the stream (exhausting it also does): until then it holds
-        the lease's slot."""
+    def open_data(self, lease_id: str, offset: int = 0,
+                  length: int | None = None) -> tuple[int, DataStream]:
+        """(nbytes, stream) of the leased tensors, concatenated in manifest order, or of
+        their bytes [offset, offset + length) (length None: to the end). The caller must
+        close the stream (exhausting it also does): until then it holds the lease's slot,
+        as every other open stream of the lease does."""
         if "http" not in self.transports:
             raise LeaseNotFoundError("this exporter does not serve the HTTP data plane")
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.expires <= self._clock():
                 raise LeaseNotFoundError(f"lease {lease_id[:16]!r} is unknown, released or expired")
+            start, stop = _byte_range(offset, length, lease.export.data_bytes)  # before the hold
             lease.streams += 1  # an expiry now waits for this stream to end
         try:
             pieces = self._host.pieces(lease.export)  # the slot is held: its bytes are the lease's
         except BaseException:
             self._end_stream(lease)
             raise
-        return lease.export.data_bytes, DataStream(pieces, lambda: self._end_stream(lease))
+        return stop - start, DataStream(_window(pieces, start, stop),
+                                        lambda: self._end_stream(lease))
 
     @property
     def open_leases(self) -> int:
@@ -321,6 +332,29 @@ class AdapterExporter:
                 lease.ref_held = False
         if drop:
             self._call(lambda: self.slots.table.release(lease.slot))
+
+
+def _byte_range(offset: int, length: int | None, size: int) -> tuple[int, int]:
+    """[start, stop) of a stream of `size` leased bytes (length None: to the end); a
+    range that is not a non-empty part of them is refused."""
+    if offset == 0 and length is None:
+        return 0, size  # the whole stream, also of an adapter of no bytes
+    stop = size if length is None else offset + length
+    if not 0 <= offset < stop <= size:
+        raise DataRangeError(f"byte range offset={offset} length={length} is not a non-empty "
+                             f"part of the lease's {size} bytes")
+    return offset, stop
+
+
+def _window(pieces: list[memoryview], start: int, stop: int) -> list[memoryview]:
+    """The bytes [start, stop) of the pieces' concatenation, as views (no copy)."""
+    out, pos = [], 0
+    for piece in pieces:
+        a, b = max(start - pos, 0), min(stop - pos, len(piece))
+        if a < b:
+            out.append(piece[a:b])
+        pos += len(piece)
+    return out
 
 
 class DataStream:

@@ -3,7 +3,8 @@
   GET    /peer/v1/adapters               list what can be leased
   POST   /peer/v1/adapters/{id}/lease    {"ttl_s": s, "manifest_version": 3} -> the lease and
                                          the manifest in one binary body (metrale.peer.wire)
-  GET    /peer/v1/leases/{lease}/data    the leased tensors, concatenated in manifest order
+  GET    /peer/v1/leases/{lease}/data    the leased tensors, concatenated in manifest order;
+                                         ?offset=A&length=N (either optional): those bytes only
   DELETE /peer/v1/leases/{lease}         release early
   GET    /peer/v1/health
 
@@ -21,11 +22,11 @@ import socket
 import threading
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 from metrale.errors import AdapterError, MetraleError, SlotBusyError, UnknownAdapterError
 from metrale.peer.allow import AllowList, as_allow_list
-from metrale.peer.errors import LeaseNotFoundError, TooManyLeasesError
+from metrale.peer.errors import DataRangeError, LeaseNotFoundError, TooManyLeasesError
 from metrale.peer.exporter import AdapterExporter, DataStream
 from metrale.peer.wire import CONTENT_TYPE
 
@@ -36,6 +37,7 @@ MAX_BODY_BYTES = 64 * 1024
 _LEASE_RE = re.compile(r"/peer/v1/adapters/([^/]{1,200})/lease")
 _DATA_RE = re.compile(r"/peer/v1/leases/([A-Za-z0-9_-]{1,64})/data")
 _RELEASE_RE = re.compile(r"/peer/v1/leases/([A-Za-z0-9_-]{1,64})")
+_RANGE_INT = re.compile(r"[0-9]{1,19}")  # plain ASCII digits: int() also takes "+1", "1_0", "١"
 _STATUS = [(LeaseNotFoundError, 404), (UnknownAdapterError, 404), (SlotBusyError, 409),
            (TooManyLeasesError, 503), (AdapterError, 422), (MetraleError, 400)]
 
@@ -55,7 +57,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(403, _error(f"client {self.client_address[0]} is not in this peer's "
                                         "client allow-list", "forbidden"))
             return
-        exporter, path = self.server.exporter, self.path.split("?", 1)[0]
+        exporter = self.server.exporter
+        path, _, query = self.path.partition("?")
         try:
             if method == "GET" and path == "/peer/v1/adapters":
                 self._send_json(200, exporter.list_adapters())
@@ -66,7 +69,7 @@ class _Handler(BaseHTTPRequestHandler):
                 reply = exporter.lease(unquote(m[1]), body.get("ttl_s"), body.get("manifest_version"))
                 self._send_bytes(200, reply.body, CONTENT_TYPE)
             elif method == "GET" and (m := _DATA_RE.fullmatch(path)):
-                self._send_data(*exporter.open_data(m[1]))
+                self._send_data(*exporter.open_data(m[1], *_data_range(query)))
             elif method == "DELETE" and (m := _RELEASE_RE.fullmatch(path)):
                 exporter.release(m[1])
                 self._send_json(200, {"released": True})
@@ -119,6 +122,25 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         finally:
             chunks.close()  # ends the stream's hold on the lease, even on a broken pipe
+
+
+def _data_range(query: str) -> tuple[int, int | None]:
+    """(offset, length) of a data request's query: each optional, each given once, plain
+    decimal digits; nothing else may be in it. Whether the range fits is the exporter's
+    to say (it knows the lease's size). Raises DataRangeError (a 400)."""
+    if not query:
+        return 0, None
+    refusal = DataRangeError(f"data query {query[:80]!r}: expected offset=<bytes>&length=<bytes>")
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True, max_num_fields=2)
+    except ValueError:  # malformed, or more than two fields
+        raise refusal from None
+    values = dict(pairs)
+    if len(values) != len(pairs) or not set(values) <= {"offset", "length"} \
+            or not all(_RANGE_INT.fullmatch(v) for v in values.values()):
+        raise refusal
+    length = values.get("length")
+    return int(values.get("offset", "0")), None if length is None else int(length)
 
 
 def _error(message: str, code: str) -> dict:

@@ -19,9 +19,11 @@ import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
+import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import AdapterPlan
+from metrale.adapters.weights_check import all_finite
 from metrale.errors import AdapterMismatchError, InvalidNameError, MetraleError
 from metrale.names import is_valid_name
 from metrale.peer.allow import AllowList, resolve_peer
@@ -39,6 +41,7 @@ from metrale.peer.manifest import (
 from metrale.peer.nixl_transport import coalesce, endpoint_for
 from metrale.peer.plans import PeerPlan, plan_cache_for
 from metrale.pool.landing import Landing
+from metrale.pool.recipe import table_rows
 from metrale.pool.staging import StagingBuffers
 from metrale.pool.swap import LoraSlots, Prepared
 
@@ -66,6 +69,23 @@ def prepare_from_peer(
     phases' timings in ms (benchmarks)."""
     return _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
                       timeout_s, peer_allow, staging, stats).prepare()
+
+
+def warm_up_nixl(lora_slots: LoraSlots) -> bool:
+    """Before the first peer landing: start the pool's NIXL endpoint (agent and memory
+    registration, ~1.3 s on the H200) and load the in-slot checks' kernels. False when
+    NIXL cannot start here (HTTP still serves)."""
+    pool = lora_slots.pool
+    try:
+        endpoint_for(pool, pool.buffer)
+    except NixlUnavailableError as e:
+        log.info("NIXL not warmed up: %s", e)
+        return False
+    all_finite(pool.slot_region(0))  # reads only
+    pool.gain_norms(0)
+    scratch = torch.zeros(2, dtype=pool.buffer.dtype, device=pool.device)
+    scratch.index_fill_(0, torch.ones(1, dtype=torch.int64, device=pool.device), 0)  # gaps' op
+    return True
 
 
 class _PeerFetch:
@@ -154,7 +174,7 @@ class _PeerFetch:
                             for t in plan.landings], dtype=np.int64) * layout.itemsize
         nbytes = manifest.table["nbytes"].astype(np.int64)
         return PeerPlan(manifest.shape_bytes, manifest.peft_raw, manifest.dtype, plan, offsets,
-                        nbytes)
+                        nbytes, table_rows(plan, layout))
 
     # --- steps ---------------------------------------------------------------------------
 
@@ -208,15 +228,16 @@ class _PeerFetch:
 
     def _http_writer(self, client: PeerClient, manifest: Manifest,
                      plan: AdapterPlan) -> Callable[[Landing], None]:
-        """Stream the bytes into pinned staging, each chunk going on to the device as it
-        arrives (StagingBuffers.stream), then the disk path's checks (NaN/Inf on the
+        """Stream the bytes into pinned staging (over several streams when the peer serves
+        ranges), each chunk going on to the device as the bytes before it are in
+        (StagingBuffers.stream), then the disk path's checks (NaN/Inf on the
         device) before any slot is touched. On CUDA the plan's recipe (B sent as Bt)
         lands it in one kernel, as a disk landing does; else typed views, one by one."""
         staging = self.staging or self.slots.staging
         pool = self.slots.pool
         start = time.perf_counter()
         data = staging.stream(plan.data_bytes, lambda out, progress: client.read_exact(
-            manifest.http_path, out, progress))
+            manifest.http_path, out, progress, ranged=manifest.http_ranges))
         recipe = pool.recipe(plan, staged_bt=True)
         if recipe is not None:
             staged = pool.stage(plan, data, recipe)  # raises, naming a tensor, on NaN/Inf
@@ -245,7 +266,7 @@ class _PeerFetch:
 
         def write(landing: Landing) -> None:
             start = time.perf_counter()
-            slot = landing.slot_range(plan)
+            slot = landing.slot_range(plan, entry.tables)
             local = [(slot.addr + off, n, endpoint.device_id) for off, n in runs.local]
             remote = [(addr, n, nixl.device) for addr, n in runs.remote]
             try:
@@ -255,6 +276,8 @@ class _PeerFetch:
                 endpoint.forget_remote(agent)  # reconnect from fresh metadata next time
                 raise
             mid = time.perf_counter()
+            transport = endpoint.transport_of(agent)
+            stats["ucx_transport"] = transport.name if transport is not None else None
             if runs.gaps:
                 landing.zero_elements(runs.gap_elements(itemsize, self.slots.pool.device))
             landing.check_written(plan)

@@ -75,6 +75,7 @@ class Manifest:
     table: np.ndarray = field(repr=False)  # wire.RECORD[n], manifest order
     data_bytes: int
     http_path: str | None
+    http_ranges: bool  # the data route serves byte ranges (so several streams can share it)
     nixl: NixlInfo | None
     peft_raw: bytes = field(repr=False)  # the PEFT config's JSON, parsed only when planning
     shape_bytes: bytes = field(repr=False)  # the table without addresses (the plan's input)
@@ -176,11 +177,12 @@ def _parse(doc: dict, wire: WireReply, layout: SlotLayout, source: str,
     transports = doc.get("transports")
     if not isinstance(transports, dict):
         raise PeerManifestError(f"{source}: manifest has no transports object")
+    http_path, http_ranges = _http(transports.get("http"), source)
     return Manifest(
         adapter_id=_str(doc, "adapter_id", source), name=_str(doc, "name", source),
         uid=_int(doc, "uid", source), generation=_int(doc, "generation", source),
         dtype=dtype, table=table, data_bytes=data_bytes,
-        http_path=_http_path(transports.get("http"), source),
+        http_path=http_path, http_ranges=http_ranges,
         nixl=_nixl(transports.get("nixl"), table, source), peft_raw=wire.peft,
         shape_bytes=shapes,
     )
@@ -391,14 +393,18 @@ def _class_end(pattern: str, i: int) -> int:
     return i + 1
 
 
-def _http_path(doc: object, source: str) -> str | None:
+def _http(doc: object, source: str) -> tuple[str | None, bool]:
+    """(data path, serves ranges); a peer older than ranges says nothing of them."""
     if doc is None:
-        return None
+        return None, False
     path = doc.get("data_path") if isinstance(doc, dict) else None
     # A path on the same peer only: a URL could point the engine at any host.
     if not isinstance(path, str) or not DATA_PATH_RE.fullmatch(path):
         raise PeerManifestError(f"{source}: http data_path {_short(path)} is not /peer/v1/leases/<id>/data")
-    return path
+    ranges = doc.get("ranges", False)
+    if not isinstance(ranges, bool):
+        raise PeerManifestError(f"{source}: http ranges {_short(ranges)} is not true or false")
+    return path, ranges
 
 
 def _nixl(doc: object, table: np.ndarray, source: str) -> NixlInfo | None:

@@ -10,7 +10,10 @@ import logging
 import os
 from types import ModuleType
 
+import torch
+
 from metrale.peer.errors import NIXL_PIP, NixlUnavailableError
+from metrale.peer.ucx import configure_ucx
 
 MODULE_NAMES = ("nixl_cu13", "nixl_cu12", "nixl")
 
@@ -22,6 +25,7 @@ def load_nixl() -> ModuleType:
     global _cached
     if _cached is not None:
         return _cached
+    configure_ucx(torch.cuda.is_available())  # UCX reads its environment when it loads
     failures = []
     for name in MODULE_NAMES:
         try:

@@ -24,6 +24,7 @@ import torch
 from metrale.peer.deadline import Deadline
 from metrale.peer.errors import NixlUnavailableError, PeerTimeoutError, PeerTransferError
 from metrale.peer.nixl_shim import load_nixl
+from metrale.peer.ucx import Transport, configure_ucx
 
 log = logging.getLogger("metrale.peer")
 
@@ -56,6 +57,19 @@ def endpoint_for(owner: object, buffer: torch.Tensor) -> NixlEndpoint:
         return ep
 
 
+def transports_in_use() -> dict[str, int]:
+    """How many connected peers each UCX transport carries, over this process's
+    endpoints ("unreported" when UCX did not say): for /metrics."""
+    counts: dict[str, int] = {}
+    with _endpoints_lock:
+        endpoints = list(_endpoints.values())
+    for endpoint in endpoints:
+        for transport in endpoint.transports():
+            name = transport.config if transport is not None else "unreported"
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 class NixlEndpoint:
     def __init__(self, buffer: torch.Tensor) -> None:
         nixl = load_nixl()
@@ -69,6 +83,7 @@ class NixlEndpoint:
         self._lock = threading.Lock()  # the agent runs without NIXL's own locking
         self._remotes: dict[bytes, str] = {}  # agent metadata -> loaded remote agent name
         self._prepped: dict = {}  # (agent name, mem type, descs) -> prepped dlist; LRU order
+        self._transports: dict[str, Transport | None] = {}  # remote agent -> what UCX chose
         try:
             # The progress thread lets peers READ from us over transports (UCX TCP)
             # that need the target side to make progress.
@@ -121,6 +136,7 @@ class NixlEndpoint:
                 del self._remotes[md]
             for key in [k for k in self._prepped if k[0] == name]:
                 self._release_dlist(self._prepped.pop(key))
+            self._transports.pop(name, None)
             try:
                 self._agent.remove_remote_agent(name)
             except Exception as e:  # already gone: nothing to drop
@@ -152,6 +168,28 @@ class NixlEndpoint:
                 self._run(handle, deadline)
             finally:
                 self._release(handle)
+            if remote_agent not in self._transports:
+                self._transports[remote_agent] = self._report_transport(remote_agent)
+
+    def transports(self) -> list[Transport | None]:
+        # no lock: read() holds it for a whole transfer; copying a dict is atomic in CPython
+        return list(self._transports.values())
+
+    def transport_of(self, remote_agent: str) -> Transport | None:
+        """What UCX chose to carry READs from `remote_agent` (None: not reported)."""
+        return self._transports.get(remote_agent)
+
+    def _report_transport(self, remote_agent: str) -> Transport | None:
+        transport = configure_ucx().read_transport(self.name)
+        if transport is None:
+            log.info("nixl: UCX did not report the transport for %s (UCX_PROTO_INFO or "
+                     "UCX_LOG_FILE set by the user)", remote_agent)
+        elif transport.slow:
+            log.warning("nixl: %s", transport.advice())
+        else:
+            log.info("nixl: READs from %s go over %s (%s)", remote_agent, transport.config,
+                     transport.description)
+        return transport
 
     def _prepped_dlist(self, agent_name: str, descs: tuple[Desc, ...], mem: str):
         key = (agent_name, mem, descs)
@@ -228,10 +266,12 @@ class Runs:
     gap_index: object = None  # element indices of the gaps, a device tensor once built
 
     def gap_elements(self, itemsize: int, device) -> torch.Tensor:
-        if self.gap_index is None:
-            parts = [torch.arange(off // itemsize, (off + n) // itemsize) for off, n in self.gaps]
-            idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-            self.gap_index = idx.to(device)
+        if self.gap_index is None:  # one arange for all gaps: an 8B slot has ~220 of them
+            gaps = np.array(self.gaps, dtype=np.int64).reshape(-1, 2) // itemsize
+            starts, lengths = gaps[:, 0], gaps[:, 1]
+            before = np.cumsum(lengths) - lengths  # elements of earlier gaps
+            idx = np.arange(lengths.sum()) + np.repeat(starts - before, lengths)
+            self.gap_index = torch.from_numpy(idx).to(device)
         return self.gap_index
 
 

@@ -90,9 +90,10 @@ class StagingBuffers:
     def stream(self, nbytes: int,
                fill: Callable[[memoryview, Callable[[int], None] | None], None]) -> torch.Tensor:
         """nbytes from a byte stream, on the device (the host buffer on a CPU engine).
-        fill(out, progress) must fill `out` in order and call progress(n) as the first n
-        bytes are in; every CHUNK that completes goes on to the device while the next
-        one arrives, as read_file's pieces do. Raises whatever fill raises."""
+        fill(out, progress) must fill `out` and call progress(n), n growing and from the
+        calling thread only, as the first n bytes are in; every CHUNK that completes goes
+        on to the device while the next one arrives, as read_file's pieces do. Raises
+        whatever fill raises."""
 
         def fill_host(host: torch.Tensor, upload: Callable[[int, int], None] | None) -> None:
             out = memoryview(host.numpy())

@@ -11,6 +11,7 @@ from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from metrale.peer.nixl_transport import transports_in_use
 from metrale.server.vllm_metrics import VllmMetrics
 
 log = logging.getLogger("metrale.server")
@@ -54,6 +55,9 @@ class ServerMetrics:
             "metrale_pool_full_waits", "Requests that had to wait for a free adapter slot")
         self.pool_full_waiting = gauge(
             "metrale_pool_full_waiting", "Requests waiting for a free adapter slot now")
+        self.peer_transports = gauge(
+            "metrale_peer_transport", "Peers this process READs adapters from over NIXL, by "
+            "the UCX transport carrying them (e.g. cuda_ipc/cuda)", ["transport"])
         self.waiting = gauge("metrale_requests_waiting", "Requests queued (not running)")
         self.running = gauge("metrale_requests_running", "Sequences running")
         self.generated_tokens = counter(
@@ -81,6 +85,9 @@ class ServerMetrics:
         self.vllm = VllmMetrics(r if vllm_series else CollectorRegistry(), model_name)
 
     def exposition(self) -> bytes:
+        self.peer_transports.clear()
+        for transport, peers in transports_in_use().items():
+            self.peer_transports.labels(transport).set(peers)
         return generate_latest(self.registry)
 
     def on_landing(self, event) -> None:

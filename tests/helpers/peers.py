@@ -19,6 +19,7 @@ import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
 
 import torch
 
@@ -185,11 +186,15 @@ class FakePeer:
     """list -> `ids` (what engines check at registration); lease -> `lease_reply` (a
     reply in its logical form, sent through wire.encode_doc, or raw bytes); data ->
     `data`, delivered per `mode`:
-    full | half-close | half-stall | long | long-unannounced."""
+    full | half-close | half-stall | long | long-unannounced.
+    With `ranges`, a data request's ?offset=&length= picks those bytes of `data`, and
+    `mode` may be {offset: mode} (full for the offsets it leaves out); without, the
+    query is ignored, as a peer older than ranges does."""
 
-    def __init__(self, lease_reply, data: bytes = b"", mode: str = "full",
-                 ids: tuple[str, ...] = ("a",)) -> None:
+    def __init__(self, lease_reply, data: bytes = b"", mode: str | dict[int, str] = "full",
+                 ids: tuple[str, ...] = ("a",), ranges: bool = False) -> None:
         self.lease_reply, self.data, self.mode, self.ids = lease_reply, data, mode, ids
+        self.ranges = ranges
         self.requests: list[tuple[str, str]] = []
         self.release_stall = threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -240,7 +245,7 @@ class FakePeer:
                     self.end_headers()
                     self.wfile.write(raw)
                     return
-                data, mode = peer.data, peer.mode
+                data, mode = peer._part(self.path)
                 self.send_response(200)
                 if mode == "long":
                     data += b"\0" * 8
@@ -258,3 +263,11 @@ class FakePeer:
                 self.close_connection = True
 
         return Handler
+
+    def _part(self, path: str) -> tuple[bytes, str]:
+        """The bytes and mode of one data request."""
+        query = dict(parse_qsl(urlsplit(path).query)) if self.ranges else {}
+        offset = int(query.get("offset", 0))
+        stop = offset + int(query["length"]) if "length" in query else len(self.data)
+        mode = self.mode.get(offset, "full") if isinstance(self.mode, dict) else self.mode
+        return self.data[offset:stop], mode
