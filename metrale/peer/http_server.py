@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import socket
+import sys
 import threading
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -159,6 +160,14 @@ class PeerHTTPServer(ThreadingHTTPServer):
             self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
         self._thread: threading.Thread | None = None
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that hangs up (an engine releasing a lease closes without reading the
+        answer) is routine here, not a traceback on stderr."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("peer http: %s hung up", client_address)
+            return
+        super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:

@@ -47,21 +47,26 @@ class PeerPlan:
 class PlanCache:
     def __init__(self) -> None:
         self._entries: OrderedDict[tuple[str, str], PeerPlan] = OrderedDict()
+        self._newest: dict[str, PeerPlan] = {}  # peer -> its latest entry
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     def get(self, peer: str, adapter_id: str) -> PeerPlan | None:
+        """This adapter's entry, else the peer's newest (a publisher's next version under
+        a new id): either is reused only if the reply's bytes equal it."""
         with self._lock:
             entry = self._entries.get((peer, adapter_id))
             if entry is not None:
                 self._entries.move_to_end((peer, adapter_id))
-            return entry
+                return entry
+            return self._newest.get(peer)
 
     def put(self, peer: str, adapter_id: str, entry: PeerPlan) -> None:
         """Remember (or replace: the peer's layout changed) the entry of this adapter."""
         with self._lock:
             self._entries[(peer, adapter_id)] = entry
             self._entries.move_to_end((peer, adapter_id))
+            self._newest[peer] = entry
             while len(self._entries) > MAX_ENTRIES:
                 self._entries.popitem(last=False)
 

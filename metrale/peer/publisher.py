@@ -1,0 +1,160 @@
+"""A trainer's side of a push: adapter versions published from this process's memory.
+
+An RL loop changes its LoRA every few steps and wants the serving engine on the new
+version for the next rollouts. AdapterPublisher lands {PEFT key: tensor} (a PEFT model's
+state dict, on the trainer's GPU) into a slot of a small pool of its own, through the
+checks a disk landing makes (plan against the model, NaN/Inf), under a fresh id, and
+serves it over the peer protocol (NIXL where it runs, the HTTP stream otherwise), as a
+peer store does; no file is written. push() then asks a running `metrale serve` (or an
+`LLM` in the same process) to register the id as a new version of a name: requests in
+flight finish on the old version, every later one gets the new one.
+
+Only the newest version is ever landed later (the registry routes new requests to it),
+so the pool keeps it and reuses the older slots, except one a lease still reads from.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from metrale.adapters.peft_config import PeftAdapterConfig
+from metrale.adapters.plan import AdapterPlan, plan_from_tensors, resolve_targets
+from metrale.adapters.safetensors_file import FLOAT_DTYPES, TensorEntry
+from metrale.config import EXTRA_TARGETS, LINEAR_MODULES, ModelConfig, PoolConfig
+from metrale.errors import AdapterConfigError
+from metrale.peer.exporter import AdapterExporter
+from metrale.peer.http_server import PeerHTTPServer
+from metrale.peer.store import resolve_transports
+from metrale.pool.swap import LoraSlots, Prepared
+
+log = logging.getLogger("metrale.peer")
+
+_SAFETENSORS_DTYPE = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
+
+
+def _plain(value: object) -> object:
+    """JSON for what PEFT's LoraConfig.to_dict holds besides plain values (sets, enums)."""
+    return sorted(value) if isinstance(value, set | frozenset) else str(value)
+
+
+class _Ids:
+    """id -> slot of the published versions still served (the exporter's SlotNames)."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, int] = {}
+
+    def slot_of(self, name: str) -> int | None:
+        return self._slots.get(name)
+
+    def routes(self) -> dict[str, int]:
+        return dict(self._slots)
+
+    def put(self, name: str, slot: int) -> None:
+        self._slots = {n: s for n, s in self._slots.items() if s != slot} | {name: slot}
+
+
+class AdapterPublisher:
+    def __init__(self, model_dir: str | Path, peft_config: Mapping | object, *,
+                 device: str = "cuda", dtype: torch.dtype = torch.bfloat16, slots: int = 3,
+                 host: str = "127.0.0.1", port: int = 0, transport: str = "auto",
+                 prefix: str = "v") -> None:
+        """peft_config: the LoRA config of every version (a dict or PEFT's LoraConfig);
+        the pool is sized to it. slots >= 2: the newest version and one being read."""
+        if slots < 2:
+            raise AdapterConfigError(f"slots must be >= 2 (the newest and one being read), got {slots}")
+        raw = peft_config if isinstance(peft_config, Mapping) else peft_config.to_dict()
+        self.config = PeftAdapterConfig.from_dict(json.loads(json.dumps(raw, default=_plain)))
+        model = ModelConfig.from_dir(model_dir)
+        probe = PoolConfig(1, self.config.max_rank(), LINEAR_MODULES, extra_targets=EXTRA_TARGETS)
+        modules = {t.module for t in resolve_targets(self.config, model, probe)}
+        pool = PoolConfig(slots, self.config.max_rank(),
+                          tuple(m for m in LINEAR_MODULES if m in modules) or LINEAR_MODULES[:1],
+                          extra_targets=tuple(m for m in EXTRA_TARGETS if m in modules))
+        self.slots = LoraSlots(model, pool, device, dtype)
+        self.ids, self._newest = _Ids(), None
+        self._lock = threading.Lock()  # the slot table: publishes here, leases on HTTP threads
+        self._versions = itertools.count(1)
+        self._plans: dict[tuple, AdapterPlan] = {}  # tensor layout -> its plan (the last one)
+        self.prefix = prefix
+        self.exporter = AdapterExporter(self.slots, self.ids, call=self._call,
+                                        peft_for=lambda _: self.config,
+                                        transports=resolve_transports(transport)).start()
+        self.server = PeerHTTPServer(self.exporter, host, port).start()
+        self.address = self.server.url.removeprefix("http://")
+
+    def _call(self, fn: Callable[[], object]) -> object:
+        with self._lock:
+            return fn()
+
+    def publish(self, tensors: Mapping[str, torch.Tensor]) -> str:
+        """Land a new version of the adapter from `tensors` (PEFT's keys, e.g. a
+        get_peft_model_state_dict); returns its source, peer://host:port/<id>."""
+        version = next(self._versions)
+        adapter_id = f"{self.prefix}{version}"
+        prepared = self._prepare(tensors)
+        with self._lock:
+            newest = () if self._newest is None else (self._newest,)
+            slot = self.slots.table.select_victim(pinned=newest)  # POOL_FULL: all being read
+            self.slots.land(slot, version, prepared)
+            self.ids.put(adapter_id, slot)
+            self._newest = slot
+        return f"peer://{self.address}/{adapter_id}"
+
+    def _prepare(self, tensors: Mapping[str, torch.Tensor]) -> Prepared:
+        """The tensors as one data section on the pool's device, planned and checked."""
+        entries, parts, offset = [], [], 0
+        for key, tensor in tensors.items():
+            dtype = _SAFETENSORS_DTYPE.get(tensor.dtype)
+            if dtype is None:
+                raise AdapterConfigError(f"tensor {key!r}: dtype {tensor.dtype} is not a float dtype")
+            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            entries.append(TensorEntry(key, dtype, tuple(tensor.shape), offset, offset + data.numel()))
+            parts.append(data.to(self.slots.pool.device, non_blocking=True))
+            offset += data.numel()
+        pool = self.slots.pool
+        layout = tuple((e.name, e.dtype, e.shape) for e in entries)
+        plan = self._plans.get(layout)
+        if plan is None:  # a training loop pushes one layout: planned once (~10 ms on an 8B)
+            plan = plan_from_tensors("published", self.config, "publisher", entries, offset,
+                                     self.slots.model_config, self.slots.pool_config)
+            self._plans = {layout: plan}
+        data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=pool.device)
+        if plan.spans:  # keys that land nowhere (e.g. frozen copies) are not staged
+            data = torch.cat([data[a:b] for a, b in plan.spans])
+        staged = pool.stage(plan, data, pool.recipe(plan))  # raises on NaN/Inf, naming a tensor
+        return Prepared(lambda landing: landing.write_staged(staged))
+
+    def push(self, name: str, tensors: Mapping[str, torch.Tensor], *, server: str | None = None,
+             llm=None, api_key: str | None = None, timeout_s: float = 30.0) -> str:
+        """publish(), then register the result as the new version of `name` on a running
+        server (its base URL; vLLM's /v1/load_lora_adapter with load_inplace) or an LLM
+        in this process. Returns the version's source."""
+        source = self.publish(tensors)
+        start = time.perf_counter()
+        if llm is not None:
+            llm.register_adapter(name, source, reload=True)
+        elif server is not None:
+            body = json.dumps({"lora_name": name, "lora_path": source, "load_inplace": True})
+            request = urllib.request.Request(f"{server.rstrip('/')}/v1/load_lora_adapter",
+                                             body.encode(), {"Content-Type": "application/json"})
+            if api_key is not None:
+                request.add_header("Authorization", f"Bearer {api_key}")
+            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+                reply.read()
+        else:
+            raise ValueError("push needs a server URL or an LLM")
+        log.info("pushed %s as %r in %.2f ms", source, name, (time.perf_counter() - start) * 1e3)
+        return source
+
+    def close(self) -> None:
+        self.server.close()
+        self.exporter.close()
