@@ -49,10 +49,11 @@ class Transport:
             self.into_gpu and not self.name.startswith(GPU_DIRECT))
 
     def advice(self) -> str:
-        setting = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
-        fix = ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (it is set to " f"{setting!r})" if setting
-               not in (None, "y", "yes", "on", "1") else "UCX_TLS including cuda_ipc (same host) "
-               "or an RDMA device (across hosts)")
+        setting = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+        if setting.lower() not in ("y", "yes", "on", "1"):
+            fix = f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (it is set to {setting!r})"
+        else:
+            fix = "UCX_TLS to include cuda_ipc (same host) or an RDMA device (across hosts)"
         return f"NIXL READ runs over {self.config} ({self.description}); set {fix}"
 
 
