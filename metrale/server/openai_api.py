@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import metrale
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.sampling_params import SamplingParams
-from metrale.errors import UnknownAdapterError
+from metrale.errors import AdapterExistsError, UnknownAdapterError
 from metrale.names import is_valid_name
 from metrale.server.auth import require_user
 from metrale.server.engine_api import EngineAPI, app_context
@@ -59,6 +59,18 @@ def resolve_adapter(body: GenerationRequest, settings: ServerSettings) -> str | 
     if not name or name == settings.model_id:
         return None if explicit else settings.default_adapter
     return name
+
+
+async def register_from_sources(engine: EngineAPI, settings: ServerSettings, name: str) -> None:
+    """A name no one registered yet, found in an --adapter-source, is registered now (the
+    engine's own 404 follows when no source holds it); a request racing for the same
+    name finds it registered."""
+    if settings.adapter_sources is None or not is_valid_name(name) or await engine.is_known(name):
+        return
+    path = await asyncio.to_thread(settings.adapter_sources.find, name)
+    if path is not None:
+        with contextlib.suppress(AdapterExistsError):
+            await engine.register(name, path)
 
 
 def _max_tokens(requested: int | None, default: int, settings: ServerSettings,
@@ -106,6 +118,8 @@ async def _respond(request: Request, body: GenerationRequest, prompt: str | list
                    logprobs: bool) -> Response:
     engine, settings = app_context(request)
     adapter = resolve_adapter(body, settings)
+    if adapter is not None:
+        await register_from_sources(engine, settings, adapter)
     # `model` names what served the request: the adapter (also a server default one), or
     # the base model; never the alias the client sent
     fmt = formatter(adapter or settings.model_id, token_text(engine.tokenizer), logprobs)
@@ -221,8 +235,10 @@ async def _check_model(body: TokenizeRequest | DetokenizeRequest, engine: Engine
     name = body.model
     if name and name not in (settings.model_id, "base"):
         adapter = name.rpartition(":")[2]
-        if adapter not in (settings.model_id, "base") and not await engine.is_known(adapter):
-            raise unknown_model(name, settings)
+        if adapter not in (settings.model_id, "base"):
+            await register_from_sources(engine, settings, adapter)
+            if not await engine.is_known(adapter):
+                raise unknown_model(name, settings)
 
 
 @router.post("/tokenize")

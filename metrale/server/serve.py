@@ -14,6 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from metrale.adapters.sources import AdapterSources
 from metrale.config import ConfigError, SchedulerConfig, check_extra_targets
 from metrale.model.default_model import cache_root, default_model_dir
 from metrale.server.settings import ServerSettings, is_loopback
@@ -109,7 +110,9 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
     if args.no_runtime_swaps:
         engine.lora.disable_runtime_swaps()
 
-    settings = ServerSettings(**settings_fields(args, model_dir.name, adapter_roots))
+    sources = AdapterSources(args.adapter_source) if args.adapter_source else None
+    settings = ServerSettings(**settings_fields(args, model_dir.name, adapter_roots),
+                              adapter_sources=sources)
     async_engine = AsyncEngine(engine, on_fatal=_exit_on_engine_failure)
     if args.peer_export_port is not None:
         server = async_engine.export(args.host, args.peer_export_port, tuple(args.peer_allow),
@@ -180,6 +183,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow loading adapters by path at run time, only inside DIR (repeatable; "
                         "default: none, or <metrale cache>/adapter-root when serving the "
                         "embedded default model)")
+    p.add_argument("--adapter-source", action="append", default=[], metavar="DIR",
+                   help="look up an adapter a request names before anyone registered it as the "
+                        "PEFT directory DIR/NAME (NAME may be org/adapter), and register it "
+                        "(repeatable, searched in order; names found nowhere are remembered as "
+                        "missing for 30 s; default: off)")
     p.add_argument("--max-loras", type=int, default=4,
                    help="adapter slots on the device; more adapters than slots are promoted "
                         "on demand (default: %(default)s)")

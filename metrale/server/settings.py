@@ -7,6 +7,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from metrale.adapters.sources import AdapterSources
 from metrale.errors import UnknownAdapterError
 from metrale.names import shown
 
@@ -29,6 +30,8 @@ class ServerSettings:
     api_key: str | None = None  # inference endpoints
     admin_key: str | None = None  # every mutation endpoint
     adapter_roots: tuple[Path, ...] = ()  # path-based loading only inside these; none = refused
+    # names a request sends before anyone registered them are looked up here (None: off)
+    adapter_sources: AdapterSources | None = None
     max_tokens_limit: int = 2048
     max_body_bytes: int = 1 << 20
     # With an API key set, /metrics and the API docs need it too unless opened here:

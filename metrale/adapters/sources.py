@@ -1,0 +1,71 @@
+"""Where a server looks up an adapter that a request names before anyone registered it
+(`--adapter-source DIR`, off by default): a directory tree the operator allows, in
+which the name `org/adapter` is the PEFT directory DIR/org/adapter. A name found is
+registered like any other (versions, reloads, pins); a name found nowhere is remembered
+as missing for NEGATIVE_TTL_S, so a stream of requests for it costs one look-up.
+
+A name is checked by the adapter-name rule first (no '..', no leading '/', ...), and the
+directory it resolves to, symlinks followed, must still lie inside the source.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from metrale.config import ConfigError
+from metrale.names import validate_adapter_name
+
+NEGATIVE_TTL_S = 30.0
+MAX_REMEMBERED_MISSES = 10_000
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+class DirectorySource:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        if not self.root.is_dir():
+            raise ConfigError(f"adapter source {root} is not a directory")
+
+    def find(self, name: str) -> Path | None:
+        """The PEFT directory `name` names under this source, or None."""
+        path = (self.root / name).resolve()
+        if not path.is_relative_to(self.root):  # a symlink out of the source
+            return None
+        return path if all((path / f).is_file() for f in ADAPTER_FILES) else None
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+
+class AdapterSources:
+    """The sources in order, with the names found in none remembered for a while."""
+
+    def __init__(self, roots: Iterable[str | Path], negative_ttl_s: float = NEGATIVE_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sources = tuple(DirectorySource(r) for r in roots)
+        self.negative_ttl_s, self._clock = negative_ttl_s, clock
+        self._missing: OrderedDict[str, float] = OrderedDict()  # name -> remembered until
+        self._lock = threading.Lock()  # requests look up from worker threads
+
+    def find(self, name: str) -> Path | None:
+        """Raises InvalidNameError for a name the rule refuses; None when no source holds it."""
+        validate_adapter_name(name)
+        with self._lock:
+            now = self._clock()
+            until = self._missing.get(name)
+            if until is not None and now < until:
+                return None
+            for source in self.sources:
+                path = source.find(name)
+                if path is not None:
+                    self._missing.pop(name, None)
+                    return path
+            self._missing[name] = now + self.negative_ttl_s
+            self._missing.move_to_end(name)
+            while len(self._missing) > MAX_REMEMBERED_MISSES:
+                self._missing.popitem(last=False)
+            return None
