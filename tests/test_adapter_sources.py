@@ -80,7 +80,7 @@ def test_a_request_registers_and_is_served_as_an_explicit_registration(tmp_path)
     llm = LLM(tmp_path / "model", max_loras=2, max_lora_rank=8, max_model_len=64,
               block_size=4, num_kv_blocks=64)
     llm.register_adapter("explicit", tmp_path / "src" / "org" / "a")
-    settings = ServerSettings(model_id="model", adapter_sources=AdapterSources([tmp_path / "src"]))
+    settings = ServerSettings(model_id="model", adapter_sources=(tmp_path / "src",))
     body = {"prompt": "hello world", "max_tokens": 6, "temperature": 0, "logprobs": 1}
     with TestClient(create_app(AsyncEngine(llm.engine), settings)) as client:
         def complete(model):

@@ -122,8 +122,11 @@ def cluster(tmp_path_factory):
         spec = ReplicaSpec(model=str(world["model"]), registry_name="metrale-test-registry",
                            registry_namespace=NS, internal_key=KEY, max_loras=2,
                            max_lora_rank=8, max_model_len=1024, peer_transport="http")
+        sources = world["model"].parent / "sources"  # org/d: adapter d, named by requests only
+        shutil.copytree(world["adapters"] / "d", sources / "org" / "d")
         deploy(spec, ClusterConfig(replicas=2, stats_period_s=0.5),
-               {"model_id": world["model"].name, "adapter_roots": (world["adapters"],)})
+               {"model_id": world["model"].name, "adapter_roots": (world["adapters"],),
+                "adapter_sources": (str(sources),)})
         c = Cluster(f"http://127.0.0.1:{port}", world)
         wait_for("both replicas joined the registry", lambda: len(c.replicas()) == 2,
                  failed=lambda: serve_failure(ray_dir))
@@ -293,6 +296,16 @@ def _kill(replica_id: str) -> None:
     (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                if a["name"].startswith("SERVE_REPLICA::") and replica_id in a["name"]]
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def test_a_source_adapter_is_registered_cluster_wide_on_first_request(cluster):
+    r = cluster.complete(PROMPTS[1], "org/d")
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == cluster.ref.text(PROMPTS[1], "d", 8)
+    for rid, rep in cluster.replicas().items():  # registered on every replica
+        r = cluster.complete(PROMPTS[1], "org/d", url=rep["url"])
+        assert r.status_code == 200, (rid, r.text)
+    assert cluster.complete(PROMPTS[1], "org/none").status_code == 404
 
 
 def test_killing_a_replica_loses_no_retryable_request(cluster):

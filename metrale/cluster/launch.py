@@ -90,8 +90,6 @@ def serve_cluster(args: argparse.Namespace, on_demand: dict[str, Path] | None = 
         torch_threads=args.replica_threads)
     cluster = ClusterConfig(replicas=args.replicas,
                             router=RouterConfig(args.router_epsilon, args.router_spread_queue))
-    if args.adapter_source:
-        raise SystemExit("metrale: --adapter-source is not supported with --replicas yet")
     settings_kwargs = settings_fields(args, model_dir.name, [str(r.resolve()) for r in adapter_roots])
     # one GPU per replica (Ray places them); on a CPU host, --replica-threads cores each
     resources = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": args.replica_threads}

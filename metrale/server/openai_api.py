@@ -65,9 +65,9 @@ async def register_from_sources(engine: EngineAPI, settings: ServerSettings, nam
     """A name no one registered yet, found in an --adapter-source, is registered now (the
     engine's own 404 follows when no source holds it); a request racing for the same
     name finds it registered."""
-    if settings.adapter_sources is None or not is_valid_name(name) or await engine.is_known(name):
+    if settings.sources is None or not is_valid_name(name) or await engine.is_known(name):
         return
-    path = await asyncio.to_thread(settings.adapter_sources.find, name)
+    path = await asyncio.to_thread(settings.sources.find, name)
     if path is not None:
         with contextlib.suppress(AdapterExistsError):
             await engine.register(name, path)

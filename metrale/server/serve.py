@@ -14,7 +14,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from metrale.adapters.sources import AdapterSources
 from metrale.config import ConfigError, SchedulerConfig, check_extra_targets
 from metrale.model.default_model import cache_root, default_model_dir
 from metrale.server.settings import ServerSettings, is_loopback
@@ -110,9 +109,7 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
     if args.no_runtime_swaps:
         engine.lora.disable_runtime_swaps()
 
-    sources = AdapterSources(args.adapter_source) if args.adapter_source else None
-    settings = ServerSettings(**settings_fields(args, model_dir.name, adapter_roots),
-                              adapter_sources=sources)
+    settings = ServerSettings(**settings_fields(args, model_dir.name, adapter_roots))
     async_engine = AsyncEngine(engine, on_fatal=_exit_on_engine_failure)
     if args.peer_export_port is not None:
         server = async_engine.export(args.host, args.peer_export_port, tuple(args.peer_allow),
@@ -127,6 +124,7 @@ def settings_fields(args: argparse.Namespace, model_id: str, adapter_roots) -> d
                 api_key=args.api_key or os.environ.get("METRALE_API_KEY") or None,
                 admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
                 adapter_roots=tuple(adapter_roots), max_tokens_limit=args.max_tokens_limit,
+                adapter_sources=tuple(args.adapter_source),
                 public_metrics=args.public_metrics, public_docs=args.public_docs)
 
 

@@ -30,8 +30,8 @@ class ServerSettings:
     api_key: str | None = None  # inference endpoints
     admin_key: str | None = None  # every mutation endpoint
     adapter_roots: tuple[Path, ...] = ()  # path-based loading only inside these; none = refused
-    # names a request sends before anyone registered them are looked up here (None: off)
-    adapter_sources: AdapterSources | None = None
+    # names a request sends before anyone registered them are looked up here (none: off)
+    adapter_sources: tuple[Path, ...] = ()
     max_tokens_limit: int = 2048
     max_body_bytes: int = 1 << 20
     # With an API key set, /metrics and the API docs need it too unless opened here:
@@ -47,6 +47,8 @@ class ServerSettings:
         # Resolve once: a root that is itself a symlink is trusted as configured,
         # and containment checks compare resolved paths on both sides.
         self.adapter_roots = tuple(Path(r).resolve(strict=True) for r in self.adapter_roots)
+        self.adapter_sources = tuple(Path(r) for r in self.adapter_sources)
+        self.sources = AdapterSources(self.adapter_sources) if self.adapter_sources else None
         if self.max_tokens_limit < 1:
             raise ValueError("max_tokens_limit must be >= 1")
 
