@@ -1,5 +1,6 @@
 """Load Hugging Face safetensors weights (one file or sharded with an index)
-into LlamaForCausalLM, fusing q/k/v and gate/up as they stream in."""
+into LlamaForCausalLM, fusing q/k/v and gate/up as they stream in (and dequantizing
+an FP8 checkpoint's weights: metrale.model.quantization)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from safetensors import safe_open
 
 from metrale.config import ConfigError, ModelConfig
 from metrale.model.llama import LlamaForCausalLM
+from metrale.model.quantization import FP8_DTYPES, Fp8Scheme, scheme_of
 
 # HF name suffix -> (our parameter suffix, shard index within the fused weight)
 _FUSED = {
@@ -43,20 +45,41 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     model.rotary.build()  # computed buffers, not weights
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    scheme = scheme_of(model_dir)
+    scales = _scales(model_dir, scheme) if scheme is not None else {}
     for path in weight_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
+                if scheme is not None and (scheme.is_scale(name) or scheme.is_skipped(name)):
+                    continue
                 target, shard = param_name(name)
                 if target is None or (target == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
                 if target not in params:
                     raise ConfigError(f"{path}: unexpected weight {name} for a {cfg.model_type} model")
-                copy_weight(params[target], f.get_tensor(name), target, shard, cfg)
+                tensor = f.get_tensor(name)
+                if tensor.dtype in FP8_DTYPES:
+                    if scheme is None:
+                        raise ConfigError(f"{name} is float8 but config.json has no "
+                                          "quantization_config")
+                    tensor = scheme.dequantize(name, tensor, scales.get(
+                        name.removesuffix("weight") + scheme.scale_suffix))
+                copy_weight(params[target], tensor, target, shard, cfg)
                 loaded.add(f"{target}#{shard}")
     _check_complete(params, loaded, cfg)
     model.to(dtype).eval()
     model.rotary.build()  # rotary tables stay float32 whatever the weights are
     return model
+
+
+def _scales(model_dir: Path, scheme: Fp8Scheme) -> dict[str, torch.Tensor]:
+    """Every weight scale of the checkpoint (a few floats per weight), by name: a shard
+    may hold a weight and another its scale."""
+    found = {}
+    for path in weight_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            found.update({n: f.get_tensor(n) for n in f.keys() if scheme.is_scale(n)})
+    return found
 
 
 def param_name(hf: str) -> tuple[str | None, int | None]:

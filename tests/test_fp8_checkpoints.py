@@ -1,0 +1,131 @@
+"""FP8 checkpoints in the formats users have (block-wise `fp8` with weight_scale_inv,
+compressed-tensors float-quantized per tensor and per channel) load through the
+dequantizing reference path: greedy tokens equal transformers + PEFT on the dequantized
+weights, for the base and for mixed adapters in one batch. Other quantization configs
+are refused at start, naming the field.
+
+The checkpoints are made here from a tiny random Llama: its linear weights quantized to
+float8_e4m3fn with scales chosen per block / tensor / channel; the reference weights are
+dequantized here, independently of metrale's loader."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from metrale import LLM, SamplingParams
+from metrale.config import ConfigError
+from tests.helpers.reference import hf_greedy
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
+
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8_MAX = 448.0
+PROMPTS = [[5, 17, 99, 3, 42, 8], [61, 2, 9, 13, 200, 7, 1]]
+GEN = 6
+
+
+def quantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_checkpoint(base, path, fmt: str):
+    """Write base as an FP8 checkpoint of format fmt; returns the dequantized state dict."""
+    save_model(base, path)
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    tensors, dequantized = {}, {}
+    for name, w in state.items():
+        if not any(f".{m}." in name for m in LINEAR):
+            tensors[name] = w.contiguous()
+            dequantized[name] = w
+            continue
+        if fmt == "block":
+            bo, bi = 16, 32  # blocks that do not divide every dimension (96 rows)
+            rows, cols = -(-w.shape[0] // bo), -(-w.shape[1] // bi)
+            scale = torch.empty(rows, cols)
+            for i in range(rows):
+                for j in range(cols):
+                    scale[i, j] = w[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi].abs().max() / FP8_MAX
+            full = scale.repeat_interleave(bo, 0)[:w.shape[0]].repeat_interleave(bi, 1)[:, :w.shape[1]]
+            tensors[name.replace("weight", "weight_scale_inv")] = scale
+        elif fmt == "channel":
+            full = w.abs().amax(1, keepdim=True) / FP8_MAX  # [out, 1]
+            tensors[name.replace("weight", "weight_scale")] = full.clone()
+            tensors[name.replace("weight", "input_scale")] = torch.tensor([0.5])  # ignored
+        else:
+            full = w.abs().max().reshape(1) / FP8_MAX
+            tensors[name.replace("weight", "weight_scale")] = full.clone()
+        q = quantize(w, full)
+        tensors[name] = q
+        dequantized[name] = q.to(torch.float32) * full
+    (path / "model.safetensors").unlink()
+    save_file(tensors, path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    if fmt == "block":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [16, 32]}
+    else:
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 8, "type": "float", "strategy": "tensor" if fmt == "tensor" else fmt,
+                "symmetric": True, "dynamic": False}}}, "ignore": ["lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return dequantized
+
+
+@pytest.mark.parametrize("fmt", ["block", "tensor", "channel"])
+def test_fp8_checkpoint_equals_transformers_peft_on_its_dequantized_weights(tmp_path, fmt):
+    base = make_model("llama", seed=11)
+    dequantized = fp8_checkpoint(base, tmp_path / "fp8", fmt)
+    ref = copy.deepcopy(base)
+    ref.load_state_dict(dequantized)
+    assert not torch.equal(ref.model.layers[0].self_attn.q_proj.weight,
+                           base.model.layers[0].self_attn.q_proj.weight)  # quantization shows
+    adapters = {name: make_adapter(ref, tmp_path / name, seed=seed, r=4, lora_alpha=8,
+                                   target_modules="all-linear")
+                for name, seed in (("x", 3), ("y", 4))}
+    llm = LLM(tmp_path / "fp8", max_loras=2, max_lora_rank=4, max_model_len=64, block_size=4,
+              num_kv_blocks=64)
+    for name in adapters:
+        llm.register_adapter(name, tmp_path / name)
+    requests = [(p, a) for p in PROMPTS for a in (None, "x", "y")]  # mixed, one batch
+    outs = llm.generate([p for p, _ in requests],
+                        SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True),
+                        [a for _, a in requests])
+    for (prompt, adapter), out in zip(requests, outs):
+        want, _ = hf_greedy(adapters[adapter] if adapter else ref, prompt, GEN)
+        assert list(out.token_ids) == want, (fmt, adapter)
+
+
+@pytest.mark.parametrize("qc, field", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
+     "format 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor"}}}},
+     "weights.num_bits 4"),
+])
+def test_other_quantization_configs_are_refused_naming_the_field(tmp_path, qc, field):
+    base = make_model("llama", seed=11)
+    save_model(base, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[")):
+        LLM(tmp_path / "m", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
+            num_kv_blocks=16)
+
+
+def test_a_float8_weight_without_its_scale_is_refused(tmp_path):
+    base = make_model("llama", seed=11)
+    fp8_checkpoint(base, tmp_path / "m", "tensor")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    del cfg["quantization_config"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="float8"):
+        LLM(tmp_path / "m", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
+            num_kv_blocks=16)
