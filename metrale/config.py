@@ -280,6 +280,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # model-level LoRA targets to size pool memory for (EXTRA_TARGETS); mirrors pool.extra_targets
     lora_extra_targets: tuple[str, ...] = ()
+    # "fp8": a dense checkpoint's linear weights rounded to FP8 per output channel at load
+    # (vLLM's --quantization fp8); a quantized checkpoint keeps its own scheme
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         dtype_name(self.dtype)
@@ -291,6 +294,8 @@ class EngineConfig:
         object.__setattr__(self, "lora_extra_targets", extra)
         if extra != self.pool.extra_targets:
             object.__setattr__(self, "pool", replace(self.pool, extra_targets=extra))
+        if self.quantization not in (None, "fp8"):
+            raise ConfigError(f"quantization {self.quantization!r}: only 'fp8' is served")
         _check_positive(self, ("max_model_len", "block_size", "max_num_seqs",
                                "max_num_batched_tokens"))
         _check_positive(self, ("num_kv_blocks",), optional=True)

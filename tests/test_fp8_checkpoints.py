@@ -129,3 +129,31 @@ def test_a_float8_weight_without_its_scale_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="float8"):
         LLM(tmp_path / "m", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
             num_kv_blocks=16)
+
+
+def test_quantization_fp8_rounds_a_dense_checkpoint_per_output_channel(tmp_path):
+    """vLLM's --quantization fp8 on a bf16/fp32 checkpoint: each linear weight rounded to
+    float8_e4m3fn with one scale per output row (computed here, not by metrale)."""
+    base = make_model("llama", seed=12)
+    save_model(base, tmp_path / "dense")
+    ref = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, w in ref.named_parameters():
+            if any(f".{m}." in name for m in LINEAR):
+                scale = w.abs().amax(1, keepdim=True) / FP8_MAX
+                w.copy_((w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale)
+    adapter = make_adapter(ref, tmp_path / "x", seed=5, r=4, lora_alpha=8,
+                           target_modules="all-linear")
+    llm = LLM(tmp_path / "dense", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
+              num_kv_blocks=64, quantization="fp8")
+    llm.register_adapter("x", tmp_path / "x")
+    params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+    for prompt in PROMPTS:
+        for model, name in ((ref, None), (adapter, "x")):
+            want, _ = hf_greedy(model, prompt, GEN)
+            assert list(llm.generate([prompt], params, name)[0].token_ids) == want
+    dense = LLM(tmp_path / "dense", max_loras=0, max_model_len=64, block_size=4, num_kv_blocks=64)
+    assert not torch.equal(dense.engine.runner.model.layers[0].self_attn.qkv_proj.weight,
+                           llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight)
+    with pytest.raises(ConfigError, match="quantization 'int4'"):
+        LLM(tmp_path / "dense", max_loras=0, quantization="int4")

@@ -47,6 +47,7 @@ class ReplicaSpec:
     internal_key: str  # guards each replica's own HTTP server (the ingress holds it)
     device: str = "cpu"
     dtype: str | None = None
+    quantization: str | None = None  # EngineConfig.quantization
     max_loras: int = 4
     max_lora_rank: int = 16
     max_model_len: int = 2048

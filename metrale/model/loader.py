@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from metrale.config import ConfigError, ModelConfig
 from metrale.model.llama import LlamaForCausalLM
-from metrale.model.quantization import FP8_DTYPES, Fp8Scheme, scheme_of
+from metrale.model.quantization import FP8_DTYPES, Fp8Scheme, is_linear_weight, round_to_fp8, scheme_of
 
 # HF name suffix -> (our parameter suffix, shard index within the fused weight)
 _FUSED = {
@@ -37,7 +37,10 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
-               device: torch.device, max_positions: int) -> LlamaForCausalLM:
+               device: torch.device, max_positions: int,
+               quantization: str | None = None) -> LlamaForCausalLM:
+    """quantization "fp8": a dense checkpoint's linear weights rounded to FP8 per output
+    channel as they load (a quantized checkpoint keeps its own scheme)."""
     model_dir = Path(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
@@ -64,6 +67,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                                           "quantization_config")
                     tensor = scheme.dequantize(name, tensor, scales.get(
                         name.removesuffix("weight") + scheme.scale_suffix))
+                elif quantization == "fp8" and scheme is None and is_linear_weight(target):
+                    tensor = round_to_fp8(tensor)
                 copy_weight(params[target], tensor, target, shard, cfg)
                 loaded.add(f"{target}#{shard}")
     _check_complete(params, loaded, cfg)

@@ -68,6 +68,24 @@ class Fp8Scheme:
         return w * s
 
 
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+_LINEAR_PARAMS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+
+
+def is_linear_weight(param: str) -> bool:
+    """A decoder layer's linear weight (what FP8 checkpoints quantize; not the embedding,
+    the head or the norms)."""
+    return param.endswith(_LINEAR_PARAMS)
+
+
+def round_to_fp8(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] rounded to float8_e4m3fn with one scale per output row (vLLM's
+    --quantization fp8 on a dense checkpoint), back in float32."""
+    w = weight.to(torch.float32)
+    scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
+
+
 def scheme_of(model_dir: str | Path) -> Fp8Scheme | None:
     """The checkpoint's quantization scheme, None for a dense one; refuses any other."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())

@@ -91,6 +91,7 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
     llm = LLM(model_dir, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
               device=args.device, dtype=args.dtype, allow_runtime_swaps=True,
               max_model_len=args.max_model_len, promotion_timeout_s=args.promotion_timeout,
+              quantization=args.quantization,
               peer_allow=tuple(args.peer_allow), peer_transport=args.peer_transport,
               peer_timeout_s=args.peer_timeout, lora_extra_targets=args.lora_extra_targets,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -160,7 +161,7 @@ def serve(args: argparse.Namespace, on_demand: dict[str, Path] | None = None) ->
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """--max-model-len, --device and --dtype, shared by `serve` and `generate`."""
+    """--max-model-len, --device, --dtype and --quantization, shared by `serve` and `generate`."""
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="most tokens per sequence, prompt plus output (default: %(default)s)")
     p.add_argument("--device", default="cpu",
@@ -169,6 +170,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None,
                    help="weights and KV-cache dtype: float32, bfloat16 or float16 (default: "
                         "bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: round a dense checkpoint's linear weights to FP8 per output "
+                        "channel as they load (an FP8 checkpoint is read as it is either way)")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
