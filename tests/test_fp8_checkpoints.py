@@ -102,7 +102,12 @@ def test_fp8_checkpoint_equals_transformers_peft_on_its_dequantized_weights(tmp_
 
 
 @pytest.mark.parametrize("qc, field", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "version 'gemv'"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 32}, "bits 8"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size 0"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"},
+     "checkpoint_format 'marlin'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
      "format 'pack-quantized'"),

@@ -1,6 +1,6 @@
 """Load Hugging Face safetensors weights (one file or sharded with an index)
 into LlamaForCausalLM, fusing q/k/v and gate/up as they stream in (and dequantizing
-an FP8 checkpoint's weights: metrale.model.quantization)."""
+a quantized checkpoint's weights: metrale.model.quantization)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ from safetensors import safe_open
 
 from metrale.config import ConfigError, ModelConfig
 from metrale.model.llama import LlamaForCausalLM
-from metrale.model.quantization import FP8_DTYPES, Fp8Scheme, is_linear_weight, round_to_fp8, scheme_of
+from metrale.model.quantization import (
+    FP8_DTYPES,
+    QuantScheme,
+    is_linear_weight,
+    round_to_fp8,
+    scheme_of,
+)
 
 # HF name suffix -> (our parameter suffix, shard index within the fused weight)
 _FUSED = {
@@ -49,25 +55,25 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     scheme = scheme_of(model_dir)
-    scales = _scales(model_dir, scheme) if scheme is not None else {}
+    aux = _aux_tensors(model_dir, scheme) if scheme is not None else {}
     for path in weight_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if scheme is not None and (scheme.is_scale(name) or scheme.is_skipped(name)):
+                if scheme is not None and scheme.is_aux(name):
                     continue
+                tensor = f.get_tensor(name)
+                if scheme is not None and scheme.quantizes(name, tensor):
+                    name = name.rsplit(".", 1)[0] + ".weight"
+                    tensor = scheme.dequantize(name.removesuffix("weight"), tensor, aux)
+                elif tensor.dtype in FP8_DTYPES:
+                    raise ConfigError(f"{name} is float8 but config.json has no "
+                                      "quantization_config")
                 target, shard = param_name(name)
                 if target is None or (target == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
                 if target not in params:
                     raise ConfigError(f"{path}: unexpected weight {name} for a {cfg.model_type} model")
-                tensor = f.get_tensor(name)
-                if tensor.dtype in FP8_DTYPES:
-                    if scheme is None:
-                        raise ConfigError(f"{name} is float8 but config.json has no "
-                                          "quantization_config")
-                    tensor = scheme.dequantize(name, tensor, scales.get(
-                        name.removesuffix("weight") + scheme.scale_suffix))
-                elif quantization == "fp8" and scheme is None and is_linear_weight(target):
+                if quantization == "fp8" and scheme is None and is_linear_weight(target):
                     tensor = round_to_fp8(tensor)
                 copy_weight(params[target], tensor, target, shard, cfg)
                 loaded.add(f"{target}#{shard}")
@@ -77,13 +83,13 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     return model
 
 
-def _scales(model_dir: Path, scheme: Fp8Scheme) -> dict[str, torch.Tensor]:
-    """Every weight scale of the checkpoint (a few floats per weight), by name: a shard
-    may hold a weight and another its scale."""
+def _aux_tensors(model_dir: Path, scheme: QuantScheme) -> dict[str, torch.Tensor]:
+    """Every tensor dequantization reads (scales, zeros, group indices), by name: a shard
+    may hold a weight and another its scales."""
     found = {}
     for path in weight_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
-            found.update({n: f.get_tensor(n) for n in f.keys() if scheme.is_scale(n)})
+            found.update({n: f.get_tensor(n) for n in f.keys() if scheme.is_aux(n)})
     return found
 
 

@@ -1,7 +1,7 @@
-"""FP8 checkpoints, read from their own config.json `quantization_config` and dequantized
-as they load (the reference path: every backend, the CPU included; the base then runs
-in the engine's dtype, and LoRA reads the same activations an adapter trained on the
-dequantized base saw).
+"""Quantized checkpoints, read from their own config.json `quantization_config` and
+dequantized as they load (the reference path: every backend, the CPU included; the base
+then runs in the engine's dtype, and LoRA reads the same activations an adapter trained
+on the dequantized base saw).
 
 Formats:
 - `quant_method: "fp8"` with `weight_block_size` [bo, bi] (DeepSeek-V3, Qwen3-*-FP8): a
@@ -12,6 +12,14 @@ Formats:
   float8_e4m3fn `weight` and `weight_scale`, per tensor [1] or per output channel
   [out, 1]; W = weight * weight_scale. Activation scales (`input_scale`) only matter to
   an FP8 GEMM and are skipped here.
+- `quant_method: "awq"` (`version: "gemm"`, 4 bits, zero point): `qweight` int32
+  [in, out/8] (8 nibbles per int32 in AWQ's order 0 2 4 6 1 3 5 7), `qzeros` int32
+  [groups, out/8] packed alike, `scales` [groups, out]; W[o, i] = (q - z) * s of row i's
+  group (i // group_size).
+- `quant_method: "gptq"` (4 bits, with or without act-order, sym or asym): `qweight`
+  int32 [in/8, out] (8 input rows per int32, in order), `qzeros` int32 [groups, out/8],
+  `scales` [groups, out], `g_idx` [in] (row i's group); the `gptq` checkpoint format
+  stores each zero minus one, `gptq_v2` the zero itself.
 Anything else is refused at start with a message naming the field.
 """
 
@@ -27,45 +35,86 @@ import torch
 from metrale.config import ConfigError
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
-# per-tensor scale names each format stores beside a quantized `weight`
-_WEIGHT_SCALES = {"fp8": "weight_scale_inv", "compressed-tensors": "weight_scale"}
 _SKIPPED = ("input_scale", "k_scale", "v_scale")  # activation / KV-cache scales: FP8 GEMMs only
+# per method: the suffix of a quantized weight, and of the tensors its dequantization reads
+_WEIGHT = {"fp8": "weight", "compressed-tensors": "weight", "awq": "qweight", "gptq": "qweight"}
+_AUX = {"fp8": ("weight_scale_inv",), "compressed-tensors": ("weight_scale",),
+        "awq": ("qzeros", "scales"), "gptq": ("qzeros", "scales", "g_idx")}
+_AWQ_SHIFTS = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int32)  # column c's nibble
+_SEQ_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
 @dataclass(frozen=True)
-class Fp8Scheme:
-    method: str  # "fp8" | "compressed-tensors"
-    block: tuple[int, int] | None  # fp8's weight_block_size; None: per tensor or per channel
+class QuantScheme:
+    method: str  # "fp8" | "compressed-tensors" | "awq" | "gptq"
+    block: tuple[int, int] | None = None  # fp8's weight_block_size; None: per tensor / channel
+    group_size: int = 128  # awq, gptq; -1: one group per column
+    zero_offset: int = 0  # gptq's v1 checkpoint format stores each zero minus one
 
-    @property
-    def scale_suffix(self) -> str:
-        return _WEIGHT_SCALES[self.method]
+    def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
+        """A quantized weight this scheme dequantizes (its prefix: name minus the suffix)."""
+        suffix = "." + _WEIGHT[self.method]
+        return name.endswith(suffix) and (suffix == ".qweight" or tensor.dtype in FP8_DTYPES)
 
-    def is_scale(self, name: str) -> bool:
-        return name.endswith("." + self.scale_suffix)
+    def is_aux(self, name: str) -> bool:
+        """A tensor dequantization reads (scales, zeros, group indices) or never needs."""
+        last = name.rsplit(".", 1)[-1]
+        return last in _AUX[self.method] or last in _SKIPPED
 
-    def is_skipped(self, name: str) -> bool:
-        return name.rsplit(".", 1)[-1] in _SKIPPED
+    def dequantize(self, prefix: str, tensor: torch.Tensor,
+                   aux: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The weight [out, in] in float32 from the quantized tensor and its aux tensors
+        (by full name); prefix: e.g. "model.layers.0.self_attn.q_proj."."""
+        parts = {}
+        for part in _AUX[self.method]:
+            if prefix + part not in aux:
+                raise ConfigError(f"{prefix}{_WEIGHT[self.method]} is quantized but the "
+                                  f"checkpoint has no {prefix}{part}")
+            parts[part] = aux[prefix + part]
+        if self.method in ("fp8", "compressed-tensors"):
+            return self._float8(prefix, tensor, next(iter(parts.values())))
+        return self._int4(prefix, tensor, parts)
 
-    def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        """weight [out, in] (float8) times its scale, in float32."""
-        if scale is None:
-            raise ConfigError(f"{name} is float8 but the checkpoint has no {self.scale_suffix} "
-                              "for it")
+    def _float8(self, prefix: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         w, s = weight.to(torch.float32), scale.to(torch.float32)
         if self.block is not None:  # s: [ceil(out/bo), ceil(in/bi)]
             bo, bi = self.block
             want = (-(-w.shape[0] // bo), -(-w.shape[1] // bi))
             if tuple(s.shape) != want:
-                raise ConfigError(f"{name}: {self.scale_suffix} has shape {tuple(s.shape)}, "
+                raise ConfigError(f"{prefix}weight_scale_inv has shape {tuple(s.shape)}, "
                                   f"expected {want} for blocks of {list(self.block)}")
             s = s.repeat_interleave(bo, 0)[:w.shape[0]].repeat_interleave(bi, 1)[:, :w.shape[1]]
         elif s.numel() == w.shape[0] and s.numel() != 1:  # per output channel
             s = s.reshape(-1, 1)
         elif s.numel() != 1:
-            raise ConfigError(f"{name}: {self.scale_suffix} has {s.numel()} values; expected 1 "
-                              f"or one per output row ({w.shape[0]})")
+            raise ConfigError(f"{prefix}: {s.numel()} weight scales; expected 1 or one per "
+                              f"output row ({w.shape[0]})")
         return w * s
+
+    def _int4(self, prefix: str, qweight: torch.Tensor, parts: dict) -> torch.Tensor:
+        scales = parts["scales"].to(torch.float32)  # [groups, out]
+        zeros = _unpack_columns(parts["qzeros"], self.method == "awq") + self.zero_offset
+        if self.method == "awq":  # qweight [in, out/8], nibbles along out
+            q = _unpack_columns(qweight, awq=True)  # [in, out]
+            group = torch.arange(q.shape[0]) // self._group(q.shape[0])
+        else:  # gptq: qweight [in/8, out], nibbles along in
+            q = ((qweight.unsqueeze(1) >> _SEQ_SHIFTS.view(1, -1, 1)) & 0xF).reshape(-1, qweight.shape[1])
+            group = parts["g_idx"].to(torch.int64)
+        if zeros.shape != scales.shape or q.shape[1] != scales.shape[1] or \
+                group.numel() != q.shape[0] or int(group.max()) >= scales.shape[0] or int(group.min()) < 0:
+            raise ConfigError(f"{prefix}: qweight {tuple(qweight.shape)}, qzeros, scales "
+                              f"{tuple(scales.shape)} and the groups do not fit together")
+        return ((q - zeros[group]).to(torch.float32) * scales[group]).t().contiguous()
+
+    def _group(self, rows: int) -> int:
+        return rows if self.group_size == -1 else self.group_size
+
+
+def _unpack_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:
+    """int32 [rows, cols/8] -> the 4-bit values [rows, cols], 8 per int32 along the columns
+    (AWQ's interleaved order, or in order)."""
+    shifts = _AWQ_SHIFTS if awq else _SEQ_SHIFTS
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
 
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -86,7 +135,7 @@ def round_to_fp8(weight: torch.Tensor) -> torch.Tensor:
     return (w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
 
 
-def scheme_of(model_dir: str | Path) -> Fp8Scheme | None:
+def scheme_of(model_dir: str | Path) -> QuantScheme | None:
     """The checkpoint's quantization scheme, None for a dense one; refuses any other."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     qc = cfg.get("quantization_config")
@@ -96,14 +145,39 @@ def scheme_of(model_dir: str | Path) -> Fp8Scheme | None:
         raise ConfigError("config.json quantization_config is not an object")
     method = qc.get("quant_method")
     if method == "fp8":
-        return Fp8Scheme("fp8", _block(qc.get("weight_block_size")))
+        return QuantScheme("fp8", block=_block(qc.get("weight_block_size")))
     if method == "compressed-tensors":
         _check_compressed_fp8(qc)
-        return Fp8Scheme("compressed-tensors", None)
+        return QuantScheme("compressed-tensors")
+    if method in ("awq", "gptq"):
+        return _int4_scheme(method, qc)
     raise ConfigError(
-        f"quantization_config.quant_method {method!r} is not served; metrale loads FP8 "
-        "checkpoints ('fp8' with or without weight_block_size, 'compressed-tensors' "
-        "float-quantized)")
+        f"quantization_config.quant_method {method!r} is not served; metrale loads 'fp8' "
+        "(with or without weight_block_size), 'compressed-tensors' (float-quantized), "
+        "'awq' (gemm, 4 bits) and 'gptq' (4 bits)")
+
+
+def _int4_scheme(method: str, qc: dict) -> QuantScheme:
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ConfigError(f"quantization_config.bits {bits!r} is not served ({method}: 4 bits)")
+    group = qc.get("group_size", qc.get("q_group_size"))
+    if type(group) is not int or not (group == -1 or group > 0):
+        raise ConfigError(f"quantization_config.group_size {group!r} is not a positive "
+                          "integer or -1")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ConfigError(f"quantization_config.version {version!r} is not served (awq: gemm)")
+        if qc.get("zero_point", True) is not True:
+            raise ConfigError("quantization_config.zero_point false is not served (awq: "
+                              "with zero points)")
+        return QuantScheme("awq", group_size=group)
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ConfigError(f"quantization_config.checkpoint_format {fmt!r} is not served "
+                          "(gptq: gptq or gptq_v2)")
+    return QuantScheme("gptq", group_size=group, zero_offset=1 if fmt == "gptq" else 0)
 
 
 def _block(value: Any) -> tuple[int, int] | None:
