@@ -102,7 +102,8 @@ def test_fp8_checkpoint_equals_transformers_peft_on_its_dequantized_weights(tmp_
 
 
 @pytest.mark.parametrize("qc, field", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "hqq", "nbits": 4}, "quant_method 'hqq'"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "load_in_8bit"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "version 'gemv'"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 32}, "bits 8"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size 0"),

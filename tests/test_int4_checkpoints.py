@@ -1,6 +1,7 @@
-"""4-bit AWQ (gemm) and GPTQ checkpoints (act-order or not, sym or asym, v1 and v2 zero
-formats) load through the dequantizing reference path: greedy tokens equal transformers +
-PEFT on the dequantized weights, base and two adapters mixed in one batch.
+"""4-bit AWQ (gemm), GPTQ (act-order or not, sym or asym, v1 and v2 zero formats) and
+bitsandbytes NF4 checkpoints (with and without double quantization) load through the
+dequantizing reference path: greedy tokens equal transformers + PEFT on the dequantized
+weights, base and two adapters mixed in one batch.
 
 Checkpoints are made here from a tiny random Llama: each linear weight quantized to 4-bit
 integers per group, packed by the layouts the formats document (written here, not taken
@@ -65,6 +66,47 @@ def pack_along_rows(values: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(packed.view(np.int32))
 
 
+# QLoRA's NF4 code values (Dettmers et al. 2023, appendix E)
+NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                    0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+                    0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                    0.7229568362236023, 1.0])
+NF4_BLOCK, NESTED_BLOCK = 64, 256
+
+
+def nf4_tensors(prefix: str, w: torch.Tensor, double: bool) -> tuple[dict, torch.Tensor]:
+    """bitsandbytes' Linear4bit state of w (NF4, blocks of 64, optionally its absmax
+    quantized to 8 bits per 256) and the weight it dequantizes to."""
+    flat = w.reshape(-1)
+    blocks = flat.reshape(-1, NF4_BLOCK)
+    absmax = blocks.abs().amax(1)
+    codes = (blocks / absmax[:, None]).unsqueeze(-1).sub(NF4).abs().argmin(-1).reshape(-1)
+    state = {"quant_type": "nf4", "blocksize": NF4_BLOCK, "dtype": "float32",
+             "shape": list(w.shape)}
+    out = {prefix + "weight.quant_map": NF4.clone()}
+    if double:
+        offset = float(absmax.mean())
+        centred = absmax - offset
+        nested = torch.stack([c.abs().max() for c in centred.split(NESTED_BLOCK)])
+        code8 = torch.linspace(-1, 1, 256)
+        index = torch.arange(absmax.numel()) // NESTED_BLOCK
+        q8 = (centred / nested[index]).unsqueeze(-1).sub(code8).abs().argmin(-1)
+        absmax = code8[q8] * nested[index] + offset  # what the loader must rebuild
+        out.update({prefix + "weight.absmax": q8.to(torch.uint8),
+                    prefix + "weight.nested_absmax": nested,
+                    prefix + "weight.nested_quant_map": code8})
+        state.update(nested_blocksize=NESTED_BLOCK, nested_dtype="float32", nested_offset=offset)
+    else:
+        out[prefix + "weight.absmax"] = absmax
+    packed = ((codes[0::2] << 4) | codes[1::2]).to(torch.uint8).unsqueeze(1)
+    out[prefix + "weight"] = packed
+    out[prefix + "weight.quant_state.bitsandbytes__nf4"] = torch.tensor(
+        list(json.dumps(state).encode()), dtype=torch.uint8)
+    deq = (NF4[codes].reshape(-1, NF4_BLOCK) * absmax[:, None]).reshape(w.shape)
+    return out, deq
+
+
 def int4_checkpoint(base, path, method: str, act_order: bool = False, sym: bool = False,
                     v2: bool = True):
     save_model(base, path)
@@ -75,6 +117,10 @@ def int4_checkpoint(base, path, method: str, act_order: bool = False, sym: bool 
             tensors[name], dequantized[name] = w.contiguous(), w
             continue
         n_in, prefix = w.shape[1], name.removesuffix("weight")
+        if method.startswith("nf4"):
+            part, dequantized[name] = nf4_tensors(prefix, w, double=method == "nf4-double")
+            tensors.update(part)
+            continue
         n_groups = n_in // GROUP
         group_of = torch.arange(n_in) // GROUP
         if act_order:  # rows of a group scattered across the input dimension
@@ -94,6 +140,8 @@ def int4_checkpoint(base, path, method: str, act_order: bool = False, sym: bool 
     save_file(tensors, path / "model.safetensors")
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = (
+        {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+         "bnb_4bit_use_double_quant": method == "nf4-double"} if method.startswith("nf4") else
         {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
          "version": "gemm"} if method == "awq" else
         {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": act_order,
@@ -107,7 +155,9 @@ def int4_checkpoint(base, path, method: str, act_order: bool = False, sym: bool 
     ("gptq", False, False, True),
     ("gptq", True, False, True),  # act-order
     ("gptq", True, True, False),  # sym, the v1 zero format (zero - 1 stored)
-], ids=["awq", "gptq", "gptq-act-order", "gptq-sym-v1"])
+    ("nf4", False, False, True),
+    ("nf4-double", False, False, True),
+], ids=["awq", "gptq", "gptq-act-order", "gptq-sym-v1", "nf4", "nf4-double-quant"])
 def test_int4_checkpoint_equals_transformers_peft_on_its_dequantized_weights(
         tmp_path, method, act_order, sym, v2):
     base = make_model("llama", seed=13)

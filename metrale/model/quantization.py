@@ -20,6 +20,12 @@ Formats:
   int32 [in/8, out] (8 input rows per int32, in order), `qzeros` int32 [groups, out/8],
   `scales` [groups, out], `g_idx` [in] (row i's group); the `gptq` checkpoint format
   stores each zero minus one, `gptq_v2` the zero itself.
+- `quant_method: "bitsandbytes"`, `load_in_4bit` (QLoRA's NF4, or FP4): a uint8 `weight`
+  (two 4-bit codes a byte, the first in the high nibble, over the flattened [out, in]),
+  `weight.quant_map` (the 16 code values), `weight.absmax` per `blocksize` codes and a
+  `weight.quant_state.bitsandbytes__nf4` JSON (shape, blocksize, ...); with double
+  quantization the absmax are uint8 codes of `weight.nested_quant_map`, scaled per
+  `nested_blocksize` by `weight.nested_absmax`, plus `nested_offset`.
 Anything else is refused at start with a message naming the field.
 """
 
@@ -37,9 +43,13 @@ from metrale.config import ConfigError
 FP8_DTYPES = (torch.float8_e4m3fn,)
 _SKIPPED = ("input_scale", "k_scale", "v_scale")  # activation / KV-cache scales: FP8 GEMMs only
 # per method: the suffix of a quantized weight, and of the tensors its dequantization reads
-_WEIGHT = {"fp8": "weight", "compressed-tensors": "weight", "awq": "qweight", "gptq": "qweight"}
+_WEIGHT = {"fp8": "weight", "compressed-tensors": "weight", "awq": "qweight", "gptq": "qweight",
+           "bitsandbytes": "weight"}
 _AUX = {"fp8": ("weight_scale_inv",), "compressed-tensors": ("weight_scale",),
-        "awq": ("qzeros", "scales"), "gptq": ("qzeros", "scales", "g_idx")}
+        "awq": ("qzeros", "scales"), "gptq": ("qzeros", "scales", "g_idx"),
+        "bitsandbytes": ("absmax", "quant_map", "nested_absmax", "nested_quant_map",
+                         "bitsandbytes__nf4", "bitsandbytes__fp4")}
+MAX_QUANT_STATE_BYTES = 4096  # a bitsandbytes quant_state JSON holds a few fields
 _AWQ_SHIFTS = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int32)  # column c's nibble
 _SEQ_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
@@ -54,6 +64,8 @@ class QuantScheme:
     def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
         """A quantized weight this scheme dequantizes (its prefix: name minus the suffix)."""
         suffix = "." + _WEIGHT[self.method]
+        if self.method == "bitsandbytes":
+            return name.endswith(suffix) and tensor.dtype == torch.uint8
         return name.endswith(suffix) and (suffix == ".qweight" or tensor.dtype in FP8_DTYPES)
 
     def is_aux(self, name: str) -> bool:
@@ -65,6 +77,8 @@ class QuantScheme:
                    aux: dict[str, torch.Tensor]) -> torch.Tensor:
         """The weight [out, in] in float32 from the quantized tensor and its aux tensors
         (by full name); prefix: e.g. "model.layers.0.self_attn.q_proj."."""
+        if self.method == "bitsandbytes":
+            return _bnb_4bit(prefix + "weight", tensor, aux)
         parts = {}
         for part in _AUX[self.method]:
             if prefix + part not in aux:
@@ -110,6 +124,46 @@ class QuantScheme:
         return rows if self.group_size == -1 else self.group_size
 
 
+def _bnb_4bit(name: str, packed: torch.Tensor, aux: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A bitsandbytes Linear4bit weight, dequantized to float32 [out, in]."""
+    def part(key: str) -> torch.Tensor:
+        if f"{name}.{key}" not in aux:
+            raise ConfigError(f"{name} is 4-bit but the checkpoint has no {name}.{key}")
+        return aux[f"{name}.{key}"]
+
+    state_key = next((k for k in ("quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
+                      if f"{name}.{k}" in aux), "quant_state.bitsandbytes__nf4")
+    raw = part(state_key)
+    if raw.dtype != torch.uint8 or raw.numel() > MAX_QUANT_STATE_BYTES:
+        raise ConfigError(f"{name}.{state_key} is not a small JSON byte string")
+    try:
+        state = json.loads(bytes(raw.tolist()))
+        shape, blocksize = [int(d) for d in state["shape"]], int(state["blocksize"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{name}.{state_key} is not bitsandbytes' quant state ({e})") from None
+    n = shape[0] * shape[1] if len(shape) == 2 else -1
+    if n <= 0 or blocksize <= 0 or packed.numel() * 2 < n:
+        raise ConfigError(f"{name}: shape {shape} and blocksize {blocksize} do not fit "
+                          f"{packed.numel()} bytes")
+    absmax = part("absmax")
+    if "nested_absmax" in state or f"{name}.nested_absmax" in aux:  # double quantization
+        nested, codes = part("nested_absmax").to(torch.float32), part("nested_quant_map")
+        block = int(state.get("nested_blocksize", 256))
+        index = torch.arange(absmax.numel()) // block
+        if int(index.max()) >= nested.numel():
+            raise ConfigError(f"{name}: nested_absmax has too few blocks")
+        absmax = codes.to(torch.float32)[absmax.to(torch.int64)] * nested[index] + float(
+            state.get("nested_offset", 0.0))
+    absmax = absmax.to(torch.float32)
+    if absmax.numel() != -(-n // blocksize):
+        raise ConfigError(f"{name}: {absmax.numel()} absmax values for {n} codes in blocks "
+                          f"of {blocksize}")
+    flat = packed.reshape(-1).to(torch.int64)
+    codes4 = torch.stack((flat >> 4, flat & 0xF), 1).reshape(-1)[:n]  # high nibble first
+    values = part("quant_map").to(torch.float32)[codes4]
+    return (values * absmax[torch.arange(n) // blocksize]).reshape(shape)
+
+
 def _unpack_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:
     """int32 [rows, cols/8] -> the 4-bit values [rows, cols], 8 per int32 along the columns
     (AWQ's interleaved order, or in order)."""
@@ -151,10 +205,19 @@ def scheme_of(model_dir: str | Path) -> QuantScheme | None:
         return QuantScheme("compressed-tensors")
     if method in ("awq", "gptq"):
         return _int4_scheme(method, qc)
+    if method == "bitsandbytes":
+        if not qc.get("load_in_4bit") or qc.get("load_in_8bit"):
+            raise ConfigError("quantization_config.load_in_8bit is not served (bitsandbytes: "
+                              "load_in_4bit, NF4 or FP4)")
+        storage = qc.get("bnb_4bit_quant_storage", "uint8")
+        if storage != "uint8":
+            raise ConfigError(f"quantization_config.bnb_4bit_quant_storage {storage!r} is not "
+                              "served (uint8)")
+        return QuantScheme("bitsandbytes")
     raise ConfigError(
         f"quantization_config.quant_method {method!r} is not served; metrale loads 'fp8' "
         "(with or without weight_block_size), 'compressed-tensors' (float-quantized), "
-        "'awq' (gemm, 4 bits) and 'gptq' (4 bits)")
+        "'awq' (gemm, 4 bits), 'gptq' (4 bits) and 'bitsandbytes' (4 bits)")
 
 
 def _int4_scheme(method: str, qc: dict) -> QuantScheme:
