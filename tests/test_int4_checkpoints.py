@@ -180,6 +180,21 @@ def test_int4_checkpoint_equals_transformers_peft_on_its_dequantized_weights(
         assert list(out.token_ids) == want, (method, adapter)
 
 
+def test_packed_tensors_of_the_wrong_kind_are_refused(tmp_path):
+    from safetensors.torch import load_file
+
+    from metrale.config import ConfigError
+
+    base = make_model("llama", seed=13)
+    int4_checkpoint(base, tmp_path / "q", "gptq")
+    good = load_file(tmp_path / "q" / "model.safetensors")
+    key = "model.layers.0.self_attn.q_proj.qweight"
+    for bad in (good[key].float(), good[key][0], good[key].to(torch.int64)):
+        save_file({**good, key: bad}, tmp_path / "q" / "model.safetensors")
+        with pytest.raises(ConfigError, match="q_proj"):
+            LLM(tmp_path / "q", max_loras=0, max_model_len=64, block_size=4, num_kv_blocks=16)
+
+
 def test_a_packed_weight_without_its_scales_is_refused(tmp_path):
     from safetensors.torch import load_file
 

@@ -41,6 +41,7 @@ import torch
 from metrale.config import ConfigError
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SKIPPED = ("input_scale", "k_scale", "v_scale")  # activation / KV-cache scales: FP8 GEMMs only
 # per method: the suffix of a quantized weight, and of the tensors its dequantization reads
 _WEIGHT = {"fp8": "weight", "compressed-tensors": "weight", "awq": "qweight", "gptq": "qweight",
@@ -56,7 +57,7 @@ _SEQ_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 @dataclass(frozen=True)
 class QuantScheme:
-    method: str  # "fp8" | "compressed-tensors" | "awq" | "gptq"
+    method: str  # "fp8" | "compressed-tensors" | "awq" | "gptq" | "bitsandbytes"
     block: tuple[int, int] | None = None  # fp8's weight_block_size; None: per tensor / channel
     group_size: int = 128  # awq, gptq; -1: one group per column
     zero_offset: int = 0  # gptq's v1 checkpoint format stores each zero minus one
@@ -106,6 +107,11 @@ class QuantScheme:
         return w * s
 
     def _int4(self, prefix: str, qweight: torch.Tensor, parts: dict) -> torch.Tensor:
+        if qweight.dtype != torch.int32 or parts["qzeros"].dtype != torch.int32 or \
+                parts["scales"].dtype not in FLOAT_DTYPES or qweight.dim() != 2:
+            raise ConfigError(f"{prefix}: qweight and qzeros must be 2-D int32 and scales "
+                              f"floating point, got {qweight.dtype}, {parts['qzeros'].dtype}, "
+                              f"{parts['scales'].dtype}")
         scales = parts["scales"].to(torch.float32)  # [groups, out]
         zeros = _unpack_columns(parts["qzeros"], self.method == "awq") + self.zero_offset
         if self.method == "awq":  # qweight [in, out/8], nibbles along out
@@ -146,6 +152,9 @@ def _bnb_4bit(name: str, packed: torch.Tensor, aux: dict[str, torch.Tensor]) -> 
         raise ConfigError(f"{name}: shape {shape} and blocksize {blocksize} do not fit "
                           f"{packed.numel()} bytes")
     absmax = part("absmax")
+    if absmax.dtype not in (torch.uint8, *FLOAT_DTYPES) or absmax.dim() != 1:
+        raise ConfigError(f"{name}.absmax must be a 1-D float (or uint8, double-quantized) "
+                          f"tensor, got {absmax.dtype} {tuple(absmax.shape)}")
     if "nested_absmax" in state or f"{name}.nested_absmax" in aux:  # double quantization
         nested, codes = part("nested_absmax").to(torch.float32), part("nested_quant_map")
         block = int(state.get("nested_blocksize", 256))
