@@ -1,6 +1,8 @@
 """Where a server looks up an adapter that a request names before anyone registered it
-(`--adapter-source DIR`, off by default): a directory tree the operator allows, in
-which the name `org/adapter` is the PEFT directory DIR/org/adapter. A name found is
+(`--adapter-source`, off by default): a directory tree the operator allows, in which
+the name `org/adapter` is the PEFT directory DIR/org/adapter, or an S3-compatible
+bucket (`s3://bucket/prefix`, metrale.adapters.object_store) whose objects are fetched
+into a local disk cache first. A name found is
 registered like any other (versions, reloads, pins); a name found nowhere is remembered
 as missing for NEGATIVE_TTL_S, so a stream of requests for it costs one look-up.
 
@@ -16,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from metrale.adapters.object_store import S3Source
 from metrale.config import ConfigError
 from metrale.names import validate_adapter_name
 
@@ -45,11 +48,22 @@ class AdapterSources:
     """The sources in order, with the names found in none remembered for a while."""
 
     def __init__(self, roots: Iterable[str | Path], negative_ttl_s: float = NEGATIVE_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.sources = tuple(DirectorySource(r) for r in roots)
+                 clock: Callable[[], float] = time.monotonic, cache_dir: str | Path | None = None,
+                 cache_bytes: int = 20 << 30) -> None:
+        """roots: directories, or s3://bucket/prefix URLs (fetched into cache_dir, which
+        holds at most cache_bytes of them)."""
+        self.sources = tuple(self._source(str(r), cache_dir, cache_bytes) for r in roots)
         self.negative_ttl_s, self._clock = negative_ttl_s, clock
         self._missing: OrderedDict[str, float] = OrderedDict()  # name -> remembered until
         self._lock = threading.Lock()  # requests look up from worker threads
+
+    @staticmethod
+    def _source(root: str, cache_dir: str | Path | None, cache_bytes: int):
+        if not root.startswith("s3://"):
+            return DirectorySource(root)
+        if cache_dir is None:
+            raise ConfigError(f"adapter source {root} needs a cache directory (--adapter-cache-dir)")
+        return S3Source(root, cache_dir, cache_bytes)
 
     def find(self, name: str) -> Path | None:
         """Raises InvalidNameError for a name the rule refuses; None when no source holds it."""

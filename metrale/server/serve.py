@@ -126,6 +126,8 @@ def settings_fields(args: argparse.Namespace, model_id: str, adapter_roots) -> d
                 admin_key=args.admin_key or os.environ.get("METRALE_ADMIN_KEY") or None,
                 adapter_roots=tuple(adapter_roots), max_tokens_limit=args.max_tokens_limit,
                 adapter_sources=tuple(args.adapter_source),
+                adapter_cache_dir=str(args.adapter_cache_dir or cache_root() / "adapter-cache"),
+                adapter_cache_bytes=args.adapter_cache_bytes,
                 public_metrics=args.public_metrics, public_docs=args.public_docs)
 
 
@@ -185,11 +187,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow loading adapters by path at run time, only inside DIR (repeatable; "
                         "default: none, or <metrale cache>/adapter-root when serving the "
                         "embedded default model)")
-    p.add_argument("--adapter-source", action="append", default=[], metavar="DIR",
+    p.add_argument("--adapter-source", action="append", default=[], metavar="DIR|s3://BUCKET/PREFIX",
                    help="look up an adapter a request names before anyone registered it as the "
-                        "PEFT directory DIR/NAME (NAME may be org/adapter), and register it "
-                        "(repeatable, searched in order; names found nowhere are remembered as "
-                        "missing for 30 s; default: off)")
+                        "PEFT directory DIR/NAME (NAME may be org/adapter) or the objects "
+                        "PREFIX/NAME/adapter_config.json and adapter_model.safetensors of an "
+                        "S3-compatible bucket (AWS_* settings), and register it (repeatable, "
+                        "searched in order; names found nowhere are remembered as missing for "
+                        "30 s; default: off)")
+    p.add_argument("--adapter-cache-dir", default=None, metavar="DIR",
+                   help="where adapters fetched from object storage are kept (default: "
+                        "<metrale cache>/adapter-cache)")
+    p.add_argument("--adapter-cache-bytes", type=int, default=20 << 30, metavar="N",
+                   help="most bytes of fetched adapters kept on disk, least recently used "
+                        "dropped first (default: %(default)s)")
     p.add_argument("--max-loras", type=int, default=4,
                    help="adapter slots on the device; more adapters than slots are promoted "
                         "on demand (default: %(default)s)")

@@ -30,8 +30,11 @@ class ServerSettings:
     api_key: str | None = None  # inference endpoints
     admin_key: str | None = None  # every mutation endpoint
     adapter_roots: tuple[Path, ...] = ()  # path-based loading only inside these; none = refused
-    # names a request sends before anyone registered them are looked up here (none: off)
-    adapter_sources: tuple[Path, ...] = ()
+    # names a request sends before anyone registered them are looked up here (none: off):
+    # directories or s3://bucket/prefix URLs, the latter fetched into adapter_cache_dir
+    adapter_sources: tuple[str, ...] = ()
+    adapter_cache_dir: str | None = None
+    adapter_cache_bytes: int = 20 << 30
     max_tokens_limit: int = 2048
     max_body_bytes: int = 1 << 20
     # With an API key set, /metrics and the API docs need it too unless opened here:
@@ -47,8 +50,10 @@ class ServerSettings:
         # Resolve once: a root that is itself a symlink is trusted as configured,
         # and containment checks compare resolved paths on both sides.
         self.adapter_roots = tuple(Path(r).resolve(strict=True) for r in self.adapter_roots)
-        self.adapter_sources = tuple(Path(r) for r in self.adapter_sources)
-        self.sources = AdapterSources(self.adapter_sources) if self.adapter_sources else None
+        self.adapter_sources = tuple(str(r) for r in self.adapter_sources)  # s3:// stays a URL
+        self.sources = AdapterSources(self.adapter_sources, cache_dir=self.adapter_cache_dir,
+                                      cache_bytes=self.adapter_cache_bytes) \
+            if self.adapter_sources else None
         if self.max_tokens_limit < 1:
             raise ValueError("max_tokens_limit must be >= 1")
 

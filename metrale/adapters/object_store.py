@@ -1,0 +1,171 @@
+"""An S3-compatible bucket as an adapter source (`--adapter-source s3://bucket/prefix`):
+the name `org/adapter` is the two objects prefix/org/adapter/adapter_config.json and
+prefix/org/adapter/adapter_model.safetensors, fetched once into a local disk cache that
+survives restarts, then registered from there like any directory.
+
+Credentials, region and endpoint come from the usual AWS settings (AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION or AWS_DEFAULT_REGION,
+AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL for MinIO and other S3-compatible stores, which are
+addressed path-style). Requests are signed with AWS Signature Version 4.
+
+A download is streamed into a private temporary directory under the cache, checked
+(exactly Content-Length bytes; the MD5 a single-part upload's ETag is), and published by
+one rename: a crash or a refused download leaves nothing that is ever served. The cache
+is bounded (least recently used adapters go first).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import http.client
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from urllib.parse import quote, urlsplit
+
+from metrale.config import ConfigError
+from metrale.errors import PeerUnavailableError
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+MAX_CONFIG_BYTES = 1 << 20
+MAX_WEIGHTS_BYTES = 16 << 30
+TIMEOUT_S = 30.0
+_CHUNK = 4 << 20
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+class ObjectStoreError(PeerUnavailableError):
+    """The object store (an upstream, as a peer is: 502) refused a request, broke off a
+    download or sent bytes that fail their checks; nothing was published to the cache."""
+
+
+def sign_v4(method: str, host: str, path: str, headers: dict[str, str], access_key: str,
+            secret_key: str, region: str, now: datetime.datetime) -> str:
+    """The Authorization header of an S3 request with an empty body (GET): AWS Signature
+    Version 4 over host, x-amz-date, x-amz-content-sha256 and the other `headers`."""
+    amz_date = now.strftime("%Y%m%dT%H%M%SZ")
+    day = amz_date[:8]
+    signed = {"host": host, "x-amz-date": amz_date, "x-amz-content-sha256": _EMPTY_SHA256,
+              **{k.lower(): v.strip() for k, v in headers.items()}}
+    names = ";".join(sorted(signed))
+    canonical = "\n".join([method, quote(path, safe="/-_.~"), "",
+                           *(f"{k}:{signed[k]}" for k in sorted(signed)), "", names,
+                           _EMPTY_SHA256])
+    scope = f"{day}/{region}/s3/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope,
+                         hashlib.sha256(canonical.encode()).hexdigest()])
+    key = f"AWS4{secret_key}".encode()
+    for part in (day, region, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    return f"AWS4-HMAC-SHA256 Credential={access_key}/{scope},SignedHeaders={names},Signature={signature}"
+
+
+class S3Source:
+    def __init__(self, url: str, cache_dir: str | Path, cache_bytes: int = 20 << 30,
+                 environ: dict[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc:
+            raise ConfigError(f"adapter source {url!r} is not s3://bucket[/prefix]")
+        self.url, self.bucket, self.prefix = url, parts.netloc, parts.path.strip("/")
+        self.region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+        if endpoint:  # path-style: endpoint/bucket/key
+            ep = urlsplit(endpoint)
+            self.https, self.host, self.base = ep.scheme == "https", ep.netloc, f"/{self.bucket}"
+        else:  # virtual-hosted: bucket.s3.region.amazonaws.com/key
+            self.https, self.base = True, ""
+            self.host = f"{self.bucket}.s3.{self.region}.amazonaws.com"
+        self.access_key = env.get("AWS_ACCESS_KEY_ID")
+        self.secret_key = env.get("AWS_SECRET_ACCESS_KEY")
+        self.session_token = env.get("AWS_SESSION_TOKEN")
+        self.cache = Path(cache_dir) / "s3" / self.bucket / self.prefix
+        self.cache.mkdir(parents=True, exist_ok=True)
+        self.cache_bytes = cache_bytes
+        for stale in self.cache.parent.glob(".download-*"):  # a crash mid-download
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def find(self, name: str) -> Path | None:
+        """The adapter's cached directory, fetched first if needed; None when the store
+        holds no such adapter. `name` passed the adapter-name rule."""
+        final = self.cache / name
+        if all((final / f).is_file() for f in ADAPTER_FILES):
+            os.utime(final)  # recency, for eviction
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=self.cache.parent))
+        try:
+            for file, cap in zip(ADAPTER_FILES, (MAX_CONFIG_BYTES, MAX_WEIGHTS_BYTES)):
+                key = "/".join(p for p in (self.prefix, name, file) if p)
+                if not self._download(key, tmp / file, cap):
+                    return None
+            final.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(final, ignore_errors=True)  # a partial copy left by hand
+            tmp.rename(final)  # the one step that publishes
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._evict(keep=final)
+        return final
+
+    def _download(self, key: str, dest: Path, cap: int) -> bool:
+        """GET key into dest, checked; False on 404."""
+        path = f"{self.base}/{key}"
+        headers = {}
+        if self.session_token:
+            headers["x-amz-security-token"] = self.session_token
+        conn_cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        conn = conn_cls(self.host, timeout=TIMEOUT_S)
+        try:
+            send = {"x-amz-content-sha256": _EMPTY_SHA256, **headers}
+            if self.access_key and self.secret_key:
+                now = datetime.datetime.now(datetime.UTC)
+                send["x-amz-date"] = now.strftime("%Y%m%dT%H%M%SZ")
+                send["Authorization"] = sign_v4("GET", self.host, path, headers, self.access_key,
+                                                self.secret_key, self.region, now)
+            conn.request("GET", quote(path, safe="/-_.~"), headers=send)
+            reply = conn.getresponse()
+            if reply.status == 404:
+                return False
+            if reply.status != 200:
+                raise ObjectStoreError(f"{self.url}: GET {key}: HTTP {reply.status} "
+                                       f"{reply.read(512)!r}")
+            length = reply.getheader("Content-Length")
+            if length is None or not length.isdigit() or int(length) > cap:
+                raise ObjectStoreError(f"{self.url}: {key} announces {length!r} bytes "
+                                       f"(at most {cap})")
+            md5, got = hashlib.md5(usedforsecurity=False), 0
+            with open(dest, "wb") as f:
+                while chunk := reply.read(min(_CHUNK, int(length) - got + 1)):
+                    got += len(chunk)
+                    if got > int(length):
+                        break
+                    md5.update(chunk)
+                    f.write(chunk)
+            if got != int(length):
+                raise ObjectStoreError(f"{self.url}: {key}: {got} bytes of the {length} announced")
+            etag = (reply.getheader("ETag") or "").strip('"')
+            if len(etag) == 32 and "-" not in etag and etag != md5.hexdigest():  # single-part
+                raise ObjectStoreError(f"{self.url}: {key}: the bytes do not match ETag {etag}")
+            return True
+        except (OSError, http.client.HTTPException) as e:
+            raise ObjectStoreError(f"{self.url}: GET {key} failed: {type(e).__name__}: {e}") from None
+        finally:
+            conn.close()
+
+    def _evict(self, keep: Path) -> None:
+        """Least recently used adapters out until the cache fits its bound."""
+        dirs = [p.parent for p in self.cache.rglob(ADAPTER_FILES[1]) if p.parent != keep]
+        sizes = {d: sum(f.stat().st_size for f in d.iterdir()) for d in dirs}
+        total = sum(sizes.values()) + sum(f.stat().st_size for f in keep.iterdir())
+        for d in sorted(dirs, key=lambda d: d.stat().st_mtime):
+            if total <= self.cache_bytes:
+                break
+            shutil.rmtree(d, ignore_errors=True)
+            total -= sizes[d]
+
