@@ -27,7 +27,7 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # In every (layer, module) key they sit at layer 0 (they have no layer of their own).
 EXTRA_TARGETS: tuple[str, ...] = ("embed_tokens", "lm_head")
 EXTRA_TARGETS_FLAG = "--lora-extra-targets"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 
 _DTYPE_NAMES = {
     "float32": "float32", "fp32": "float32",
@@ -63,6 +63,32 @@ def _check_positive(config: object, names: tuple[str, ...], optional: bool = Fal
             raise ConfigError(f"{name} must be positive, got {value}")
 
 
+def _gemma2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"hidden_activation {act!r} is not served for gemma2 (gelu_pytorch_tanh)")
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ConfigError(f"layer_types {types!r} is not one of sliding_attention / "
+                          f"full_attention per layer ({layers})")
+    window = cfg.get("sliding_window")
+    return dict(
+        hidden_act="gelu_tanh", gemma_norms=True,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+        attn_softcap=_float_or_none(cfg.get("attn_logit_softcapping")),
+        final_softcap=_float_or_none(cfg.get("final_logit_softcapping")),
+        sliding_window=int(window) if window else None,
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        if window else (),
+    )
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -83,6 +109,21 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # Gemma 2: GELU (tanh) MLP, (1 + w) RMSNorm weights, embeddings times sqrt(hidden),
+    # a norm after each sublayer too, a query scale of its own, soft-capped attention and
+    # logits, sliding-window attention on some layers
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    gemma_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+
+    @property
+    def reference_attention_only(self) -> bool:
+        """Soft-capping and sliding windows run in the torch reference attention only."""
+        return self.attn_softcap is not None or bool(self.sliding_layers)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -92,6 +133,8 @@ class ModelConfig:
             )
         _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                "num_heads", "num_kv_heads", "head_dim"))
+        _check_positive(self, ("query_pre_attn_scalar", "attn_softcap", "final_softcap",
+                               "sliding_window"), optional=True)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads {self.num_heads} is not a multiple of "
@@ -157,12 +200,13 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma2")),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            **(_gemma2_fields(cfg) if model_type == "gemma2" else {}),
         )
 
     @classmethod

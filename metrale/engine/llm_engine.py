@@ -65,6 +65,12 @@ class LLMEngine:
             # kernels launch on the current device: make it this engine's (e.g. cuda:1)
             torch.cuda.set_device(self.device)
         self.dtype = parse_dtype(cfg.dtype)
+        if self.device.type == "cuda" and self.model_config.reference_attention_only:
+            raise ConfigError(f"{self.model_config.model_type} serves on the CPU for now: its "
+                              "attention (soft-capping, sliding windows) has no GPU kernel yet")
+        if self.model_config.gemma_norms and "embed_tokens" in cfg.pool.extra_targets:
+            raise ConfigError("embed_tokens LoRA is not served on gemma2 yet (its embeddings "
+                              "are scaled)")
         self.tokenizer = tokenizer
         if model is None:
             model = load_model(model_dir, self.model_config, self.dtype, self.device,

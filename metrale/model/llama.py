@@ -1,5 +1,6 @@
 """A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias,
-Qwen3 with q/k RMSNorm) over a flat token batch with paged KV.
+Qwen3 with q/k RMSNorm, Gemma 2 with its extra norms, GELU, scaled embeddings,
+soft-capping and sliding windows) over a flat token batch with paged KV.
 
 Projections are fused (qkv, gate/up) and add each token's LoRA delta through
 the forward context; attention reads and writes the paged cache."""
@@ -7,6 +8,7 @@ the forward context; attention reads and writes the paged cache."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ModelConfig
@@ -30,7 +32,9 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.softcap = cfg.attn_softcap
+        self.window = cfg.sliding_window if layer in cfg.sliding_layers else None
         # [num_blocks, block_size, KV, D]; bound by the runner once the cache is sized
         self.k_cache = self.v_cache = torch.empty(0)
 
@@ -46,7 +50,8 @@ class Attention(nn.Module):
         meta = get_context().attn
         q = self.rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache,
                                          meta.slot_mapping)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, positions)  # [T, H, D]
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, positions,
+                            self.softcap, self.window)  # [T, H, D]
         return self.o_proj(o.reshape(T, cfg.q_size))
 
 
@@ -58,9 +63,13 @@ class MLP(nn.Module):
             layer, ("gate_proj", "up_proj"), cfg.hidden_size, (self.inter, self.inter)
         )
         self.down_proj = LoraProjection(layer, ("down_proj",), self.inter, (cfg.hidden_size,))
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]: gate, then up
+        if self.gelu:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if fused.rows_usable(gate_up):
             return self.down_proj(fused.silu_mul(gate_up))  # one launch, not two
         return self.down_proj(fused.silu_mul_ref(gate_up))
@@ -90,13 +99,34 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class SandwichDecoderLayer(nn.Module):
+    """Gemma 2's layer: each sublayer's output is normed before it joins the stream, and
+    the MLP's input has a norm of its own; the residual adds are plain ones."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.self_attn = Attention(cfg, layer, rotary)
+        self.mlp = MLP(cfg, layer)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        """h: [T, hidden], the whole stream (residual is always None here)."""
+        h = h + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(h)))
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h, None
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg, max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        layer_cls = SandwichDecoderLayer if cfg.gemma_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -105,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden: [T, hidden]"""
         h = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.cfg.gemma_norms:  # sqrt(hidden) rounded to the weights' dtype, as Gemma does
+            h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
         lora = get_context().lora
         if lora is not None:
             lora_embed(h, input_ids, lora)  # embed_tokens LoRA, when the pool serves it
@@ -121,7 +153,9 @@ class LlamaForCausalLM(nn.Module):
         lora = get_context().lora
         if lora is not None:
             lora_logits(logits, hidden, lora, rows)  # lm_head LoRA, when the pool serves it
-        return logits.float()
+        logits = logits.float()
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def lora_base_weights(self) -> BaseWeights:
         """(layer, module) -> the base weight W [out, in] its LoRA adds to (DoRA's norms)."""

@@ -78,6 +78,11 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                 copy_weight(params[target], tensor, target, shard, cfg)
                 loaded.add(f"{target}#{shard}")
     _check_complete(params, loaded, cfg)
+    if cfg.gemma_norms:  # Gemma's norms scale by (1 + w): fold the 1 in once, here
+        with torch.no_grad():
+            for name, param in params.items():
+                if name.endswith("norm.weight"):
+                    param.add_(1.0)
     model.to(dtype).eval()
     model.rotary.build()  # rotary tables stay float32 whatever the weights are
     return model

@@ -26,9 +26,14 @@ def store_kv(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
+    softcap: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] -> out: [T, H, D]; causal within each sequence. positions: [T], each
-    query's position (the varlen kernel's split merge reads it)."""
+    query's position (the varlen kernel's split merge reads it). softcap: scores become
+    softcap * tanh(scores / softcap); window: a query sees only the last `window` keys up
+    to itself (Gemma 2; the torch reference only: an engine refuses them on CUDA)."""
+    if softcap is not None or window is not None:
+        return paged_attention_per_sequence(q, k_cache, v_cache, meta, scale, softcap, window)
     if not q.is_cuda:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
     if meta.is_prefill:
@@ -117,9 +122,11 @@ def paged_decode_ref(
 
 def paged_attention_per_sequence(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence, one SDPA per sequence."""
+    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence, one SDPA per sequence
+    (soft-capped scores: explicit softmax, as SDPA has no cap)."""
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu = meta.cu_query.tolist()
@@ -134,10 +141,22 @@ def paged_attention_per_sequence(
         n = end - start
         # query j sits at position ctx_len - n + j and sees keys 0..that position
         q_pos = torch.arange(ctx_len - n, ctx_len, device=q.device).unsqueeze(1)  # [n, 1]
-        mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
-        o = F.scaled_dot_product_attention(
-            qi.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [H|KV, n|ctx, D]
-            attn_mask=mask, scale=scale, enable_gqa=True,
-        )  # [H, n, D]
+        k_pos = torch.arange(ctx_len, device=q.device).unsqueeze(0)  # [1, ctx]
+        mask = k_pos <= q_pos  # [n, ctx]
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        if softcap is None:
+            o = F.scaled_dot_product_attention(
+                qi.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [H|KV, n|ctx, D]
+                attn_mask=mask, scale=scale, enable_gqa=True,
+            )  # [H, n, D]
+        else:
+            group = q.shape[1] // k.shape[1]
+            kh = k.transpose(0, 1).repeat_interleave(group, 0).float()  # [H, ctx, D]
+            vh = v.transpose(0, 1).repeat_interleave(group, 0).float()
+            scores = qi.transpose(0, 1).float() @ kh.transpose(1, 2) * scale  # [H, n, ctx]
+            scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~mask, float("-inf"))
+            o = (scores.softmax(-1) @ vh).to(q.dtype)  # [H, n, D]
         out[start:end] = o.transpose(0, 1)
     return out

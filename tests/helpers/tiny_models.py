@@ -27,6 +27,13 @@ def hf_config(arch: str, **overrides):
         return transformers.Qwen3Config(head_dim=kw.pop("head_dim", 32), **kw)
     if arch == "mistral":
         return transformers.MistralConfig(**kw)
+    if arch == "gemma2":
+        # caps and a window small enough to matter on short prompts; eager attention: the
+        # only one that soft-caps
+        gemma = dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                     final_logit_softcapping=3.0, sliding_window=5, tie_word_embeddings=True,
+                     attn_implementation="eager")
+        return transformers.Gemma2Config(**{**kw, **gemma, **overrides})
     raise ValueError(arch)
 
 

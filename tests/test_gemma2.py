@@ -1,0 +1,87 @@
+"""Gemma 2 on the CPU reference path: (1 + w) norms before and after each sublayer, GELU
+(tanh) MLP, embeddings scaled by sqrt(hidden), its query scale, soft-capped attention and
+logits, sliding-window layers beside global ones, tied embeddings. Greedy tokens equal
+transformers (eager attention) + PEFT for the base and two adapters mixed in one batch,
+on prompts longer than the window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from metrale.config import ConfigError, ModelConfig
+from tests.helpers.reference import hf_greedy
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
+
+PROMPTS = [[5, 17, 99, 3, 42, 8, 120, 7, 9], [61, 2, 9, 13, 200, 7, 1, 4, 77, 31, 5]]
+GEN = 8
+
+
+def gemma2(**change):
+    """The tiny Gemma 2 with sharper attention (q and k scaled up), so that the scores
+    reach the cap and the window decides which keys win."""
+    model = make_model("gemma2", seed=21, **change)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    return model
+
+
+def test_gemma2_equals_transformers_peft(tmp_path):
+    base = gemma2()
+    save_model(base, tmp_path / "model")
+    cfg = ModelConfig.from_dir(tmp_path / "model")
+    assert cfg.sliding_layers == (0, 2) and cfg.attn_softcap == 2.0 and cfg.tie_word_embeddings
+    adapters = {name: make_adapter(base, tmp_path / name, seed=seed, r=4, lora_alpha=8,
+                                   target_modules="all-linear")
+                for name, seed in (("x", 3), ("y", 4))}
+    llm = LLM(tmp_path / "model", max_loras=2, max_lora_rank=4, max_model_len=64, block_size=4,
+              num_kv_blocks=64)
+    for name in adapters:
+        llm.register_adapter(name, tmp_path / name)
+    requests = [(p, a) for p in PROMPTS for a in (None, "x", "y")]
+    outs = llm.generate([p for p, _ in requests],
+                        SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True),
+                        [a for _, a in requests])
+    for (prompt, adapter), out in zip(requests, outs):
+        want, _ = hf_greedy(adapters[adapter] if adapter else base, prompt, GEN)
+        assert list(out.token_ids) == want, adapter
+
+
+def test_gemma2_features_each_change_the_answer(tmp_path):
+    """Each Gemma-specific piece matters on these prompts: the reference differs when the
+    attention cap, the window or the query scale is changed, so the equality above tests
+    them (the logit cap is monotonic: greedy tokens cannot see it; logprobs below do)."""
+    want = [hf_greedy(gemma2(), p, GEN)[0] for p in PROMPTS]
+    for change in ({"attn_logit_softcapping": None}, {"sliding_window": 64},
+                   {"query_pre_attn_scalar": 16}):
+        other = gemma2(**change)
+        assert [hf_greedy(other, p, GEN)[0] for p in PROMPTS] != want, change
+
+
+def test_gemma2_logprobs_see_the_logit_cap(tmp_path):
+    base = gemma2(final_logit_softcapping=0.3)  # tight: every logit is bent by the cap
+    save_model(base, tmp_path / "model")
+    llm = LLM(tmp_path / "model", max_loras=0, max_model_len=64, block_size=4, num_kv_blocks=32)
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
+    with torch.no_grad():
+        logits = base(torch.tensor([PROMPTS[0]])).logits[0, -1].float()  # capped by transformers
+    want = torch.log_softmax(logits, -1)
+    top = out.logprobs[0]["top"]
+    assert len(top) == 5
+    for token, logprob in top:
+        assert abs(logprob - float(want[token])) < 1e-4, token
+
+
+def test_gemma2_refusals(tmp_path):
+    base = gemma2()
+    save_model(base, tmp_path / "model")
+    with pytest.raises(ConfigError, match="embed_tokens"):
+        LLM(tmp_path / "model", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
+            num_kv_blocks=16, lora_extra_targets=("embed_tokens",))
+    if not torch.cuda.is_available():
+        return
+    with pytest.raises(ConfigError, match="CPU"):
+        LLM(tmp_path / "model", max_loras=1, device="cuda")
