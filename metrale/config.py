@@ -27,7 +27,11 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # In every (layer, module) key they sit at layer 0 (they have no layer of their own).
 EXTRA_TARGETS: tuple[str, ...] = ("embed_tokens", "lm_head")
 EXTRA_TARGETS_FLAG = "--lora-extra-targets"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
+# Phi-3 fuses q/k/v and gate/up in its checkpoint, so PEFT wraps (and adapters name) the
+# fused Linear: one lora_A for all, lora_B's rows split across the parts, in this order.
+FUSED_PEFT_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                      "gate_up_proj": ("gate_proj", "up_proj")}
 
 _DTYPE_NAMES = {
     "float32": "float32", "fp32": "float32",
@@ -85,6 +89,16 @@ def _gemma2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ConfigError(f"partial_rotary_factor {partial!r} is not served for phi3 (1.0)")
+    window = cfg.get("sliding_window")
+    return dict(fused_peft_modules=True, sliding_window=int(window) if window else None,
+                sliding_layers=tuple(range(int(cfg["num_hidden_layers"]))) if window else ())
+
+
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -119,6 +133,7 @@ class ModelConfig:
     final_softcap: float | None = None
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    fused_peft_modules: bool = False  # Phi-3: PEFT sees qkv_proj and gate_up_proj
 
     @property
     def reference_attention_only(self) -> bool:
@@ -171,6 +186,26 @@ class ModelConfig:
         group = "self_attn" if module in ATTN_MODULES else "mlp"
         return f"model.layers.{layer}.{group}.{module}"
 
+    def peft_path(self, layer: int, module: str) -> str:
+        """The name PEFT wraps for a module: module_path's, or its fused Linear's."""
+        path = self.module_path(layer, module)
+        if self.fused_peft_modules:
+            for fused, parts in FUSED_PEFT_MODULES.items():
+                if module in parts:
+                    return f"{path.rsplit('.', 1)[0]}.{fused}"
+        return path
+
+    def fused_rows(self, module: str) -> tuple[int, int, int]:
+        """(first row, rows, all rows) of module's outputs within the Linear PEFT wraps."""
+        if self.fused_peft_modules:
+            for parts in FUSED_PEFT_MODULES.values():
+                if module in parts:
+                    outs = [self.linear_shape(p)[1] for p in parts]
+                    i = parts.index(module)
+                    return sum(outs[:i]), outs[i], sum(outs)
+        out = self.linear_shape(module)[1]
+        return 0, out, out
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
@@ -207,6 +242,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             **(_gemma2_fields(cfg) if model_type == "gemma2" else {}),
+            **(_phi3_fields(cfg) if model_type == "phi3" else {}),
         )
 
     @classmethod

@@ -110,7 +110,7 @@ class AdapterPlan:
 
 def module_universe(model: ModelConfig) -> list[tuple[str, int, str]]:
     """(path, layer, module) of everything PEFT could target; model-level ones at layer 0."""
-    paths = [(model.module_path(i, m), i, m) for i in range(model.num_layers) for m in LINEAR_MODULES]
+    paths = [(model.peft_path(i, m), i, m) for i in range(model.num_layers) for m in LINEAR_MODULES]
     return paths + [(model.module_path(0, m), 0, m) for m in EXTRA_TARGETS]
 
 
@@ -223,8 +223,11 @@ def _match_tensors(
     source: str, entries: Iterable[TensorEntry], targets: tuple[ModuleTarget, ...],
     model: ModelConfig, dora: bool = False,
 ) -> tuple[TensorLanding, ...]:
-    by_path = {model.module_path(t.layer, t.module): t for t in targets}
-    landings: dict[tuple[str, str], TensorLanding] = {}
+    by_path: dict[str, list[ModuleTarget]] = {}  # a fused Linear (Phi-3) has several parts
+    for t in targets:
+        by_path.setdefault(model.peft_path(t.layer, t.module), []).append(t)
+    landings: list[TensorLanding] = []
+    seen: set[tuple[str, str]] = set()
     for entry in entries:
         if _frozen_base_copy(source, entry, model):
             continue
@@ -234,13 +237,13 @@ def _match_tensors(
                 f"{source}: tensor {brief(entry.name)} is not a LoRA A/B, embedding or DoRA "
                 "magnitude weight metrale serves (biases and full-weight overlays are refused)"
             )
-        target = by_path.get(m["module"])
-        if target is None:
+        parts = by_path.get(m["module"])
+        if parts is None:
             raise AdapterMismatchError(
                 f"{source}: tensor {brief(entry.name)} is for a module the adapter config "
                 "does not target in this model (or a module this model does not have)"
             )
-        kind = _KINDS[m["kind"]]
+        target, kind = parts[0], _KINDS[m["kind"]]
         if (target.module == "embed_tokens") != m["kind"].startswith("lora_embedding") \
                 and kind != "M":
             raise AdapterMismatchError(
@@ -252,7 +255,7 @@ def _match_tensors(
                 f"{source}: tensor {brief(entry.name)} is a DoRA magnitude, but the adapter "
                 "config does not set use_dora=true"
             )
-        d_in, d_out = model.linear_shape(target.module)
+        d_in, d_out = model.linear_shape(target.module)[0], model.fused_rows(target.module)[2]
         expected = {"A": (target.rank, d_in), "B": (d_out, target.rank), "M": (d_out,)}[kind]
         if entry.shape != expected:
             raise AdapterMismatchError(
@@ -260,19 +263,31 @@ def _match_tensors(
                 f"{list(expected)} for this base model at rank {target.rank}; the adapter "
                 "was trained for another model or its rank_pattern disagrees"
             )
-        if (m["module"], kind) in landings:
+        if (m["module"], kind) in seen:
             raise AdapterFileError(f"{source}: two tensors for {m['module']} {m['kind']}")
-        landings[(m["module"], kind)] = TensorLanding(target, kind, entry)
+        seen.add((m["module"], kind))
+        for part in parts:  # A is shared; B's and M's rows are split across the parts
+            part_entry = entry if kind == "A" else _rows(entry, *model.fused_rows(part.module)[:2])
+            landings.append(TensorLanding(part, kind, part_entry))
     names = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector"}
     kinds = ("A", "B", "M") if dora else ("A", "B")
-    missing = [f"{path}.{names[k]}" for path in by_path for k in kinds if (path, k) not in landings]
+    missing = [f"{path}.{names[k]}" for path in by_path for k in kinds if (path, k) not in seen]
     if missing:
         raise AdapterFileError(
             f"{source}: targeted modules have no weights: {', '.join(missing[:4])}"
             + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             + (" (a DoRA adapter needs every module's lora_magnitude_vector)" if dora else "")
         )
-    return tuple(landings.values())
+    return tuple(landings)
+
+
+def _rows(entry: TensorEntry, first: int, rows: int) -> TensorEntry:
+    """Rows [first, first + rows) of a row-major tensor entry (all of it when they are)."""
+    if first == 0 and rows == entry.shape[0]:
+        return entry
+    row_bytes = entry.nbytes // entry.shape[0]
+    begin = entry.begin + first * row_bytes
+    return replace(entry, shape=(rows, *entry.shape[1:]), begin=begin, end=begin + rows * row_bytes)
 
 
 def _frozen_base_copy(source: str, entry: TensorEntry, model: ModelConfig) -> bool:

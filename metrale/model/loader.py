@@ -133,7 +133,7 @@ def _check_complete(params, loaded, cfg: ModelConfig) -> None:
             continue
         shards = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else None
         keys = [f"{name}#{i}" for i in range(shards)] if shards else [f"{name}#None"]
-        if not all(k in loaded for k in keys):
+        if not all(k in loaded for k in keys) and f"{name}#None" not in loaded:  # or fused (Phi-3)
             missing.append(name)
     if missing:
         raise ConfigError(f"checkpoint is missing weights: {', '.join(missing[:5])}")

@@ -27,6 +27,8 @@ def hf_config(arch: str, **overrides):
         return transformers.Qwen3Config(head_dim=kw.pop("head_dim", 32), **kw)
     if arch == "mistral":
         return transformers.MistralConfig(**kw)
+    if arch == "phi3":
+        return transformers.Phi3Config(**{**kw, "pad_token_id": 0})
     if arch == "gemma2":
         # caps and a window small enough to matter on short prompts; eager attention: the
         # only one that soft-caps
