@@ -27,7 +27,7 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # In every (layer, module) key they sit at layer 0 (they have no layer of their own).
 EXTRA_TARGETS: tuple[str, ...] = ("embed_tokens", "lm_head")
 EXTRA_TARGETS_FLAG = "--lora-extra-targets"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 # Phi-3 fuses q/k/v and gate/up in its checkpoint, so PEFT wraps (and adapters name) the
 # fused Linear: one lora_A for all, lora_B's rows split across the parts, in this order.
 FUSED_PEFT_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -67,19 +67,26 @@ def _check_positive(config: object, names: tuple[str, ...], optional: bool = Fal
             raise ConfigError(f"{name} must be positive, got {value}")
 
 
-def _gemma2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+def _gemma_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 and Gemma 3 (text): layer types every other layer (Gemma 2) or five local to
+    one global (Gemma 3's sliding_window_pattern 6) unless the config lists them."""
+    gemma3 = cfg.get("model_type") == "gemma3_text"
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ConfigError(f"hidden_activation {act!r} is not served for gemma2 (gelu_pytorch_tanh)")
+        raise ConfigError(f"hidden_activation {act!r} is not served for gemma (gelu_pytorch_tanh)")
     layers = int(cfg["num_hidden_layers"])
+    pattern = int(cfg.get("sliding_window_pattern") or (6 if gemma3 else 2))
     types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ConfigError(f"layer_types {types!r} is not one of sliding_attention / "
                           f"full_attention per layer ({layers})")
     window = cfg.get("sliding_window")
+    local = ((cfg.get("rope_parameters") or {}).get("sliding_attention") or {}).get(
+        "rope_theta", cfg.get("rope_local_base_freq", 10000.0)) if gemma3 else None
     return dict(
         hidden_act="gelu_tanh", gemma_norms=True,
+        rope_local_theta=None if local is None else float(local),
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
         attn_softcap=_float_or_none(cfg.get("attn_logit_softcapping")),
         final_softcap=_float_or_none(cfg.get("final_logit_softcapping")),
@@ -133,6 +140,7 @@ class ModelConfig:
     final_softcap: float | None = None
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' rotary base (no scaling)
     fused_peft_modules: bool = False  # Phi-3: PEFT sees qkv_proj and gate_up_proj
 
     @property
@@ -218,6 +226,8 @@ class ModelConfig:
         rope_theta = cfg.get("rope_theta")
         # transformers >= 5 nests theta and scaling under rope_parameters.
         rope_params = cfg.get("rope_parameters") or {}
+        if model_type == "gemma3_text":  # per layer type: the global layers' are the model's
+            rope_params = rope_params.get("full_attention") or {}
         if rope_theta is None:
             rope_theta = rope_params.get("rope_theta", 10000.0)
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
@@ -235,13 +245,14 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma2")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
+                                             model_type in ("gemma2", "gemma3_text"))),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            **(_gemma2_fields(cfg) if model_type == "gemma2" else {}),
+            **(_gemma_fields(cfg) if model_type in ("gemma2", "gemma3_text") else {}),
             **(_phi3_fields(cfg) if model_type == "phi3" else {}),
         )
 

@@ -1,8 +1,9 @@
-"""Gemma 2 on the CPU reference path: (1 + w) norms before and after each sublayer, GELU
-(tanh) MLP, embeddings scaled by sqrt(hidden), its query scale, soft-capped attention and
-logits, sliding-window layers beside global ones, tied embeddings. Greedy tokens equal
-transformers (eager attention) + PEFT for the base and two adapters mixed in one batch,
-on prompts longer than the window."""
+"""Gemma 2 and Gemma 3 (text) on the CPU reference path: (1 + w) norms before and after
+each sublayer, GELU (tanh) MLP, embeddings scaled by sqrt(hidden), the query scale,
+soft-capped attention and logits, sliding-window layers beside global ones, tied
+embeddings; Gemma 3's q/k norms and the sliding layers' own rotary base (the global ones
+linearly scaled). Greedy tokens equal transformers (eager attention) + PEFT for the base
+and adapters mixed in one batch, on prompts longer than the window."""
 
 from __future__ import annotations
 
@@ -85,3 +86,38 @@ def test_gemma2_refusals(tmp_path):
         return
     with pytest.raises(ConfigError, match="CPU"):
         LLM(tmp_path / "model", max_loras=1, device="cuda")
+
+
+def gemma3(**change):
+    model = make_model("gemma3", seed=22, **change)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    return model
+
+
+def test_gemma3_equals_transformers_peft(tmp_path):
+    base = gemma3()
+    save_model(base, tmp_path / "model")
+    cfg = ModelConfig.from_dir(tmp_path / "model")
+    assert cfg.qk_norm and cfg.sliding_layers == (0, 2) and cfg.rope_local_theta == 10_000.0
+    assert cfg.rope_theta == 1_000_000.0 and dict(cfg.rope_scaling)["factor"] == 2.0
+    adapter = make_adapter(base, tmp_path / "x", seed=3, r=4, lora_alpha=8,
+                           target_modules="all-linear")
+    llm = LLM(tmp_path / "model", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
+              num_kv_blocks=64)
+    llm.register_adapter("x", tmp_path / "x")
+    requests = [(p, a) for p in PROMPTS for a in (None, "x")]
+    outs = llm.generate([p for p, _ in requests],
+                        SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True),
+                        [a for _, a in requests])
+    for (prompt, name), out in zip(requests, outs):
+        want, _ = hf_greedy(adapter if name else base, prompt, GEN)
+        assert list(out.token_ids) == want, name
+    # the local base matters here: one rotary for every layer answers otherwise
+    other = gemma3(rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})
+    assert [hf_greedy(other, p, GEN)[0] for p in PROMPTS] != \
+        [hf_greedy(base, p, GEN)[0] for p in PROMPTS]

@@ -1,11 +1,14 @@
 """A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias,
-Qwen3 with q/k RMSNorm, Gemma 2 with its extra norms, GELU, scaled embeddings,
-soft-capping and sliding windows) over a flat token batch with paged KV.
+Qwen3 with q/k RMSNorm, Phi-3, Gemma 2 and 3 with their extra norms, GELU, scaled
+embeddings, soft-capping, sliding windows and local rotary bases) over a flat token batch
+with paged KV.
 
 Projections are fused (qkv, gate/up) and add each token's LoRA delta through
 the forward context; attention reads and writes the paged cache."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -124,9 +127,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg, max_positions)
+        # Gemma 3: the sliding layers rotate with a base of their own, unscaled
+        local = rotary if cfg.rope_local_theta is None else RotaryEmbedding(
+            replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None), max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         layer_cls = SandwichDecoderLayer if cfg.gemma_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer_cls(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            layer_cls(cfg, i, local if i in cfg.sliding_layers else rotary)
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from metrale.config import ConfigError, ModelConfig
+from metrale.model.layers import RotaryEmbedding
 from metrale.model.llama import LlamaForCausalLM
 from metrale.model.quantization import (
     FP8_DTYPES,
@@ -51,7 +52,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     model = model.to_empty(device=device)
-    model.rotary.build()  # computed buffers, not weights
+    _build_rotary(model)  # computed buffers, not weights
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     scheme = scheme_of(model_dir)
@@ -84,8 +85,14 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                 if name.endswith("norm.weight"):
                     param.add_(1.0)
     model.to(dtype).eval()
-    model.rotary.build()  # rotary tables stay float32 whatever the weights are
+    _build_rotary(model)  # rotary tables stay float32 whatever the weights are
     return model
+
+
+def _build_rotary(model: LlamaForCausalLM) -> None:
+    for module in model.modules():  # Gemma 3 has a second table for its sliding layers
+        if isinstance(module, RotaryEmbedding):
+            module.build()
 
 
 def _aux_tensors(model_dir: Path, scheme: QuantScheme) -> dict[str, torch.Tensor]:

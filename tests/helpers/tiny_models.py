@@ -27,6 +27,15 @@ def hf_config(arch: str, **overrides):
         return transformers.Qwen3Config(head_dim=kw.pop("head_dim", 32), **kw)
     if arch == "mistral":
         return transformers.MistralConfig(**kw)
+    if arch == "gemma3":
+        gemma = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=5,
+                     tie_word_embeddings=True, attn_implementation="eager",
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                     rope_parameters={
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+        return transformers.Gemma3TextConfig(**{**kw, **gemma, **overrides})
     if arch == "phi3":
         return transformers.Phi3Config(**{**kw, "pad_token_id": 0})
     if arch == "gemma2":
