@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from metrale import LLM, SamplingParams
 from metrale.config import ConfigError
-from tests.helpers.reference import hf_greedy
+from tests.helpers.reference import assert_mixed_batch_matches, hf_greedy
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -85,20 +85,10 @@ def test_fp8_checkpoint_equals_transformers_peft_on_its_dequantized_weights(tmp_
     ref.load_state_dict(dequantized)
     assert not torch.equal(ref.model.layers[0].self_attn.q_proj.weight,
                            base.model.layers[0].self_attn.q_proj.weight)  # quantization shows
-    adapters = {name: make_adapter(ref, tmp_path / name, seed=seed, r=4, lora_alpha=8,
-                                   target_modules="all-linear")
+    adapters = {name: (make_adapter(ref, tmp_path / name, seed=seed, r=4, lora_alpha=8,
+                                    target_modules="all-linear"), tmp_path / name)
                 for name, seed in (("x", 3), ("y", 4))}
-    llm = LLM(tmp_path / "fp8", max_loras=2, max_lora_rank=4, max_model_len=64, block_size=4,
-              num_kv_blocks=64)
-    for name in adapters:
-        llm.register_adapter(name, tmp_path / name)
-    requests = [(p, a) for p in PROMPTS for a in (None, "x", "y")]  # mixed, one batch
-    outs = llm.generate([p for p, _ in requests],
-                        SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True),
-                        [a for _, a in requests])
-    for (prompt, adapter), out in zip(requests, outs):
-        want, _ = hf_greedy(adapters[adapter] if adapter else ref, prompt, GEN)
-        assert list(out.token_ids) == want, (fmt, adapter)
+    assert_mixed_batch_matches(tmp_path / "fp8", ref, adapters, PROMPTS, GEN)
 
 
 @pytest.mark.parametrize("qc, field", [

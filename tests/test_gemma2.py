@@ -12,17 +12,17 @@ import torch
 
 from metrale import LLM, SamplingParams
 from metrale.config import ConfigError, ModelConfig
-from tests.helpers.reference import hf_greedy
+from tests.helpers.reference import assert_mixed_batch_matches, hf_greedy
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 120, 7, 9], [61, 2, 9, 13, 200, 7, 1, 4, 77, 31, 5]]
 GEN = 8
 
 
-def gemma2(**change):
-    """The tiny Gemma 2 with sharper attention (q and k scaled up), so that the scores
+def sharp(arch: str, seed: int, **change):
+    """The tiny Gemma with sharper attention (q and k scaled up), so that the scores
     reach the cap and the window decides which keys win."""
-    model = make_model("gemma2", seed=21, **change)
+    model = make_model(arch, seed=seed, **change)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(6)
@@ -30,25 +30,23 @@ def gemma2(**change):
     return model
 
 
+def gemma2(**change):
+    return sharp("gemma2", 21, **change)
+
+
+def gemma3(**change):
+    return sharp("gemma3", 22, **change)
+
+
 def test_gemma2_equals_transformers_peft(tmp_path):
     base = gemma2()
     save_model(base, tmp_path / "model")
     cfg = ModelConfig.from_dir(tmp_path / "model")
     assert cfg.sliding_layers == (0, 2) and cfg.attn_softcap == 2.0 and cfg.tie_word_embeddings
-    adapters = {name: make_adapter(base, tmp_path / name, seed=seed, r=4, lora_alpha=8,
-                                   target_modules="all-linear")
+    adapters = {name: (make_adapter(base, tmp_path / name, seed=seed, r=4, lora_alpha=8,
+                                    target_modules="all-linear"), tmp_path / name)
                 for name, seed in (("x", 3), ("y", 4))}
-    llm = LLM(tmp_path / "model", max_loras=2, max_lora_rank=4, max_model_len=64, block_size=4,
-              num_kv_blocks=64)
-    for name in adapters:
-        llm.register_adapter(name, tmp_path / name)
-    requests = [(p, a) for p in PROMPTS for a in (None, "x", "y")]
-    outs = llm.generate([p for p, _ in requests],
-                        SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True),
-                        [a for _, a in requests])
-    for (prompt, adapter), out in zip(requests, outs):
-        want, _ = hf_greedy(adapters[adapter] if adapter else base, prompt, GEN)
-        assert list(out.token_ids) == want, adapter
+    assert_mixed_batch_matches(tmp_path / "model", base, adapters, PROMPTS, GEN)
 
 
 def test_gemma2_features_each_change_the_answer(tmp_path):
@@ -88,14 +86,6 @@ def test_gemma2_refusals(tmp_path):
         LLM(tmp_path / "model", max_loras=1, device="cuda")
 
 
-def gemma3(**change):
-    model = make_model("gemma3", seed=22, **change)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6)
-            layer.self_attn.k_proj.weight.mul_(6)
-    return model
-
 
 def test_gemma3_equals_transformers_peft(tmp_path):
     base = gemma3()
@@ -105,16 +95,8 @@ def test_gemma3_equals_transformers_peft(tmp_path):
     assert cfg.rope_theta == 1_000_000.0 and dict(cfg.rope_scaling)["factor"] == 2.0
     adapter = make_adapter(base, tmp_path / "x", seed=3, r=4, lora_alpha=8,
                            target_modules="all-linear")
-    llm = LLM(tmp_path / "model", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
-              num_kv_blocks=64)
-    llm.register_adapter("x", tmp_path / "x")
-    requests = [(p, a) for p in PROMPTS for a in (None, "x")]
-    outs = llm.generate([p for p, _ in requests],
-                        SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True),
-                        [a for _, a in requests])
-    for (prompt, name), out in zip(requests, outs):
-        want, _ = hf_greedy(adapter if name else base, prompt, GEN)
-        assert list(out.token_ids) == want, name
+    assert_mixed_batch_matches(tmp_path / "model", base, {"x": (adapter, tmp_path / "x")},
+                               PROMPTS, GEN)
     # the local base matters here: one rotary for every layer answers otherwise
     other = gemma3(rope_parameters={
         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from metrale import LLM, SamplingParams
-from tests.helpers.reference import hf_greedy
+from metrale import LLM
+from tests.helpers.reference import assert_mixed_batch_matches
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -164,20 +164,10 @@ def test_int4_checkpoint_equals_transformers_peft_on_its_dequantized_weights(
     dequantized = int4_checkpoint(base, tmp_path / "q", method, act_order, sym, v2)
     ref = copy.deepcopy(base)
     ref.load_state_dict(dequantized)
-    adapters = {name: make_adapter(ref, tmp_path / name, seed=seed, r=4, lora_alpha=8,
-                                   target_modules="all-linear")
+    adapters = {name: (make_adapter(ref, tmp_path / name, seed=seed, r=4, lora_alpha=8,
+                                    target_modules="all-linear"), tmp_path / name)
                 for name, seed in (("x", 3), ("y", 4))}
-    llm = LLM(tmp_path / "q", max_loras=2, max_lora_rank=4, max_model_len=64, block_size=4,
-              num_kv_blocks=64)
-    for name in adapters:
-        llm.register_adapter(name, tmp_path / name)
-    requests = [(p, a) for p in PROMPTS for a in (None, "x", "y")]
-    outs = llm.generate([p for p, _ in requests],
-                        SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True),
-                        [a for _, a in requests])
-    for (prompt, adapter), out in zip(requests, outs):
-        want, _ = hf_greedy(adapters[adapter] if adapter else ref, prompt, GEN)
-        assert list(out.token_ids) == want, (method, adapter)
+    assert_mixed_batch_matches(tmp_path / "q", ref, adapters, PROMPTS, GEN)
 
 
 def test_packed_tensors_of_the_wrong_kind_are_refused(tmp_path):

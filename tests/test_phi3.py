@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from metrale import LLM, SamplingParams
+from metrale import LLM
 from metrale.config import ConfigError, ModelConfig
-from tests.helpers.reference import hf_greedy
+from tests.helpers.reference import assert_mixed_batch_matches
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 120], [61, 2, 9, 13, 200, 7, 1, 4]]
@@ -26,19 +26,9 @@ def test_phi3_with_fused_adapters_equals_transformers_peft(tmp_path):
                     rank_pattern={"layers.1.self_attn.qkv_proj": 2}),
         "dora": dict(r=4, lora_alpha=8, target_modules=["gate_up_proj", "o_proj"], use_dora=True),
     }
-    adapters = {name: make_adapter(base, tmp_path / name, seed=i + 3, **spec)
+    adapters = {name: (make_adapter(base, tmp_path / name, seed=i + 3, **spec), tmp_path / name)
                 for i, (name, spec) in enumerate(specs.items())}
-    llm = LLM(tmp_path / "model", max_loras=3, max_lora_rank=4, max_model_len=64, block_size=4,
-              num_kv_blocks=64)
-    for name in adapters:
-        llm.register_adapter(name, tmp_path / name)
-    requests = [(p, a) for p in PROMPTS for a in (None, *adapters)]
-    outs = llm.generate([p for p, _ in requests],
-                        SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True),
-                        [a for _, a in requests])
-    for (prompt, adapter), out in zip(requests, outs):
-        want, _ = hf_greedy(adapters[adapter] if adapter else base, prompt, GEN)
-        assert list(out.token_ids) == want, adapter
+    assert_mixed_batch_matches(tmp_path / "model", base, adapters, PROMPTS, GEN)
 
 
 def test_phi3_partial_rotary_is_refused(tmp_path):

@@ -28,3 +28,25 @@ def prompts(seed: int, n: int, shared_prefix: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(1, 250) for _ in range(shared_prefix)]
     return [prefix + [rng.randrange(1, 250) for _ in range(rng.randrange(3, 20))] for _ in range(n)]
+
+
+def assert_mixed_batch_matches(model_dir, base, adapters: dict, prompt_list: list[list[int]],
+                               n: int, **llm_kw):
+    """An LLM on model_dir, with `adapters` ({name: (PEFT model, its directory)})
+    registered, serves every prompt with the base and with each adapter, all in one
+    batch, with greedy tokens equal to transformers + PEFT's. Returns the LLM."""
+    from metrale import LLM, SamplingParams  # metrale: after conftest's triton switch
+
+    kw = dict(max_loras=max(1, len(adapters)), max_lora_rank=4, max_model_len=64, block_size=4,
+              num_kv_blocks=64)
+    llm = LLM(model_dir, **{**kw, **llm_kw})
+    for name, (_, path) in adapters.items():
+        llm.register_adapter(name, path)
+    requests = [(p, a) for p in prompt_list for a in (None, *adapters)]
+    outs = llm.generate([p for p, _ in requests],
+                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                        [a for _, a in requests])
+    for (prompt, adapter), out in zip(requests, outs):
+        want, _ = hf_greedy(adapters[adapter][0] if adapter else base, prompt, n)
+        assert list(out.token_ids) == want, (prompt, adapter)
+    return llm
