@@ -113,3 +113,25 @@ def test_a_peer_off_the_allow_list_is_refused_at_registration():
     with pytest.raises(PeerNotAllowedError):
         llm.register_adapter("far", "peer://10.9.9.9:7460/a")  # default allow-list: loopback
     assert llm.engine.registry.names() == []
+
+
+def test_stale_nan_in_freed_kv_blocks_never_reaches_another_request(tmp_path):
+    """A poisoned request can leave NaN K/V in blocks it frees. A later batch of requests
+    of different lengths decodes over padded, masked keys; the stale NaN there (here:
+    the whole cache filled with NaN before they run) must not reach their outputs."""
+
+    from metrale import LLM, SamplingParams
+    from tests.helpers.reference import hf_greedy
+    from tests.helpers.tiny_models import make_model, save_model
+
+    base = make_model("llama", seed=5)
+    save_model(base, tmp_path / "model")
+    llm = LLM(tmp_path / "model", max_loras=0, max_model_len=64, block_size=4, num_kv_blocks=64)
+    for attn in llm.engine.runner.model.attention_layers():
+        attn.k_cache.fill_(float("nan"))
+        attn.v_cache.fill_(float("nan"))
+    prompts = [[5, 17, 99], [61, 2, 9, 13, 200, 7, 1, 4, 77], [8, 9]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.error is None, out.error
+        assert list(out.token_ids) == hf_greedy(base, prompt, 6)[0]

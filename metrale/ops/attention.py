@@ -111,6 +111,11 @@ def paged_decode_ref(
         v = torch.index_select(v_cache, 0, flat, out=v_out)
         k = k.view(B, -1, KV, D)[:, :max_ctx]  # [B, L, KV, D]
         v = v.view(B, -1, KV, D)[:, :max_ctx]
+        # Keys past a shorter sequence's context are stale cache memory, perhaps NaN (a
+        # freed block of a poisoned request): a masked score still adds -inf to it and a
+        # zero weight still multiplies it, so zero them, or NaN reaches this request.
+        pad = ~valid.view(B, max_ctx)[:, :, None, None]  # [B, L, 1, 1]
+        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
     # GQA without repeating K/V: head h reads kv head h // G, so the G query heads of a
     # kv head ride as G query rows of that head: q [B, KV, G, D] against k [B, KV, L, D]
     o = F.scaled_dot_product_attention(
