@@ -60,10 +60,10 @@ def dtype_name(value: object) -> str:
 
 
 def _check_positive(config: object, names: tuple[str, ...], optional: bool = False) -> None:
-    """Each named field is > 0 (or, optional, None)."""
+    """Each named field is > 0 (or, optional, None); NaN is refused too."""
     for name in names:
         value = getattr(config, name)
-        if not (optional and value is None) and value <= 0:
+        if not (optional and value is None) and not value > 0:
             raise ConfigError(f"{name} must be positive, got {value}")
 
 
@@ -130,7 +130,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
-    # Gemma 2: GELU (tanh) MLP, (1 + w) RMSNorm weights, embeddings times sqrt(hidden),
+    # Gemma 2 and 3: GELU (tanh) MLP, (1 + w) RMSNorm weights, embeddings times sqrt(hidden),
     # a norm after each sublayer too, a query scale of its own, soft-capped attention and
     # logits, sliding-window attention on some layers
     hidden_act: str = "silu"  # "silu" | "gelu_tanh"

@@ -26,10 +26,17 @@ import tempfile
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
+from metrale.adapters.identity import CONFIG_FILE, WEIGHTS_FILE
 from metrale.config import ConfigError
 from metrale.errors import PeerUnavailableError
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+
+
+def holds_adapter(path: Path) -> bool:
+    """A PEFT directory: both of its files are there."""
+    return all((path / f).is_file() for f in ADAPTER_FILES)
+
 MAX_CONFIG_BYTES = 1 << 20
 MAX_WEIGHTS_BYTES = 16 << 30
 TIMEOUT_S = 30.0
@@ -96,7 +103,7 @@ class S3Source:
         """The adapter's cached directory, fetched first if needed; None when the store
         holds no such adapter. `name` passed the adapter-name rule."""
         final = self.cache / name
-        if all((final / f).is_file() for f in ADAPTER_FILES):
+        if holds_adapter(final):
             os.utime(final)  # recency, for eviction
             return final
         tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=self.cache.parent))

@@ -18,13 +18,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from metrale.adapters.object_store import S3Source
+from metrale.adapters.object_store import S3Source, holds_adapter
 from metrale.config import ConfigError
 from metrale.names import validate_adapter_name
 
 NEGATIVE_TTL_S = 30.0
 MAX_REMEMBERED_MISSES = 10_000
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 class DirectorySource:
@@ -38,7 +37,7 @@ class DirectorySource:
         path = (self.root / name).resolve()
         if not path.is_relative_to(self.root):  # a symlink out of the source
             return None
-        return path if all((path / f).is_file() for f in ADAPTER_FILES) else None
+        return path if holds_adapter(path) else None
 
     def __str__(self) -> str:
         return str(self.root)

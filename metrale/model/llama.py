@@ -103,7 +103,7 @@ class DecoderLayer(nn.Module):
 
 
 class SandwichDecoderLayer(nn.Module):
-    """Gemma 2's layer: each sublayer's output is normed before it joins the stream, and
+    """Gemma's layer (2 and 3): each sublayer's output is normed before it joins the stream, and
     the MLP's input has a norm of its own; the residual adds are plain ones."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:

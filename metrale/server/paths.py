@@ -12,10 +12,11 @@ import os
 import stat
 from pathlib import Path
 
+from metrale.adapters.identity import CONFIG_FILE, WEIGHTS_FILE
 from metrale.server.errors import AdapterPathError, BadRequestError
 
 # The files plan_adapter opens inside an adapter directory.
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
 
 def resolve_adapter_path(raw: object, roots: tuple[Path, ...], param: str = "path") -> Path:
