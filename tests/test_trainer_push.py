@@ -15,6 +15,7 @@ from metrale import LLM, SamplingParams
 from metrale.errors import MetraleError, NonFiniteWeightsError
 from metrale.peer.publisher import AdapterPublisher
 from tests.helpers.engine import step_until
+from tests.helpers.pool import snapshot
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 PUSHES = 100
@@ -135,7 +136,7 @@ def test_refusals_touch_nothing(world):
     try:
         good = state(policy)
         source = pub.publish(good)
-        before = pub.ids.routes()
+        before, pool_before = pub.ids.routes(), snapshot(pub.slots)
         bad = dict(good)
         key = next(k for k in bad if "lora_B" in k)
         bad[key] = torch.full_like(bad[key], float("nan"))
@@ -144,6 +145,7 @@ def test_refusals_touch_nothing(world):
         with pytest.raises(MetraleError):
             pub.publish({**good, key: good[key].to(torch.int32)})
         assert pub.ids.routes() == before and source.endswith(f"/{next(iter(before))}")
+        assert snapshot(pub.slots) == pool_before  # bytes, tables and slot identities
     finally:
         pub.close()
     with pytest.raises(MetraleError, match="slots"):
