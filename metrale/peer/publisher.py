@@ -29,11 +29,11 @@ import torch
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import AdapterPlan, plan_from_tensors, resolve_targets
 from metrale.adapters.safetensors_file import FLOAT_DTYPES, TensorEntry
-from metrale.config import EXTRA_TARGETS, LINEAR_MODULES, ModelConfig, PoolConfig
+from metrale.config import ModelConfig
 from metrale.errors import AdapterConfigError
 from metrale.peer.exporter import AdapterExporter
 from metrale.peer.http_server import PeerHTTPServer
-from metrale.peer.store import resolve_transports
+from metrale.peer.store import StoreNames, fitted_pool, probe_pool, resolve_transports
 from metrale.pool.swap import LoraSlots, Prepared
 
 log = logging.getLogger("metrale.peer")
@@ -44,22 +44,6 @@ _SAFETENSORS_DTYPE = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
 def _plain(value: object) -> object:
     """JSON for what PEFT's LoraConfig.to_dict holds besides plain values (sets, enums)."""
     return sorted(value) if isinstance(value, set | frozenset) else str(value)
-
-
-class _Ids:
-    """id -> slot of the published versions still served (the exporter's SlotNames)."""
-
-    def __init__(self) -> None:
-        self._slots: dict[str, int] = {}
-
-    def slot_of(self, name: str) -> int | None:
-        return self._slots.get(name)
-
-    def routes(self) -> dict[str, int]:
-        return dict(self._slots)
-
-    def put(self, name: str, slot: int) -> None:
-        self._slots = {n: s for n, s in self._slots.items() if s != slot} | {name: slot}
 
 
 class AdapterPublisher:
@@ -73,14 +57,10 @@ class AdapterPublisher:
             raise AdapterConfigError(f"slots must be >= 2 (the newest and one being read), got {slots}")
         raw = peft_config if isinstance(peft_config, Mapping) else peft_config.to_dict()
         self.config = PeftAdapterConfig.from_dict(json.loads(json.dumps(raw, default=_plain)))
-        model = ModelConfig.from_dir(model_dir)
-        probe = PoolConfig(1, self.config.max_rank(), LINEAR_MODULES, extra_targets=EXTRA_TARGETS)
-        modules = {t.module for t in resolve_targets(self.config, model, probe)}
-        pool = PoolConfig(slots, self.config.max_rank(),
-                          tuple(m for m in LINEAR_MODULES if m in modules) or LINEAR_MODULES[:1],
-                          extra_targets=tuple(m for m in EXTRA_TARGETS if m in modules))
-        self.slots = LoraSlots(model, pool, device, dtype)
-        self.ids, self._newest = _Ids(), None
+        model, rank = ModelConfig.from_dir(model_dir), self.config.max_rank()
+        targets = resolve_targets(self.config, model, probe_pool(rank))
+        self.slots = LoraSlots(model, fitted_pool(targets, slots, rank), device, dtype)
+        self.ids, self._newest = StoreNames(), None
         self._lock = threading.Lock()  # the slot table: publishes here, leases on HTTP threads
         self._versions = itertools.count(1)
         self._plans: dict[tuple, AdapterPlan] = {}  # tensor layout -> its plan (the last one)
@@ -105,7 +85,7 @@ class AdapterPublisher:
             newest = () if self._newest is None else (self._newest,)
             slot = self.slots.table.select_victim(pinned=newest)  # POOL_FULL: all being read
             self.slots.land(slot, version, prepared)
-            self.ids.put(adapter_id, slot)
+            self.ids.add(adapter_id, slot)
             self._newest = slot
         return f"peer://{self.address}/{adapter_id}"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
-from metrale.adapters.plan import resolve_targets
+from metrale.adapters.plan import ModuleTarget, resolve_targets
 from metrale.config import EXTRA_TARGETS, LINEAR_MODULES, ModelConfig, PoolConfig
 from metrale.errors import AdapterConfigError, AdapterError
 from metrale.names import validate_adapter_name
@@ -45,14 +45,14 @@ def discover_adapters(adapters_dir: str | Path) -> dict[str, Path]:
 
 
 class StoreNames:
-    """The store's own small registry: each adapter lands once at start, under its name,
-    in its own slot (its version number is the slot's), and never leaves."""
+    """The names a store or publisher serves, one per slot: a name added for a slot
+    replaces the slot's old one (a publisher's older version landed there)."""
 
     def __init__(self) -> None:
         self._slots: dict[str, int] = {}
 
     def add(self, name: str, slot: int) -> None:
-        self._slots[name] = slot
+        self._slots = {n: s for n, s in self._slots.items() if s != slot} | {name: slot}
 
     def slot_of(self, name: str) -> int | None:
         return self._slots.get(name)
@@ -66,22 +66,13 @@ class AdapterStore:
                  dtype: torch.dtype = torch.float32, max_lora_rank: int | None = None) -> None:
         self.paths = discover_adapters(adapters_dir)
         self.configs: dict[str, PeftAdapterConfig] = {}
-        modules, top_rank = set(), 1
-        probe = PoolConfig(1, max_lora_rank or _UNBOUNDED_RANK, LINEAR_MODULES,
-                           extra_targets=EXTRA_TARGETS)
+        targets = []
+        probe = probe_pool(max_lora_rank)
         for name, path in self.paths.items():
             with _naming(path):
-                cfg = PeftAdapterConfig.from_dir(path)
-                targets = resolve_targets(cfg, model, probe)
-            self.configs[name] = cfg
-            modules.update(t.module for t in targets)
-            top_rank = max(top_rank, *(t.rank for t in targets))
-        # Sized to what the adapters need: the manifest lists tensors, so engines
-        # never depend on the store's own max rank or module set.
-        pool = PoolConfig(len(self.paths), max_lora_rank or top_rank,
-                          tuple(m for m in modules if m in LINEAR_MODULES) or LINEAR_MODULES[:1],
-                          extra_targets=tuple(m for m in modules if m in EXTRA_TARGETS))
-        self.slots = LoraSlots(model, pool, device, dtype)
+                self.configs[name] = PeftAdapterConfig.from_dir(path)
+                targets += resolve_targets(self.configs[name], model, probe)
+        self.slots = LoraSlots(model, fitted_pool(targets, len(self.paths), max_lora_rank), device, dtype)
         self.names = StoreNames()
         for slot, (name, path) in enumerate(self.paths.items()):
             with _naming(path):  # full validation
@@ -95,6 +86,20 @@ class AdapterStore:
     def exporter(self, transports: tuple[str, ...] = ("http",)) -> AdapterExporter:
         return AdapterExporter(self.slots, self.names, peft_for=self.configs.get,
                                transports=transports)
+
+
+def probe_pool(max_rank: int | None = None) -> PoolConfig:
+    """A pool config that serves every target, only to resolve configs before sizing."""
+    return PoolConfig(1, max_rank or _UNBOUNDED_RANK, LINEAR_MODULES, extra_targets=EXTRA_TARGETS)
+
+
+def fitted_pool(targets: list[ModuleTarget], slots: int, max_rank: int | None = None) -> PoolConfig:
+    """The pool the targets need (the manifest lists tensors, so engines never depend on
+    its max rank or module set)."""
+    modules = {t.module for t in targets}
+    return PoolConfig(slots, max_rank or max((t.rank for t in targets), default=1),
+                      tuple(m for m in LINEAR_MODULES if m in modules) or LINEAR_MODULES[:1],
+                      extra_targets=tuple(m for m in EXTRA_TARGETS if m in modules))
 
 
 @contextmanager
