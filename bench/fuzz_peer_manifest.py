@@ -35,13 +35,8 @@ from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig  # noqa: E402
 from metrale.errors import MetraleError  # noqa: E402
 from metrale.peer.errors import PeerManifestError  # noqa: E402
 from metrale.peer.exporter import peft_from_tables  # noqa: E402
-from metrale.peer.manifest import (  # noqa: E402
-    MANIFEST_VERSION,  # noqa: E402
-    manifest_plan,
-    parse_manifest,
-    read_reply,
-)
-from metrale.peer.wire import Unrepresentable, encode_doc  # noqa: E402
+from metrale.peer.manifest import manifest_plan, parse_manifest, read_reply  # noqa: E402
+from metrale.peer.wire import WIRE_VERSION, Unrepresentable, encode_doc  # noqa: E402
 from metrale.pool.layout import SlotLayout  # noqa: E402
 
 SOURCE = "peer 10.0.0.1:7460 adapter 'a'"
@@ -90,7 +85,7 @@ def manifest(peft: dict, targets: dict[tuple[int, str], int], nixl: bool) -> dic
             "agent_metadata": base64.b64encode(b"agent-metadata" * 8).decode(), "mem_type": "DRAM",
             "descs": [[(i + 1) << 20, t["nbytes"], 0] for i, t in enumerate(tensors)],
         }
-    return {"version": MANIFEST_VERSION, "adapter_id": "a", "name": "a", "uid": 7, "generation": 3,
+    return {"version": WIRE_VERSION, "adapter_id": "a", "name": "a", "uid": 7, "generation": 3,
             "peft": peft,
             "dtype": "F32", "tensors": tensors, "data_bytes": sum(t["nbytes"] for t in tensors),
             "transports": transports}

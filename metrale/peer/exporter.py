@@ -1,15 +1,9 @@
 """AdapterExporter: serve the READY slots of a LoraSlots to peers.
 
-A lease takes one reference on the slot (SlotTable.acquire), exactly like an in-flight
-sequence, so the bytes a peer reads cannot change under it. The reference is dropped
-when the lease is released or expires; an expiry that falls during an HTTP stream waits
-for the stream to end (the server's socket timeout bounds that). HTTP streams send a
-device pool's bytes from a host copy per landing (_HostCopies), a host pool's from the
-pool itself.
-
-The exporter touches the slot table only through `call`, which a running engine points
-at its loop (`lambda fn: engine.call_soon(fn).result(timeout)`); the default runs it
-under a lock, enough for a LoraSlots nothing else mutates (the peer store).
+A lease holds one reference on its slot (SlotTable.acquire), as an in-flight sequence
+does, so the bytes a peer reads cannot change under it; an expiry during an HTTP stream
+waits for the stream to end. The slot table is touched only through `call`, which a
+running engine points at its loop; the default runs it under a lock (the peer store).
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ from metrale.peer.errors import (
     TooManyLeasesError,
 )
 from metrale.peer.ids import describe_ids
-from metrale.peer.manifest import DTYPE_NAMES, MANIFEST_VERSION
+from metrale.peer.manifest import DTYPE_NAMES
 from metrale.peer.nixl_transport import endpoint_for
 from metrale.pool.slots import SlotState
 from metrale.pool.swap import LoraSlots
@@ -168,11 +162,11 @@ class AdapterExporter:
             for name, i in self._call(ready)]}
 
     def lease(self, adapter_id: str, ttl_s: float | None = None,
-              manifest_version: object = MANIFEST_VERSION) -> LeaseReply:
+              manifest_version: object = wire.WIRE_VERSION) -> LeaseReply:
         """Pin the adapter's slot and describe it in one reply (metrale.peer.wire)."""
-        if manifest_version != MANIFEST_VERSION or type(manifest_version) is not int:
+        if manifest_version != wire.WIRE_VERSION or type(manifest_version) is not int:
             raise ManifestVersionError(
-                f"this peer speaks manifest version {MANIFEST_VERSION}; the engine asked for "
+                f"this peer speaks manifest version {wire.WIRE_VERSION}; the engine asked for "
                 f"{'version 2 or older' if manifest_version is None else str(manifest_version)[:20]}"
                 ": upgrade the older side")
         if not is_valid_name(adapter_id):
@@ -191,11 +185,10 @@ class AdapterExporter:
                 self._host.drop(uid)
             lease_id = secrets.token_urlsafe(18)
             export = self._export(slot, adapter_id, info, tables)
-            header = {"version": MANIFEST_VERSION, "lease": {"id": lease_id, "expires_in_s": ttl},
+            header = {"version": wire.WIRE_VERSION, "lease": {"id": lease_id, "expires_in_s": ttl},
                       "adapter_id": adapter_id, **export.header}
             if "http" in self.transports:
-                # "ranges": the data route takes ?offset=&length= (an addition to wire
-                # version 3: engines that do not know it read one whole stream, as before)
+                # "ranges" (?offset=&length=) came within wire version 3: older engines ignore it
                 http = {"data_path": f"/peer/v1/leases/{lease_id}/data", "ranges": True}
                 header["transports"] = {**header["transports"], "http": http}
             body = wire.encode(header, export.peft_raw, export.table)
@@ -230,10 +223,9 @@ class AdapterExporter:
 
     def open_data(self, lease_id: str, offset: int = 0,
                   length: int | None = None) -> tuple[int, DataStream]:
-        """(nbytes, stream) of the leased tensors, concatenated in manifest order, or of
-        their bytes [offset, offset + length) (length None: to the end). The caller must
-        close the stream (exhausting it also does): until then it holds the lease's slot,
-        as every other open stream of the lease does."""
+        """(nbytes, stream) of the leased bytes [offset, offset + length) (length None: to
+        the end), tensors concatenated in manifest order. Until the caller closes (or
+        exhausts) the stream, it holds the lease's slot."""
         if "http" not in self.transports:
             raise LeaseNotFoundError("this exporter does not serve the HTTP data plane")
         with self._lock:

@@ -1,14 +1,8 @@
 """Land a peer's adapter into a slot: the engine side of peer staging.
 
-Validate everything first, mutate second: the peer address is checked against
-peer_allow before anything is contacted, then the adapter is leased, its manifest
-checked against the local SlotLayout and planned from the local model and pool, all
-before the slot is touched. Over HTTP the bytes are then streamed into staging and
-checked (NaN/Inf) before the slot is zeroed: a peer that dies mid-stream leaves the slot
-as it was. Over NIXL the zeroed slot is READ into from the peer's memory (local
-descriptors come only from the local layout); a peer that dies or stalls mid-transfer
-leaves it EMPTY with a fresh identity (Landing.fail). The lease is released when the
-operation ends, whatever happened.
+Everything is checked before a slot is touched (docs/DESIGN.md, "Peers"). A peer that
+dies mid-stream over HTTP leaves the slot as it was; over NIXL the zeroed slot is read
+into, so one that dies mid-transfer leaves it EMPTY with a fresh identity (Landing.fail).
 """
 
 from __future__ import annotations
@@ -61,12 +55,10 @@ def prepare_from_peer(
     timeout_s: float = DEFAULT_TIMEOUT_S, peer_allow: AllowList | Iterable[str] | None = None,
     stats: dict | None = None,
 ) -> Prepared:
-    """Lease, validate and (over HTTP) fetch the peer's adapter `adapter_id` (to serve as
-    `adapter_name`) without touching a slot; safe on a worker thread with its own
-    `staging`. The lease is released by Prepared.close, after the landing. `peft`, when
-    given, is the config to serve the adapter with (the seed's argument); otherwise the
-    manifest's. peer_allow defaults to loopback only. `stats`, when given, receives the
-    phases' timings in ms (benchmarks)."""
+    """Lease, validate and (over HTTP) fetch the peer's `adapter_id`, to serve as
+    `adapter_name`, without touching a slot; safe on a worker thread with its own
+    `staging`. Prepared.close releases the lease. `peft` overrides the manifest's config;
+    `stats` receives the phases' timings in ms (benchmarks)."""
     return _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
                       timeout_s, peer_allow, staging, stats).prepare()
 
@@ -108,8 +100,7 @@ class _PeerFetch:
             self._lease_id = None
 
     def prepare(self) -> Prepared:
-        """Everything up to the point of touching a slot; returns the write. On any
-        refusal the lease is released here; else by Prepared.close."""
+        """On a refusal the lease is released here, else by Prepared.close."""
         try:
             return Prepared(self._prepare(), close=self.close)
         except BaseException:
@@ -211,7 +202,7 @@ class _PeerFetch:
             use_nixl = False
         if use_nixl:
             try:
-                self._endpoint()  # NIXL installed and able to start here?
+                endpoint_for(self.slots.pool, self.slots.pool.buffer)  # can NIXL start here?
                 return "nixl"
             except NixlUnavailableError as e:
                 if not fallback:
@@ -223,16 +214,11 @@ class _PeerFetch:
             raise PeerUnavailableError(f"{self.source}: the peer offers no HTTP data transport")
         return "http"
 
-    def _endpoint(self):
-        return endpoint_for(self.slots.pool, self.slots.pool.buffer)
-
     def _http_writer(self, client: PeerClient, manifest: Manifest,
                      plan: AdapterPlan) -> Callable[[Landing], None]:
-        """Stream the bytes into pinned staging (over several streams when the peer serves
-        ranges), each chunk going on to the device as the bytes before it are in
-        (StagingBuffers.stream), then the disk path's checks (NaN/Inf on the
-        device) before any slot is touched. On CUDA the plan's recipe (B sent as Bt)
-        lands it in one kernel, as a disk landing does; else typed views, one by one."""
+        """Stream the bytes into pinned staging, each chunk uploaded as the bytes before it
+        are in, and run the disk path's NaN/Inf check before any slot is touched. On CUDA
+        the plan's recipe (B sent as Bt) lands it in one kernel; else typed views."""
         staging = self.staging or self.slots.staging
         pool = self.slots.pool
         start = time.perf_counter()
@@ -252,7 +238,7 @@ class _PeerFetch:
         """Local ranges come only from the local layout (the cached plan's offsets); the
         peer's sizes equal them (the table was checked, or is byte-equal to one that
         was). Runs and both descriptor lists are reused across landings."""
-        endpoint = self._endpoint()
+        endpoint = endpoint_for(self.slots.pool, self.slots.pool.buffer)
         nixl = manifest.nixl
         key = nixl.addrs.tobytes()
         runs = entry.runs.get(key)

@@ -1,15 +1,10 @@
-"""The peer manifest: what an exporter says about one adapter, and the strict
-reading of it on the engine side.
+"""The peer manifest: what an exporter says about one adapter, and the strict reading of
+it on the engine side (docs/DESIGN.md, "Peers", lists the checks).
 
-Tensors are in the canonical pool layout: A as [r, in], B transposed as [r, out],
-DoRA's magnitude M as [1, out], each contiguous, in the pool dtype; the model-level
-modules (embed_tokens, lm_head) sit at layer 0. The HTTP stream carries them
-concatenated in manifest order; NIXL gets one remote descriptor per tensor.
-
-Nothing in a manifest is trusted (docs/DESIGN.md, "Peers", lists the checks), and the
-plan is rebuilt from the local model and pool. Whatever a peer sends, reading it ends in
-a MetraleError: anything else raised while parsing or planning becomes a
-PeerManifestError naming the peer.
+Tensors are in the canonical pool layout (A [r, in], B transposed [r, out], DoRA's M
+[1, out], model-level modules at layer 0). Nothing in a manifest is trusted: the plan is
+rebuilt from the local model and pool, and whatever a peer sends, reading it ends in a
+MetraleError (refusing_malformed).
 """
 
 from __future__ import annotations
@@ -42,14 +37,11 @@ from metrale.peer.wire import (
 )
 from metrale.pool.layout import SlotLayout
 
-MANIFEST_VERSION = WIRE_VERSION
 MAX_METADATA_BYTES = 1 << 20
 MAX_JSON_DEPTH = 16  # a manifest nests 5 deep; the bound keeps every walk off the stack limit
-# PEFT regexes run against every module path of the model, so a peer's pattern
-# must not be able to backtrack for minutes (`(.*)*x` does on a 30-character path):
-# no repeated group that itself repeats or alternates, and few repeats, since each
-# one multiplies the work (448 patterns of 3 repeats took 8 s on an 8B model's paths).
-# Real configs use plain names or one or two `.*`; the exporter escapes its paths.
+# A peer's PEFT regexes run against every module path, so none may backtrack for minutes
+# (`(.*)*x` does on a 30-character path): no repeated group that repeats or alternates,
+# and few repeats (448 patterns of 3 repeats took 8 s on an 8B model's paths).
 MAX_PATTERN_CHARS = 512
 MAX_PATTERN_REPEATS = 3
 MAX_PEFT_REPEATS = 16  # over all patterns of one config
@@ -140,9 +132,8 @@ def json_object(raw: bytes, source: str, what: str, limit: int) -> dict:
 def parse_manifest(reply: Reply, layout: SlotLayout, source: str,
                    known_shapes: bytes | None = None) -> Manifest:
     """Check a decoded reply against the local slot layout, before any I/O on data.
-    `known_shapes`: the shape bytes of a table this engine already checked against this
-    layout (the plan cache's); an equal table skips the column checks, since equal bytes
-    pass or fail them alike. Raises only MetraleError subclasses."""
+    `known_shapes`: a table's shape bytes already checked against this layout (the plan
+    cache's); an equal table skips the column checks. Raises only MetraleError subclasses."""
     with refusing_malformed(source, "manifest"):
         return _parse(reply.header, reply.wire, layout, source, known_shapes)
 
@@ -150,9 +141,9 @@ def parse_manifest(reply: Reply, layout: SlotLayout, source: str,
 def _parse(doc: dict, wire: WireReply, layout: SlotLayout, source: str,
            known_shapes: bytes | None) -> Manifest:
     version = doc.get("version")
-    if type(version) is not int or version != MANIFEST_VERSION:  # True == 1 in Python
+    if type(version) is not int or version != WIRE_VERSION:  # True == 1 in Python
         raise ManifestVersionError(
-            f"{source}: manifest version {_short(version)} is not {MANIFEST_VERSION}; "
+            f"{source}: manifest version {_short(version)} is not {WIRE_VERSION}; "
             "upgrade the older side"
         )
     dtype = _str(doc, "dtype", source, 16)
@@ -248,11 +239,9 @@ def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: st
 
 @contextmanager
 def refusing_malformed(source: str, what: str) -> Iterator[None]:
-    """The last line of defence around code that reads a peer's document: a
-    MetraleError keeps its class (its message now names the peer); any other
-    exception (a TypeError deep in a config parser, a re.error, a RecursionError)
-    becomes a PeerManifestError, so a peer can make a landing fail but never
-    crash the caller with an untyped error."""
+    """Around code that reads a peer's document: a MetraleError keeps its class (its
+    message now names the peer); anything else (a TypeError in a config parser, a
+    RecursionError) becomes a PeerManifestError, so a peer can never raise an untyped error."""
     try:
         yield
     except MetraleError as e:

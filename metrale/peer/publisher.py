@@ -1,13 +1,6 @@
-"""A trainer's side of a push: adapter versions published from this process's memory.
-
-An RL loop changes its LoRA every few steps and wants the serving engine on the new
-version for the next rollouts. AdapterPublisher lands {PEFT key: tensor} (a PEFT model's
-state dict, on the trainer's GPU) into a slot of a small pool of its own, through the
-checks a disk landing makes (plan against the model, NaN/Inf), under a fresh id, and
-serves it over the peer protocol (NIXL where it runs, the HTTP stream otherwise), as a
-peer store does; no file is written. push() then asks a running `metrale serve` (or an
-`LLM` in the same process) to register the id as a new version of a name: requests in
-flight finish on the old version, every later one gets the new one.
+"""A trainer's side of a push (docs/DESIGN.md, "Peers"): an RL loop's adapter versions,
+landed from its memory into a small pool with a disk landing's checks (no file is
+written) and served over the peer protocol as a store's; push() registers each version.
 
 Only the newest version is ever landed later (the registry routes new requests to it),
 so the pool keeps it and reuses the older slots, except one a lease still reads from.
@@ -28,17 +21,16 @@ import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import AdapterPlan, plan_from_tensors, resolve_targets
-from metrale.adapters.safetensors_file import FLOAT_DTYPES, TensorEntry
+from metrale.adapters.safetensors_file import TensorEntry
 from metrale.config import ModelConfig
 from metrale.errors import AdapterConfigError
 from metrale.peer.exporter import AdapterExporter
 from metrale.peer.http_server import PeerHTTPServer
+from metrale.peer.manifest import DTYPE_NAMES
 from metrale.peer.store import StoreNames, fitted_pool, probe_pool, resolve_transports
 from metrale.pool.swap import LoraSlots, Prepared
 
 log = logging.getLogger("metrale.peer")
-
-_SAFETENSORS_DTYPE = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
 
 
 def _plain(value: object) -> object:
@@ -49,8 +41,7 @@ def _plain(value: object) -> object:
 class AdapterPublisher:
     def __init__(self, model_dir: str | Path, peft_config: Mapping | object, *,
                  device: str = "cuda", dtype: torch.dtype = torch.bfloat16, slots: int = 3,
-                 host: str = "127.0.0.1", port: int = 0, transport: str = "auto",
-                 prefix: str = "v") -> None:
+                 host: str = "127.0.0.1", port: int = 0, transport: str = "auto") -> None:
         """peft_config: the LoRA config of every version (a dict or PEFT's LoraConfig);
         the pool is sized to it. slots >= 2: the newest version and one being read."""
         if slots < 2:
@@ -64,7 +55,6 @@ class AdapterPublisher:
         self._lock = threading.Lock()  # the slot table: publishes here, leases on HTTP threads
         self._versions = itertools.count(1)
         self._plans: dict[tuple, AdapterPlan] = {}  # tensor layout -> its plan (the last one)
-        self.prefix = prefix
         self.exporter = AdapterExporter(self.slots, self.ids, call=self._call,
                                         peft_for=lambda _: self.config,
                                         transports=resolve_transports(transport)).start()
@@ -79,7 +69,7 @@ class AdapterPublisher:
         """Land a new version of the adapter from `tensors` (PEFT's keys, e.g. a
         get_peft_model_state_dict); returns its source, peer://host:port/<id>."""
         version = next(self._versions)
-        adapter_id = f"{self.prefix}{version}"
+        adapter_id = f"v{version}"
         prepared = self._prepare(tensors)
         with self._lock:
             newest = () if self._newest is None else (self._newest,)
@@ -93,7 +83,7 @@ class AdapterPublisher:
         """The tensors as one data section on the pool's device, planned and checked."""
         entries, parts, offset = [], [], 0
         for key, tensor in tensors.items():
-            dtype = _SAFETENSORS_DTYPE.get(tensor.dtype)
+            dtype = DTYPE_NAMES.get(tensor.dtype)
             if dtype is None:
                 raise AdapterConfigError(f"tensor {key!r}: dtype {tensor.dtype} is not a float dtype")
             data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
