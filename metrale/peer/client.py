@@ -1,14 +1,8 @@
 """The engine's side of the peer control plane, and the HTTP data plane.
 
-Plain http.client over a socket that takes every blocking call's timeout from
-the operation's Deadline: connect, each send, and each recv of the status line,
-headers and body (http.client reads through makefile(), which calls the
-socket's recv_into). A per-recv timeout alone is not enough, since a peer that
-sends a byte just before each one expires would never trip it; the deadline
-is one wall-clock budget that no amount of trickling extends. Every reply is
-also read under a byte cap, so a peer that floods costs bounded memory. A peer
-that serves byte ranges is read over several streams at once (metrale.peer.streams),
-each with all of these checks.
+Every blocking socket call takes its timeout from the operation's Deadline: a per-recv
+timeout alone would never trip for a peer that sends a byte just before each expires.
+Every reply is also read under a byte cap, so a peer that floods costs bounded memory.
 """
 
 from __future__ import annotations
@@ -112,11 +106,13 @@ class PeerClient:
             doc = strict_json(raw)
         except ValueError:
             raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {status}") from None
-        message = _error_message(doc)
+        error = doc.get("error") if isinstance(doc, dict) else None
+        error = error if isinstance(error, dict) else {}
+        message = error.get("message")
+        message = message[:500] if isinstance(message, str) else "no error message"
         if status == 404:
             raise UnknownPeerAdapterError(f"peer {self.addr}: {what}: {message}")
-        if isinstance(doc, dict) and isinstance(doc.get("error"), dict) \
-                and doc["error"].get("code") == "ManifestVersionError":
+        if error.get("code") == "ManifestVersionError":
             raise ManifestVersionError(f"peer {self.addr}: {what}: {message}")
         raise PeerConnectionError(f"peer {self.addr}: {what}: HTTP {status}: {message}")
 
@@ -124,10 +120,9 @@ class PeerClient:
 
     def read_exact(self, path: str, out: memoryview,
                    progress: Callable[[int], None] | None = None, ranged: bool = False) -> None:
-        """Stream exactly len(out) bytes from `path` into `out`; a short or long
-        stream, a stall or a trickle past the deadline is an error. progress(n), when
-        given, is told (on this thread) each time the first n bytes are in. `ranged`:
-        the peer serves byte ranges of `path`, so up to DATA_STREAMS streams share it."""
+        """Stream exactly len(out) bytes from `path` into `out`, over up to DATA_STREAMS
+        streams when the peer serves byte ranges (`ranged`); progress(n) is told, on this
+        thread, each time the first n bytes are in."""
         spans = split(len(out), DATA_STREAMS if ranged else 1, SPLIT_BYTES)
         if len(spans) == 1:
             self._read_stream(path, out, progress)
@@ -137,7 +132,7 @@ class PeerClient:
 
     def _read_stream(self, path: str, out: memoryview, progress: Callable[[int], None] | None,
                      group: SocketGroup | None = None) -> None:
-        """One stream of exactly len(out) bytes into `out` (read_exact's checks); its
+        """Exactly len(out) bytes into `out`: a short or long stream is an error. The
         socket joins `group`, when given, so that another stream's error can end it."""
         n = len(out)
         what = "data stream"
@@ -320,11 +315,3 @@ def _over(length: str, cap: int) -> bool:
     """Content-Length above `cap`, without int() on a peer's 5000-digit string."""
     text = length.strip().lstrip("0") or "0"
     return text.isascii() and text.isdigit() and (len(text) > len(str(cap)) or int(text) > cap)
-
-
-def _error_message(doc: object) -> str:
-    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
-        message = doc["error"].get("message")
-        if isinstance(message, str):
-            return message[:500]
-    return "no error message"

@@ -10,15 +10,14 @@ from metrale.peer.errors import PeerTimeoutError
 
 
 class Deadline:
-    def __init__(self, total_s: float, clock=time.monotonic) -> None:
+    def __init__(self, total_s: float) -> None:
         if not total_s > 0:
             raise ValueError(f"timeout must be positive, got {total_s}")
         self.total_s = float(total_s)
-        self._clock = clock
-        self._end = clock() + self.total_s
+        self._end = time.monotonic() + self.total_s
 
     def remaining(self) -> float:
-        return self._end - self._clock()
+        return self._end - time.monotonic()
 
     def expired(self) -> bool:
         return self.remaining() <= 0
@@ -32,4 +31,4 @@ class Deadline:
 
     def shorten_to(self, seconds: float) -> None:
         """Never run past `seconds` from now (e.g. the peer granted a shorter lease)."""
-        self._end = min(self._end, self._clock() + seconds)
+        self._end = min(self._end, time.monotonic() + seconds)

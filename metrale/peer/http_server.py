@@ -106,23 +106,22 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_bytes(status, json.dumps(doc).encode(), "application/json")
 
     def _send_bytes(self, status: int, raw: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
+        self._send(status, content_type, len(raw), (raw,))
 
     def _send_data(self, nbytes: int, chunks: DataStream) -> None:
         try:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(nbytes))
-            self.end_headers()
-            for chunk in chunks:
-                self.wfile.write(chunk)
-            self.wfile.flush()
+            self._send(200, "application/octet-stream", nbytes, chunks)
         finally:
             chunks.close()  # ends the stream's hold on the lease, even on a broken pipe
+
+    def _send(self, status: int, content_type: str, nbytes: int, chunks: Iterable) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(nbytes))
+        self.end_headers()
+        for chunk in chunks:
+            self.wfile.write(chunk)
+        self.wfile.flush()
 
 
 def _data_range(query: str) -> tuple[int, int | None]:

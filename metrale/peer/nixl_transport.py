@@ -1,11 +1,9 @@
-"""One NIXL agent per adapter pool: the pool buffer is registered once and used
-both to READ peers' adapters into slots and to export READY slots.
+"""One NIXL agent per adapter pool: the pool buffer is registered once and used both
+to READ peers' adapters into slots and to export READY slots.
 
-Remote addresses cross the wire as plain integers in the manifest's table, never
-through nixl_agent.get_serialized_descs / deserialize_descs: those are pickle, and
-unpickling a peer's bytes would let the peer run code here. The per-landing control
-work is cached (docs/DESIGN.md, "Peers"): remote agents by their metadata, runs per
-remote placement (`coalesce`), prepared descriptor lists per distinct list.
+Remote addresses cross the wire as plain integers, never through NIXL's
+get_serialized_descs / deserialize_descs: those are pickle, and unpickling a peer's bytes
+would let it run code here. What the caches keep is in docs/DESIGN.md, "Peers".
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Plans of peer landings, remembered per (peer, adapter id) and checked per landing.
+"""Plans of peer landings, remembered per (peer, adapter id); one cache per adapter pool.
 
-Validating and planning a manifest costs milliseconds of Python on an 8B adapter; a
-repeat landing from the same peer has the same table, config and dtype. The cache is
-keyed on content, never on what the peer claims: an entry is reused only when the
-table's shape bytes (wire.SHAPE_BYTES per record), the PEFT config's bytes and the dtype
-are byte-for-byte equal, which is the same as passing every check again; any difference
-is validated in full and replaces the entry. One cache per adapter pool (local layout).
+Validating and planning a manifest costs milliseconds of Python on an 8B adapter. An
+entry is reused only when the table's shape bytes, the PEFT config's bytes and the dtype
+are byte-for-byte equal, which is the same as passing every check again.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The UCX settings metrale gives NIXL, and the transport UCX reports it chose.
 
-Measured on one H200 (bench/peer_nvlink.py, an 8B r16 slot of 86.6 MB, store and engine
-two processes on the GPU): UCX turns CUDA IPC GET off when it finds no NVLink (one GPU,
-PCIe, a VM that hides the topology), and NIXL's READ then runs as a "software emulation"
-over TCP loopback, 212 ms; with GET on, UCX reads GPU to GPU by CUDA IPC zero-copy in
-0.85 ms. Across hosts UCX picks RDMA by itself. A value already in the environment wins.
-
-UCX prints which transport carries an operation when UCX_PROTO_INFO matches it. Unless
-the user routes UCX's log, metrale asks for the remote-read table only and points UCX's
-log at a file of this process, which UcxLog reads after a peer's first READ; UCX's own
-warnings and errors from that file go on to metrale's log.
+Measured on one H200 (bench/peer_nvlink.py, an 8B r16 slot of 86.6 MB between two
+processes): UCX turns CUDA IPC GET off when it finds no NVLink, and NIXL's READ then
+runs as a "software emulation" over TCP loopback, 212 ms, against 0.85 ms with GET on.
+A value already in the environment wins. Unless the user routes UCX's log, metrale asks
+UCX_PROTO_INFO for the remote-read table only, in a log file of this process (UcxLog).
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
-"""The lease reply on the wire (manifest version 3): one binary body that carries the
-lease, the manifest header, the PEFT config and a packed tensor table.
+"""The lease reply on the wire (manifest version 3): one binary body.
 
     prefix   24 bytes: b"MTRLPEER", u16 version, u16 flags (0), u32 header_len,
              u32 peft_len, u32 n_tensors (little-endian)
     header   header_len bytes of JSON: lease, ids, dtype, data_bytes, transports
-    peft     peft_len bytes of JSON: the PEFT config, kept as raw bytes so an engine can
-             compare it with the one it planned last time without parsing it
+    peft     peft_len bytes of JSON: the PEFT config, kept raw so an engine can compare
+             it with the one it planned last time without parsing it
     table    n_tensors records of RECORD (32 bytes each), manifest order
 
-The body's length must be exactly 24 + header_len + peft_len + 32 * n_tensors: a
-truncated or padded body is refused before any field is read. The table is read with
-one np.frombuffer and checked column-wise (JSON objects per tensor cost ~5 ms on an 8B
-adapter's 448 tensors).
+A body of another length than its prefix announces is refused before any field is read.
+The table is one np.frombuffer, checked column-wise (JSON objects per tensor cost ~5 ms
+on an 8B adapter's 448 tensors).
 """
 
 from __future__ import annotations
