@@ -56,16 +56,18 @@ class PeerClient:
 
     # --- control plane --------------------------------------------------------------
 
-    def list_adapters(self) -> dict:
-        what = "list adapters"
+    def list_ids(self) -> list[object]:
+        """The ids of the peer's adapter list, as sent: untrusted, maybe not even strings."""
+        what = "cannot list adapters"
         raw = self._reply("GET", "/peer/v1/adapters", None, what)
         try:
             doc = strict_json(raw)
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not JSON ({e})") from None
-        if not isinstance(doc, dict):
-            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not a JSON object")
-        return doc
+        adapters = doc.get("adapters") if isinstance(doc, dict) else None
+        if not isinstance(adapters, list):
+            raise PeerManifestError(f"peer {self.addr}: {what}: the reply is not {{'adapters': [...]}}")
+        return [a.get("id") if isinstance(a, dict) else None for a in adapters]
 
     def lease(self, adapter_id: str, ttl_s: float) -> bytes:
         """One round trip: the lease and the adapter's manifest, as the reply body

@@ -59,8 +59,13 @@ def prepare_from_peer(
     `adapter_name`, without touching a slot; safe on a worker thread with its own
     `staging`. Prepared.close releases the lease. `peft` overrides the manifest's config;
     `stats` receives the phases' timings in ms (benchmarks)."""
-    return _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
-                      timeout_s, peer_allow, staging, stats).prepare()
+    fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_name, peft, transport,
+                       timeout_s, peer_allow, staging, stats)
+    try:
+        return Prepared(fetch.prepare(), close=fetch.close)
+    except BaseException:  # a refusal releases the lease here, else Prepared.close does
+        fetch.close()
+        raise
 
 
 def warm_up_nixl(lora_slots: LoraSlots) -> bool:
@@ -83,7 +88,7 @@ def warm_up_nixl(lora_slots: LoraSlots) -> bool:
 class _PeerFetch:
     def __init__(self, lora_slots: LoraSlots, peer_addr: str, adapter_id: str, name: str,
                  peft: PeftLike, transport: str, timeout_s: float, peer_allow,
-                 staging: StagingBuffers | None = None, stats: dict | None = None) -> None:
+                 staging: StagingBuffers | None, stats: dict | None) -> None:
         if transport not in TRANSPORT_CHOICES:
             raise MetraleError(f"transport {transport!r}: choose from {', '.join(TRANSPORT_CHOICES)}")
         self.slots, self.peer_addr, self.adapter_id, self.name = lora_slots, peer_addr, adapter_id, name
@@ -99,15 +104,7 @@ class _PeerFetch:
             self._client.release(self._lease_id)
             self._lease_id = None
 
-    def prepare(self) -> Prepared:
-        """On a refusal the lease is released here, else by Prepared.close."""
-        try:
-            return Prepared(self._prepare(), close=self.close)
-        except BaseException:
-            self.close()
-            raise
-
-    def _prepare(self) -> Callable[[Landing], None]:
+    def prepare(self) -> Callable[[Landing], None]:
         if not is_valid_name(self.adapter_id):
             raise InvalidNameError(f"peer adapter id {self.adapter_id!r} is invalid")
         addr = resolve_peer(self.peer_addr, self.peer_allow)  # before any connection

@@ -75,21 +75,36 @@ class Manifest:
     def peft_config(self, layout: SlotLayout, source: str) -> PeftAdapterConfig:
         with refusing_malformed(source, "PEFT config"):
             doc = json_object(self.peft_raw, source, "PEFT config", MAX_PEFT_BYTES)
-            return _peft_config(doc, layout, source)
+            # One entry per module path is what a full per-module config needs (the
+            # exporter's own rank_pattern); anything longer only costs matching time.
+            limit = 2 * layout.model.num_layers * len(LINEAR_MODULES) + 2 * len(EXTRA_TARGETS)
+            for key, value in doc.items():
+                if isinstance(value, (list, dict)) and len(value) > limit:
+                    raise PeerManifestError(
+                        f"{source}: PEFT field {_short(key)} has {len(value)} entries; at most {limit}"
+                    )
+            repeats = sum(_check_pattern(pattern, f"{source}: PEFT {key} pattern {_short(pattern)}")
+                          for key, pattern in _peft_patterns(doc))
+            if repeats > MAX_PEFT_REPEATS:
+                raise PeerManifestError(
+                    f"{source}: the PEFT patterns hold {repeats} repeats in all (at most "
+                    f"{MAX_PEFT_REPEATS}); list module names instead of patterns"
+                )
+            return PeftAdapterConfig.from_dict(doc)
 
 
 # --- reading a peer's manifest ----------------------------------------------------------
 
 
 def _int(doc: dict, key: str, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    value = doc.get(key) if isinstance(doc, dict) else None
+    value = doc.get(key)
     if type(value) is not int or not lo <= value <= hi:  # bool is an int: refuse it too
         raise PeerManifestError(f"{what}: field {key!r} must be an integer in [{lo}, {hi}]")
     return value
 
 
 def _str(doc: dict, key: str, what: str, limit: int = 256) -> str:
-    value = doc.get(key) if isinstance(doc, dict) else None
+    value = doc.get(key)
     if not isinstance(value, str) or not value or len(value) > limit:
         raise PeerManifestError(f"{what}: field {key!r} must be a non-empty string of at most "
                                 f"{limit} characters")
@@ -134,49 +149,45 @@ def parse_manifest(reply: Reply, layout: SlotLayout, source: str,
     """Check a decoded reply against the local slot layout, before any I/O on data.
     `known_shapes`: a table's shape bytes already checked against this layout (the plan
     cache's); an equal table skips the column checks. Raises only MetraleError subclasses."""
+    doc, wire = reply.header, reply.wire
     with refusing_malformed(source, "manifest"):
-        return _parse(reply.header, reply.wire, layout, source, known_shapes)
-
-
-def _parse(doc: dict, wire: WireReply, layout: SlotLayout, source: str,
-           known_shapes: bytes | None) -> Manifest:
-    version = doc.get("version")
-    if type(version) is not int or version != WIRE_VERSION:  # True == 1 in Python
-        raise ManifestVersionError(
-            f"{source}: manifest version {_short(version)} is not {WIRE_VERSION}; "
-            "upgrade the older side"
+        version = doc.get("version")
+        if type(version) is not int or version != WIRE_VERSION:  # True == 1 in Python
+            raise ManifestVersionError(
+                f"{source}: manifest version {_short(version)} is not {WIRE_VERSION}; "
+                "upgrade the older side"
+            )
+        dtype = _str(doc, "dtype", source, 16)
+        if dtype not in FLOAT_DTYPES:
+            raise AdapterMismatchError(
+                f"{source}: peer tensors are {dtype!r}; only F32, F16, BF16 or F64 can be "
+                f"converted into this pool's {layout.dtype}"
+            )
+        itemsize = FLOAT_DTYPES[dtype].itemsize
+        table, shapes = wire.table, wire.shape_bytes()
+        if shapes != known_shapes:
+            check_table(table, layout, itemsize, source)
+        data_bytes = int(table["nbytes"].sum(dtype=np.uint64))  # checked rows: no overflow
+        if _int(doc, "data_bytes", source) != data_bytes:
+            raise PeerManifestError(
+                f"{source}: data_bytes {doc['data_bytes']} != the {data_bytes} bytes its tensors add up to"
+            )
+        if data_bytes // itemsize > layout.slot_elems:
+            raise PeerManifestError(
+                f"{source}: {data_bytes // itemsize} elements do not fit a {layout.slot_elems}-element slot"
+            )
+        transports = doc.get("transports")
+        if not isinstance(transports, dict):
+            raise PeerManifestError(f"{source}: manifest has no transports object")
+        http_path, http_ranges = _http(transports.get("http"), source)
+        return Manifest(
+            adapter_id=_str(doc, "adapter_id", source), name=_str(doc, "name", source),
+            uid=_int(doc, "uid", source), generation=_int(doc, "generation", source),
+            dtype=dtype, table=table, data_bytes=data_bytes,
+            http_path=http_path, http_ranges=http_ranges,
+            nixl=_nixl(transports.get("nixl"), table, source), peft_raw=wire.peft,
+            shape_bytes=shapes,
         )
-    dtype = _str(doc, "dtype", source, 16)
-    if dtype not in FLOAT_DTYPES:
-        raise AdapterMismatchError(
-            f"{source}: peer tensors are {dtype!r}; only F32, F16, BF16 or F64 can be "
-            f"converted into this pool's {layout.dtype}"
-        )
-    itemsize = FLOAT_DTYPES[dtype].itemsize
-    table, shapes = wire.table, wire.shape_bytes()
-    if shapes != known_shapes:
-        check_table(table, layout, itemsize, source)
-    data_bytes = int(table["nbytes"].sum(dtype=np.uint64))  # checked rows: no overflow
-    if _int(doc, "data_bytes", source) != data_bytes:
-        raise PeerManifestError(
-            f"{source}: data_bytes {doc['data_bytes']} != the {data_bytes} bytes its tensors add up to"
-        )
-    if data_bytes // itemsize > layout.slot_elems:
-        raise PeerManifestError(
-            f"{source}: {data_bytes // itemsize} elements do not fit a {layout.slot_elems}-element slot"
-        )
-    transports = doc.get("transports")
-    if not isinstance(transports, dict):
-        raise PeerManifestError(f"{source}: manifest has no transports object")
-    http_path, http_ranges = _http(transports.get("http"), source)
-    return Manifest(
-        adapter_id=_str(doc, "adapter_id", source), name=_str(doc, "name", source),
-        uid=_int(doc, "uid", source), generation=_int(doc, "generation", source),
-        dtype=dtype, table=table, data_bytes=data_bytes,
-        http_path=http_path, http_ranges=http_ranges,
-        nixl=_nixl(transports.get("nixl"), table, source), peft_raw=wire.peft,
-        shape_bytes=shapes,
-    )
 
 
 def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: str) -> None:
@@ -281,25 +292,6 @@ def check_json_bounds(doc: object, source: str, max_bytes: int = MAX_MANIFEST_BY
             budget -= 24 if kind is float else 5
     if budget < 0:
         raise PeerManifestError(f"{source}: manifest is larger than {max_bytes} bytes")
-
-
-def _peft_config(doc: dict, layout: SlotLayout, source: str) -> PeftAdapterConfig:
-    # One entry per module path is what a full per-module config needs (the
-    # exporter's own rank_pattern); anything longer only costs matching time.
-    limit = 2 * layout.model.num_layers * len(LINEAR_MODULES) + 2 * len(EXTRA_TARGETS)
-    for key, value in doc.items():
-        if isinstance(value, (list, dict)) and len(value) > limit:
-            raise PeerManifestError(
-                f"{source}: PEFT field {_short(key)} has {len(value)} entries; at most {limit}"
-            )
-    repeats = sum(_check_pattern(pattern, f"{source}: PEFT {key} pattern {_short(pattern)}")
-                  for key, pattern in _peft_patterns(doc))
-    if repeats > MAX_PEFT_REPEATS:
-        raise PeerManifestError(
-            f"{source}: the PEFT patterns hold {repeats} repeats in all (at most "
-            f"{MAX_PEFT_REPEATS}); list module names instead of patterns"
-        )
-    return PeftAdapterConfig.from_dict(doc)
 
 
 def _peft_patterns(doc: dict) -> Iterator[tuple[str, str]]:
