@@ -90,18 +90,7 @@ def resolve_peer(addr: str, allow: AllowList | Iterable[str] | None) -> PeerAddr
     so a name cannot change its mind between the check and the connection."""
     allow = as_allow_list(allow)
     host, port = parse_peer_addr(addr)
-    try:
-        literal = ipaddress.ip_address(host)
-    except ValueError:
-        literal = None
-    if literal is not None:
-        if not allow.allows_ip(host):
-            raise PeerNotAllowedError(
-                f"peer {host} is not in the peer allow-list {allow}; add it (an address or "
-                "network) with --peer-allow to fetch adapters from it"
-            )
-        return PeerAddress(host, host, port)
-    try:
+    try:  # an address resolves to itself, without asking any resolver
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
         raise PeerNotAllowedError(f"peer host {host!r} does not resolve: {e}") from None
