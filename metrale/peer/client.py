@@ -40,9 +40,8 @@ RELEASE_TIMEOUT_S = 1.0
 FRAMING_BYTES = 256 << 10
 MAX_REPLY_INT_DIGITS = 20  # JSON integers: 2**63 has 19 digits
 _CHUNK = 1 << 20
-# Bytes per readinto of the data stream: http.client's reader recv_into()s each one
-# straight into the caller's (pinned) buffer, so large spans leave Python only a few
-# calls per adapter, and each progress report can start a large device upload.
+# Bytes per readinto of the data stream, received straight into the caller's pinned
+# buffer: few Python calls per adapter, and each progress report starts a large upload.
 DATA_SPAN = 8 << 20
 # Streams of one data read from a peer that serves ranges: one stream through Python
 # moved ~2.9 GB/s on the H200 host, so an 8B slot (86.6 MB) took ~30 ms on one.

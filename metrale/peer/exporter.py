@@ -114,9 +114,8 @@ class AdapterExporter:
         self._host = _HostCopies(self.pool.device, host_copy_bytes, copy)
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
-        self.nixl = None
-        if "nixl" in self.transports:
-            self.nixl = endpoint_for(self.pool, self.pool.buffer)  # registers the pool once
+        # the pool's one NIXL registration, shared with its landings
+        self.nixl = endpoint_for(self.pool, self.pool.buffer) if "nixl" in self.transports else None
 
     def _locked(self, fn: Callable[[], object]) -> object:
         with self._table_lock:
@@ -259,7 +258,7 @@ class AdapterExporter:
         slot = self.names.slot_of(adapter_id)
         if slot is None:
             raise UnknownAdapterError(f"adapter {adapter_id!r} is not resident here; this peer "
-                                      f"serves: {describe_ids(sorted(self.names.routes()))}")
+                                      f"serves: {describe_ids(self.names.routes())}")
         table.acquire(slot)
         info = table.info(slot)
         uids = {i.slot: i.uid for i in table.infos() if i.state is SlotState.READY}
@@ -391,10 +390,9 @@ class DataStream:
 
 
 class _HostCopies:
-    """What HTTP streams send, per export: a device pool's bytes from a host copy made at
-    the first stream of a landing (one buffer, one async D2H per tensor, one sync) and
-    kept by uid, least recently used dropped beyond `budget` bytes. A stream keeps the
-    buffer it got, so dropping one never pulls bytes from under a running send."""
+    """What HTTP streams send: a device pool's bytes from one host copy per landing (uid),
+    least recently used dropped beyond `budget` bytes. A stream keeps the buffer it got,
+    so dropping one never pulls bytes from under a running send."""
 
     def __init__(self, device: torch.device, budget: int, copy: bool) -> None:
         self.device, self.budget, self.copy = device, budget, copy

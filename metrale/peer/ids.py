@@ -13,12 +13,12 @@ from metrale.names import is_valid_name
 MAX_LISTED = 20
 
 
-def describe_ids(ids: Iterable[object], limit: int = MAX_LISTED) -> str:
+def describe_ids(ids: Iterable[object]) -> str:
     """'a, b, c' / 'a, b and 7 more' / 'none'; invalid names are counted, not shown."""
     ids = list(ids)
     safe = sorted({item for item in ids if is_valid_name(item)})
     hidden = sum(not is_valid_name(item) for item in ids)
-    shown = safe[:limit]
+    shown = safe[:MAX_LISTED]
     rest = len(safe) - len(shown) + hidden
     if not shown:
         return f"{rest} id(s) that are not valid names" if rest else "none"

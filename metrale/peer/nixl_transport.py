@@ -35,9 +35,8 @@ _SPIN_POLLS = 64  # polls without sleeping: each costs a few microseconds
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3  # then sleeps doubling from the first to the second
 _MAX_PREPPED = 64  # prepared descriptor lists kept (local per slot, remote per peer placement)
 _LOCAL = "NIXL_INIT_AGENT"  # prep_xfer_dlist's name for the local side
-# Largest run of bytes between two tensors that a run carries rather than split there
-# (the DoRA magnitude region between one module's B and the next module's A: 28 KiB on
-# an 8B model). Bridged bytes are inside the local slot and zeroed after the transfer.
+# Most bytes between two tensors that a run carries rather than split there (the DoRA
+# magnitude region between one module's B and the next one's A: 28 KiB on an 8B model).
 MAX_BRIDGE_BYTES = 1 << 20
 
 _endpoints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -275,11 +274,9 @@ class Runs:
 
 def coalesce(local_offsets: np.ndarray, remote_addrs: np.ndarray, nbytes: np.ndarray,
              max_gap: int = MAX_BRIDGE_BYTES) -> Runs:
-    """Merge tensors that sit at the same distance from each other on both sides into
-    one run (distance 0: adjacent; up to max_gap: the run also carries the bytes in
-    between, which are inside the local slot and zeroed after the transfer). Matching
-    layouts (same model, max rank, modules and dtype on both sides) become one run.
-    Vectorised: one pass of numpy over the table, sorted by local offset."""
+    """Merge tensors that sit the same distance apart on both sides, at most max_gap,
+    into one run (the bytes between are inside the local slot, zeroed after the
+    transfer): matching layouts become one run. One numpy pass, in local order."""
     order = np.argsort(local_offsets, kind="stable")
     lo = local_offsets[order].astype(np.int64)
     ra = remote_addrs[order].astype(np.uint64)
