@@ -1,9 +1,7 @@
-"""Who may talk to whom: the engine only contacts peers on its allow-list, and
-an exporter only serves clients on its own.
-
-Entries are IP networks ("10.0.0.0/8", "192.168.1.7", "::1") or host names
-("store-1.cluster"). The default is loopback only, so a fresh install never
-fetches weights from, or exports them to, another machine by accident.
+"""Who may talk to whom: the engine only contacts peers on its allow-list, and an
+exporter only serves clients on its own. Entries are IP networks ("10.0.0.0/8",
+"::1") or host names ("store-1.cluster"). The default is loopback only, so a fresh
+install never fetches weights from, or exports them to, another machine by accident.
 """
 
 from __future__ import annotations
@@ -83,11 +81,9 @@ def parse_peer_addr(addr: str) -> tuple[str, int]:
 
 
 def resolve_peer(addr: str, allow: AllowList | Iterable[str] | None) -> PeerAddress:
-    """Check `addr` against the allow-list and pick the address to connect to.
-
-    Nothing is contacted before the check. Names are resolved once here (no peer
-    traffic, only the resolver) and the connection goes to the checked address,
-    so a name cannot change its mind between the check and the connection."""
+    """Check `addr` against the allow-list, contacting nothing, and pick the address to
+    connect to: a name is resolved once, here, so it cannot change its mind between the
+    check and the connection."""
     allow = as_allow_list(allow)
     host, port = parse_peer_addr(addr)
     try:  # an address resolves to itself, without asking any resolver

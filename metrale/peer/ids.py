@@ -1,7 +1,6 @@
-"""How adapter ids are listed in messages: bounded, and only names that are safe to echo.
-A peer may hold thousands of adapters, and an id that came over the network may hold
-anything (terminal escapes, megabytes): at most MAX_LISTED ids are shown, then "and N
-more", and an id that is not a valid adapter name is counted, never printed.
+"""Adapter ids in messages: at most MAX_LISTED are shown, then "and N more"; an id from
+the network that is not a valid adapter name (terminal escapes, megabytes) is counted,
+never printed.
 """
 
 from __future__ import annotations

@@ -140,13 +140,13 @@ class NixlEndpoint:
                 log.debug("nixl: remove_remote_agent(%s): %s", name, e)
 
     def read(self, remote_agent: str, local: list[Desc], remote: list[Desc], remote_mem: str,
-             deadline: Deadline, within: tuple[int, int] | None = None) -> None:
+             deadline: Deadline, within: tuple[int, int]) -> None:
         """READ remote[i] into local[i] for all i, or raise within the deadline. Both
         descriptor lists are prepared once per distinct list and reused; `within`:
         (address, nbytes) every local descriptor must fall inside (the target slot)."""
         if len(local) != len(remote) or any(l[1] != r[1] for l, r in zip(local, remote)):
             raise PeerTransferError("local and remote descriptors disagree on lengths")
-        lo, hi = within if within is not None else (self.base, self.nbytes)
+        lo, hi = within
         for addr, nbytes, _ in local:  # defense in depth: only our slot, ever
             if not (self._inside(addr, nbytes) and lo <= addr and addr + nbytes <= lo + hi):
                 raise PeerTransferError("a local descriptor falls outside the target slot")
