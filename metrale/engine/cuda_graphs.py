@@ -1,19 +1,10 @@
 """Steps replayed from CUDA graphs: decode steps, and mixed steps (prompt chunks beside
-decodes) of up to the largest token bucket.
-
-Graphs are captured once at start-up over static input buffers; a step copies its inputs
-into them (one host->device copy) and replays the smallest graph that fits, padded.
-Decode graphs are keyed by batch size, mixed graphs by token bucket, each in a `lora`
-variant (the kernels read each row's slot from the static slot_ids buffer) and a `base`
-one (a batch with no adapter token pays nothing for LoRA); LoRA decode graphs of
-SORTED_MIN_BATCH rows or more also have a slot-sorted variant. A mixed graph runs the
-varlen attention over a fixed-length tile list (padding tiles exit at once) and takes a
-token order sorted by slot on the host.
-
-Swaps and promotions never invalidate a graph: the pool and its tables are fixed device
-addresses rewritten in place, and the kernels look slots up at run time. Padded rows
-read slot -1, write their K/V into a padding block no sequence owns and attend over it.
-`capture=False` runs the same static-buffer path eagerly (CPU tests).
+decodes) of up to the largest token bucket. Graphs are captured once over static input
+buffers; a step copies its inputs into them (one H2D copy) and replays the smallest graph
+that fits, padded. Each has a `lora` and a `base` variant (a batch with no adapter token
+pays nothing for LoRA). Swaps never invalidate a graph: the pool is rewritten in place and
+the kernels look slots up at run time. Padded rows read slot -1 and write their K/V into a
+padding block no sequence owns. `capture=False` runs the same path eagerly (CPU tests).
 """
 
 from __future__ import annotations
@@ -44,8 +35,7 @@ MAX_GRAPH_BATCH = 256
 MAX_MIXED_GRAPH_BATCH = 64
 # Token buckets of mixed steps (those <= max_num_batched_tokens); bigger steps run eagerly.
 MIXED_TOKEN_BUCKETS = (64, 128, 256, 512)
-# pend_rows/pend_src: the input rows whose tokens a step still in flight samples, and
-# their rows in its tokens (runner.pending_inputs)
+# pend_rows/pend_src: engine/pending.py's rows
 _TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "slot_ids", "order", "pend_rows",
                  "pend_src")
 _SEQ_FIELDS = ("context_lens", "logits_index")

@@ -1,13 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
 
-One sequence's bad logits (NaN, +inf, or nothing left above -inf) fail that
-sequence alone: `sample` returns a SampleResult per sequence and never raises for
-a row. Invalid probabilities never reach a draw (torch.multinomial on CUDA would
-trip a device-side assert and take the whole engine down).
-
-Rows without a seed are drawn together, a few kernels for the batch and one inverse-CDF
-draw per row; a seeded row draws alone from its own generator (so its tokens do not
-depend on what shares its batch). bench/sampler.py times both paths.
+One sequence's bad logits (NaN, +inf, nothing above -inf) fail that sequence alone, and
+never reach a draw (torch.multinomial on CUDA would trip a device-side assert and take the
+engine down). Rows without a seed draw together; a seeded row draws alone from its own
+generator, so its tokens do not depend on what shares its batch.
 """
 
 from __future__ import annotations
@@ -32,10 +28,8 @@ class SampleResult:
 
 class SampledTokens:
     """One step's draws. tokens [B] stays on the device, where the next step may read its
-    inputs from it before the host has seen them (async scheduling); results() waits for
-    the host copy, started when the draws were queued. A batch with a seeded sampled row
-    or logprobs needs its logits on the host side at once (the next step overwrites a
-    graph's logits): it is resolved when drawn."""
+    inputs (async scheduling); results() waits for the host copy. A batch with a seeded
+    row or logprobs is resolved when drawn (the next step overwrites a graph's logits)."""
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, row_max: torch.Tensor,
                  finite: torch.Tensor) -> None:
@@ -145,10 +139,9 @@ def _suppress(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def _sample_rows(x: torch.Tensor, row_max: torch.Tensor,
                  params: list[SamplingParams]) -> torch.Tensor:
-    """x: [N, V] logits and row_max [N] their row maxima -> [N] tokens, each drawn as
-    _sample_row draws it (temperature, top-k, top-p), one kernel per stage for all rows.
-    A row whose max is not finite draws from a stand-in (all zeros) that the caller
-    discards: no invalid row may reach the draw."""
+    """x: [N, V] logits and row_max [N] their row maxima -> [N] tokens, drawn as
+    _sample_row draws, one kernel per stage for all rows. A row whose max is not finite
+    draws from a stand-in (all zeros) that the caller discards."""
     vocab, dev = x.shape[1], x.device
     finite = torch.isfinite(row_max)[:, None]  # [N, 1]
     inv_temp = torch.tensor([1 / p.temperature for p in params], device=dev)[:, None]  # [N, 1]
@@ -182,10 +175,9 @@ NUCLEUS_CANDIDATES = 1024  # on the CPU, top-p first looks among this many token
 
 def _nucleus_candidates(probs: torch.Tensor, top_p: torch.Tensor):
     """(probabilities, token ids) [N, C] in descending order, C <= V, holding every row's
-    top-p nucleus: any token left out comes after a mass >= its row's top_p, so top-p
-    drops it anyway. On the CPU a full sort of a 49k vocabulary costs ~1.4 ms a row,
-    and the top NUCLEUS_CANDIDATES hold the nucleus of any but a near-flat row (then the
-    full sort, as on a GPU, where sorting is cheap and the check would cost a sync)."""
+    top-p nucleus. On the CPU a full sort of a 49k vocabulary costs ~1.4 ms a row, and the
+    top NUCLEUS_CANDIDATES hold the nucleus of any but a near-flat row (on a GPU sorting
+    is cheap and the check would cost a sync)."""
     if not probs.is_cuda and probs.shape[1] > NUCLEUS_CANDIDATES:
         vals, ids = probs.topk(NUCLEUS_CANDIDATES, dim=-1)  # [N, C], descending
         if bool((vals.sum(-1, keepdim=True) >= top_p).all()):
