@@ -12,7 +12,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from metrale.engine.promotion import PeerOptions, Phase, Promoter, Promotion
+from metrale.config import EngineConfig
+from metrale.engine.promotion import Phase, Promoter, Promotion
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion
 from metrale.engine.sequence import Sequence
 from metrale.errors import MetraleError, PoolFullError, StaleVersionError, UnknownAdapterError
@@ -23,12 +24,10 @@ log = logging.getLogger("metrale.engine")
 
 
 class AdapterManager:
-    def __init__(self, slots: LoraSlots, registry: AdapterRegistry, timeout_s: float,
-                 peer: PeerOptions, async_promotions: bool = True,
-                 max_in_flight: int = 2) -> None:
-        self.slots, self.registry, self.timeout_s = slots, registry, timeout_s
-        self.max_in_flight = max_in_flight
-        self.promoter = Promoter(slots, registry, peer, background=async_promotions)
+    def __init__(self, slots: LoraSlots, registry: AdapterRegistry, cfg: EngineConfig) -> None:
+        self.slots, self.registry, self.timeout_s = slots, registry, cfg.promotion_timeout_s
+        self.max_in_flight = cfg.scheduler.max_promotions_in_flight
+        self.promoter = Promoter(slots, registry, cfg)
         self.pending: OrderedDict[str, list[Sequence]] = OrderedDict()
         self.job: Promotion | None = None
         self.num_promotions = 0

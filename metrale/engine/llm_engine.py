@@ -26,7 +26,6 @@ from metrale.engine.adapters import AdapterManager
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.output_processor import OutputProcessor, failed_output
 from metrale.engine.outputs import RequestOutput
-from metrale.engine.promotion import PeerOptions
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion, PeerRef
 from metrale.engine.residency import ResidencyRow, loading_of, residency_rows
 from metrale.engine.runner import ModelRunner
@@ -84,11 +83,7 @@ class LLMEngine:
                               model.lora_base_weights())
         # an adapter named like the base model would shadow it in every API
         self.registry = AdapterRegistry(reserved_names=("base", Path(model_dir).name))
-        self.adapters = AdapterManager(
-            self.lora, self.registry, cfg.promotion_timeout_s,
-            PeerOptions(cfg.peer_transport, cfg.peer_timeout_s, cfg.peer_allow or None),
-            async_promotions=cfg.async_promotions,
-            max_in_flight=cfg.scheduler.max_promotions_in_flight)
+        self.adapters = AdapterManager(self.lora, self.registry, cfg)
         self.adapters.remaining_work = self._work_per_slot
         if self.device.type == "cuda" and cfg.peer_transport != "http":
             warm_up_nixl(self.lora)  # a first peer landing then costs ~1.3 s less

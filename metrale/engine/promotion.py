@@ -18,6 +18,7 @@ from enum import Enum
 import torch
 
 from metrale.adapters.identity import AdapterIdentity, adapter_identity
+from metrale.config import EngineConfig
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion
 from metrale.errors import (
     AdapterFileError,
@@ -35,13 +36,6 @@ from metrale.pool.staging import StagingBuffers
 from metrale.pool.swap import LandingEvent, LoraSlots, Prepared, on_device
 
 log = logging.getLogger("metrale.engine")
-
-
-@dataclass(frozen=True)
-class PeerOptions:
-    transport: str = "auto"
-    timeout_s: float = 30.0
-    peer_allow: tuple[str, ...] | None = None
 
 
 class Phase(Enum):
@@ -104,12 +98,11 @@ class Promoter:
     """Drives promotions: reads on one worker (the engine's only reader of adapter bytes),
     slot choice and commit on the engine thread."""
 
-    def __init__(self, slots: LoraSlots, registry: AdapterRegistry, peer: PeerOptions,
-                 background: bool) -> None:
-        self.slots, self.registry, self.peer = slots, registry, peer
+    def __init__(self, slots: LoraSlots, registry: AdapterRegistry, cfg: EngineConfig) -> None:
+        self.slots, self.registry, self.cfg = slots, registry, cfg
         self.device = slots.staging.device
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="metrale-read") \
-            if background and slots.pool is not None else None
+            if cfg.async_promotions and slots.pool is not None else None
         # staging memory for reads off the engine thread, one set per Prepared not yet closed
         self._free_staging: list[StagingBuffers] = []
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -310,10 +303,10 @@ class Promoter:
     def _read(self, name: str, source: AdapterSource, staging: StagingBuffers,
               use_tier: bool, identity: AdapterIdentity | None = None) -> Prepared:
         if source.peer is not None:
-            p = self.peer
+            cfg = self.cfg
             return prepare_from_peer(self.slots, source.peer.addr, source.peer.adapter_id, name,
-                                     source.peft, staging=staging, transport=p.transport,
-                                     timeout_s=p.timeout_s, peer_allow=p.peer_allow)
+                                     source.peft, staging=staging, transport=cfg.peer_transport,
+                                     timeout_s=cfg.peer_timeout_s, peer_allow=cfg.peer_allow or None)
         return self.slots.prepare_disk(source.path, name, staging, use_tier, identity)
 
     def _write(self, landing: Landing, prepared: Prepared,
