@@ -126,8 +126,7 @@ class AdapterManager:
         return job.name if job is not None and job.progressing else None
 
     def advance(self, now: float) -> list[Sequence]:
-        """Move promotions on; returns the sequences that failed (their adapter was
-        refused, unloaded, or never got a slot)."""
+        """Move promotions on; returns the sequences that failed."""
         failed = self._advance_job()
         for _ in range(self.max_in_flight):
             # a host-tier landing completes inline, so the next name can start at once;

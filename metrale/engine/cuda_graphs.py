@@ -86,23 +86,20 @@ class StepGraphs:
         self.max_model_len = max_model_len
         B, W = self.sizes[-1], max_blocks
         self.max_batch = B
-        self.max_tokens = max([B, *self.buckets])
-        # Every input in one int64 buffer: one H2D copy per step. Layout: the [T] token
-        # fields, the [B] sequence fields, cu_query [B + 1], the attention's query tiles
-        # [max_tiles, 2], then block_tables [B, W].
-        # The kernels read int64 metadata as they read int32.
-        T = self.max_tokens
+        # Every input in one int64 buffer (the kernels read it as they read int32): one H2D
+        # copy per step. Layout: the [T] token fields, the [B] sequence fields, cu_query
+        # [B + 1], the attention's query tiles [tiles, 2], then block_tables [B, W].
+        T = max([B, *self.buckets])
         self.group = group  # query heads per KV head (the attention's tile size needs it)
-        self.max_tiles = max((max_prefill_tiles(t, B, self._block_m(t)) for t in self.buckets),
-                             default=0)
-        n = T * len(_TOKEN_FIELDS) + B * len(_SEQ_FIELDS) + (B + 1) + 2 * self.max_tiles + B * W
+        tiles = max((max_prefill_tiles(t, B, self._block_m(t)) for t in self.buckets), default=0)
+        n = T * len(_TOKEN_FIELDS) + B * len(_SEQ_FIELDS) + (B + 1) + 2 * tiles + B * W
         self._dev = torch.zeros(n, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._views, self._host_views, at = {}, {}, 0
         for names, size in ((_TOKEN_FIELDS, T), (_SEQ_FIELDS, B), (("cu_query",), B + 1),
-                            (("tiles",), 2 * self.max_tiles)):
+                            (("tiles",), 2 * tiles)):
             for f in names:
                 self._views[f] = self._dev[at:at + size]
                 self._host_views[f] = self._host_np[at:at + size]
@@ -118,7 +115,6 @@ class StepGraphs:
         # bucket, lora variant) -> replays; last_key: the latest step's
         self.replays: Counter = Counter()
         self.last_key: tuple | None = None
-        self._mempool = None
 
     def _block_m(self, t: int) -> int:
         return prefill_block_m(t, self.group)
@@ -167,7 +163,7 @@ class StepGraphs:
         self._upload()
         if not self.capture_enabled:
             return
-        self._mempool = torch.cuda.graph_pool_handle()
+        mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         variants = [False, True] if self.pool is not None else [False]  # lora: without, with
@@ -184,7 +180,7 @@ class StepGraphs:
                     forward()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
+            with torch.cuda.graph(graph, pool=mempool):
                 out = forward()
             self.graphs[key] = (graph, out)
             self.num_captures += 1
@@ -294,8 +290,7 @@ class StepGraphs:
         return n_samples, self._fill_pending(batch.seqs, cu)
 
     def _fill_pending(self, seqs: list[Sequence], cu) -> int:
-        """The pending input tokens' rows (cu: the token rows' prefix sums); returns how
-        many."""
+        """The pending input tokens' rows (cu: the token rows' prefix sums); returns how many."""
         rows, src = pending_inputs(seqs, cu)
         self._host_views["pend_rows"][:len(rows)] = rows
         self._host_views["pend_src"][:len(src)] = src

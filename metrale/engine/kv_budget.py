@@ -29,8 +29,7 @@ class KVBudget:
 
 def auto_kv_blocks(max_num_seqs: int, max_model_len: int, block_size: int, block_bytes: int,
                    weight_bytes: int, free_bytes: int, cuda: bool) -> KVBudget:
-    """free_bytes: the device's free (CUDA) or the host's available memory, after the
-    weights and the adapter pool were allocated."""
+    """free_bytes: free device (CUDA) or available host memory, after weights and pool."""
     per_seq = -(-max_model_len // block_size)
     wanted = max_num_seqs * per_seq
     caps = ({"80% of free device memory": GPU_FREE_FRACTION * free_bytes} if cuda else

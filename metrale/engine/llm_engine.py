@@ -56,8 +56,7 @@ class _InFlight:
 class LLMEngine:
     def __init__(self, model_dir: str | Path, cfg: EngineConfig, tokenizer=None,
                  model: LlamaForCausalLM | None = None) -> None:
-        """model: one already built for model_dir's config.json (benchmarks); None loads
-        model_dir's weights."""
+        """model: one already built for model_dir's config.json (benchmarks); None: load it."""
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = torch.device(cfg.device)
@@ -148,10 +147,7 @@ class LLMEngine:
         return ids
 
     def abort(self, request_id: str) -> None:
-        seq = self.requests.pop(request_id, None)
-        if seq is not None:
-            self._free(seq)
-            seq.finish_reason = "abort"
+        self._end(request_id, "abort")
 
     def reset_prefix_cache(self) -> int:
         """vLLM's reset_prefix_cache: returns how many cached blocks were dropped."""
@@ -188,13 +184,13 @@ class LLMEngine:
         return outputs
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
-        """A launched step's tokens into outputs; finish the requests they end (a later
-        step already launched drops their tokens)."""
+        """A launched step's tokens into outputs; end the requests they finish."""
         batch = step.batch
         outputs = self.output_processor.process(batch.sampling_seqs, step.sampled.results())
         self.scheduler.completed(batch)
         for out in outputs:
-            self._finish(out)
+            if out.finished:
+                self._end(out.request_id, out.finish_reason)
         return outputs
 
     def wait_for_work(self, timeout: float) -> bool:
@@ -215,7 +211,7 @@ class LLMEngine:
         self.adapters.finish_unloads()
         outputs = [failed_output(seq) for seq in self.adapters.advance(time.monotonic())]
         for out in outputs:
-            self._finish(out)
+            self._end(out.request_id, out.finish_reason)
         return outputs
 
     def _run_commands(self) -> None:
@@ -230,15 +226,16 @@ class LLMEngine:
                 except BaseException as e:  # the caller gets it; the loop goes on
                     future.set_exception(e)
 
-    def _finish(self, out: RequestOutput) -> None:
-        seq = self.requests.pop(out.request_id, None) if out.finished else None
+    def _end(self, request_id: str, reason: str | None) -> None:
+        """Free what a finished or aborted request holds (its KV, its slot reference)."""
+        seq = self.requests.pop(request_id, None)
         if seq is not None:
-            self._free(seq)
-            seq.finish_reason = out.finish_reason
+            self.scheduler.finish(seq)
+            self.adapters.release(seq)
+            seq.finish_reason = reason
 
     def _work_per_slot(self) -> dict[int, int]:
-        """slot -> the most tokens one of its requests may still compute (how long it
-        takes to drain)."""
+        """slot -> the most tokens one of its requests may still compute."""
         work: dict[int, int] = {}
         for s in self.requests.values():
             if s.bound and s.slot >= 0:
@@ -246,10 +243,6 @@ class LLMEngine:
                     + s.params.max_tokens - len(s.output_ids)
                 work[s.slot] = max(work.get(s.slot, 0), left)
         return work
-
-    def _free(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        self.adapters.release(seq)
 
     # --- adapters: the registry's operations ----------------------------------------------
 

@@ -46,8 +46,7 @@ class Prefix(Sequence):
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request: cumulative text, token ids and logprobs,
-    plus this step's delta."""
+    """What one step produced for one request: cumulative text, ids and logprobs, and deltas."""
 
     request_id: str
     prompt_token_ids: list[int]

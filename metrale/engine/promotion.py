@@ -311,8 +311,7 @@ class Promoter:
 
     def _write(self, landing: Landing, prepared: Prepared,
                side: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        """The bytes into the LOADING slot; on `side` when given, with the event that
-        completes them."""
+        """The bytes into the LOADING slot; on `side`, with the event that completes them."""
         with on_device(self.device), self._on(side):
             prepared.write(landing)
             if side is None:

@@ -193,8 +193,7 @@ class AdapterRegistry:
         return version
 
     def unload(self, name: str, draining_slot: int | None) -> AdapterVersion:
-        """The name admits nothing from now on; draining_slot (if any) serves its
-        in-flight requests until drained."""
+        """The name admits nothing from now on; draining_slot serves its requests until drained."""
         self.refuse_draining(name)
         version = self.current(name)
         del self._current[name]

@@ -51,20 +51,16 @@ class ModelRunner:
         self.graphs.capture()
         return self.graphs
 
-    def _block_bytes(self) -> int:
-        m = self.model_cfg
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * m.num_layers * self.cfg.block_size * m.num_kv_heads * m.head_dim * itemsize
-
     def _auto_num_blocks(self) -> int:
+        cfg, m = self.cfg, self.model_cfg
         cuda = self.device.type == "cuda"
         free = torch.cuda.mem_get_info(self.device)[0] if cuda else host_available_bytes()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        cfg = self.cfg
+        block_bytes = 2 * m.num_layers * cfg.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
         budget = auto_kv_blocks(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
-                                self._block_bytes(), weights, free, cuda)
+                                block_bytes, weights, free, cuda)
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB): %s", budget.num_blocks,
-                 cfg.block_size, budget.num_blocks * self._block_bytes() / 2**20, budget.reason)
+                 cfg.block_size, budget.num_blocks * block_bytes / 2**20, budget.reason)
         return budget.num_blocks
 
     @torch.inference_mode()

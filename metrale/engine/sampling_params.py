@@ -30,8 +30,7 @@ class InvalidSamplingParamsError(MetraleError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; seed makes a sampled request reproducible whatever
-    else shares its batch."""
+    """temperature 0 is greedy; seed makes a sampled request reproducible in any batch."""
 
     max_tokens: int = 64
     temperature: float = 1.0

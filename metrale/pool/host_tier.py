@@ -67,8 +67,7 @@ class HostTier:
             return key in self._entries
 
     def put(self, key: AdapterIdentity, slot: int) -> None:
-        """Store `slot`'s current contents under key (call right after landing it; the
-        caller checks that the tier is enabled)."""
+        """Store `slot`'s contents under key, right after landing it (the tier is enabled)."""
         pool = self.pool
         if self._arena is None:
             n = self.capacity // self.entry_bytes

@@ -73,8 +73,7 @@ class Landing:
         self._pool.slot_region(self.slot).index_fill_(0, index, 0)
 
     def check_written(self, plan: AdapterPlan) -> None:
-        """NaN/Inf check of the slot in place, for bytes that skipped staging's (one pass:
-        the slot was zeroed at begin)."""
+        """NaN/Inf check in place of bytes that skipped staging's (one pass: zeroed at begin)."""
         if not all_finite(self._pool.slot_region(self.slot)):
             raise NonFiniteWeightsError(
                 f"{plan.source}: the landed weights hold NaN or Inf in the pool's dtype "

@@ -151,8 +151,7 @@ class AdapterPool:
     # --- landing ----------------------------------------------------------------
 
     def recipe(self, plan: AdapterPlan, staged_bt: bool = False) -> LandingRecipe | None:
-        """The plan's landing recipe, shared by plans with the same tensors and targets
-        (CUDA only; thread-safe). staged_bt: see build_recipe."""
+        """The plan's landing recipe, shared by plans of the same tensors and targets (CUDA)."""
         if not self.buffer.is_cuda or not plan.landings:
             return None
         key = (id(plan.landings), staged_bt)
@@ -169,8 +168,7 @@ class AdapterPool:
 
     def stage(self, plan: AdapterPlan, data: torch.Tensor,
               recipe: LandingRecipe | None = None) -> StagedAdapter:
-        """Check staged bytes ([plan.staged_bytes] uint8 on the device): with a recipe,
-        one NaN/Inf pass over them all; else typed views (stage_views)."""
+        """Check staged bytes: with a recipe one NaN/Inf pass over them all, else stage_views."""
         if recipe is not None and bool(data[:plan.staged_bytes].view(recipe.dtype).isfinite().all()):
             return StagedAdapter(plan, data, recipe, [])
         return StagedAdapter(plan, data, None, self.stage_views(plan, data))
@@ -263,8 +261,7 @@ class AdapterPool:
 
     @torch.no_grad()  # the base weights may be Parameters: no autograd graph may hang off g
     def compute_gains(self, slot: int, cells: list[tuple[int, str, float, int]]) -> None:
-        """g = m / ||W + s B A|| per output row, in float32, as PEFT's DoraLinearLayer, for
-        each (layer, module, scale, rank) cell."""
+        """DoRA's g = m / ||W + s B A|| per output row in float32 (PEFT's DoraLinearLayer)."""
         bad = []
         for layer, module, scale, rank in cells:
             W = self.base_weights[(layer, module)]  # [out, in]
