@@ -65,20 +65,15 @@ def few_slots(seqs: list[Sequence]) -> bool:
     return len(seqs) >= SORTED_MIN_ROWS_PER_SLOT * max(len(slots), 1)
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs]
-    if max_num_seqs <= MAX_GRAPH_BATCH and max_num_seqs not in sizes:
-        sizes.append(max_num_seqs)
-    return sizes
-
-
 class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, pool: AdapterPool | None, max_num_seqs: int,
                  max_blocks: int, block_size: int, pad_block: int, max_model_len: int,
                  device: torch.device, capture: bool = True,
                  max_num_batched_tokens: int = 0, group: int = 1) -> None:
         self.model, self.pool, self.device = model, pool, device
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs]
+        if max_num_seqs <= MAX_GRAPH_BATCH and max_num_seqs not in self.sizes:
+            self.sizes.append(max_num_seqs)
         # mixed steps need every sequence row of a step: only when all fit one graph
         self.buckets = [t for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens] \
             if max_num_seqs <= MAX_MIXED_GRAPH_BATCH else []

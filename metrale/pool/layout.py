@@ -72,7 +72,7 @@ class SlotLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def slot_bytes(self) -> int:
