@@ -1,17 +1,8 @@
-"""AdapterManager: binds requests to adapter slots and decides what to promote.
-
-Names, versions, pins and routing belong to the AdapterRegistry; slot policy to the
-SlotTable; bytes to the pool; moving a version into a slot to the Promoter. This module
-asks each of them:
-
-- binding: a request takes a reference on the slot its adapter's current version is
-  routed to, or waits for a promotion (FIFO by first request, single-flight per name);
-- on-demand promotions: at most one in flight; the engine drives it between steps;
-- explicit promotions (`promote`): the same promotion, run inline;
-- unloads: the name leaves at once, its slot is freed after its last request.
-
-Waiters take their slot reference the moment their adapter lands, so it cannot be
-evicted before they run.
+"""AdapterManager: binds requests to adapter slots and decides what to promote (names
+belong to the AdapterRegistry, slot policy to the SlotTable, landings to the Promoter).
+A request takes a reference on its adapter's slot, or waits for a promotion (FIFO by first
+request, one per name); waiters take theirs the moment it lands, so it cannot be evicted
+before they run.
 """
 
 from __future__ import annotations
@@ -21,7 +12,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from metrale.engine.promotion import PeerOptions, Phase, Promoter, Promotion
+from metrale.config import EngineConfig
+from metrale.engine.promotion import Phase, Promoter, Promotion
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion
 from metrale.engine.sequence import Sequence
 from metrale.errors import MetraleError, PoolFullError, StaleVersionError, UnknownAdapterError
@@ -30,16 +22,12 @@ from metrale.pool.swap import LoraSlots, Prepared
 
 log = logging.getLogger("metrale.engine")
 
-__all__ = ["AdapterManager", "PeerOptions"]
-
 
 class AdapterManager:
-    def __init__(self, slots: LoraSlots, registry: AdapterRegistry, timeout_s: float,
-                 peer: PeerOptions, async_promotions: bool = True,
-                 max_in_flight: int = 2) -> None:
-        self.slots, self.registry, self.timeout_s = slots, registry, timeout_s
-        self.max_in_flight = max_in_flight
-        self.promoter = Promoter(slots, registry, peer, background=async_promotions)
+    def __init__(self, slots: LoraSlots, registry: AdapterRegistry, cfg: EngineConfig) -> None:
+        self.slots, self.registry, self.timeout_s = slots, registry, cfg.promotion_timeout_s
+        self.max_in_flight = cfg.scheduler.max_promotions_in_flight
+        self.promoter = Promoter(slots, registry, cfg)
         self.pending: OrderedDict[str, list[Sequence]] = OrderedDict()
         self.job: Promotion | None = None
         self.num_promotions = 0
@@ -53,8 +41,6 @@ class AdapterManager:
     # --- binding requests -----------------------------------------------------------------
 
     def bind(self, seq: Sequence) -> None:
-        """Bind seq to its adapter's slot if the current version is resident; else queue
-        it for a promotion."""
         if seq.adapter is None:  # the base model: slot -1, uid 0 (Sequence's defaults)
             seq.bound, seq.bound_at = True, seq.arrival
             return
@@ -101,11 +87,9 @@ class AdapterManager:
     def promote(self, version: AdapterVersion, slot: int | None = None,
                 prepared: Prepared | None = None, origin: AdapterSource | None = None,
                 installs: bool = False) -> tuple[int, str | None]:
-        """Land `version` into `slot` (None: the promoter chooses). installs: a new version
-        (registry.new_version), current from its commit on; a refusal changes nothing, the
-        registry included. `prepared`: bytes already read; they are closed here. `origin`:
-        where those bytes came from when not the version's own source (a cluster replica
-        reading a neighbour's slot)."""
+        """Land `version` into `slot` (None: the promoter chooses). installs: a new version,
+        current from its commit on. `prepared`: bytes already read, closed here; `origin`:
+        where they came from when not the version's source (a neighbour's slot)."""
         p = self.promoter.run_inline(version, target=slot, installs=installs, prepared=prepared,
                                      origin=origin)
         self._bind_waiters(p.name, p.slot)
@@ -114,8 +98,7 @@ class AdapterManager:
     # --- names leaving ----------------------------------------------------------------------
 
     def unload(self, name: str) -> str:
-        """'unloaded' when the slot (if any) is free now, 'draining' when it is freed after
-        its last in-flight request."""
+        """'unloaded', or 'draining' until the slot's last in-flight request ends."""
         slot = self.registry.slot_of(name)
         busy = slot is not None and self.slots.table.ref_count(slot) > 0
         self.registry.unload(name, slot if busy else None)
@@ -138,14 +121,12 @@ class AdapterManager:
     # --- on-demand promotions (the engine calls these between steps) ---------------------
 
     def promoting(self) -> str | None:
-        """The name whose promotion is moving off the engine thread (worth waiting for when
-        idle; its waiters wait for bytes, not a slot)."""
+        """The name whose promotion is moving off the engine thread (worth waiting for)."""
         job = self.job
         return job.name if job is not None and job.progressing else None
 
     def advance(self, now: float) -> list[Sequence]:
-        """Move promotions on by what happened since the last boundary; returns the
-        sequences that failed (their adapter was refused, unloaded, or never got a slot)."""
+        """Move promotions on; returns the sequences that failed."""
         failed = self._advance_job()
         for _ in range(self.max_in_flight):
             # a host-tier landing completes inline, so the next name can start at once;
@@ -211,11 +192,9 @@ class AdapterManager:
         return self._fail(job.name, job.error)
 
     def _drain_for_waiting(self) -> None:
-        """Names waiting for a slot while every slot is busy: stop routing new requests to
-        the busy slot with the least work left, so it drains instead of being fed by new
-        arrivals forever; at most max_in_flight slots are kept free or draining for the
-        waiting names. A request for the drained adapter that comes before the slot is
-        taken routes it again (bind)."""
+        """Names waiting while every slot is busy: unroute the busy slot with the least work
+        left, so it drains instead of being fed by new arrivals forever (up to max_in_flight
+        slots free or draining). A request for its adapter that comes first reroutes it."""
         job = self.job
         writing = job is not None and job.phase is Phase.WRITING
         waiting = len(self.pending) - (1 if writing and job.name in self.pending else 0)
@@ -234,8 +213,8 @@ class AdapterManager:
             self.num_drains += 1
 
     def _expire(self, now: float) -> list[Sequence]:
-        """Waiters past the promotion timeout fail with POOL_FULL. The timeout bounds the
-        wait for a free slot; a promotion in flight is bounded by its own I/O deadlines."""
+        """Waiters past the promotion timeout fail with POOL_FULL (a promotion in flight
+        is bounded by its own I/O deadlines)."""
         failed = []
         promoting = self.promoting()
         for name, waiters in list(self.pending.items()):

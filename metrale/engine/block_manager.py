@@ -50,10 +50,8 @@ class BlockManager:
         return self.num_free >= self.blocks_needed(len(seq))
 
     def allocate(self, seq: Sequence) -> None:
-        """Blocks for every token of seq; reuse cached full blocks of its prefix.
-
-        The block holding the last token is always computed, so the step that
-        prefills seq has at least one token whose logits it samples."""
+        """Blocks for every token of seq, reusing cached full blocks of its prefix. The
+        block holding the last token is always computed: its prefill samples a token."""
         assert not seq.block_table
         tokens, bs = seq.token_ids, self.block_size
         full = len(tokens) // bs if self.prefix_caching else 0
@@ -95,8 +93,8 @@ class BlockManager:
 
     def publish(self, seq: Sequence) -> None:
         """Make seq's full blocks whose KV is computed (or queued) and whose tokens are on
-        the host findable by later requests. A block that decoding filled gets its key
-        here: its last token may have been pending when its KV was scheduled."""
+        the host findable. A block that decoding filled gets its key here: its last token
+        may have been pending when its KV was scheduled."""
         if not self.prefix_caching:
             return
         bs = self.block_size
@@ -125,10 +123,8 @@ class BlockManager:
             seq.block_keys.append(None)
 
     def reset_prefix_cache(self) -> int:
-        """Forget the contents of every cached block no sequence holds; returns how many.
-
-        Held blocks keep their keys: their sequences go on reading them, and a request
-        sharing that prefix while they run may still hit them."""
+        """Forget the contents of every cached block no sequence holds; returns how many
+        (held blocks keep their keys: a request sharing their prefix may still hit them)."""
         dropped = 0
         for block in self.free:
             key = self.key[block]

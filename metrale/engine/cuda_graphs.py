@@ -1,19 +1,10 @@
 """Steps replayed from CUDA graphs: decode steps, and mixed steps (prompt chunks beside
-decodes) of up to the largest token bucket.
-
-Graphs are captured once at start-up over static input buffers; a step copies its inputs
-into them (one host->device copy) and replays the smallest graph that fits, padded.
-Decode graphs are keyed by batch size, mixed graphs by token bucket, each in a `lora`
-variant (the kernels read each row's slot from the static slot_ids buffer) and a `base`
-one (a batch with no adapter token pays nothing for LoRA); LoRA decode graphs of
-SORTED_MIN_BATCH rows or more also have a slot-sorted variant. A mixed graph runs the
-varlen attention over a fixed-length tile list (padding tiles exit at once) and takes a
-token order sorted by slot on the host.
-
-Swaps and promotions never invalidate a graph: the pool and its tables are fixed device
-addresses rewritten in place, and the kernels look slots up at run time. Padded rows
-read slot -1, write their K/V into a padding block no sequence owns and attend over it.
-`capture=False` runs the same static-buffer path eagerly (CPU tests).
+decodes) of up to the largest token bucket. Graphs are captured once over static input
+buffers; a step copies its inputs into them (one H2D copy) and replays the smallest graph
+that fits, padded. Each has a `lora` and a `base` variant (a batch with no adapter token
+pays nothing for LoRA). Swaps never invalidate a graph: the pool is rewritten in place and
+the kernels look slots up at run time. Padded rows read slot -1 and write their K/V into a
+padding block no sequence owns. `capture=False` runs the same path eagerly (CPU tests).
 """
 
 from __future__ import annotations
@@ -44,8 +35,7 @@ MAX_GRAPH_BATCH = 256
 MAX_MIXED_GRAPH_BATCH = 64
 # Token buckets of mixed steps (those <= max_num_batched_tokens); bigger steps run eagerly.
 MIXED_TOKEN_BUCKETS = (64, 128, 256, 512)
-# pend_rows/pend_src: the input rows whose tokens a step still in flight samples, and
-# their rows in its tokens (runner.pending_inputs)
+# pend_rows/pend_src: engine/pending.py's rows
 _TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "slot_ids", "order", "pend_rows",
                  "pend_src")
 _SEQ_FIELDS = ("context_lens", "logits_index")
@@ -75,20 +65,15 @@ def few_slots(seqs: list[Sequence]) -> bool:
     return len(seqs) >= SORTED_MIN_ROWS_PER_SLOT * max(len(slots), 1)
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs]
-    if max_num_seqs <= MAX_GRAPH_BATCH and max_num_seqs not in sizes:
-        sizes.append(max_num_seqs)
-    return sizes
-
-
 class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, pool: AdapterPool | None, max_num_seqs: int,
                  max_blocks: int, block_size: int, pad_block: int, max_model_len: int,
                  device: torch.device, capture: bool = True,
                  max_num_batched_tokens: int = 0, group: int = 1) -> None:
         self.model, self.pool, self.device = model, pool, device
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs]
+        if max_num_seqs <= MAX_GRAPH_BATCH and max_num_seqs not in self.sizes:
+            self.sizes.append(max_num_seqs)
         # mixed steps need every sequence row of a step: only when all fit one graph
         self.buckets = [t for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens] \
             if max_num_seqs <= MAX_MIXED_GRAPH_BATCH else []
@@ -96,23 +81,20 @@ class StepGraphs:
         self.max_model_len = max_model_len
         B, W = self.sizes[-1], max_blocks
         self.max_batch = B
-        self.max_tokens = max([B, *self.buckets])
-        # Every input in one int64 buffer: one H2D copy per step. Layout: the [T] token
-        # fields, the [B] sequence fields, cu_query [B + 1], the attention's query tiles
-        # [max_tiles, 2], then block_tables [B, W].
-        # The kernels read int64 metadata as they read int32.
-        T = self.max_tokens
+        # Every input in one int64 buffer (the kernels read it as they read int32): one H2D
+        # copy per step. Layout: the [T] token fields, the [B] sequence fields, cu_query
+        # [B + 1], the attention's query tiles [tiles, 2], then block_tables [B, W].
+        T = max([B, *self.buckets])
         self.group = group  # query heads per KV head (the attention's tile size needs it)
-        self.max_tiles = max((max_prefill_tiles(t, B, self._block_m(t)) for t in self.buckets),
-                             default=0)
-        n = T * len(_TOKEN_FIELDS) + B * len(_SEQ_FIELDS) + (B + 1) + 2 * self.max_tiles + B * W
+        tiles = max((max_prefill_tiles(t, B, self._block_m(t)) for t in self.buckets), default=0)
+        n = T * len(_TOKEN_FIELDS) + B * len(_SEQ_FIELDS) + (B + 1) + 2 * tiles + B * W
         self._dev = torch.zeros(n, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._views, self._host_views, at = {}, {}, 0
         for names, size in ((_TOKEN_FIELDS, T), (_SEQ_FIELDS, B), (("cu_query",), B + 1),
-                            (("tiles",), 2 * self.max_tiles)):
+                            (("tiles",), 2 * tiles)):
             for f in names:
                 self._views[f] = self._dev[at:at + size]
                 self._host_views[f] = self._host_np[at:at + size]
@@ -128,7 +110,6 @@ class StepGraphs:
         # bucket, lora variant) -> replays; last_key: the latest step's
         self.replays: Counter = Counter()
         self.last_key: tuple | None = None
-        self._mempool = None
 
     def _block_m(self, t: int) -> int:
         return prefill_block_m(t, self.group)
@@ -177,7 +158,7 @@ class StepGraphs:
         self._upload()
         if not self.capture_enabled:
             return
-        self._mempool = torch.cuda.graph_pool_handle()
+        mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         variants = [False, True] if self.pool is not None else [False]  # lora: without, with
@@ -194,7 +175,7 @@ class StepGraphs:
                     forward()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
+            with torch.cuda.graph(graph, pool=mempool):
                 out = forward()
             self.graphs[key] = (graph, out)
             self.num_captures += 1
@@ -304,8 +285,7 @@ class StepGraphs:
         return n_samples, self._fill_pending(batch.seqs, cu)
 
     def _fill_pending(self, seqs: list[Sequence], cu) -> int:
-        """The pending input tokens' rows (cu: the token rows' prefix sums); returns how
-        many."""
+        """The pending input tokens' rows (cu: the token rows' prefix sums); returns how many."""
         rows, src = pending_inputs(seqs, cu)
         self._host_views["pend_rows"][:len(rows)] = rows
         self._host_views["pend_src"][:len(src)] = src

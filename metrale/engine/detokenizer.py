@@ -1,11 +1,8 @@
 """Incremental detokenisation: each new token costs a decode of a few tokens, not of the
-whole output (which made a long generation quadratic).
-
-Decoding token by token is wrong for byte-level and SentencePiece vocabularies: one
-character may span several tokens, and a token's text may depend on the token before
-it (leading spaces). So each step decodes a short window: the tokens from `prefix` on,
-once with and once without the tokens since `read`; the difference is the new text.
-The window moves on only when the new text ends in a whole character (no U+FFFD).
+whole output (which made a long generation quadratic). One character may span several
+tokens and a token's text may depend on the one before (leading spaces), so each step
+decodes a short window from `prefix`, with and without the tokens since `read`; the
+window moves on only when the new text ends in a whole character (no U+FFFD).
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""How many KV-cache blocks an engine allocates when --num-kv-blocks is not given.
-
-Wanted: room for max_num_seqs sequences of max_model_len tokens each (every running
-sequence at full length). Capped by memory:
-
-- CUDA: 80% of the device memory still free after the weights and the adapter pool.
-- CPU: half the memory still available after them, and half the model's weight bytes
-  (but not under 64 MiB: for a tiny model that is noise beside torch's own 250 MB).
-  A CPU step is bound by memory traffic: it reads every weight once, and the attention
-  of each running sequence reads its whole KV. With live KV at most half the weights,
-  attention is at most a third of a full step's traffic; more concurrency than that
-  makes every token slower for little more throughput, while a cache sized for the
-  worst case (32 x 2048 tokens: 2.9 GB for the 135M default model) held memory that
-  a CPU server never used. A larger cache is one --num-kv-blocks away.
-
-Never fewer blocks than one max_model_len sequence needs, so any admitted request can
-run to its end.
+"""How many KV-cache blocks an engine allocates when --num-kv-blocks is not given: room for
+max_num_seqs sequences of max_model_len tokens, capped on CUDA at 80% of the free device
+memory, on the CPU at half the available memory and half the weights' bytes (at least
+64 MiB), never under one max_model_len sequence (docs/DESIGN.md). A CPU step is bound by
+memory traffic: with live KV at most half the weights, attention stays under a third of
+a step's traffic, while a worst-case cache (2.9 GB for the 135M default) went unused.
 """
 
 from __future__ import annotations
@@ -40,8 +29,7 @@ class KVBudget:
 
 def auto_kv_blocks(max_num_seqs: int, max_model_len: int, block_size: int, block_bytes: int,
                    weight_bytes: int, free_bytes: int, cuda: bool) -> KVBudget:
-    """free_bytes: the device's free memory (CUDA) or the host's available memory (CPU),
-    measured after the weights and the adapter pool were allocated."""
+    """free_bytes: free device (CUDA) or available host memory, after weights and pool."""
     per_seq = -(-max_model_len // block_size)
     wanted = max_num_seqs * per_seq
     caps = ({"80% of free device memory": GPU_FREE_FRACTION * free_bytes} if cuda else

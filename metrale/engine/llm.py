@@ -56,9 +56,8 @@ class LLM:
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              adapters: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
-        """vLLM's LLM.chat: one conversation (a list of {role, content}) or a list of
-        them, each rendered by the chat template with the assistant's turn opened;
-        one RequestOutput per conversation, as generate."""
+        """vLLM's LLM.chat: one conversation (a list of {role, content}) or a list of them;
+        one RequestOutput per conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.chat_prompt_ids(c) for c in conversations]
         return self.generate(prompts, sampling_params, adapters)

@@ -22,7 +22,7 @@ from metrale.adapters.plan import plan_adapter
 from metrale.adapters.weights_check import check_weights
 from metrale.config import ConfigError, EngineConfig, ModelConfig
 from metrale.dtypes import parse_dtype
-from metrale.engine.adapters import AdapterManager, PeerOptions
+from metrale.engine.adapters import AdapterManager
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.output_processor import OutputProcessor, failed_output
 from metrale.engine.outputs import RequestOutput
@@ -56,8 +56,7 @@ class _InFlight:
 class LLMEngine:
     def __init__(self, model_dir: str | Path, cfg: EngineConfig, tokenizer=None,
                  model: LlamaForCausalLM | None = None) -> None:
-        """model: an already built model for model_dir's config.json (benchmarks build
-        random-weight models on the device); None loads model_dir's weights."""
+        """model: one already built for model_dir's config.json (benchmarks); None: load it."""
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = torch.device(cfg.device)
@@ -83,11 +82,7 @@ class LLMEngine:
                               model.lora_base_weights())
         # an adapter named like the base model would shadow it in every API
         self.registry = AdapterRegistry(reserved_names=("base", Path(model_dir).name))
-        self.adapters = AdapterManager(
-            self.lora, self.registry, cfg.promotion_timeout_s,
-            PeerOptions(cfg.peer_transport, cfg.peer_timeout_s, cfg.peer_allow or None),
-            async_promotions=cfg.async_promotions,
-            max_in_flight=cfg.scheduler.max_promotions_in_flight)
+        self.adapters = AdapterManager(self.lora, self.registry, cfg)
         self.adapters.remaining_work = self._work_per_slot
         if self.device.type == "cuda" and cfg.peer_transport != "http":
             warm_up_nixl(self.lora)  # a first peer landing then costs ~1.3 s less
@@ -152,14 +147,10 @@ class LLMEngine:
         return ids
 
     def abort(self, request_id: str) -> None:
-        seq = self.requests.pop(request_id, None)
-        if seq is not None:
-            self._free(seq)
-            seq.finish_reason = "abort"
+        self._end(request_id, "abort")
 
     def reset_prefix_cache(self) -> int:
-        """Drop the cached prefix blocks no running request holds (vLLM's
-        reset_prefix_cache); returns how many. Engine thread only (server: AsyncEngine.call)."""
+        """vLLM's reset_prefix_cache: returns how many cached blocks were dropped."""
         return self.blocks.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
@@ -174,10 +165,9 @@ class LLMEngine:
         return future
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, launch, process outputs. With async scheduling the step launched
-        here runs on the device while the host processes the previous step's outputs
-        (and, at the next call, schedules and fills the step after it); a step returns
-        the outputs of the one before it."""
+        """Schedule, launch, process outputs. With async scheduling the step launched here
+        runs on the device while the host processes the previous one's outputs: a step
+        returns the outputs of the one before it."""
         outputs = self._between_steps()
         batch = self.scheduler.schedule()
         launched = None
@@ -194,19 +184,18 @@ class LLMEngine:
         return outputs
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
-        """Wait for a launched step's tokens, turn them into outputs and finish the
-        requests they end (a later step already launched drops their tokens)."""
+        """A launched step's tokens into outputs; end the requests they finish."""
         batch = step.batch
         outputs = self.output_processor.process(batch.sampling_seqs, step.sampled.results())
         self.scheduler.completed(batch)
         for out in outputs:
-            self._finish(out)
+            if out.finished:
+                self._end(out.request_id, out.finish_reason)
         return outputs
 
     def wait_for_work(self, timeout: float) -> bool:
-        """For the loop that calls step(): when a step produced nothing, block up to
-        `timeout` for an in-flight promotion to move instead of spinning. False when
-        nothing is in flight (nothing to wait for here)."""
+        """When a step produced nothing, block up to `timeout` for an in-flight promotion
+        to move instead of spinning; False when nothing is in flight."""
         if self._in_flight is not None:
             return True  # a launched step: the next step() returns its outputs
         if self.adapters.promoting() is None:
@@ -216,14 +205,13 @@ class LLMEngine:
         return True
 
     def _between_steps(self) -> list[RequestOutput]:
-        """Commands, then promotions and unloads: every adapter change lands here (a
-        landing's device writes queue behind the step in flight, which may still read
-        the slot: a row of a request that ended at the step before it)."""
+        """Commands, then unloads and promotions: every adapter change lands here (its
+        device writes queue behind the step in flight, which may still read the slot)."""
         self._run_commands()
         self.adapters.finish_unloads()
         outputs = [failed_output(seq) for seq in self.adapters.advance(time.monotonic())]
         for out in outputs:
-            self._finish(out)
+            self._end(out.request_id, out.finish_reason)
         return outputs
 
     def _run_commands(self) -> None:
@@ -238,15 +226,16 @@ class LLMEngine:
                 except BaseException as e:  # the caller gets it; the loop goes on
                     future.set_exception(e)
 
-    def _finish(self, out: RequestOutput) -> None:
-        seq = self.requests.pop(out.request_id, None) if out.finished else None
+    def _end(self, request_id: str, reason: str | None) -> None:
+        """Free what a finished or aborted request holds (its KV, its slot reference)."""
+        seq = self.requests.pop(request_id, None)
         if seq is not None:
-            self._free(seq)
-            seq.finish_reason = out.finish_reason
+            self.scheduler.finish(seq)
+            self.adapters.release(seq)
+            seq.finish_reason = reason
 
     def _work_per_slot(self) -> dict[int, int]:
-        """slot -> the most tokens one of its requests may still compute: how long the
-        slot takes to drain (promotions drain the slot that frees first)."""
+        """slot -> the most tokens one of its requests may still compute."""
         work: dict[int, int] = {}
         for s in self.requests.values():
             if s.bound and s.slot >= 0:
@@ -255,17 +244,12 @@ class LLMEngine:
                 work[s.slot] = max(work.get(s.slot, 0), left)
         return work
 
-    def _free(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        self.adapters.release(seq)
-
     # --- adapters: the registry's operations ----------------------------------------------
 
     def check_adapter(self, name: str, source: str | Path | AdapterSource) -> AdapterSource:
         """Validate a disk adapter's files and weights against this engine, once, at
-        registration (thread-safe: the server runs it off the engine thread). A peer is
-        checked against the allow-list, then asked (no lease) whether it holds the id;
-        its manifest is validated when it lands."""
+        registration (thread-safe). A peer is checked against the allow-list and asked
+        whether it holds the id; its manifest is validated when it lands."""
         source = AdapterSource.of(source)
         if source.path is not None:
             plan = plan_adapter(source.path, name, self.model_config, self.lora.pool_config)
@@ -276,20 +260,16 @@ class LLMEngine:
         return source
 
     def read_adapter(self, name: str, source: AdapterSource) -> Future:
-        """Read and check an adapter's bytes on the engine's reader thread (thread-safe);
-        the future gives a Prepared to land later on the engine thread (None: a host-tier
-        hit, read there). See Promoter.read."""
+        """Promoter.read (thread-safe)."""
         return self.adapters.promoter.read(name, source)
 
     def register_adapter(self, name: str, source: str | Path | AdapterSource, pinned: bool = False,
                          reload: bool = False, checked: bool = False,
                          prepared: Prepared | None = None) -> AdapterVersion:
-        """Register `name` (reload=True: a new version of an existing name; requests in
-        flight finish on the old one, every later request gets the new one and none of
-        the old one's KV). Pinned adapters land now and their slot is never a victim; a
-        pinned name's reload lands into its own slot, now if it is idle, else as soon as
-        its in-flight requests finish. checked: the files were validated by check_adapter
-        already; prepared: their bytes, read off this thread (used if it lands now)."""
+        """Register `name` (reload=True: a new version; requests in flight finish on the
+        old one). Pinned adapters land now; a pinned name's reload lands into its own slot
+        once idle. checked: check_adapter ran already; prepared: the bytes, read off this
+        thread (used if it lands now)."""
         self.registry.check_new(name, reload)  # the one name check of this operation
         source = self.check_adapter(name, source) if not checked else AdapterSource.of(source)
         old = self.registry.get(name)

@@ -1,6 +1,5 @@
-"""OutputProcessor: sampled tokens -> RequestOutputs. Appends each token, detokenises,
-applies stop strings and length limits, and decides which requests finished. It frees
-nothing itself: the engine releases the finished requests' KV and slot references."""
+"""OutputProcessor: sampled tokens -> RequestOutputs (detokenised, stop strings, length
+limits, finished or not). The engine frees what finished requests hold."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ class OutputProcessor:
 
     def process(self, seqs: list[Sequence], results: list[SampleResult]) -> list[RequestOutput]:
         """seqs: the step's sampling sequences, one result each. A sequence that finished
-        (or was aborted) while the step ran has no more output: its token is dropped."""
+        or was aborted while the step ran drops its token."""
         outputs = []
         for seq, result in zip(seqs, results, strict=True):
             if seq.is_finished:
@@ -84,9 +83,8 @@ def failed_output(seq: Sequence) -> RequestOutput:
 
 
 def _stable_prefix(full: str, stops: tuple[str, ...], emitted: str) -> str:
-    """The part of `full` that can be streamed now: never text a stop string may
-    still cut (hold back len(stop) - 1 chars), nor a half-decoded character, and
-    never shorter than or different from what was already sent."""
+    """The part of `full` that can be streamed now: never text a stop string may still cut,
+    nor a half-decoded character, nor less than or other than what was already sent."""
     hold = max((len(s) for s in stops), default=1) - 1
     stable = full[:len(full) - hold] if hold else full
     stable = stable.rstrip("\ufffd")

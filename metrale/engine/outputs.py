@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 class Prefix(Sequence):
     """The first n items of an append-only list, fixed when made: each RequestOutput's
-    cumulative token ids and logprobs, without a copy of the whole list at every token
-    (which made a step's output processing grow with output length: 200 us for 32 rows
-    at 64 tokens, 2.5 ms at 16k). Reads like a list of those n items; equal to any list,
-    tuple or Prefix holding them; pickles as a plain copy of them."""
+    cumulative token ids and logprobs without copying the list at every token (a step's
+    output processing grew with output length: 200 us for 32 rows at 64 tokens, 2.5 ms at
+    16k). Reads, compares and pickles like a list of those n items."""
 
     __slots__ = ("_items", "_n")
 
@@ -47,8 +46,7 @@ class Prefix(Sequence):
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request (cumulative text plus this step's delta).
-    token_ids and logprobs are the request's, up to this step (a Prefix of its lists)."""
+    """What one step produced for one request: cumulative text, ids and logprobs, and deltas."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -1,7 +1,5 @@
-"""Pending input tokens (async scheduling): a step may be launched before the host has
-seen the tokens the step still running samples. Such a token is its sequence's last
-input; the step reads it on the device, from the in-flight step's sampled tokens, in
-order behind that step on the same stream."""
+"""Pending input tokens (async scheduling): a step launched before the host has seen the
+tokens of the step still running reads them on the device, behind it on the same stream."""
 
 from __future__ import annotations
 
@@ -11,9 +9,8 @@ from metrale.engine.sequence import Sequence
 
 
 def pending_inputs(seqs: list[Sequence], cu: list[int]) -> tuple[list[int], list[int]]:
-    """(token rows, rows of the in-flight step's tokens) of the step's input tokens still
-    on the device: a pending token is always its sequence's last input (cu: the token
-    rows' prefix sums, one entry more than seqs)."""
+    """(token rows, rows of the in-flight step's tokens) of the inputs still on the device:
+    a pending token is always its sequence's last input (cu: the token rows' prefix sums)."""
     rows, src = [], []
     for i, seq in enumerate(seqs):
         if seq.num_pending:

@@ -1,19 +1,8 @@
-"""Promotions: one adapter version on its way into a slot, and the one driver that moves it.
-
-A promotion goes through named phases, one method per transition:
-
-    READING           the bytes are read and checked (disk, host tier, peer) on the worker;
-                      nothing touches a slot, so every refusal here changes nothing
-      -> WAITING      for a slot: the target given, a pinned name's own slot, or a victim
-      -> WRITING      the slot is LOADING; the worker writes the bytes (on CUDA on a side
-                      stream) while the engine keeps stepping
-      -> COMMITTED    the version still current: the slot READY, the registry routes to it
-      or FAILED       the one failure path: the slot (if one was opened) EMPTY with a new uid
-
-An explicit landing (register with a pin, the seed's swap/promote, pin) is the same
-promotion run inline: the worker's steps run on the calling thread and a failure is
-raised. On-demand promotions for waiting requests are driven by the engine between steps
-(`advance`). Victims are chosen and landings committed on the engine thread only.
+"""Promotions: one adapter version on its way into a slot, and the one driver that moves it,
+one method per transition: READING (on the worker; no slot touched, so a refusal changes
+nothing) -> WAITING for a slot -> WRITING (the slot LOADING) -> COMMITTED or FAILED
+(docs/DESIGN.md, "One promotion"). An explicit landing is the same promotion run inline,
+raising its failure. Victims are chosen and landings committed on the engine thread only.
 """
 
 from __future__ import annotations
@@ -29,6 +18,7 @@ from enum import Enum
 import torch
 
 from metrale.adapters.identity import AdapterIdentity, adapter_identity
+from metrale.config import EngineConfig
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion
 from metrale.errors import (
     AdapterFileError,
@@ -46,13 +36,6 @@ from metrale.pool.staging import StagingBuffers
 from metrale.pool.swap import LandingEvent, LoraSlots, Prepared, on_device
 
 log = logging.getLogger("metrale.engine")
-
-
-@dataclass(frozen=True)
-class PeerOptions:
-    transport: str = "auto"
-    timeout_s: float = 30.0
-    peer_allow: tuple[str, ...] | None = None
 
 
 class Phase(Enum):
@@ -99,7 +82,6 @@ class Promotion:
         return event is not None and not event.query()
 
     def wait(self, timeout: float) -> None:
-        """Block up to timeout for the current phase's worker step."""
         future = self.read if self.phase is Phase.READING else self.written
         if future is None:
             return
@@ -116,12 +98,11 @@ class Promoter:
     """Drives promotions: reads on one worker (the engine's only reader of adapter bytes),
     slot choice and commit on the engine thread."""
 
-    def __init__(self, slots: LoraSlots, registry: AdapterRegistry, peer: PeerOptions,
-                 background: bool) -> None:
-        self.slots, self.registry, self.peer = slots, registry, peer
+    def __init__(self, slots: LoraSlots, registry: AdapterRegistry, cfg: EngineConfig) -> None:
+        self.slots, self.registry, self.cfg = slots, registry, cfg
         self.device = slots.staging.device
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="metrale-read") \
-            if background and slots.pool is not None else None
+            if cfg.async_promotions and slots.pool is not None else None
         # staging memory for reads off the engine thread, one set per Prepared not yet closed
         self._free_staging: list[StagingBuffers] = []
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -129,7 +110,7 @@ class Promoter:
     # --- starting -----------------------------------------------------------------------
 
     def start(self, version: AdapterVersion) -> Promotion:
-        """An on-demand promotion: READING begins on the worker (here when there is none)."""
+        """An on-demand promotion, READING on the worker (here when there is none)."""
         name, source = version.name, version.source
         read = self.read(name, source) if self._worker is not None \
             else self._submit(True, self._read_inline, name, source)
@@ -138,8 +119,7 @@ class Promoter:
     def run_inline(self, version: AdapterVersion, *, target: int | None = None,
                    installs: bool = False, prepared: Prepared | None = None,
                    origin: AdapterSource | None = None) -> Promotion:
-        """The synchronous landing: every phase here, now; a failure is raised (a refusal
-        before WRITING changed nothing). `prepared` is closed here."""
+        """Every phase here, now; a failure is raised. `prepared` is closed here."""
         try:
             if not installs and not self.registry.is_current(version):
                 raise StaleVersionError(
@@ -177,8 +157,7 @@ class Promoter:
             self._fail(p, e)
 
     def _read_done(self, p: Promotion) -> None:
-        """READING -> WAITING, or FAILED: the bytes were refused, or the version was
-        superseded before a slot was touched. Superseded wins over a read error: a file
+        """READING -> WAITING, or FAILED. Superseded wins over a read error: a file
         rewritten in place for the new version may fail the old version's read, and the
         waiters then get the current version, not that error."""
         if not self._still_wanted(p):
@@ -290,12 +269,10 @@ class Promoter:
         return table.select_victim(registry.pinned_slots(), registry.routed_slots())
 
     def read(self, name: str, source: AdapterSource) -> Future:
-        """Read and check `source` as `name` on the worker, touching no slot (thread-safe):
-        the engine's one reader of adapter bytes, for its promotions and for callers that
-        land bytes through the engine thread later (the server, cluster staging). The
-        future gives a Prepared, or None for a host-tier hit (its image is read on the
-        engine thread, which alone reuses image memory). Each read has staging memory of
-        its own until its Prepared is closed."""
+        """Read and check `source` as `name` on the worker (thread-safe): the engine's one
+        reader of adapter bytes. The future gives a Prepared, with staging memory of its own
+        until closed, or None for a host-tier hit (read on the engine thread, which alone
+        reuses image memory)."""
         return self._submit(False, self._read_background, name, source)
 
     def _read_inline(self, name: str, source: AdapterSource) -> Prepared:
@@ -326,16 +303,15 @@ class Promoter:
     def _read(self, name: str, source: AdapterSource, staging: StagingBuffers,
               use_tier: bool, identity: AdapterIdentity | None = None) -> Prepared:
         if source.peer is not None:
-            p = self.peer
+            cfg = self.cfg
             return prepare_from_peer(self.slots, source.peer.addr, source.peer.adapter_id, name,
-                                     source.peft, staging=staging, transport=p.transport,
-                                     timeout_s=p.timeout_s, peer_allow=p.peer_allow)
+                                     source.peft, staging=staging, transport=cfg.peer_transport,
+                                     timeout_s=cfg.peer_timeout_s, peer_allow=cfg.peer_allow or None)
         return self.slots.prepare_disk(source.path, name, staging, use_tier, identity)
 
     def _write(self, landing: Landing, prepared: Prepared,
                side: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        """The bytes into the LOADING slot; on the side stream when given, with the event
-        that completes them."""
+        """The bytes into the LOADING slot; on `side`, with the event that completes them."""
         with on_device(self.device), self._on(side):
             prepared.write(landing)
             if side is None:
@@ -360,7 +336,7 @@ class Promoter:
         return future
 
     def _closed(self, p: Promotion) -> None:
-        """Release what the read holds (e.g. a peer's lease), once."""
+        """Release what the read holds (a peer's lease), once."""
         if p.closed:
             return
         p.closed = True
@@ -381,7 +357,7 @@ class Promoter:
 
 
 def _typed(error: BaseException, cls: type[MetraleError], what: str) -> MetraleError:
-    """A typed error for one nobody foresaw, caused by it (callers classify by the cause)."""
+    """A typed error for one nobody foresaw, caused by it."""
     if isinstance(error, MetraleError):
         return error
     typed = cls(f"{what}: {error!r}")

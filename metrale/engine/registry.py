@@ -1,11 +1,7 @@
-"""AdapterRegistry: the one owner of adapter names, versions, pins and routing.
-
-Each registration is an immutable AdapterVersion; a reload makes a new one. Every
-landing carries the version it read, and commits only if that version is still its
-name's current one, so a reload can never be undone by a landing that started before
-it. Routing (name -> the slot serving its current version) lives here too: the slot
-table holds versions and references, never names, and is told which slots are pinned
-or routed when it chooses a victim. The registry does no I/O and touches no slot.
+"""AdapterRegistry: the one owner of adapter names, versions, pins and routing (name -> the
+slot serving its current version). Each registration is an immutable AdapterVersion; a
+landing commits only if its version is still current, so a reload can never be undone by
+a landing that started before it. No I/O, no slot touched.
 """
 
 from __future__ import annotations
@@ -169,9 +165,8 @@ class AdapterRegistry:
                               pinned or bool(old and old.pinned))
 
     def install(self, version: AdapterVersion) -> AdapterVersion:
-        """`version` becomes its name's current one. The old version's slot finishes its
-        in-flight requests and takes no new ones; a pinned name keeps that slot, held for
-        the new version."""
+        """`version` becomes its name's current one. The old version's slot takes no new
+        requests; a pinned name keeps it, held for the new version."""
         self._current[version.name] = version
         slot = self._routes.pop(version.name, None)
         if version.pinned and slot is not None:
@@ -198,8 +193,7 @@ class AdapterRegistry:
         return version
 
     def unload(self, name: str, draining_slot: int | None) -> AdapterVersion:
-        """The name admits nothing from now on; draining_slot (if any) still serves its
-        in-flight requests until the engine frees it (drained)."""
+        """The name admits nothing from now on; draining_slot serves its requests until drained."""
         self.refuse_draining(name)
         version = self.current(name)
         del self._current[name]
@@ -221,8 +215,7 @@ class AdapterRegistry:
     # --- invariants ---------------------------------------------------------------------
 
     def check_integrity(self, table: SlotTable) -> None:
-        """Registry and slot table agree: every route points at a READY slot holding the
-        name's current version, no slot is routed twice, held and draining slots exist."""
+        """Registry and slot table agree (tests and debugging)."""
         slots = list(self._routes.values())
         assert len(slots) == len(set(slots)), f"a slot routed twice: {self._routes}"
         for name, slot in self._routes.items():

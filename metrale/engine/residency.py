@@ -1,5 +1,4 @@
-"""Residency: where every adapter lives, as rows, for every reader of adapter state (the
-HTTP views, /metrics, the cluster's routing stats, registry sync and peer staging). The
+"""Residency: where every adapter lives, as rows, for every reader of adapter state. The
 only module that reads the registry and the slot table together for a view, so a change
 to either store changes `residency_rows` alone. Engine thread only.
 """
@@ -23,33 +22,19 @@ class Residence(Enum):
 
 @dataclass(frozen=True)
 class ResidencyRow:
-    """One registered name, or one slot that no registered name routes to. Every
-    registered name has exactly one row, and so has every slot.
+    """One registered name, or one slot that no registered name routes to: every registered
+    name has exactly one row, and so has every slot. uid, generation and last_used are the
+    slot's (None when COLD)."""
 
-    name: the registered name; on a slot row, the name it was unloaded under while the
-        slot still drains that name's in-flight requests, else None (a slot detached by
-        a reload or a drain, a landing whose name moved on, an EMPTY slot).
-    version: the registry's version of `name`; on a slot row, the version its bytes are
-        of (None when EMPTY or LOADING).
-    slot: where its bytes are (READY) or are being written (LOADING); None when COLD.
-    state: READY / LOADING / COLD for a registered name; READY / LOADING / EMPTY for a
-        slot row.
-    refs: in-flight sequences reading the slot (0 when COLD).
-    pinned: the registry's pin; a slot no name routes to is never pinned.
-    registered: the name admits new requests (False on every slot row).
-    source: where a registered version's bytes come from; None on slot rows.
-    uid, generation, last_used: the slot's landing identity, its landing count and its
-        recency (None when COLD).
-    """
-
+    # on a slot row: the name it was unloaded under while it drains, else None
     name: str | None
-    version: int | None
-    slot: int | None
-    state: Residence
-    refs: int
-    pinned: bool
-    registered: bool
-    source: AdapterSource | None = None
+    version: int | None  # the registry's; on a slot row, its bytes' (None unless READY)
+    slot: int | None  # None when COLD
+    state: Residence  # READY / LOADING / COLD for a name; READY / LOADING / EMPTY for a slot
+    refs: int  # in-flight sequences reading the slot
+    pinned: bool  # a slot no name routes to is never pinned
+    registered: bool  # the name admits new requests (False on every slot row)
+    source: AdapterSource | None = None  # None on slot rows
     uid: int | None = None
     generation: int | None = None
     last_used: int | None = None

@@ -1,8 +1,6 @@
-"""ModelRunner: owns the model and its KV cache; turns a scheduled batch into flat
-tensors, runs one forward pass under a forward context, and samples. On CUDA, decode and
-mixed steps that fit replay CUDA graphs (metrale.engine.cuda_graphs) unless
-`enforce_eager`. The KV cache holds one block more than the block manager hands out:
-the padding block that padded graph rows write into."""
+"""ModelRunner: owns the model and its KV cache; runs one forward pass per scheduled batch
+(from CUDA graphs when it fits, unless `enforce_eager`) and samples. The KV cache holds
+one block more than the block manager hands out: the one padded graph rows write into."""
 
 from __future__ import annotations
 
@@ -44,8 +42,7 @@ class ModelRunner:
             self.enable_graphs(capture=True)
 
     def enable_graphs(self, capture: bool = True) -> StepGraphs:
-        """Build the static decode buffers and capture the graphs (capture=False: run the
-        same padded static-buffer path eagerly, for tests off the GPU)."""
+        """capture=False: run the graphs' static-buffer path eagerly (tests off the GPU)."""
         cfg = self.cfg
         self.graphs = StepGraphs(
             self.model, self.pool, cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size),
@@ -54,27 +51,22 @@ class ModelRunner:
         self.graphs.capture()
         return self.graphs
 
-    def _block_bytes(self) -> int:
-        m = self.model_cfg
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * m.num_layers * self.cfg.block_size * m.num_kv_heads * m.head_dim * itemsize
-
     def _auto_num_blocks(self) -> int:
+        cfg, m = self.cfg, self.model_cfg
         cuda = self.device.type == "cuda"
         free = torch.cuda.mem_get_info(self.device)[0] if cuda else host_available_bytes()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        cfg = self.cfg
+        block_bytes = 2 * m.num_layers * cfg.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
         budget = auto_kv_blocks(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
-                                self._block_bytes(), weights, free, cuda)
+                                block_bytes, weights, free, cuda)
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB): %s", budget.num_blocks,
-                 cfg.block_size, budget.num_blocks * self._block_bytes() / 2**20, budget.reason)
+                 cfg.block_size, budget.num_blocks * block_bytes / 2**20, budget.reason)
         return budget.num_blocks
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, in_flight: torch.Tensor | None = None) -> SampledTokens:
-        """Queue one forward pass over the batch and its draws: a token per sampling
-        sequence, in order. in_flight: the tokens [B'] the step still running samples,
-        where a sequence's pending input token is (Sequence.pending_row)."""
+        """Queue one forward pass over the batch and its draws, a token per sampling
+        sequence. in_flight: the tokens [B'] of the step still running (pending inputs)."""
         seqs, graphs = batch.seqs, self.graphs
         lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
         if graphs is not None and batch.is_decode and len(seqs) <= graphs.max_batch:

@@ -1,13 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
 
-One sequence's bad logits (NaN, +inf, or nothing left above -inf) fail that
-sequence alone: `sample` returns a SampleResult per sequence and never raises for
-a row. Invalid probabilities never reach a draw (torch.multinomial on CUDA would
-trip a device-side assert and take the whole engine down).
-
-Rows without a seed are drawn together, a few kernels for the batch and one inverse-CDF
-draw per row; a seeded row draws alone from its own generator (so its tokens do not
-depend on what shares its batch). bench/sampler.py times both paths.
+One sequence's bad logits (NaN, +inf, nothing above -inf) fail that sequence alone, and
+never reach a draw (torch.multinomial on CUDA would trip a device-side assert and take the
+engine down). Rows without a seed draw together; a seeded row draws alone from its own
+generator, so its tokens do not depend on what shares its batch.
 """
 
 from __future__ import annotations
@@ -32,10 +28,8 @@ class SampleResult:
 
 class SampledTokens:
     """One step's draws. tokens [B] stays on the device, where the next step may read its
-    inputs from it before the host has seen them (async scheduling); results() waits for
-    the host copy, started when the draws were queued. A batch with a seeded sampled row
-    or logprobs needs its logits on the host side at once (the next step overwrites a
-    graph's logits): it is resolved when drawn."""
+    inputs (async scheduling); results() waits for the host copy. A batch with a seeded
+    row or logprobs is resolved when drawn (the next step overwrites a graph's logits)."""
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, row_max: torch.Tensor,
                  finite: torch.Tensor) -> None:
@@ -76,7 +70,10 @@ class SampledTokens:
         for i, seq in enumerate(seqs):
             if results[i].error is None and not seq.params.greedy and seq.params.seed is not None:
                 try:
-                    seeded[i] = _sample_row(logits[i], seq)
+                    if seq.generator is None:
+                        seq.generator = torch.Generator(logits.device).manual_seed(seq.params.seed)
+                    seeded[i] = int(_sample_rows(logits[i:i + 1], self.row_max[i:i + 1],
+                                                 [seq.params], seq.generator)[0])
                 except RuntimeError as e:  # a backstop: the row is checked, this must not happen
                     results[i] = SampleResult(
                         None, error=SamplingError(f"{_who(seq)}: sampling failed: {e}"))
@@ -143,12 +140,11 @@ def _suppress(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def _sample_rows(x: torch.Tensor, row_max: torch.Tensor,
-                 params: list[SamplingParams]) -> torch.Tensor:
-    """x: [N, V] logits and row_max [N] their row maxima -> [N] tokens, each drawn as
-    _sample_row draws it (temperature, top-k, top-p), one kernel per stage for all rows.
-    A row whose max is not finite draws from a stand-in (all zeros) that the caller
-    discards: no invalid row may reach the draw."""
+def _sample_rows(x: torch.Tensor, row_max: torch.Tensor, params: list[SamplingParams],
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """x: [N, V] logits and row_max [N] their row maxima -> [N] tokens (temperature, top-k,
+    top-p), one kernel per stage for all rows. A row whose max is not finite draws from a
+    stand-in (all zeros) that the caller discards."""
     vocab, dev = x.shape[1], x.device
     finite = torch.isfinite(row_max)[:, None]  # [N, 1]
     inv_temp = torch.tensor([1 / p.temperature for p in params], device=dev)[:, None]  # [N, 1]
@@ -165,7 +161,8 @@ def _sample_rows(x: torch.Tensor, row_max: torch.Tensor,
         p_t = torch.tensor(top_p, device=dev)[:, None]  # [N, 1]
         sorted_p, order = _nucleus_candidates(probs, p_t)  # [N, C], C <= V
         drop = sorted_p.cumsum(-1) - sorted_p >= p_t
-        drop[:, 0] = False  # the top token always stays: every row keeps a positive sum
+        # the top token always stays (a top_p under float32's smallest value rounds to 0)
+        drop[:, 0] = False
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
     # inverse CDF with one uniform per row: multinomial's distribution at a fraction of
     # its cost (it draws per element: 0.7 ms a row of 49k on one CPU core). A token of
@@ -173,7 +170,8 @@ def _sample_rows(x: torch.Tensor, row_max: torch.Tensor,
     # the row's total so it lands on a token.
     cdf = probs.cumsum(dim=-1)  # [N, V]
     total = cdf[:, -1:]  # [N, 1]
-    u = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
+    u = torch.rand(total.shape, generator=generator, dtype=total.dtype, device=dev) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).squeeze(1)  # [N]
 
 
@@ -182,39 +180,14 @@ NUCLEUS_CANDIDATES = 1024  # on the CPU, top-p first looks among this many token
 
 def _nucleus_candidates(probs: torch.Tensor, top_p: torch.Tensor):
     """(probabilities, token ids) [N, C] in descending order, C <= V, holding every row's
-    top-p nucleus: any token left out comes after a mass >= its row's top_p, so top-p
-    drops it anyway. On the CPU a full sort of a 49k vocabulary costs ~1.4 ms a row,
-    and the top NUCLEUS_CANDIDATES hold the nucleus of any but a near-flat row (then the
-    full sort, as on a GPU, where sorting is cheap and the check would cost a sync)."""
+    top-p nucleus. On the CPU a full sort of a 49k vocabulary costs ~1.4 ms a row, and the
+    top NUCLEUS_CANDIDATES hold the nucleus of any but a near-flat row (on a GPU sorting
+    is cheap and the check would cost a sync)."""
     if not probs.is_cuda and probs.shape[1] > NUCLEUS_CANDIDATES:
         vals, ids = probs.topk(NUCLEUS_CANDIDATES, dim=-1)  # [N, C], descending
         if bool((vals.sum(-1, keepdim=True) >= top_p).all()):
             return vals, ids
     return probs.sort(dim=-1, descending=True)
-
-
-def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
-    """row: [V] with a finite max. Every step below keeps the top token, so the
-    probabilities handed to multinomial always have a positive, finite sum."""
-    p: SamplingParams = seq.params
-    # Shift before dividing: the max becomes 0 and the rest <= 0, so even the smallest
-    # non-greedy temperature cannot overflow to inf (inf - inf = NaN in the softmax).
-    row = (row - row.max()) / p.temperature  # [V]
-    if p.top_k:
-        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p
-        drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
-        # always the top token: a top_p below float32's smallest value (5e-324) rounds to 0
-        drop[0] = False
-        probs = probs.scatter(0, order[drop], 0.0)
-    gen = seq.generator
-    if gen is None and p.seed is not None:
-        gen = seq.generator = torch.Generator(device=row.device).manual_seed(p.seed)
-    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int],

@@ -1,9 +1,5 @@
-"""SamplingParams: validated once, at construction, so the sampler never sees a value
-it cannot turn into a token (a NaN temperature, a seed torch cannot take...).
-
-Limits follow the OpenAI API and vLLM: temperature in [0, 2] (below GREEDY_EPS it
-means greedy, as vLLM's _SAMPLING_EPS), top_p in (0, 1], top_k >= 0 (-1 also
-means off), logprobs in 0..20. Python's bool is an int: a True where a number is
+"""SamplingParams: validated once, at construction, so the sampler never sees a value it
+cannot turn into a token. Limits follow the OpenAI API and vLLM; a bool where a number is
 expected is refused rather than read as 1.
 """
 
@@ -34,8 +30,7 @@ class InvalidSamplingParamsError(MetraleError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy. seed makes a sampled request reproducible
-    whatever else shares its batch."""
+    """temperature 0 is greedy; seed makes a sampled request reproducible in any batch."""
 
     max_tokens: int = 64
     temperature: float = 1.0

@@ -1,16 +1,8 @@
-"""Continuous batching with a token budget per step.
-
-Every step runs each running sequence's next tokens, decodes first, then the next chunks
-of prompts being prefilled, then newly admitted prompts, until max_num_batched_tokens is
-spent: no decode waits behind a long prefill. With max_prefill_attention a prompt's
-chunks also shrink as its context grows, so the steps it shares with decodes stay short.
-
-Admission is adapter-aware: only requests whose adapter is bound to a slot (or that use
-the base model) can run; adapters take turns (round-robin, each in arrival order) so one
-hot adapter cannot fill every step, and a request that waited longer than
-max_admission_wait_s goes first. A request short of KV blocks stops admission: nothing
-smaller jumps it. When KV blocks run out, the most recently admitted sequence is
-preempted (its KV freed, recomputed later) so the rest always make progress.
+"""Continuous batching with a token budget per step: decodes first, then the next chunks
+of prompts being prefilled, then newly admitted prompts, so no decode waits behind a long
+prefill (docs/DESIGN.md, "Scheduling"). Only requests whose adapter is bound run; adapters
+take turns so one hot adapter cannot fill every step. When KV blocks run out the newest
+sequence is preempted (recomputed later) so the rest always make progress.
 """
 
 from __future__ import annotations
@@ -32,9 +24,8 @@ MIN_ATTENTION_CHUNK = 16
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: seqs[i] computes its next num_new[i] tokens (KV positions
-    seq.num_computed .. + num_new[i]); a sequence whose tokens are then all computed
-    samples its next token."""
+    """One step's work: seqs[i] computes its next num_new[i] tokens; one whose tokens are
+    then all computed samples its next token."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
@@ -83,9 +74,8 @@ class Scheduler:
         return batch
 
     def launched(self, batch: ScheduledBatch) -> None:
-        """The step is queued on the device: plan the next one as if it had run (its
-        KV is written before any later step reads it: they share a stream), each
-        sampling sequence one token longer, that token pending."""
+        """The step is queued on the device: plan the next one as if it had run (they
+        share a stream), each sampling sequence one token longer, that token pending."""
         self.num_launched_tokens += batch.num_tokens
         row = 0
         for seq, n, sampled in zip(batch.seqs, batch.num_new, batch.samples):
@@ -95,8 +85,8 @@ class Scheduler:
                 seq.pending_row, row = row, row + 1
 
     def completed(self, batch: ScheduledBatch) -> None:
-        """The step's tokens are on the host: the full blocks it completed may now serve
-        other requests from the prefix cache (their keys hash those tokens)."""
+        """The step's tokens are on the host: the blocks it completed may be published
+        (their keys hash those tokens)."""
         for seq in batch.seqs:
             self.blocks.publish(seq)
 
@@ -129,9 +119,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence) -> bool:
         """KV room for seq's newest token, preempting the newest sequences if needed;
-        False when seq itself had to go. A victim is never already in this step's batch:
-        decodes are scheduled in admission order and the victim is the newest running
-        sequence, and prefill chunks never need a block (admission allocated them)."""
+        False when seq itself had to go. A victim is never in this step's batch: decodes
+        go in admission order, and prefill chunks need no block (admission allocated them)."""
         while not self.blocks.can_append(seq):
             victim = self.running[-1]
             self._preempt(victim)
@@ -153,8 +142,7 @@ class Scheduler:
 
     def _admission_order(self, now: float) -> Iterator[Sequence]:
         """Runnable waiting requests: the overdue in arrival order, then the others
-        round-robin across adapters (each adapter's in arrival order, adapters in order
-        of their oldest request)."""
+        round-robin across adapters, each adapter's in arrival order."""
         bound_limit = self.sched.max_admission_wait_s
         # a preempted sequence with a token in flight waits for it: its blocks' keys hash it
         runnable = [s for s in self.waiting if s.bound and not s.num_pending]

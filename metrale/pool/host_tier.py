@@ -1,18 +1,12 @@
-"""Host tier: an LRU of recently landed adapters, kept as slot images.
+"""Host tier: an LRU of recently landed adapters, kept as slot images (bytes and table
+rows) in pinned memory: a re-promotion is one H2D copy, no read, parse or check (the
+image is the output of a landing that passed them). Keys are AdapterIdentity, so a
+rewritten file never gets a stale image.
 
-An entry is the whole slot region exactly as the pool holds it plus the slot's rank,
-scale and DoRA rows, in pinned memory: re-promoting it is one H2D copy and three tiny
-table copies, no file read, parse, NaN scan or conversion (DoRA gains are recomputed on
-the device from the bytes). Keys are AdapterIdentity, so any rewrite of the files changes
-the key and a stale image is never served; a newer version of a directory drops the
-older one's entry. A hit skips validation: the image is the output of a landing that
-passed it, for these exact files and this pool.
-
-Filling copies a freshly landed slot to the host on a side stream; the next write into
-that slot waits for it on the device (`before_write`), never on the host. Images live in
-one pinned arena allocated at the first fill (pinning costs ~ms per MB-scale call: per
-landing it would stall the engine loop); an evicted image is reused by the next fill, the
-side stream first waiting for the engine stream so an H2D still reading it finishes.
+A fill copies a landed slot to the host on a side stream; the next write into that slot
+waits for it on the device (`before_write`). Images live in one pinned arena allocated at
+the first fill: pinning costs ~ms per MB-scale call, which per landing would stall the
+engine loop.
 """
 
 from __future__ import annotations
@@ -73,8 +67,7 @@ class HostTier:
             return key in self._entries
 
     def put(self, key: AdapterIdentity, slot: int) -> None:
-        """Store `slot`'s current contents under key (call right after landing it; the
-        caller checks that the tier is enabled)."""
+        """Store `slot`'s contents under key, right after landing it (the tier is enabled)."""
         pool = self.pool
         if self._arena is None:
             n = self.capacity // self.entry_bytes
@@ -92,7 +85,8 @@ class HostTier:
                                          for t in sources[1:]]
         ready, side = None, contextlib.nullcontext()
         if self._cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(pool.device))  # after the landing
+            # after the landing, and after any H2D still reading a reused (evicted) image
+            self._stream.wait_stream(torch.cuda.current_stream(pool.device))
             side = torch.cuda.stream(self._stream)
         with side:
             for dst, src in zip(copies, sources):

@@ -1,11 +1,7 @@
 """Landing: one adapter version going into one slot, from `LoraSlots.begin` to `commit` or
-`fail`.
-
-While a Landing is open its slot is LOADING: it holds no version, routes no request and is
-never a victim, so its bytes may be written from a worker thread or a side stream while
-the engine keeps stepping. Every source of bytes (disk staging, the host tier, an HTTP
-or NIXL peer) writes through the methods here, never into the pool directly: a peer
-gets checked byte ranges inside this slot, not the pool's base pointer.
+`fail`. While it is open the slot is LOADING (no version, no requests, never a victim), so
+a worker or a side stream may write it while the engine steps. Every source writes through
+it, never into the pool: a peer gets byte ranges inside this slot, not the pool's base.
 """
 
 from __future__ import annotations
@@ -30,24 +26,19 @@ class Landing:
     def __init__(self, table: SlotTable, pool: AdapterPool, slot: int,
                  host_tier: HostTier | None) -> None:
         self._table, self._pool, self.slot = table, pool, slot
-        self._host_tier = host_tier  # the source of write_image's entries
+        self._host_tier = host_tier
         # host (ranks, scales, doras) rows still to write at commit
         self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._open = True
+        self.is_open = True
         # a peer's bytes to bound at commit (check_gains); a disk file was bounded when it
         # was registered (check_weights): ~5 ms per 8B landing on the H200 is not paid twice
         self._plan: AdapterPlan | None = None
         self.start = time.perf_counter()
 
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
     # --- bytes in ----------------------------------------------------------------------
 
     def write_views(self, plan: AdapterPlan, views: list[torch.Tensor]) -> None:
-        """Staged, checked tensors (on the pool's device) into the slot. The rank/scale
-        rows wait for commit: their copy from host memory would block on the stream."""
+        """Staged, checked tensors (on the pool's device) into the slot."""
         self._pool.land(self.slot, plan, views)
         self._tables = table_rows(plan, self._pool.layout)
         self._plan = plan
@@ -55,7 +46,7 @@ class Landing:
             self.check_written(plan)  # finite in the file's dtype, maybe not in the pool's
 
     def write_staged(self, staged: StagedAdapter) -> None:
-        """A staged, checked adapter into the slot (one kernel when it has a recipe)."""
+        """A staged, checked adapter into the slot."""
         self._pool.land_staged(self.slot, staged)
         self._tables = staged.recipe.tables if staged.recipe is not None \
             else table_rows(staged.plan, self._pool.layout)
@@ -78,12 +69,11 @@ class Landing:
         return ByteRange(region.data_ptr(), self._pool.layout.slot_bytes)
 
     def zero_elements(self, index: torch.Tensor) -> None:
-        """Zero the slot's elements at `index` (offsets from the slot base) in one op."""
+        """index: offsets from the slot base."""
         self._pool.slot_region(self.slot).index_fill_(0, index, 0)
 
     def check_written(self, plan: AdapterPlan) -> None:
-        """Raw bytes skipped staging's NaN/Inf check: check the slot in place. It was
-        zeroed at begin, so one pass over the whole region covers every tensor."""
+        """NaN/Inf check in place of bytes that skipped staging's (one pass: zeroed at begin)."""
         if not all_finite(self._pool.slot_region(self.slot)):
             raise NonFiniteWeightsError(
                 f"{plan.source}: the landed weights hold NaN or Inf in the pool's dtype "
@@ -96,7 +86,9 @@ class Landing:
         self._close()
         try:
             if self._plan is not None:
-                self._check_gains(self._plan)
+                norms = self._pool.gain_norms(self.slot)
+                check_gains(self._plan, [norms.get((t.target.layer, t.target.module, t.kind), 0.0)
+                                         for t in self._plan.landings], self._pool.layout.dtype)
             if self._tables is not None:
                 self._pool.write_tables(self.slot, *self._tables)
         except BaseException as e:
@@ -105,13 +97,6 @@ class Landing:
         log.info("version %d landed in slot %d (uid=%d, generation=%d) in %.2f ms", version,
                  self.slot, uid, self._table.info(self.slot).generation,
                  (time.perf_counter() - self.start) * 1e3)
-
-    def _check_gains(self, plan: AdapterPlan) -> None:
-        """What the landed LoRA can add to each layer stays within the pool dtype: a peer's
-        bytes get the bound a disk file got at registration."""
-        norms = self._pool.gain_norms(self.slot)
-        check_gains(plan, [norms.get((t.target.layer, t.target.module, t.kind), 0.0)
-                           for t in plan.landings], self._pool.layout.dtype)
 
     def fail(self, reason: BaseException | str) -> LandingError:
         """Zero the slot; EMPTY with a fresh identity. Returns the error to raise."""
@@ -129,6 +114,6 @@ class Landing:
         return error
 
     def _close(self) -> None:
-        if not self._open:
+        if not self.is_open:
             raise AssertionError(f"landing into slot {self.slot} already ended")
-        self._open = False
+        self.is_open = False

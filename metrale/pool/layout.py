@@ -1,9 +1,7 @@
-"""Where every (layer, module, A|B|M) lives inside one slot region (docs/DESIGN.md,
-"Pool memory layout"): A as [max_rank, in], B transposed as [max_rank, out], so a rank-r
-tensor lands as one contiguous run at the start of its region; M, [1, out], holds DoRA's
-magnitude. DoRA's per-row gain is not slot bytes: AdapterPool computes it at landing into
-a float32 buffer laid out by `gain_offsets`. Model-level targets (embed_tokens, lm_head)
-get regions only when configured, at layer 0.
+"""Where every (layer, module, A|B|M) lives inside one slot region (docs/DESIGN.md, "Pool
+memory layout"): A as [max_rank, in], B transposed as [max_rank, out], so a rank-r tensor
+lands as one contiguous run; M [1, out] is DoRA's magnitude. DoRA's gains live outside the
+slot, in a float32 buffer laid out by `gain_offsets`.
 """
 
 from __future__ import annotations
@@ -74,15 +72,11 @@ class SlotLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def slot_bytes(self) -> int:
         return self.slot_elems * self.itemsize
-
-    @property
-    def max_loras(self) -> int:
-        return self.pool.max_loras
 
     @property
     def max_rank(self) -> int:

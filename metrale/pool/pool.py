@@ -1,12 +1,7 @@
-"""AdapterPool: the one contiguous device tensor holding every slot, its
-per-slot rank and scale tables, and the strided per-(layer, module) views the
-kernels read. It owns tensors and copies; the SlotTable owns policy. Addresses
-never change after construction, so CUDA graphs captured over these views stay valid.
-
-DoRA: y = g * (x W^T + s x A^T B^T) + bias with g = m / ||W + s B A|| per output row.
-g depends only on the slot's bytes and the base weight, so it is computed once per
-landing (`compute_gains`) into the float32 `gains` buffer; the `doras` table flags the
-cells whose kernels apply it (elsewhere g = 1, flag 0).
+"""AdapterPool: one contiguous device tensor holding every slot, the per-slot rank, scale
+and DoRA tables, and the strided views the kernels read. Addresses never change after
+construction, so CUDA graphs captured over these views stay valid. DoRA's gain
+g = m / ||W + s B A|| depends only on the slot's bytes and W: computed once per landing.
 """
 
 from __future__ import annotations
@@ -34,16 +29,13 @@ class ByteRange:
     nbytes: int
 
 
-# Output rows of W + s B A materialised at a time by compute_gains (x in features each).
-GAIN_CHUNK_ELEMS = 1 << 22
-# Landing recipes kept (one per distinct adapter layout landing repeatedly).
-_RECIPES = 256
+GAIN_CHUNK_ELEMS = 1 << 22  # elements of W + s B A that compute_gains builds at a time
+_RECIPES = 256  # landing recipes kept (one per adapter layout landing repeatedly)
 
 
 @dataclass(frozen=True)
 class StagedAdapter:
-    """An adapter's bytes on the pool's device, checked finite, ready for any slot:
-    landed by its recipe in one kernel, or (no recipe) as typed views one by one."""
+    """An adapter's bytes on the pool's device, checked finite, ready for any slot."""
 
     plan: AdapterPlan
     data: torch.Tensor  # [plan.staged_bytes] uint8
@@ -58,13 +50,12 @@ class StagedAdapter:
 class AdapterPool:
     def __init__(self, layout: SlotLayout, device: torch.device | str,
                  base_weights: Mapping[tuple[int, str], torch.Tensor] | None = None) -> None:
-        """base_weights: (layer, module) -> the base weight W [out, in] the module's LoRA
-        adds to (read only, for DoRA's norms). None for a pool that runs no model (the
-        peer store: it only exports slot bytes): DoRA gains then stay 1 and are never read."""
+        """base_weights: (layer, module) -> base W [out, in], read for DoRA's norms; None
+        for a pool that runs no model (the peer store): gains then stay 1."""
         self.layout = layout
         self.device = torch.device(device)
         self.base_weights = base_weights
-        S, L, M = layout.max_loras, layout.model.num_layers, len(layout.table_modules)
+        S, L, M = layout.pool.max_loras, layout.model.num_layers, len(layout.table_modules)
         # pool: [S * slot_elems]; slot s occupies [s * slot_elems, (s+1) * slot_elems)
         self.buffer = torch.zeros(S * layout.slot_elems, dtype=layout.dtype, device=self.device)
         self.ranks = torch.zeros(S, L, M, dtype=torch.int32, device=self.device)
@@ -160,9 +151,7 @@ class AdapterPool:
     # --- landing ----------------------------------------------------------------
 
     def recipe(self, plan: AdapterPlan, staged_bt: bool = False) -> LandingRecipe | None:
-        """The plan's landing recipe for this pool, built at its first landing and shared
-        by plans with the same tensors and targets (CUDA only: elsewhere tensors land one
-        by one). Promotion workers call it too. staged_bt: see build_recipe."""
+        """The plan's landing recipe, shared by plans of the same tensors and targets (CUDA)."""
         if not self.buffer.is_cuda or not plan.landings:
             return None
         key = (id(plan.landings), staged_bt)
@@ -179,15 +168,13 @@ class AdapterPool:
 
     def stage(self, plan: AdapterPlan, data: torch.Tensor,
               recipe: LandingRecipe | None = None) -> StagedAdapter:
-        """Check staged bytes ([plan.staged_bytes] uint8 on the device): with a recipe,
-        one NaN/Inf pass over them all; else typed views, checked. Raises
-        NonFiniteWeightsError (naming a tensor) before anything is written."""
+        """Check staged bytes: with a recipe one NaN/Inf pass over them all, else stage_views."""
         if recipe is not None and bool(data[:plan.staged_bytes].view(recipe.dtype).isfinite().all()):
             return StagedAdapter(plan, data, recipe, [])
         return StagedAdapter(plan, data, None, self.stage_views(plan, data))
 
     def land_staged(self, slot: int, staged: StagedAdapter) -> None:
-        """Write a staged adapter into a zeroed slot (its table rows are the caller's)."""
+        """Into a zeroed slot (its table rows are the caller's)."""
         recipe = staged.recipe
         if recipe is None:
             self.land(slot, staged.plan, staged.views)
@@ -197,10 +184,8 @@ class AdapterPool:
                   recipe.tiles)
 
     def stage_views(self, plan: AdapterPlan, data: torch.Tensor) -> list[torch.Tensor]:
-        """Typed views of each planned tensor inside the staged data bytes.
-
-        data: [plan.staged_bytes] uint8 on the pool's device. Raises NonFiniteWeightsError
-        before anything is written, so a NaN adapter never reaches a slot."""
+        """Typed views of each planned tensor inside data ([plan.staged_bytes] uint8 on the
+        device). Raises NonFiniteWeightsError, naming a tensor, before anything is written."""
         views = []
         for landing in plan.landings:
             e = landing.entry
@@ -217,9 +202,8 @@ class AdapterPool:
 
     @staticmethod
     def _all_finite(data: torch.Tensor, views: list[torch.Tensor]) -> bool:
-        """One check (one device sync) for the whole adapter. When the views are all of
-        one dtype and tile the data bytes (a validated file: no gaps, no other tensors),
-        a single pass over the bytes does it; else one reduction per tensor, stacked."""
+        """One check (one device sync) for the whole adapter: one pass over the bytes
+        when the views are one dtype tiling them, else one reduction per tensor, stacked."""
         dtype = views[0].dtype
         size = views[0].element_size()
         whole = (all(v.dtype == dtype for v in views)
@@ -239,14 +223,10 @@ class AdapterPool:
         self.gains[slot].fill_(1.0)
 
     def land(self, slot: int, plan: AdapterPlan, views: list[torch.Tensor]) -> None:
-        """Write staged tensors into a zeroed slot: dtype conversion and the B
-        transpose happen on the device, no host round trip. On CUDA one kernel lands
-        every tensor (metrale.ops.landing_triton); elsewhere one copy per tensor. The
-        rank/scale rows are the caller's (write_tables at commit: their copy from
-        pageable host memory would wait for the stream on the host)."""
-        src_base = None
-        if self.buffer.is_cuda:
-            src_base = base_of(views)
+        """Write staged tensors into a zeroed slot, converting and transposing on the
+        device (on CUDA in one kernel). The rank/scale rows are the caller's (write_tables
+        at commit: their copy from pageable memory would wait for the stream on the host)."""
+        src_base = base_of(views) if self.buffer.is_cuda else None
         if src_base is not None:
             base, items = slot * self.layout.slot_elems, []
             for landing, src in zip(plan.landings, views):
@@ -281,9 +261,7 @@ class AdapterPool:
 
     @torch.no_grad()  # the base weights may be Parameters: no autograd graph may hang off g
     def compute_gains(self, slot: int, cells: list[tuple[int, str, float, int]]) -> None:
-        """g = m / ||W + s B A|| per output row (PEFT's DoraLinearLayer: the L2 norm over
-        in-features of each row of W + scaling * lora_B @ lora_A, in float32 here) for each
-        (layer, module, scale, rank) cell; W + sBA is built GAIN_CHUNK_ELEMS at a time."""
+        """DoRA's g = m / ||W + s B A|| per output row in float32 (PEFT's DoraLinearLayer)."""
         bad = []
         for layer, module, scale, rank in cells:
             W = self.base_weights[(layer, module)]  # [out, in]

@@ -1,11 +1,9 @@
-"""SlotTable: the pool's bookkeeping. Pure Python: per slot its state, the adapter
-*version* it holds, its identity, references and recency, and victim choice. It never
-touches a tensor and knows no names or pins: those belong to the adapter registry,
-which passes the slots it routes to and protects into the calls that choose.
+"""SlotTable: the pool's bookkeeping in pure Python: per slot its state, the adapter
+version it holds, its identity, references and recency, and victim choice. Names and pins
+belong to the registry, which passes the slots it routes and protects into the choices.
 
-Identity: every landing gets a uid from one process-wide counter, so no two
-landings (in any slot, in any pool of this process) ever share one; requests,
-the prefix cache and metrics key on it. `generation` counts landings per slot.
+Every landing gets a uid from one process-wide counter, so no two landings in this
+process share one (requests, the prefix cache and metrics key on it).
 """
 
 from __future__ import annotations
@@ -25,10 +23,6 @@ from metrale.errors import (
 _uids = itertools.count(1)
 
 
-def next_uid() -> int:
-    return next(_uids)
-
-
 class SlotState(Enum):
     EMPTY = "EMPTY"
     LOADING = "LOADING"
@@ -40,7 +34,7 @@ class _Slot:
     state: SlotState = SlotState.EMPTY
     version: int | None = None  # the adapter version whose bytes it holds (READY only)
     uid: int = 0
-    generation: int = 0
+    generation: int = 0  # landings and unloads of this slot
     ref_count: int = 0
     last_used: int = 0
     ever_filled: bool = False
@@ -171,7 +165,7 @@ class SlotTable:
         """The slot stops serving its old version: from here it holds nothing."""
         self.require_idle(slot)
         s = self._slots[slot]
-        s.state, s.version, s.uid = SlotState.LOADING, None, next_uid()
+        s.state, s.version, s.uid = SlotState.LOADING, None, next(_uids)
         s.generation += 1
         s.ever_filled = True
 
@@ -187,13 +181,13 @@ class SlotTable:
     def fail_load(self, slot: int) -> None:
         """LOADING -> EMPTY with a fresh identity: nothing may key on half-landed bytes."""
         s = self._slots[slot]
-        s.state, s.version, s.uid = SlotState.EMPTY, None, next_uid()
+        s.state, s.version, s.uid = SlotState.EMPTY, None, next(_uids)
 
     def unload(self, slot: int) -> None:
         """READY -> EMPTY (slot idle); an emptied slot is cache space again."""
         self.require_idle(slot)
         s = self._slots[slot]
-        s.state, s.version, s.uid = SlotState.EMPTY, None, next_uid()
+        s.state, s.version, s.uid = SlotState.EMPTY, None, next(_uids)
         s.generation += 1
 
     # --- invariants ---------------------------------------------------------------

@@ -1,19 +1,14 @@
-"""Reusable staging memory for landings: pinned host bytes for file reads and a
-device byte buffer they are copied into.
+"""Reusable staging memory for landings: pinned host bytes and a device buffer, grown to
+the largest adapter seen, so a steady stream of promotions allocates nothing.
 
-Both grow to the largest adapter seen and are then reused, so a steady stream of
-promotions allocates nothing.
-
-The disk path (`read_file`) overlaps its three stages: a few threads read CHUNK-sized
-pieces of the file with pread into the pinned buffer (the GIL is released inside the
-syscall, and page-cache copies of one thread top out far below PCIe), and as each piece
-arrives the engine thread queues its host->device copy on a side stream. The current
-stream waits for the copies through an event, so the landing that follows is ordered
-after them with no host sync.
+A disk read overlaps its stages: threads pread CHUNK-sized pieces into the pinned buffer
+(page-cache copies of one thread top out far below PCIe) and each piece's H2D copy is
+queued on a side stream as it arrives; the current stream waits on an event, no host sync.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,15 +21,10 @@ CHUNK = 4 << 20  # bytes per read and per H2D copy
 READ_THREADS = min(16, os.cpu_count() or 4)
 
 
-_executor: ThreadPoolExecutor | None = None
-
-
+@functools.cache
 def _readers() -> ThreadPoolExecutor:
-    """One small pool of reader threads per process, shared by every staging buffer."""
-    global _executor
-    if _executor is None:
-        _executor = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="metrale-read")
-    return _executor
+    """One pool of reader threads per process, shared by every staging buffer."""
+    return ThreadPoolExecutor(READ_THREADS, thread_name_prefix="metrale-read")
 
 
 def _grow(n: int) -> int:
@@ -90,10 +80,8 @@ class StagingBuffers:
     def stream(self, nbytes: int,
                fill: Callable[[memoryview, Callable[[int], None] | None], None]) -> torch.Tensor:
         """nbytes from a byte stream, on the device (the host buffer on a CPU engine).
-        fill(out, progress) must fill `out` and call progress(n), n growing and from the
-        calling thread only, as the first n bytes are in; every CHUNK that completes goes
-        on to the device while the next one arrives, as read_file's pieces do. Raises
-        whatever fill raises."""
+        fill(out, progress) fills `out` and calls progress(n), from the calling thread, as
+        the first n bytes are in; every complete CHUNK goes on to the device meanwhile."""
 
         def fill_host(host: torch.Tensor, upload: Callable[[int, int], None] | None) -> None:
             out = memoryview(host.numpy())
@@ -114,16 +102,13 @@ class StagingBuffers:
 
     def read_file(self, path: str, offset: int, nbytes: int) -> torch.Tensor:
         """nbytes of the file at offset, on the device (the host buffer on a CPU engine).
-
         Raises OSError (ShortReadError if the file is shorter than promised)."""
         return self._staged(nbytes, lambda host, upload: read_chunks(path, offset, host, upload))
 
     def _staged(self, nbytes: int,
                 fill: Callable[[torch.Tensor, Callable[[int, int], None] | None], None]) -> torch.Tensor:
         """fill(host, upload) fills a host buffer of nbytes and calls upload(a, b) as
-        host[a:b] is complete, which queues its copy to the device on the side stream (no
-        upload on a CPU engine: the host buffer is the result). The current stream waits
-        for the copies through an event, so no host sync is needed."""
+        host[a:b] is complete (None on a CPU engine: the host buffer is the result)."""
         host = self.host(nbytes)
         if self._stream is None:
             fill(host, None)

@@ -1,11 +1,9 @@
 """LoraSlots: the slot table, the device pool and staging memory, and the two halves of
 every landing: reading an adapter into a `Prepared` (disk here; peers in metrale.peer),
-and writing a `Prepared` into a slot as a version (`land`, or `begin` for a landing
-driven from elsewhere). Names live in the engine's registry; nothing here lands bytes
-under a name.
+and writing one into a slot as a version. Names live in the engine's registry.
 
-Validate everything first, mutate second: every refusal leaves the slot's bytes and
-identity as they were; a failure after zeroing leaves the slot EMPTY with a new identity.
+Validate first, mutate second: a refusal leaves the slot as it was; a failure after
+zeroing leaves it EMPTY with a new identity.
 """
 
 from __future__ import annotations
@@ -44,9 +42,8 @@ def read_adapter_data(plan: AdapterPlan, staging: StagingBuffers,
                       mapped: MappedFiles | None = None,
                       identity: AdapterIdentity | None = None) -> torch.Tensor:
     """The file's data section on staging's device ([staged_bytes] uint8): one copy from
-    its registered mapping when `mapped` holds or can map the file (the version named by
-    `identity`), else parallel chunked reads into pinned staging; a file that changed or
-    shrank since it was planned is refused."""
+    its registered mapping (`mapped`, for the version `identity` names) when there is one,
+    else parallel chunked reads into pinned staging. A file that shrank is refused."""
     if mapped is not None and not plan.spans:  # spans: GBs of frozen copies, never pinned
         with mapped.borrow(identity, plan.source) as host:
             if host is not None and host.numel() >= plan.data_offset + plan.data_bytes:
@@ -100,23 +97,20 @@ class Prepared:
 
 
 def on_device(device: torch.device):
-    """Make the pool's GPU current: Triton and side streams launch on the current
-    device, which need not be the pool's (an engine on cuda:1)."""
+    """Make the pool's GPU current: Triton and side streams launch on the current device."""
     if device.type == "cuda" and device.index is not None:
         return torch.cuda.device(device)
     return contextlib.nullcontext()
 
 
 class LoraSlots:
-    """The engine calls it from its own loop; the methods named thread-safe below may
-    also run on a promotion worker."""
+    """Engine thread only, except the methods marked thread-safe (promotion workers)."""
 
     def __init__(
         self, model: ModelConfig, pool: PoolConfig, device: torch.device | str,
         dtype: torch.dtype, base_weights=None,
     ) -> None:
-        """base_weights: (layer, module) -> base W [out, in], read for DoRA's norms
-        (LlamaForCausalLM.lora_base_weights); None: DoRA adapters fail to land."""
+        """base_weights: as AdapterPool's; None: DoRA adapters fail to land."""
         self.model_config, self.pool_config = model, pool
         self.table = SlotTable(pool.max_loras)
         self.listeners: list[Callable[[LandingEvent], None]] = []
@@ -153,9 +147,8 @@ class LoraSlots:
     # --- the two-phase landing ------------------------------------------------------
 
     def begin(self, slot: int, zero: bool = True) -> Landing:
-        """EMPTY|READY -> LOADING and zeroed (on CUDA: queued on the current stream;
-        zero=False: the caller's write fills the whole slot). Refuses a busy slot before
-        touching it."""
+        """EMPTY|READY -> LOADING and zeroed on the current stream (zero=False: the
+        caller's write fills the whole slot). Refuses a busy slot before touching it."""
         self.table.begin_load(slot)  # re-checks idleness; from here the slot serves nothing
         landing = Landing(self.table, self.pool, slot, self.host_tier)
         try:
@@ -168,9 +161,8 @@ class LoraSlots:
         return landing
 
     def land(self, slot: int, version: int, prepared: Prepared) -> None:
-        """begin, write, commit, all here: the synchronous write of `prepared` into `slot`
-        as `version` (a registry's, or a store's own number). Any failure after begin
-        leaves the slot EMPTY with a fresh identity (LandingError)."""
+        """begin, write, commit, here: `prepared` into `slot` as `version` (a registry's,
+        or a store's own number). A failure after begin raises LandingError."""
         landing = self.begin(slot, zero=not prepared.fills_slot)
         try:
             prepared.write(landing)
@@ -208,10 +200,9 @@ class LoraSlots:
     def prepare_disk(self, adapter_dir: str | Path, name: str,
                      staging: StagingBuffers | None = None, use_tier: bool = True,
                      identity: AdapterIdentity | None = None) -> Prepared:
-        """A host-tier image of these exact bytes, else the file validated, read (in parallel
-        chunks, on to the device) and checked (NaN/Inf) there. A worker passes its own
-        `staging` and use_tier=False (only the engine thread reuses image memory).
-        `identity`: the caller's, read just before."""
+        """A host-tier image of these exact bytes, else the file planned, read on to the
+        device and checked there. A worker passes its own `staging` and use_tier=False
+        (only the engine thread reuses image memory). `identity`: the caller's."""
         identity = identity or adapter_identity(adapter_dir)
         tier = self.host_tier
         entry = tier.get(identity) if use_tier and tier is not None and tier.enabled else None
@@ -223,18 +214,16 @@ class LoraSlots:
         return Prepared(lambda landing: landing.write_staged(staged), identity)
 
     def clear_plan_cache(self) -> None:
-        """Forget every remembered plan (benchmarks time a first landing with it)."""
+        """For benchmarks that time a first landing."""
         with self._plans_lock:
             self._plans.clear()
             self._layouts.clear()
 
     def plan_from_disk(self, adapter_dir: str | Path, name: str,
                        identity: AdapterIdentity | None = None) -> AdapterPlan:
-        """plan_adapter, remembered per content identity. A plan is a pure function of the
-        config and header bytes, the file size and this engine's config (several ms of
-        Python on an 8B adapter), so files sharing a config and header share one, under
-        their own name and path (the data bytes are still checked at every landing).
-        `identity`: the caller's, read just before."""
+        """plan_adapter, remembered per content identity. A plan (several ms of Python on
+        an 8B adapter) depends only on the config and header bytes, the file size and this
+        engine's config, so files sharing those share one, under their own name and path."""
         identity = identity or adapter_identity(adapter_dir)
         if identity is None:
             return plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
