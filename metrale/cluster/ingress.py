@@ -1,11 +1,5 @@
-"""The cluster's HTTP ingress: the single-engine server's app (create_app: routes, auth,
-body limits, error JSON) over ClusterEngine, which implements EngineAPI for the cluster:
-- generate: through Ray Serve to the replica AdapterAffinityRouter picks, resent to
-  another if that replica dies (see `generate`);
-- register / pin / unload: validated once (on one replica), written to the cluster
-  registry, returned once every live replica applied it;
-- promote / swap / residency / reset_prefix_cache: fanned out to each replica's own
-  HTTP server; tokenizer and limits: the base model's, read once (setup).
+"""The cluster's HTTP ingress: the single-engine server's app (create_app) over
+ClusterEngine, the cluster's EngineAPI (docs/DESIGN.md, "The ingress reuses the server").
 """
 
 from __future__ import annotations
