@@ -114,7 +114,6 @@ class AdapterOps:
 
     def unload(self, name: str) -> str:
         """'unloaded' when the slot (if any) is free now, 'draining' when it is freed later."""
-        self.registry.refuse_draining(name)
         result = self.engine.unload_adapter(name)
         log.info("%s", kv(event="unload", adapter=name, result=result))
         return result
