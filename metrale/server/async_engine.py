@@ -53,7 +53,6 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float
-    adapter: str | None
     max_tokens: int
     queued: float | None = None  # handed to the engine (its Sequence's arrival), engine thread
     scheduled: float | None = None  # first scheduled to run, known with its first output
@@ -137,8 +136,7 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineUnavailableError("the server is shutting down")
         request_id = f"req-{uuid.uuid4().hex}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), adapter,
-                         params.max_tokens)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), params.max_tokens)
         self._streams[request_id] = stream  # before admission: no output can be missed
 
         def admit() -> str:
