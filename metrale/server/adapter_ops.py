@@ -61,23 +61,19 @@ class AdapterOps:
 
     def check_register(self, name: str, reload: bool) -> None:
         """The refusals of register that need no I/O, before any file is read."""
-        self._require_runtime_swaps()
-        self.registry.check_new(name, reload)
-
-    def _require_runtime_swaps(self) -> None:
         if not self.engine.lora.pool_config.allow_runtime_swaps:
             # it could never become resident: say so now, not at its first request
             raise RuntimeSwapsDisabledError(
                 "runtime swaps are disabled (--no-runtime-swaps): adapters can only be "
                 "loaded at start-up (--adapter NAME=DIR)")
+        self.registry.check_new(name, reload)
 
     def register(self, name: str, source: AdapterSource, pinned: bool, reload: bool,
                  prepared: Prepared | None) -> AdapterView:
-        """`source` was validated off the engine thread. An existing name is refused unless
-        reload: then requests in flight finish on the old version, later ones get the new.
-        The engine checks the name again: the registry may have changed since the check
-        before the files were read."""
-        self._require_runtime_swaps()
+        """`source` was validated off the engine thread, after check_register. An existing
+        name is refused unless reload: then requests in flight finish on the old version,
+        later ones get the new. The engine checks the name again: the registry may have
+        changed since the check before the files were read."""
         self.engine.register_adapter(name, source, pinned=pinned, reload=reload, checked=True,
                                      prepared=prepared)
         return self.view(name)
