@@ -85,10 +85,9 @@ class AdapterOps:
 
     def promote(self, name: str, prepared: Prepared | None) -> tuple[AdapterView, str | None]:
         """Make `name` resident; a resident adapter only gets its recency refreshed."""
-        version = self.registry.changeable(name)
-        row = self.row(name)
-        if row.state is Residence.READY:
-            self.engine.lora.table.touch(row.slot)
+        version = self.cold_version(name)
+        if version is None:
+            self.engine.lora.table.touch(self.row(name).slot)
             return self.view(name), None
         _, evicted = self.engine.promote(version, None, prepared)
         return self.view(name), evicted

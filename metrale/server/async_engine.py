@@ -206,11 +206,7 @@ class AsyncEngine:
                 log.info("reading %r from %s failed (%s); next", name, source, e)
                 error = e
                 continue
-            try:
-                await self.call(functools.partial(self.engine.promote, version, None, prepared, source))
-            finally:
-                if prepared is not None:  # a refused landing may not have closed it
-                    prepared.close()
+            await self._land(prepared, functools.partial(self.engine.promote, version, None, origin=source))
             return source
         raise error
 
@@ -271,10 +267,13 @@ class AsyncEngine:
         """Read and check the adapter on the engine's reader thread (a slow disk or peer
         stalls nobody), then land it on the engine thread; no source: nothing to read."""
         prepared = None if source is None else await self._read(name, source)
+        return await self._land(prepared, land)
+
+    async def _land(self, prepared: Prepared | None, land: Callable[[Prepared | None], T]) -> T:
         try:
             return await self.call(lambda: land(prepared))
         finally:
-            if prepared is not None:
+            if prepared is not None:  # a refused landing may not have closed it
                 prepared.close()
 
     async def _read(self, name: str, source: AdapterSource) -> Prepared | None:
