@@ -7,24 +7,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """epsilon: affinity may load a replica up to (1 + epsilon) x the mean load (counted
-    with the request being routed, rounded up: consistent hashing with bounded loads);
-    beyond that the request goes to the least loaded replica, wherever its adapter is.
-    spread_queue: when every replica holding an adapter already has this many of its
-    requests in flight, the next one goes to another replica (that replica lands it,
-    from a neighbour), so a hot adapter spreads as its queue grows. 0 = never spread.
-    stall_over_bound: when no replica within the bound has a slot free now (a cold one
-    would wait for a busy slot to drain), a holder over the bound goes before it.
-    tail_fraction: this share of the replicas (rounded down, never all) lands the adapters
-    outside the hot set first, so their churn evicts each other, not hot adapters; the hot
-    set is as many adapters as the other replicas have slots, ranked by request rate
-    decayed with heat_half_life_s. 0 = no pool (every adapter's home may be any replica)."""
+    """The routing policy's settings; docs/DESIGN.md ("Routing") gives their effect."""
 
+    # affinity may load a replica up to (1 + epsilon) x the mean load, this request counted
     epsilon: float = 0.5  # bench/cluster_sim.py: 0.25 loses hits, 1.0 loses balance (> 1.25)
-    spread_queue: int = 8
-    stall_over_bound: bool = True
-    tail_fraction: float = 0.375
-    heat_half_life_s: float = 5.0
+    spread_queue: int = 8  # every holder has this many of the adapter's requests: spread (0: never)
+    stall_over_bound: bool = True  # no slot free now within the bound: a holder over it goes first
+    tail_fraction: float = 0.375  # share of replicas (rounded down) landing the cold adapters first
+    heat_half_life_s: float = 5.0  # the request rates' decay, which ranks the hot set
 
     def __post_init__(self) -> None:
         if not self.epsilon >= 0:

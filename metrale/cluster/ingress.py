@@ -1,11 +1,5 @@
-"""The cluster's HTTP ingress: the single-engine server's app (create_app: routes, auth,
-body limits, error JSON) over ClusterEngine, which implements EngineAPI for the cluster:
-- generate: through Ray Serve to the replica AdapterAffinityRouter picks, resent to
-  another if that replica dies (see `generate`);
-- register / pin / unload: validated once (on one replica), written to the cluster
-  registry, returned once every live replica applied it;
-- promote / swap / residency / reset_prefix_cache: fanned out to each replica's own
-  HTTP server; tokenizer and limits: the base model's, read once (setup).
+"""The cluster's HTTP ingress: the single-engine server's app (create_app) over
+ClusterEngine, the cluster's EngineAPI (docs/DESIGN.md, "The ingress reuses the server").
 """
 
 from __future__ import annotations
@@ -249,16 +243,15 @@ class ClusterEngine:
         members = await self.registry.members.remote()
         staging = await asyncio.gather(*(self._get(m.url, "/internal/staging") for m in members),
                                        return_exceptions=True)
-        def replica(m, s) -> dict:
-            ok = not isinstance(s, BaseException)
-            return {"url": m.url, "peer": m.peer_addr, "applied": m.applied,
-                    "resident": m.resident, "errors": m.errors,
-                    "staging": s["records"] if ok else [],
-                    "adapter_requests": s["adapter_requests"] if ok else None,
-                    "adapter_hits": s["adapter_hits"] if ok else None}
-
+        replicas = {}
+        for m, s in zip(members, staging):
+            s = {} if isinstance(s, BaseException) else s  # a replica going away
+            replicas[m.replica_id] = {
+                "url": m.url, "peer": m.peer_addr, "applied": m.applied, "resident": m.resident,
+                "errors": m.errors, "staging": s.get("records", []),
+                "adapter_requests": s.get("adapter_requests"), "adapter_hits": s.get("adapter_hits")}
         return {"served": {a: dict(c) for a, c in self.served.items()}, "retried": self.retried,
-                "replicas": {m.replica_id: replica(m, s) for m, s in zip(members, staging)}}
+                "replicas": replicas}
 
     # --- helpers ----------------------------------------------------------------------
 

@@ -1,17 +1,9 @@
 """Which replica gets a request for an adapter: rendezvous homes with bounded loads.
 
-Pure: the router (router.py) and the simulation (bench/cluster_sim.py) both call
-`rank`, tests call it without Ray. docs/DESIGN.md ("The cluster") gives the reasons:
-homes make the replicas' slots partition the adapters instead of all caching the same
-hot ones, and the tail pool (`Heat`, `tail_pool`) makes the Zipf tail's landings evict
-each other, not hot adapters.
-
-Tiers, best first, within the bound ceil((1 + epsilon) x mean load, this request
-counted): 1. READY there, fewest of this adapter's requests first; 2. landing there;
-3. a slot free now, in the adapter's preference order; 4. a holder over the bound when
-no replica within it has a slot free now (stall_over_bound), then the rest by load.
-Once every holder has `spread_queue` of the adapter's requests in flight, tier 3's
-best goes first and the adapter gains a replica.
+Pure: the router (router.py) and the simulation (bench/cluster_sim.py) both call `rank`,
+tests call it without Ray. docs/DESIGN.md ("Routing") gives the tiers and their reasons:
+homes make the replicas' slots partition the adapters instead of all caching the same hot
+ones, and the tail pool makes the Zipf tail's landings evict each other, not hot adapters.
 """
 
 from __future__ import annotations

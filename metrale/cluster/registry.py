@@ -1,10 +1,6 @@
-"""The cluster-wide adapter registry: the desired state every replica follows.
-
-One writer (the ingress, after validating an adapter once) changes it; each change
-bumps `state_version`. Replicas long-poll it (sync.py) and report back the version they
-applied, their READY adapters (name -> cluster version) and their exporter address.
-Names and versions are kept by the engine's own AdapterRegistry, so the cluster
-refuses exactly what one engine refuses.
+"""The cluster-wide adapter registry: the desired state every replica follows (sync.py;
+docs/DESIGN.md, "The cluster"). Names and versions are kept by the engine's own
+AdapterRegistry, so the cluster refuses exactly what one engine refuses.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""EngineReplica: one engine in the cluster, as a Ray Serve deployment class.
-
-Each replica is a whole single-engine metrale server (AsyncEngine and create_app's app,
-its own /metrics included) on its own port, guarded by the cluster's internal key; the
-ingress fans admin calls out to it. On top: generate() (a request for an adapter this
-replica lacks first tries to stage it from a neighbour), record_routing_stats() (what
-the router ranks by), an exporter of its READY slots, and RegistrySync (sync.py).
+"""EngineReplica: one engine in the cluster, as a Ray Serve deployment class: a whole
+single-engine server (AsyncEngine and create_app's app) on its own port behind the
+cluster's internal key, plus generate(), routing stats, an exporter and RegistrySync.
 """
 
 from __future__ import annotations

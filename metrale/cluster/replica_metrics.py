@@ -5,6 +5,7 @@ one endpoint and sum or split by replica as they would across vLLM pods."""
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
 
 PREFIX = "vllm:"
 
@@ -21,7 +22,7 @@ def merge_replica_series(expositions: dict[str, str]) -> str:
             for sample in family.samples:
                 labels = {**sample.labels, "replica": replica}
                 body = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-                lines.append(f"{sample.name}{{{body}}} {_number(sample.value)}")
+                lines.append(f"{sample.name}{{{body}}} {floatToGoString(sample.value)}")
     out = []
     for name, (doc, kind, lines) in families.items():
         # the text format declares a counter by its sample's name (the parser strips _total)
@@ -33,10 +34,3 @@ def merge_replica_series(expositions: dict[str, str]) -> str:
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
-
-def _number(value: float) -> str:
-    if value != value:
-        return "NaN"
-    if value in (float("inf"), float("-inf")):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))

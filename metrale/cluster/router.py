@@ -1,11 +1,8 @@
 """AdapterAffinityRouter: Ray Serve's public RequestRouter API over ranking.rank.
 
-Replicas report routing stats (stats.py) every `stats_period_s`; between two reports
-the router keeps its own exact count of what it sent where (on_request_routed /
-on_request_completed), so a burst is balanced before the next report arrives, and
-an adapter it just sent somewhere counts as landing there. It also keeps the
-adapters' request rates (ranking.Heat) from what it routes: every request passes here,
-so the hot set needs no report.
+Between two stats reports the router counts what it sent where itself, so a burst is
+balanced before the next report and a just-sent adapter counts as landing; every request
+passes here, so the adapters' request rates (ranking.Heat) need no report.
 """
 
 from __future__ import annotations

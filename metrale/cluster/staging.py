@@ -1,10 +1,6 @@
-"""Replica-to-replica staging: land an adapter from a neighbour's slot before disk.
-
-When another live replica reports this replica's cluster version of an adapter READY
-(sync.py), that replica's exporter (peer/) supplies the bytes, read off the engine
-thread and landed as the current version (AsyncEngine.promote_via); any failure leaves
-it to the engine's own disk promotion. Every outcome is recorded with its source, for
-tests and metrics. Its coroutine may run on any event loop.
+"""Replica-to-replica staging: land an adapter from a neighbour's slot before disk
+(docs/DESIGN.md, "Staging from a neighbour"); any failure leaves it to the engine's own
+disk promotion. Every outcome is recorded with its source. Runs on any event loop.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""A replica following the cluster registry.
-
-Level-triggered, like a Kubernetes controller: each poll brings the whole desired
-state, and the replica makes its engine match it (register, reload, pin, unpin,
-unload), then reports the version it applied. A restarted replica therefore needs
-no replay log, and a missed notification costs at most one poll period.
-The files were validated once, at the ingress: registrations here are `checked`.
+"""A replica following the cluster registry, level-triggered like a Kubernetes controller:
+each poll brings the whole desired state and the engine is made to match it, so a restarted
+replica needs no replay log. The ingress validated the files once: registrations are `checked`.
 """
 
 from __future__ import annotations

@@ -61,23 +61,19 @@ class AdapterOps:
 
     def check_register(self, name: str, reload: bool) -> None:
         """The refusals of register that need no I/O, before any file is read."""
-        self._require_runtime_swaps()
-        self.registry.check_new(name, reload)
-
-    def _require_runtime_swaps(self) -> None:
         if not self.engine.lora.pool_config.allow_runtime_swaps:
             # it could never become resident: say so now, not at its first request
             raise RuntimeSwapsDisabledError(
                 "runtime swaps are disabled (--no-runtime-swaps): adapters can only be "
                 "loaded at start-up (--adapter NAME=DIR)")
+        self.registry.check_new(name, reload)
 
     def register(self, name: str, source: AdapterSource, pinned: bool, reload: bool,
                  prepared: Prepared | None) -> AdapterView:
-        """`source` was validated off the engine thread. An existing name is refused unless
-        reload: then requests in flight finish on the old version, later ones get the new.
-        The engine checks the name again: the registry may have changed since the check
-        before the files were read."""
-        self._require_runtime_swaps()
+        """`source` was validated off the engine thread, after check_register. An existing
+        name is refused unless reload: then requests in flight finish on the old version,
+        later ones get the new. The engine checks the name again: the registry may have
+        changed since the check before the files were read."""
         self.engine.register_adapter(name, source, pinned=pinned, reload=reload, checked=True,
                                      prepared=prepared)
         return self.view(name)
@@ -89,10 +85,9 @@ class AdapterOps:
 
     def promote(self, name: str, prepared: Prepared | None) -> tuple[AdapterView, str | None]:
         """Make `name` resident; a resident adapter only gets its recency refreshed."""
-        version = self.registry.changeable(name)
-        row = self.row(name)
-        if row.state is Residence.READY:
-            self.engine.lora.table.touch(row.slot)
+        version = self.cold_version(name)
+        if version is None:
+            self.engine.lora.table.touch(self.row(name).slot)
             return self.view(name), None
         _, evicted = self.engine.promote(version, None, prepared)
         return self.view(name), evicted
@@ -114,7 +109,6 @@ class AdapterOps:
 
     def unload(self, name: str) -> str:
         """'unloaded' when the slot (if any) is free now, 'draining' when it is freed later."""
-        self.registry.refuse_draining(name)
         result = self.engine.unload_adapter(name)
         log.info("%s", kv(event="unload", adapter=name, result=result))
         return result

@@ -1,10 +1,6 @@
-"""Adapter management over HTTP, in three dialects that share one implementation:
-
-- vLLM:     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
-- original: POST /v1/lora/load (swap into a given slot), POST /v1/lora/active
-- native:   GET/POST /v1/adapters, POST /v1/adapters/{name}/promote|swap|pin|unpin,
-            DELETE /v1/adapters/{name} (a name may hold '/': org/adapter)
-- vLLM's POST /reset_prefix_cache (not about adapters, but a mutation all the same)
+"""Adapter management over HTTP, in three dialects that share one implementation: vLLM's
+(/v1/load_lora_adapter, /v1/unload_lora_adapter, /reset_prefix_cache), the original
+engine's (/v1/lora/load, /v1/lora/active) and the native /v1/adapters.
 
 Every mutation needs the admin key (auth.require_admin); client-supplied paths must
 resolve inside --adapter-root (paths.resolve_adapter_path).

@@ -118,16 +118,14 @@ def create_app(engine: EngineAPI, settings: ServerSettings) -> FastAPI:
         errors = exc.errors()
         if errors and errors[0].get("type") == "json_invalid":
             reason = (errors[0].get("ctx") or {}).get("error", "")
-            return JSONResponse(error_body(f"the request body is not valid JSON: {reason}",
-                                           "invalid_request_error"), status_code=400)
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-            for e in errors) or "invalid request"
-        # the request's field; deeper parts of loc name pydantic's union members, not fields
-        return JSONResponse(error_body(message, "invalid_request_error", loc[0] if loc else None),
-                            status_code=400)
+            message, param = f"the request body is not valid JSON: {reason}", None
+        else:
+            locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+            message = "; ".join(f"{'.'.join(loc) or 'body'}: {e.get('msg')}"
+                                for loc, e in zip(locs, errors)) or "invalid request"
+            # the request's field; deeper parts of loc name pydantic's union members, not fields
+            param = locs[0][0] if locs and locs[0] else None
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

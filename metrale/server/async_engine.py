@@ -53,7 +53,6 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float
-    adapter: str | None
     max_tokens: int
     queued: float | None = None  # handed to the engine (its Sequence's arrival), engine thread
     scheduled: float | None = None  # first scheduled to run, known with its first output
@@ -137,8 +136,7 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineUnavailableError("the server is shutting down")
         request_id = f"req-{uuid.uuid4().hex}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), adapter,
-                         params.max_tokens)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), params.max_tokens)
         self._streams[request_id] = stream  # before admission: no output can be missed
 
         def admit() -> str:
@@ -182,18 +180,14 @@ class AsyncEngine:
 
     async def register(self, name: str, path: str | Path, pinned: bool = False,
                        reload: bool = False) -> AdapterView:
-        await self.call(lambda: self.ops.check_register(name, reload))  # before any I/O
-        source = await self.check_adapter(name, path)
-        if not pinned:
-            return await self.call(lambda: self.ops.register(name, source, False, reload, None))
-        return await self._with_bytes(
-            name, source, lambda p: self.ops.register(name, source, True, reload, p))
+        source = await self._checked(name, path, reload)
+        return await self._with_bytes(name, source if pinned else None,  # pinned: lands now
+                                      lambda p: self.ops.register(name, source, pinned, reload, p))
 
     async def promote(self, name: str) -> tuple[AdapterView, str | None]:
         version = await self.call(lambda: self.ops.cold_version(name))
-        if version is None:
-            return await self.call(lambda: self.ops.promote(name, None))
-        return await self._with_bytes(name, version.source, lambda p: self.ops.promote(name, p))
+        return await self._with_bytes(name, version and version.source,
+                                      lambda p: self.ops.promote(name, p))
 
     async def promote_via(self, name: str, sources: Sequence[AdapterSource]) -> AdapterSource | None:
         """Make `name`'s current version resident from the first of `sources` that reads
@@ -212,11 +206,7 @@ class AsyncEngine:
                 log.info("reading %r from %s failed (%s); next", name, source, e)
                 error = e
                 continue
-            try:
-                await self.call(functools.partial(self.engine.promote, version, None, prepared, source))
-            finally:
-                if prepared is not None:  # a refused landing may not have closed it
-                    prepared.close()
+            await self._land(prepared, functools.partial(self.engine.promote, version, None, origin=source))
             return source
         raise error
 
@@ -225,15 +215,13 @@ class AsyncEngine:
         if path is None:
             source = await self.call(lambda: self.engine.registry.changeable(name).source)
             return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, None, False, p))
-        await self.call(lambda: self.ops.check_register(name, reload))
-        source = await self.check_adapter(name, path)
+        source = await self._checked(name, path, reload)
         return await self._with_bytes(name, source, lambda p: self.ops.swap(name, slot, source, reload, p))
 
     async def pin(self, name: str, pinned: bool = True) -> AdapterView:
         version = await self.call(lambda: self.ops.cold_version(name)) if pinned else None
-        if version is None:
-            return await self.call(lambda: self.ops.set_pinned(name, pinned, None))
-        return await self._with_bytes(name, version.source, lambda p: self.ops.set_pinned(name, True, p))
+        return await self._with_bytes(name, version and version.source,
+                                      lambda p: self.ops.set_pinned(name, pinned, p))
 
     async def unload(self, name: str) -> str:
         return await self.call(lambda: self.ops.unload(name))
@@ -269,15 +257,23 @@ class AsyncEngine:
         # on the engine thread, between two steps: the block tables are not shared
         return await self.call(self.engine.reset_prefix_cache)
 
-    async def _with_bytes(self, name: str, source: AdapterSource,
+    async def _checked(self, name: str, path: str | Path, reload: bool) -> AdapterSource:
+        """The refusals that need no I/O first, then the files (or the peer), validated."""
+        await self.call(lambda: self.ops.check_register(name, reload))
+        return await self.check_adapter(name, path)
+
+    async def _with_bytes(self, name: str, source: AdapterSource | None,
                           land: Callable[[Prepared | None], T]) -> T:
         """Read and check the adapter on the engine's reader thread (a slow disk or peer
-        stalls nobody), then land it on the engine thread."""
-        prepared = await self._read(name, source)
+        stalls nobody), then land it on the engine thread; no source: nothing to read."""
+        prepared = None if source is None else await self._read(name, source)
+        return await self._land(prepared, land)
+
+    async def _land(self, prepared: Prepared | None, land: Callable[[Prepared | None], T]) -> T:
         try:
             return await self.call(lambda: land(prepared))
         finally:
-            if prepared is not None:
+            if prepared is not None:  # a refused landing may not have closed it
                 prepared.close()
 
     async def _read(self, name: str, source: AdapterSource) -> Prepared | None:

@@ -59,6 +59,17 @@ class _Formatter:
     def usage_chunk(self, out: RequestOutput) -> dict:
         return self._envelope(self.chunk_object, [], usage=usage(out))
 
+    def chunk(self, out: RequestOutput) -> dict:
+        choice = {"index": 0, **self._content(out.delta_text, streamed=True),
+                  "logprobs": self._logprobs(self._new_logprobs(out)),
+                  "finish_reason": out.finish_reason if out.finished else None}
+        return self._envelope(self.chunk_object, [choice])
+
+    def final(self, out: RequestOutput) -> dict:
+        choice = {"index": 0, **self._content(out.text, streamed=False),
+                  "logprobs": self._logprobs(out.logprobs), "finish_reason": out.finish_reason}
+        return self._envelope(self.object_name, [choice], usage=usage(out))
+
 
 class CompletionFormatter(_Formatter):
     object_name = chunk_object = "text_completion"
@@ -78,16 +89,8 @@ class CompletionFormatter(_Formatter):
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": offsets}
 
-    def chunk(self, out: RequestOutput) -> dict:
-        choice = {"index": 0, "text": out.delta_text,
-                  "logprobs": self._logprobs(self._new_logprobs(out)),
-                  "finish_reason": out.finish_reason if out.finished else None}
-        return self._envelope(self.chunk_object, [choice])
-
-    def final(self, out: RequestOutput) -> dict:
-        choice = {"index": 0, "text": out.text, "logprobs": self._logprobs(out.logprobs),
-                  "finish_reason": out.finish_reason}
-        return self._envelope(self.object_name, [choice], usage=usage(out))
+    def _content(self, text: str, streamed: bool) -> dict:
+        return {"text": text}
 
 
 class ChatFormatter(_Formatter):
@@ -111,13 +114,7 @@ class ChatFormatter(_Formatter):
                   "finish_reason": None}
         return self._envelope(self.chunk_object, [choice])
 
-    def chunk(self, out: RequestOutput) -> dict:
-        choice = {"index": 0, "delta": {"content": out.delta_text} if out.delta_text else {},
-                  "logprobs": self._logprobs(self._new_logprobs(out)),
-                  "finish_reason": out.finish_reason if out.finished else None}
-        return self._envelope(self.chunk_object, [choice])
-
-    def final(self, out: RequestOutput) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "logprobs": self._logprobs(out.logprobs), "finish_reason": out.finish_reason}
-        return self._envelope(self.object_name, [choice], usage=usage(out))
+    def _content(self, text: str, streamed: bool) -> dict:
+        if streamed:
+            return {"delta": {"content": text} if text else {}}
+        return {"message": {"role": "assistant", "content": text}}

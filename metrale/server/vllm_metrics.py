@@ -1,18 +1,9 @@
 """vLLM's serving metrics, under vLLM's names, labels and units, so that what reads a
 vLLM server (inference-perf's vLLM client, Grafana's vLLM dashboards, llm-d and the
-Gateway API Inference Extension) reads metrale unchanged.
-
-Every series but vllm:lora_requests_info carries model_name (the base model's id, the
-name inference-perf filters on). Times are seconds on the monotonic clock; a request's
-phases, as vLLM defines them:
-
-    arrival --queue--> first scheduled --prefill--> first token --decode--> last token
-    e2e: arrival to finish; inference: prefill + decode; time per output token of a
-    request: decode / (generated tokens - 1); inter-token latency: each gap apart.
-
-"Queue" includes the wait for the request's adapter to land (it is not scheduled
-before). Token counters count tokens as the requests see them: a prompt once, at its
-first token (also when the prefix cache served part of it), each generated token once.
+Gateway API Inference Extension) reads metrale unchanged. docs/DESIGN.md lists the series
+and a request's phases; "queue" includes the wait for the request's adapter to land.
+Every series but vllm:lora_requests_info carries model_name (inference-perf filters on it);
+times are seconds on the monotonic clock; a prompt's tokens count once, at its first token.
 """
 
 from __future__ import annotations
