@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.ops.triton_utils import jit_kernel, require_triton, tl
+from metrale.ops.triton_utils import jit_kernel, require_triton, shares_storage, storage_base, tl
 
 BLOCK = 2048  # destination elements per program
 
@@ -38,14 +38,10 @@ def _land_kernel(src_ptr, dst_ptr, desc_ptr, BLOCK: tl.constexpr):
 def base_of(views: list[torch.Tensor]) -> torch.Tensor | None:
     """The 1-D storage every view lives in (same dtype, aligned), or None if they don't
     share one (then land them one by one)."""
-    if not views:
+    if not views or not shares_storage(views, views[0].dtype) or not all(
+            v.is_contiguous() for v in views):
         return None
-    v0 = views[0]
-    ptr = v0.untyped_storage().data_ptr()
-    for v in views:
-        if v.dtype != v0.dtype or v.untyped_storage().data_ptr() != ptr or not v.is_contiguous():
-            return None
-    return v0.as_strided((v0.untyped_storage().nbytes() // v0.element_size(),), (1,), 0)
+    return storage_base(views[0])
 
 
 def land_views(dst: torch.Tensor, src_base: torch.Tensor,

@@ -63,6 +63,16 @@ def is_interpreted(kernel) -> bool:
     return InterpretedFunction is not None and isinstance(kernel, InterpretedFunction)
 
 
+def storage_base(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view over t's whole storage: the pointer descriptor offsets are relative to."""
+    return t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+
+
+def shares_storage(ts, dtype: torch.dtype) -> bool:
+    ptr = ts[0].untyped_storage().data_ptr()
+    return all(t.dtype == dtype and t.untyped_storage().data_ptr() == ptr for t in ts)
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1): tl.arange and block sizes need one."""
     return 1 << max(0, n - 1).bit_length()
