@@ -121,7 +121,9 @@ def lora_apply_fused_ref(
             A_s, Bt_s = As[i][slot], Bts[i][slot]
             if rank is not None:
                 A_s, Bt_s = A_s[:rank], Bt_s[:rank]  # A_s: [r, in], Bt_s: [r, out]
-            gain, b = _dora_of(i, slot, doras_list, gains_list, bias, out_slices)
+            gain = b = None
+            if doras_list is not None and int(doras_list[i][slot]):
+                gain, b = gains_list[i][slot], None if bias is None else bias[out_slices[i]]
             if gain is None and y.dtype == torch.float32:
                 _add_delta(y_views[i], x_g, idx, A_s, Bt_s, scale_rows[i][slot])
             else:
@@ -140,13 +142,6 @@ def _add_delta(y: torch.Tensor, x_g: torch.Tensor, idx: TokenIndex, A_s: torch.T
         y[idx].add_(delta, alpha=scale)  # y[idx]: [n, out], a view
     else:
         y.index_add_(0, idx, delta, alpha=scale)
-
-
-def _dora_of(i, slot, doras_list, gains_list, bias, out_slices):
-    """(gain [out_i], bias slice [out_i] or None) of module i for a DoRA slot, else (None, None)."""
-    if doras_list is None or not int(doras_list[i][slot]):
-        return None, None
-    return gains_list[i][slot], None if bias is None else bias[out_slices[i]]
 
 
 def lora_embed_ref(
