@@ -10,13 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from metrale.ops.lora_kernels import DESC_COLS, expand_kernel, shrink_kernel
-from metrale.ops.triton_utils import (
-    is_interpreted,
-    jit_kernel,
-    next_pow2,
-    shares_storage,
-    storage_base,
-)
+from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, shares_storage, storage_base
 
 # Block sizes (H200, bench/lora_kernels.py) of the two token mappings: decode (one program
 # per token) and prefill (up to BLOCK_T rows of the slot order per program: see config).
