@@ -106,18 +106,14 @@ class AdapterPlan:
         raise AssertionError(f"{entry.name} lies outside the plan's spans")
 
 
-def module_universe(model: ModelConfig) -> list[tuple[str, int, str]]:
-    """(path, layer, module) of everything PEFT could target, model-level ones at layer 0."""
-    paths = [(model.peft_path(i, m), i, m) for i in range(model.num_layers) for m in LINEAR_MODULES]
-    return paths + [(model.module_path(0, m), 0, m) for m in EXTRA_TARGETS]
-
-
 def resolve_targets(
     peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig
 ) -> tuple[ModuleTarget, ...]:
     """The (layer, module) pairs PEFT would wrap, with its rank and scale for each; one
     MatchBudget bounds all the regex matching."""
-    universe = module_universe(model)
+    # (path, layer, module) of everything PEFT could target, model-level ones at layer 0
+    universe = [(model.peft_path(i, m), i, m) for i in range(model.num_layers) for m in LINEAR_MODULES]
+    universe += [(model.module_path(0, m), 0, m) for m in EXTRA_TARGETS]
     budget = MatchBudget()
     if isinstance(peft.target_modules, str) and peft.target_modules.lower() == ALL_LINEAR:
         # PEFT expands "all-linear" to every Linear but the output head, by full path.
