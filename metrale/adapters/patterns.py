@@ -161,8 +161,7 @@ def _reason(e: BaseException) -> str:
 
 
 def _literal(source: str) -> str | None:
-    """The string `source` matches when it has no regex syntax (backslash-escaped
-    punctuation counts as plain), else None."""
+    """The one string `source` matches if it has no regex syntax but escaped punctuation."""
     out, i = [], 0
     while i < len(source):
         c = source[i]
@@ -186,10 +185,9 @@ class _Group:
 
 
 def scan(text: str) -> tuple[str, int, bool]:
-    """(text rewritten for `regex`, an upper bound of its compile-time unrolling,
-    whether it turns on verbose mode). `text` must already compile with `re`, whose
-    tokenizer rules this follows: an escape is a backslash and one character, a set
-    ends at the first `]` that is not its first item, a comment at the first `)`."""
+    """(text rewritten for `regex`, a bound of its compile-time unrolling, whether it turns on
+    verbose mode) for a text `re` compiles, following `re`'s tokenizer (an escape is a
+    backslash and one character, a set ends at a `]` not its first item, a comment at `)`)."""
     out: list[str] = []
     stack = [_Group()]
     verbose = False
@@ -268,9 +266,9 @@ def _escape_end(text: str, i: int) -> int:
 
 
 def _set(text: str, i: int) -> tuple[int, str]:
-    r"""A [...] set starting at text[i]: its end and its text for `regex`, with every
-    inner `[`, `^` and leading `]` escaped (literal for re; a POSIX class or nested set for regex) and a
-    negated set [^X] spelled (?:(?![X])(?s:.)) (regex gets [^\d\D] wrong)."""
+    r"""The end of the [...] set at text[i] and its text for `regex`: inner `[` (to regex a
+    POSIX class or nested set), `^` and a leading `]` escaped, [^X] spelled
+    (?:(?![X])(?s:.)) (regex gets [^\d\D] wrong)."""
     out = []
     j = i + 1
     negated = j < len(text) and text[j] == "^"

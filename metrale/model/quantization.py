@@ -39,7 +39,6 @@ class QuantScheme:
     zero_offset: int = 0  # gptq's v1 checkpoint format stores each zero minus one
 
     def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
-        """A quantized weight this scheme dequantizes (its prefix: name minus the suffix)."""
         suffix = "." + _WEIGHT[self.method]
         if self.method == "bitsandbytes":
             return name.endswith(suffix) and tensor.dtype == torch.uint8
@@ -52,8 +51,7 @@ class QuantScheme:
 
     def dequantize(self, prefix: str, tensor: torch.Tensor,
                    aux: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The weight [out, in] in float32 from the quantized tensor and its aux tensors
-        (by full name); prefix: e.g. "model.layers.0.self_attn.q_proj."."""
+        """The float32 weight [out, in]; aux: by full name; prefix: "model.layers.0.[...].q_proj."."""
         if self.method == "bitsandbytes":
             return _bnb_4bit(prefix + "weight", tensor, aux)
         parts = {}
@@ -105,7 +103,6 @@ class QuantScheme:
 
 
 def _bnb_4bit(name: str, packed: torch.Tensor, aux: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A bitsandbytes Linear4bit weight, dequantized to float32 [out, in]."""
     def part(key: str) -> torch.Tensor:
         if f"{name}.{key}" not in aux:
             raise ConfigError(f"{name} is 4-bit but the checkpoint has no {name}.{key}")
@@ -159,21 +156,19 @@ _LINEAR_PARAMS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "do
 
 
 def is_linear_weight(param: str) -> bool:
-    """A decoder layer's linear weight (what FP8 checkpoints quantize; not the embedding,
-    the head or the norms)."""
+    """A decoder layer's linear weight: what FP8 checkpoints quantize."""
     return param.endswith(_LINEAR_PARAMS)
 
 
 def round_to_fp8(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] rounded to float8_e4m3fn with one scale per output row (vLLM's
-    --quantization fp8 on a dense checkpoint), back in float32."""
+    """weight rounded to float8_e4m3fn per output row (vLLM's --quantization fp8), in float32."""
     w = weight.to(torch.float32)
     scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     return (w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
 
 
 def scheme_of(model_dir: str | Path) -> QuantScheme | None:
-    """The checkpoint's quantization scheme, None for a dense one; refuses any other."""
+    """The checkpoint's quantization scheme, None for a dense one."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     qc = cfg.get("quantization_config")
     if qc is None:

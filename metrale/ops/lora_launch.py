@@ -61,8 +61,7 @@ def f32_dot(kernel, dtype: torch.dtype) -> bool:
 
 
 def pool_base(views) -> torch.Tensor:
-    """The storage behind the [S, R, dim] pool views (None entries skipped): one base pointer
-    serves every module of a group."""
+    """The one storage behind the [S, R, dim] pool views of a group (None entries skipped)."""
     views = [v for v in views if v is not None]
     for v in views:
         if v.dim() != 3 or v.stride(2) != 1:
@@ -73,9 +72,8 @@ def pool_base(views) -> torch.Tensor:
 
 
 def _tables(tabs, dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """(base, per-module (element offset, slot stride)) of per-slot tables, [S] (ranks,
-    scales, DoRA flags) or [S, out_m] (gains): views of one storage cost nothing, separate
-    tensors are copied into one (a small copy, on every call)."""
+    """(base, per-module (element offset, slot stride)) of [S] or [S, out_m] per-slot tables:
+    views of one storage cost nothing, separate tensors are copied into one on every call."""
     if shares_storage(tabs, dtype) and all(t.dim() == 1 or t.stride(1) == 1 for t in tabs):
         return storage_base(tabs[0]), [(t.storage_offset(), t.stride(0)) for t in tabs]
     fields, off = [], 0
@@ -90,8 +88,7 @@ _DESCS: dict = {}
 
 def descriptor(device, As, Bts, y_cols, rank_fields, scale_fields, dora_fields=None,
                gain_fields=None) -> torch.Tensor:
-    """[M, DESC_COLS] int64 on device, cached per layout (the values never depend on slot
-    contents)."""
+    """[M, DESC_COLS] int64 on device, cached per layout (never per slot contents)."""
     rows = []
     M = len(As)
     dora_fields = dora_fields or [(0, 0)] * M
@@ -112,7 +109,7 @@ def descriptor(device, As, Bts, y_cols, rank_fields, scale_fields, dora_fields=N
 
 def align(t: torch.Tensor, values) -> int:
     """Largest power of two (elements, up to 16 bytes) dividing t's address and every value:
-    the kernels' tl.multiple_of hint, without which loads and stores are not vectorized."""
+    the tl.multiple_of hint without which loads and stores are not vectorized."""
     a = 16 // t.element_size()
     while a > 1 and (t.data_ptr() % (a * t.element_size()) or any(v % a for v in values)):
         a //= 2
