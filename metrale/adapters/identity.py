@@ -1,12 +1,9 @@
-"""What an adapter directory holds, as a key for caches that must never serve old bytes.
-
-The key digests the bytes that decide a landing plan (adapter_config.json and the
-safetensors header) and fingerprints the data section by its file's stat, inode and
-ctime included: every rewrite changes one of them, also one that keeps size and mtime
-(`cp -p`, tar, `rsync -t`). Files whose stats are unchanged reuse an earlier digest (two
-fstats per landing). As with git's "racily clean" entries, a digest is remembered only
-for files last changed well before they were read: a rewrite within one timestamp tick
-keeps every stat field.
+"""What an adapter directory holds, as a key for caches that must never serve old bytes:
+a digest of what decides a landing plan (adapter_config.json, the safetensors header) and
+the weights file's stat, inode and ctime included (a rewrite that keeps size and mtime,
+`cp -p` or `rsync -t`, changes them). Unchanged stats reuse an earlier digest, remembered,
+as git's "racily clean" rule, only for files last changed well before they were read (a
+rewrite within one timestamp tick keeps every stat field).
 """
 
 from __future__ import annotations
@@ -37,7 +34,6 @@ class AdapterIdentity:
 
 
 def file_stat(st: os.stat_result) -> tuple[int, ...]:
-    """What identifies a file's contents without reading them (see the module docstring)."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 

@@ -1,8 +1,6 @@
-"""Untrusted files and JSON in: open only regular files (a FIFO would block the
-open forever), read at most a size cap, refuse deep nesting before the parser
-recurses, refuse duplicate keys. Every failure is the caller's typed AdapterError
-subclass; nothing from the input escapes as ValueError, RecursionError,
-UnicodeDecodeError or MemoryError."""
+"""Untrusted files and JSON in: regular files only (a FIFO would block the open), a size
+cap, no deep nesting (refused before the parser recurses), no duplicate keys. Every failure
+is the caller's AdapterError subclass, never a ValueError, RecursionError, ..."""
 
 from __future__ import annotations
 
@@ -27,8 +25,8 @@ _OPEN[[ord("]"), ord("}")]] = -1
 
 
 def probe(path: Path, error: type[AdapterError]) -> os.stat_result | None:
-    """stat(path), None when it does not exist; a path that cannot be looked at
-    (permissions, a NUL byte, a symlink loop) is the caller's typed error."""
+    """stat(path), None when it does not exist, else the caller's error (permissions, a NUL
+    byte, a symlink loop)."""
     try:
         return os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -38,8 +36,8 @@ def probe(path: Path, error: type[AdapterError]) -> os.stat_result | None:
 
 
 def open_regular(path: Path, error: type[AdapterError]) -> BinaryIO:
-    """path opened for reading, refused unless it is a regular file. O_NONBLOCK: a
-    FIFO planted in an adapter dir must not block the open waiting for a writer."""
+    """path opened for reading, if a regular file (O_NONBLOCK: a planted FIFO must not block
+    the open)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -56,8 +54,7 @@ def open_regular(path: Path, error: type[AdapterError]) -> BinaryIO:
 
 
 def read_capped_path(path: Path, limit: int, error: type[AdapterError]) -> bytes:
-    """At most `limit` bytes of path; one byte more proves the file is too big, so a
-    2 GiB file costs a limit-sized read, never a whole-file read."""
+    """At most `limit` bytes of path (reading one more proves a file too big)."""
     with open_regular(path, error) as f:
         try:
             raw = f.read(limit + 1)
@@ -70,11 +67,10 @@ def read_capped_path(path: Path, limit: int, error: type[AdapterError]) -> bytes
 
 
 def json_depth(raw: bytes) -> int:
-    """The deepest [ / { nesting of raw JSON, brackets inside strings not counted (or,
-    when that is at most MAX_JSON_DEPTH anyway, the number of brackets). Vectorised (a
-    Python loop over a 100 MiB header takes seconds): a quote opens or closes a string
-    unless an odd run of backslashes precedes it; outside strings a backslash is a syntax
-    error, so this scan and json agree on every byte json reads before it fails."""
+    """The deepest [ / { nesting outside strings (or the bracket count, when that is small
+    enough). Vectorised: a Python loop over a 100 MiB header takes seconds. A quote toggles
+    a string unless an odd backslash run precedes it; outside strings a backslash is a
+    syntax error, so this scan and json agree on every byte json reads before failing."""
     data = np.frombuffer(raw, dtype=np.uint8)
     counts = np.bincount(data, minlength=256)
     openers = int(counts[ord("[")] + counts[ord("{")])
@@ -100,8 +96,7 @@ def json_depth(raw: bytes) -> int:
 
 
 def _real_quotes(chunk: np.ndarray, run: int) -> tuple[np.ndarray, int]:
-    """Quotes not escaped by an odd backslash run, and the backslash run ending the
-    chunk (`run`: the one ending the previous chunk)."""
+    """Unescaped quotes, and the backslash run ending the chunk (`run`: the previous one's)."""
     quotes = chunk == _QUOTE
     backslash = chunk == _BACKSLASH
     if not backslash.any():  # the common case: only the carried run can escape

@@ -1,17 +1,11 @@
 """An S3-compatible bucket as an adapter source (`--adapter-source s3://bucket/prefix`):
-the name `org/adapter` is the two objects prefix/org/adapter/adapter_config.json and
-prefix/org/adapter/adapter_model.safetensors, fetched once into a local disk cache that
-survives restarts, then registered from there like any directory.
+the name `org/adapter` is the objects prefix/org/adapter/{adapter_config.json,
+adapter_model.safetensors}, fetched once into a bounded (LRU) disk cache that survives
+restarts. Settings come from the usual AWS variables (AWS_ENDPOINT_URL[_S3]: MinIO and
+other stores, path-style); requests are signed with AWS Signature Version 4.
 
-Credentials, region and endpoint come from the usual AWS settings (AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION or AWS_DEFAULT_REGION,
-AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL for MinIO and other S3-compatible stores, which are
-addressed path-style). Requests are signed with AWS Signature Version 4.
-
-A download is streamed into a private temporary directory under the cache, checked
-(exactly Content-Length bytes; the MD5 a single-part upload's ETag is), and published by
-one rename: a crash or a refused download leaves nothing that is ever served. The cache
-is bounded (least recently used adapters go first).
+A download is checked (Content-Length bytes; a single-part ETag's MD5) in a private temp
+dir and published by one rename: a crash or a refused download leaves nothing served.
 """
 
 from __future__ import annotations
@@ -31,17 +25,15 @@ from metrale.config import ConfigError
 from metrale.errors import PeerUnavailableError
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-
-
-def holds_adapter(path: Path) -> bool:
-    """A PEFT directory: both of its files are there."""
-    return all((path / f).is_file() for f in ADAPTER_FILES)
-
 MAX_CONFIG_BYTES = 1 << 20
 MAX_WEIGHTS_BYTES = 16 << 30
 TIMEOUT_S = 30.0
 _CHUNK = 4 << 20
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def holds_adapter(path: Path) -> bool:
+    return all((path / f).is_file() for f in ADAPTER_FILES)
 
 
 class ObjectStoreError(PeerUnavailableError):
@@ -51,8 +43,8 @@ class ObjectStoreError(PeerUnavailableError):
 
 def sign_v4(method: str, host: str, path: str, headers: dict[str, str], access_key: str,
             secret_key: str, region: str, now: datetime.datetime) -> str:
-    """The Authorization header of an S3 request with an empty body (GET): AWS Signature
-    Version 4 over host, x-amz-date, x-amz-content-sha256 and the other `headers`."""
+    """The Authorization header of a bodiless S3 request (GET), signing host, x-amz-date,
+    x-amz-content-sha256 and `headers`."""
     amz_date = now.strftime("%Y%m%dT%H%M%SZ")
     day = amz_date[:8]
     signed = {"host": host, "x-amz-date": amz_date, "x-amz-content-sha256": _EMPTY_SHA256,
@@ -101,7 +93,7 @@ class S3Source:
 
     def find(self, name: str) -> Path | None:
         """The adapter's cached directory, fetched first if needed; None when the store
-        holds no such adapter. `name` passed the adapter-name rule."""
+        has no such adapter. `name` passed the adapter-name rule."""
         final = self.cache / name
         if holds_adapter(final):
             os.utime(final)  # recency, for eviction
@@ -123,9 +115,7 @@ class S3Source:
     def _download(self, key: str, dest: Path, cap: int) -> bool:
         """GET key into dest, checked; False on 404."""
         path = f"{self.base}/{key}"
-        headers = {}
-        if self.session_token:
-            headers["x-amz-security-token"] = self.session_token
+        headers = {"x-amz-security-token": self.session_token} if self.session_token else {}
         conn_cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
         conn = conn_cls(self.host, timeout=TIMEOUT_S)
         try:
@@ -142,19 +132,19 @@ class S3Source:
             if reply.status != 200:
                 raise ObjectStoreError(f"{self.url}: GET {key}: HTTP {reply.status} "
                                        f"{reply.read(512)!r}")
-            length = reply.getheader("Content-Length")
-            if length is None or not length.isdigit() or int(length) > cap:
-                raise ObjectStoreError(f"{self.url}: {key} announces {length!r} bytes "
+            announced = reply.getheader("Content-Length")
+            if announced is None or not announced.isdigit() or int(announced) > cap:
+                raise ObjectStoreError(f"{self.url}: {key} announces {announced!r} bytes "
                                        f"(at most {cap})")
-            md5, got = hashlib.md5(usedforsecurity=False), 0
+            length, md5, got = int(announced), hashlib.md5(usedforsecurity=False), 0
             with open(dest, "wb") as f:
-                while chunk := reply.read(min(_CHUNK, int(length) - got + 1)):
+                while chunk := reply.read(min(_CHUNK, length - got + 1)):
                     got += len(chunk)
-                    if got > int(length):
+                    if got > length:
                         break
                     md5.update(chunk)
                     f.write(chunk)
-            if got != int(length):
+            if got != length:
                 raise ObjectStoreError(f"{self.url}: {key}: {got} bytes of the {length} announced")
             etag = (reply.getheader("ETag") or "").strip('"')
             if len(etag) == 32 and "-" not in etag and etag != md5.hexdigest():  # single-part

@@ -1,17 +1,9 @@
-"""PEFT's regex fields, matched exactly as PEFT matches them but in bounded time.
-
-PEFT runs user regexes through Python's `re` (target_modules / exclude_modules as a str:
-re.fullmatch; rank_pattern / alpha_pattern keys: re.match(rf"(.*\\.)?({key})$");
-layers_pattern: re.match(rf"(?:^|.*?\\.){pattern}\\.(?P<idx>\\d+)\\.")). `re` cannot be
-interrupted, so "(a+)+$" could hold a thread (and the GIL) for hours. Here each pattern is
-1. validated by `re` itself, so exactly the patterns PEFT accepts are accepted;
-2. rewritten where the `regex` package reads the same text differently (a literal `{`
-   can be fuzzy matching there, a `[` inside a set a POSIX class), and refused where a
-   rewrite is not sound (verbose mode);
-3. bounded before compiling (`regex` unrolls counted repeats at compile time);
-4. matched by `regex` with a timeout from a MatchBudget shared by one resolution, so a
-   whole adapter's matching costs at most MATCH_BUDGET_S.
-Patterns without regex syntax (the exporter's re.escape'd paths) are compared as strings.
+"""PEFT's regex fields, matched as PEFT's `re` matches them but in bounded time: `re`
+cannot be interrupted, so "(a+)+$" could hold a thread (and the GIL) for hours. Each pattern
+is validated by `re` (exactly PEFT's accepted set), rewritten where the `regex` package reads
+the text differently (a literal `{`, a `[` in a set; verbose mode is refused), bounded before
+compiling (`regex` unrolls counted repeats), then matched by `regex` with a timeout from one
+MatchBudget per resolution. Patterns without regex syntax are compared as strings.
 """
 
 from __future__ import annotations
@@ -27,13 +19,11 @@ from metrale.adapters.input_limits import brief
 from metrale.errors import AdapterConfigError
 
 MAX_PATTERN_CHARS = 1024
-# Upper bound on what `regex` unrolls at compile time (the product of nested repeat
-# counts); 50,000 compiles in ~30 ms. Module names are < 200 characters, so a
-# pattern needing more can only be pathological.
+# What `regex` may unroll at compile time (the product of nested repeat counts): 50,000
+# compiles in ~30 ms, and module names are < 200 characters.
 MAX_PATTERN_EXPANSION = 50_000
-# Wall time one adapter's matching may spend inside regex calls, over all
-# modules and patterns; a real adapter needs a few milliseconds. regex checks its
-# timeout coarsely (overshoots of ~2.5x were seen), so the real bound is ~2.5 s.
+# Wall time one adapter's matching may spend in regex calls (a real one needs a few ms);
+# regex checks its timeout coarsely (~2.5x overshoots seen).
 MATCH_BUDGET_S = 1.0
 
 _META = set(".^$*+?{}[]\\|()")
@@ -43,7 +33,7 @@ _SCOPED_FLAGS = re.compile(r"\(\?([aiLmsux]*)(?:-[imsx]*)?[:)]")
 
 
 class MatchBudget:
-    """Seconds of regex matching left to one resolution (shared by its calls)."""
+    """Seconds of regex matching left to one resolution."""
 
     def __init__(self, seconds: float | None = None) -> None:
         self.left = MATCH_BUDGET_S if seconds is None else seconds
@@ -171,8 +161,7 @@ def _reason(e: BaseException) -> str:
 
 
 def _literal(source: str) -> str | None:
-    """The string `source` matches when it has no regex syntax (backslash-escaped
-    punctuation counts as plain), else None."""
+    """The one string `source` matches if it has no regex syntax but escaped punctuation."""
     out, i = [], 0
     while i < len(source):
         c = source[i]
@@ -196,10 +185,9 @@ class _Group:
 
 
 def scan(text: str) -> tuple[str, int, bool]:
-    """(text rewritten for `regex`, an upper bound of its compile-time unrolling,
-    whether it turns on verbose mode). `text` must already compile with `re`, whose
-    tokenizer rules this follows: an escape is a backslash and one character, a set
-    ends at the first `]` that is not its first item, a comment at the first `)`."""
+    """(text rewritten for `regex`, a bound of its compile-time unrolling, whether it turns on
+    verbose mode) for a text `re` compiles, following `re`'s tokenizer (an escape is a
+    backslash and one character, a set ends at a `]` not its first item, a comment at `)`)."""
     out: list[str] = []
     stack = [_Group()]
     verbose = False
@@ -278,9 +266,9 @@ def _escape_end(text: str, i: int) -> int:
 
 
 def _set(text: str, i: int) -> tuple[int, str]:
-    r"""A [...] set starting at text[i]: its end and its text for `regex`, with every
-    inner `[`, `^` and leading `]` escaped (literal for re; a POSIX class or nested set for regex) and a
-    negated set [^X] spelled (?:(?![X])(?s:.)) (regex gets [^\d\D] wrong)."""
+    r"""The end of the [...] set at text[i] and its text for `regex`: inner `[` (to regex a
+    POSIX class or nested set), `^` and a leading `]` escaped, [^X] spelled
+    (?:(?![X])(?s:.)) (regex gets [^\d\D] wrong)."""
     out = []
     j = i + 1
     negated = j < len(text) and text[j] == "^"

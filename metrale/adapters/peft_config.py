@@ -1,12 +1,10 @@
-"""adapter_config.json -> a frozen PeftAdapterConfig, with PEFT's own targeting,
-rank and scaling rules (peft.tuners.tuners_utils.check_target_module_exists,
-peft.utils.other.get_pattern_key, LoraLayer.update_layer).
+"""adapter_config.json -> a frozen PeftAdapterConfig, with PEFT's own targeting, rank and
+scaling rules (check_target_module_exists, get_pattern_key, LoraLayer.update_layer).
 
 The config is untrusted (an upload or a peer's manifest): every field metrale reads is
-type-checked, every refusal is an AdapterError naming the field, and fields metrale
-does not read are left alone, as PEFT leaves them. Every alpha / rank combination must
-give 0 < |scale| <= MAX_SCALE in float32 (or exactly 0 when alpha is 0); negative alphas
-are accepted because PEFT accepts them.
+type-checked and refused by an AdapterError naming it; other fields are left alone, as PEFT
+leaves them. Every alpha / rank pair must give 0 < |scale| <= MAX_SCALE in float32 (or 0
+for alpha 0); negative alphas are accepted, as PEFT accepts them.
 """
 
 from __future__ import annotations
@@ -72,8 +70,8 @@ class PeftAdapterConfig:
     # --- PEFT's rules -------------------------------------------------------
 
     def targets(self, key: str, budget: MatchBudget | None = None) -> bool:
-        """Whether PEFT puts a LoRA on the module named `key` (e.g. model.layers.0.self_attn.q_proj).
-        One budget shared over calls bounds their total regex time."""
+        """Whether PEFT puts a LoRA on module `key` (model.layers.0.self_attn.q_proj, ...); one
+        budget shared over calls bounds their total regex time."""
         budget = budget or MatchBudget()
         m = self._match
         if m.exclude is not None and m.exclude(key, budget):
@@ -191,10 +189,9 @@ class NameSet:
 
 
 class PatternTable:
-    """rank_pattern / alpha_pattern: the value of the first key (in file order) that
-    re.match(rf"(.*\\.)?({key})$", module) accepts, as PEFT's get_pattern_key. Plain
-    keys (an exporter sends one re.escape'd path per module) are looked up by the
-    module's dot-suffixes instead of tried one by one."""
+    """rank_pattern / alpha_pattern: the value of the first key (file order) that PEFT's
+    get_pattern_key accepts; plain keys (an exporter's re.escape'd paths) are looked up by
+    the module's dot-suffixes, not tried one by one."""
 
     def __init__(self, field_name: str, entries: tuple[tuple[str, Any], ...]) -> None:
         self.entries = tuple((suffix_pattern(f"{field_name} key", k), v) for k, v in entries)
@@ -250,8 +247,7 @@ class _Matchers:
 
 
 def _check_scales(c: PeftAdapterConfig) -> None:
-    """Every alpha against every rank, through the extremes: the largest |alpha| over
-    the smallest rank and the smallest non-zero |alpha| over the largest rank."""
+    """Every alpha against every rank, through the extremes."""
     ranks = [("r", c.r), *((f"rank_pattern[{brief(k)}]", r) for k, r in c.rank_pattern)]
     alphas = [("lora_alpha", c.lora_alpha),
               *((f"alpha_pattern[{brief(k)}]", a) for k, a in c.alpha_pattern)]
@@ -280,8 +276,7 @@ def _magnitude(named: tuple[str, float]) -> float:
 
 
 def _check_layer_fields(c: PeftAdapterConfig) -> None:
-    """PEFT's LoraConfig.__post_init__ refuses these combinations; so do we, rather
-    than guess what the trainer meant."""
+    """The combinations PEFT's LoraConfig.__post_init__ refuses."""
     for name in ("layers_to_transform", "layers_pattern"):
         if isinstance(c.target_modules, str) and getattr(c, name) is not None:
             raise AdapterConfigError(

@@ -65,15 +65,14 @@ class TensorLanding:
     entry: TensorEntry
 
     @property
-    def rows(self) -> int:
-        """Rows of its region it fills: the rank for A and B, 1 for M."""
+    def rows(self) -> int:  # of its region it fills
         return 1 if self.kind == "M" else self.target.rank
 
 
 @dataclass(frozen=True)
 class AdapterPlan:
-    """A validated adapter: its tensors are byte ranges of one data section of
-    data_bytes (a safetensors file's, starting at data_offset, or a peer's stream)."""
+    """A validated adapter: its tensors are byte ranges of one data section (a safetensors
+    file's, at data_offset, or a peer's stream)."""
 
     name: str
     config: PeftAdapterConfig
@@ -82,9 +81,9 @@ class AdapterPlan:
     targets: tuple[ModuleTarget, ...]
     landings: tuple[TensorLanding, ...]
     data_offset: int = 0
-    # (begin, end) byte ranges of the data section that the landings use, in file order,
-    # when the file also holds bytes nothing lands (PEFT's frozen embedding / head
-    # copies: gigabytes on an 8B model); () = the whole data section is staged
+    # the (begin, end) byte ranges the landings use, in file order, when the file also holds
+    # bytes nothing lands (PEFT's frozen embedding / head copies: GBs on an 8B model); ()
+    # stages the whole data section
     spans: tuple[tuple[int, int], ...] = ()
 
     @property
@@ -93,7 +92,6 @@ class AdapterPlan:
 
     @property
     def staged_bytes(self) -> int:
-        """Bytes a disk landing reads and stages: only the spans when there are any."""
         return sum(b - a for a, b in self.spans) if self.spans else self.data_bytes
 
     def staged_begin(self, entry: TensorEntry) -> int:
@@ -108,19 +106,14 @@ class AdapterPlan:
         raise AssertionError(f"{entry.name} lies outside the plan's spans")
 
 
-def module_universe(model: ModelConfig) -> list[tuple[str, int, str]]:
-    """(path, layer, module) of everything PEFT could target; model-level ones at layer 0."""
-    paths = [(model.peft_path(i, m), i, m) for i in range(model.num_layers) for m in LINEAR_MODULES]
-    return paths + [(model.module_path(0, m), 0, m) for m in EXTRA_TARGETS]
-
-
 def resolve_targets(
     peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig
 ) -> tuple[ModuleTarget, ...]:
-    """The (layer, module) pairs PEFT would wrap, with PEFT's rank and scale for each.
-    All regex matching shares one MatchBudget, so a pathological pattern costs at
-    most patterns.MATCH_BUDGET_S before an AdapterConfigError."""
-    universe = module_universe(model)
+    """The (layer, module) pairs PEFT would wrap, with its rank and scale for each; one
+    MatchBudget bounds all the regex matching."""
+    # (path, layer, module) of everything PEFT could target, model-level ones at layer 0
+    universe = [(model.peft_path(i, m), i, m) for i in range(model.num_layers) for m in LINEAR_MODULES]
+    universe += [(model.module_path(0, m), 0, m) for m in EXTRA_TARGETS]
     budget = MatchBudget()
     if isinstance(peft.target_modules, str) and peft.target_modules.lower() == ALL_LINEAR:
         # PEFT expands "all-linear" to every Linear but the output head, by full path.
@@ -209,7 +202,6 @@ def plan_from_tensors(
 
 
 def _spans(landings: tuple[TensorLanding, ...]) -> tuple[tuple[int, int], ...]:
-    """The landed tensors' byte ranges, adjacent ones merged, in file order."""
     spans: list[list[int]] = []
     for e in sorted((t.entry for t in landings), key=lambda e: e.begin):
         if spans and spans[-1][1] == e.begin:
@@ -282,7 +274,7 @@ def _match_tensors(
 
 
 def _rows(entry: TensorEntry, first: int, rows: int) -> TensorEntry:
-    """Rows [first, first + rows) of a row-major tensor entry (all of it when they are)."""
+    """Rows [first, first + rows) of a row-major tensor entry."""
     if first == 0 and rows == entry.shape[0]:
         return entry
     row_bytes = entry.nbytes // entry.shape[0]
@@ -291,9 +283,8 @@ def _rows(entry: TensorEntry, first: int, rows: int) -> TensorEntry:
 
 
 def _frozen_base_copy(source: str, entry: TensorEntry, model: ModelConfig) -> bool:
-    """True for PEFT's copy of a frozen embed_tokens / lm_head weight at the base model's
-    shape (skipped: the engine serves its own base weights). Any other shape means new
-    tokens (a resized vocabulary), which needs a full-size copy per slot: refused."""
+    """Whether entry is PEFT's copy of a frozen embed_tokens / lm_head weight (skipped: the
+    engine serves its own); at another shape, a resized vocabulary, it is refused."""
     m = _BASE_RE.match(entry.name)
     if m is None:
         return False

@@ -1,8 +1,7 @@
-"""A safetensors header reader that trusts nothing in the file: every size the header
-claims is checked against shape x dtype and the file's real length before a data byte is
-read, and every field is type-checked as the format's Rust reader types it (u64 offsets,
-usize dims, string metadata). Anything else is an AdapterFileError, or an
-AdapterMismatchError for a valid non-float dtype.
+"""A safetensors header reader that trusts nothing in the file: every claimed size is
+checked against shape x dtype and the file's length before a data byte is read, every field
+typed as the format's Rust reader types it. Refusals are AdapterFileErrors (an
+AdapterMismatchError for a valid non-float dtype).
 """
 
 from __future__ import annotations
@@ -56,15 +55,13 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
-    path: Path
     data_start: int  # absolute file offset of the data section
     data_bytes: int
     tensors: dict[str, TensorEntry]
 
 
 def read_header(path: Path) -> SafetensorsHeader:
-    """The checked header of a safetensors file: typed refusals only, and never more
-    than 8 + MAX_HEADER_BYTES bytes read whatever the length field claims."""
+    """The checked header (never more than 8 + MAX_HEADER_BYTES bytes read)."""
     path = Path(path)
     with open_regular(path, AdapterFileError) as f:
         try:
@@ -83,7 +80,7 @@ def read_header(path: Path) -> SafetensorsHeader:
     _check_metadata(path, header.pop("__metadata__", None))
     data_start = 8 + header_len
     data_bytes = size - data_start
-    return SafetensorsHeader(path, data_start, data_bytes, check_entries(path, header, data_bytes))
+    return SafetensorsHeader(data_start, data_bytes, check_entries(path, header, data_bytes))
 
 
 def _header_length(path: Path, f, size: int) -> int:
@@ -99,7 +96,6 @@ def _header_length(path: Path, f, size: int) -> int:
 
 
 def _check_metadata(path: Path, meta: Any) -> None:
-    """safetensors' __metadata__ is null or a map of strings to strings."""
     if meta is None:
         return
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
@@ -110,8 +106,8 @@ def _check_metadata(path: Path, meta: Any) -> None:
 
 
 def check_entries(source: object, specs: dict, data_bytes: int) -> dict[str, TensorEntry]:
-    """Validate {name: {dtype, shape, data_offsets}} against a data section of
-    data_bytes: a safetensors header, or a peer's manifest in the same form."""
+    """Validate {name: {dtype, shape, data_offsets}} (a safetensors header, or a peer's
+    manifest in its form) against a data section of data_bytes."""
     if not isinstance(specs, dict):
         raise AdapterFileError(f"{source}: tensor table is not a JSON object")
     if not isinstance(data_bytes, int) or isinstance(data_bytes, bool) or data_bytes < 0:
@@ -167,7 +163,7 @@ def _entry(path: object, name: str, spec: object, data_bytes: int) -> TensorEntr
 
 
 def _check_coverage(path: object, tensors: dict[str, TensorEntry], data_bytes: int) -> None:
-    """Tensors must tile the data section exactly: no overlap, no hidden bytes."""
+    """Tensors must tile the data section: no overlap, no hidden bytes."""
     cursor = 0
     for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
         if t.begin != cursor:

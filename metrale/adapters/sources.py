@@ -1,13 +1,8 @@
-"""Where a server looks up an adapter that a request names before anyone registered it
-(`--adapter-source`, off by default): a directory tree the operator allows, in which
-the name `org/adapter` is the PEFT directory DIR/org/adapter, or an S3-compatible
-bucket (`s3://bucket/prefix`, metrale.adapters.object_store) whose objects are fetched
-into a local disk cache first. A name found is
-registered like any other (versions, reloads, pins); a name found nowhere is remembered
-as missing for NEGATIVE_TTL_S, so a stream of requests for it costs one look-up.
-
-A name is checked by the adapter-name rule first (no '..', no leading '/', ...), and the
-directory it resolves to, symlinks followed, must still lie inside the source.
+"""Where a server looks up an adapter a request names before anyone registered it
+(`--adapter-source`): a directory tree (`org/adapter` is DIR/org/adapter; after the
+adapter-name rule, the resolved directory must still lie inside it) or an S3 bucket
+(metrale.adapters.object_store). A name found nowhere is remembered as missing for
+NEGATIVE_TTL_S, so a stream of requests for it costs one look-up.
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ class DirectorySource:
             raise ConfigError(f"adapter source {root} is not a directory")
 
     def find(self, name: str) -> Path | None:
-        """The PEFT directory `name` names under this source, or None."""
         path = (self.root / name).resolve()
         if not path.is_relative_to(self.root):  # a symlink out of the source
             return None
@@ -44,13 +38,12 @@ class DirectorySource:
 
 
 class AdapterSources:
-    """The sources in order, with the names found in none remembered for a while."""
+    """The sources (directories or s3:// URLs, cached in cache_dir) in order, with the
+    names found in none remembered for a while."""
 
     def __init__(self, roots: Iterable[str | Path], negative_ttl_s: float = NEGATIVE_TTL_S,
                  clock: Callable[[], float] = time.monotonic, cache_dir: str | Path | None = None,
                  cache_bytes: int = 20 << 30) -> None:
-        """roots: directories, or s3://bucket/prefix URLs (fetched into cache_dir, which
-        holds at most cache_bytes of them)."""
         self.sources = tuple(self._source(str(r), cache_dir, cache_bytes) for r in roots)
         self.negative_ttl_s, self._clock = negative_ttl_s, clock
         self._missing: OrderedDict[str, float] = OrderedDict()  # name -> remembered until

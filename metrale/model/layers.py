@@ -1,5 +1,4 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embeddings and
-projections that add the per-token LoRA delta read from the forward context."""
+"""RMSNorm, rotary embeddings and LoRA projections of a Llama-family decoder."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x: [..., N] -> normalized x. With residual [T, N]: (normalized s, s) for
-        s = x + residual, the residual stream's add done by the norm that reads it."""
+        """x: [..., N] -> normalized x; with residual: (normalized s, s), s = x + residual."""
         if residual is not None:
             if fused.rows_usable(x, residual) and self.weight.dtype == x.dtype:
                 return fused.add_rmsnorm(x, residual, self.weight, self.eps)  # one launch, not 2
@@ -67,7 +65,7 @@ class RotaryEmbedding(nn.Module):
         self.build()
 
     def build(self) -> None:
-        """(Re)compute the tables in float32 on the buffers' device (after meta init too)."""
+        """(Re)compute the float32 tables on the buffers' device (after meta init too)."""
         if self.cos.is_meta:
             return
         device = self.cos.device
@@ -87,9 +85,8 @@ class RotaryEmbedding(nn.Module):
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> torch.Tensor:
-        """forward, then k and v into the caches at slot_mapping (store_kv): rotated q.
-        On CUDA one launch (the cache write rode in two index_copy passes, 3.5% of an
-        8B decode step)."""
+        """forward, then k and v into the caches (store_kv): rotated q. On CUDA one launch
+        (two index_copy passes were 3.5% of an 8B decode step)."""
         if fused.rotary_store_usable(q, k, v, self.cos, k_cache, v_cache):
             return fused.rotary_store_kv(positions, q, k, v, self.cos, self.sin, k_cache, v_cache,
                                          slot_mapping)
@@ -106,10 +103,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LoraProjection(nn.Module):
-    """A (possibly fused) linear projection plus the per-token LoRA delta of
-    the modules it fuses: y = x W^T + b + sum_m scale_m (x A_m^T) Bt_m; for a token of a
-    DoRA slot, module m's columns are g_m * (x W_m^T + scale_m (x A_m^T) Bt_m) + b_m (the ops
-    take the bias back out of y, so the base matmul stays one fused addmm)."""
+    """A (possibly fused) linear projection plus the per-token LoRA delta of the modules it
+    fuses (metrale.ops.lora; the DoRA ops take the bias back out of y, so the base matmul
+    stays one fused addmm)."""
 
     def __init__(self, layer: int, modules: tuple[str, ...], in_features: int,
                  out_features: tuple[int, ...], bias: bool = False) -> None:

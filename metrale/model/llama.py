@@ -1,10 +1,6 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias,
-Qwen3 with q/k RMSNorm, Phi-3, Gemma 2 and 3 with their extra norms, GELU, scaled
-embeddings, soft-capping, sliding windows and local rotary bases) over a flat token batch
-with paged KV.
-
-Projections are fused (qkv, gate/up) and add each token's LoRA delta through
-the forward context; attention reads and writes the paged cache."""
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma 2/3) over a
+flat token batch with paged KV; fused projections (qkv, gate/up) add each token's LoRA
+delta from the forward context."""
 
 from __future__ import annotations
 
@@ -88,11 +84,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: [T, hidden], the last sublayer's output, not yet added to residual [T, hidden]
-        (layer 0: h is the embedding and residual None) -> the same pair after this layer.
-        Each add is left to the next norm, which does it in the same launch (vLLM's scheme);
-        x + residual is residual + x bitwise, so the torch path computes what
-        `h = h + sublayer(norm(h))` did."""
+        """h: [T, hidden], the last sublayer's output not yet added to residual (None at layer
+        0) -> the same pair after this layer: each add is done by the next norm, in its launch
+        (vLLM's scheme; bitwise what `h = h + sublayer(norm(h))` gives)."""
         if residual is None:
             h, residual = self.input_layernorm(h), h
         else:
@@ -103,8 +97,8 @@ class DecoderLayer(nn.Module):
 
 
 class SandwichDecoderLayer(nn.Module):
-    """Gemma's layer (2 and 3): each sublayer's output is normed before it joins the stream, and
-    the MLP's input has a norm of its own; the residual adds are plain ones."""
+    """Gemma's layer: each sublayer's output is normed before it joins the stream, and the
+    MLP's input has a norm of its own; the residual adds are plain ones."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -116,7 +110,6 @@ class SandwichDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        """h: [T, hidden], the whole stream (residual is always None here)."""
         h = h + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(h)))
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         return h, None
@@ -141,7 +134,6 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden: [T, hidden]"""
         h = self.embed_tokens(input_ids)  # [T, hidden]
         if self.cfg.gemma_norms:  # sqrt(hidden) rounded to the weights' dtype, as Gemma does
             h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
@@ -154,8 +146,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits: [N, vocab] float32. rows: [N] indices of these rows
-        among the forward's tokens, for their lm_head LoRA slots (None: row i is token i)."""
+        """hidden: [N, hidden] -> float32 logits; rows: [N] indices of these rows among the
+        forward's tokens, for lm_head LoRA (None: row i is token i)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = head_logits(hidden, weight)  # [N, V]
         lora = get_context().lora
@@ -174,9 +166,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class BaseWeights:
-    """A read-only view of the model's base weights by (layer, module), looked up at each
-    access (so weights replaced after start-up are the ones read). embed_tokens is
-    PEFT's DoRA view of the embedding, E^T [hidden, vocab]; a tied lm_head is E."""
+    """The model's base weights by (layer, module), looked up at each access (weights replaced
+    after start-up are read). embed_tokens is PEFT's DoRA view E^T; a tied lm_head is E."""
 
     _PROJ = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
              "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", 0),

@@ -1,6 +1,5 @@
-"""Load Hugging Face safetensors weights (one file or sharded with an index)
-into LlamaForCausalLM, fusing q/k/v and gate/up as they stream in (and dequantizing
-a quantized checkpoint's weights: metrale.model.quantization)."""
+"""Load Hugging Face safetensors weights (one file or sharded) into LlamaForCausalLM,
+fusing q/k/v and gate/up and dequantizing (metrale.model.quantization) as they stream in."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ def _build_rotary(model: LlamaForCausalLM) -> None:
 
 
 def _aux_tensors(model_dir: Path, scheme: QuantScheme) -> dict[str, torch.Tensor]:
-    """Every tensor dequantization reads (scales, zeros, group indices), by name: a shard
-    may hold a weight and another its scales."""
+    """Every tensor dequantization reads, by name: a shard may hold a weight, another its scales."""
     found = {}
     for path in weight_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -106,8 +104,7 @@ def _aux_tensors(model_dir: Path, scheme: QuantScheme) -> dict[str, torch.Tensor
 
 
 def param_name(hf: str) -> tuple[str | None, int | None]:
-    """(our parameter, shard within it) for a Hugging Face weight name; (None, None) for
-    buffers HF saves that we compute."""
+    """(our parameter, shard within it) for an HF weight name; (None, None) for buffers we compute."""
     if hf.endswith("rotary_emb.inv_freq"):
         return None, None
     name = hf.removeprefix("model.")
@@ -119,7 +116,6 @@ def param_name(hf: str) -> tuple[str | None, int | None]:
 
 def copy_weight(param: torch.Tensor, tensor: torch.Tensor, target: str, shard: int | None,
                 cfg: ModelConfig) -> None:
-    """Copy one HF tensor into its parameter (its shard's rows of a fused one)."""
     if shard is not None:
         sizes = ([cfg.q_size, cfg.kv_size, cfg.kv_size] if "qkv_proj" in target
                  else [cfg.intermediate_size] * 2)

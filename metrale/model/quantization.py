@@ -1,32 +1,8 @@
-"""Quantized checkpoints, read from their own config.json `quantization_config` and
-dequantized as they load (the reference path: every backend, the CPU included; the base
-then runs in the engine's dtype, and LoRA reads the same activations an adapter trained
-on the dequantized base saw).
-
-Formats:
-- `quant_method: "fp8"` with `weight_block_size` [bo, bi] (DeepSeek-V3, Qwen3-*-FP8): a
-  float8_e4m3fn `weight` [out, in] and a float32 `weight_scale_inv` [ceil(out/bo),
-  ceil(in/bi)]; W = weight * weight_scale_inv of its block. Without a block size, one
-  `weight_scale_inv` per tensor.
-- `quant_method: "compressed-tensors"`, `format: "float-quantized"` (RedHatAI's FP8): a
-  float8_e4m3fn `weight` and `weight_scale`, per tensor [1] or per output channel
-  [out, 1]; W = weight * weight_scale. Activation scales (`input_scale`) only matter to
-  an FP8 GEMM and are skipped here.
-- `quant_method: "awq"` (`version: "gemm"`, 4 bits, zero point): `qweight` int32
-  [in, out/8] (8 nibbles per int32 in AWQ's order 0 2 4 6 1 3 5 7), `qzeros` int32
-  [groups, out/8] packed alike, `scales` [groups, out]; W[o, i] = (q - z) * s of row i's
-  group (i // group_size).
-- `quant_method: "gptq"` (4 bits, with or without act-order, sym or asym): `qweight`
-  int32 [in/8, out] (8 input rows per int32, in order), `qzeros` int32 [groups, out/8],
-  `scales` [groups, out], `g_idx` [in] (row i's group); the `gptq` checkpoint format
-  stores each zero minus one, `gptq_v2` the zero itself.
-- `quant_method: "bitsandbytes"`, `load_in_4bit` (QLoRA's NF4, or FP4): a uint8 `weight`
-  (two 4-bit codes a byte, the first in the high nibble, over the flattened [out, in]),
-  `weight.quant_map` (the 16 code values), `weight.absmax` per `blocksize` codes and a
-  `weight.quant_state.bitsandbytes__nf4` JSON (shape, blocksize, ...); with double
-  quantization the absmax are uint8 codes of `weight.nested_quant_map`, scaled per
-  `nested_blocksize` by `weight.nested_absmax`, plus `nested_offset`.
-Anything else is refused at start with a message naming the field.
+"""Quantized checkpoints, read from their config.json `quantization_config` and
+dequantized to float32 as they load: the reference path on every backend (the base then
+runs in the engine's dtype, and LoRA reads the activations an adapter trained on the
+dequantized base saw). docs/DESIGN.md ("Quantized checkpoints") gives each format's
+tensors; anything else is refused at start naming the field.
 """
 
 from __future__ import annotations
@@ -63,7 +39,6 @@ class QuantScheme:
     zero_offset: int = 0  # gptq's v1 checkpoint format stores each zero minus one
 
     def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
-        """A quantized weight this scheme dequantizes (its prefix: name minus the suffix)."""
         suffix = "." + _WEIGHT[self.method]
         if self.method == "bitsandbytes":
             return name.endswith(suffix) and tensor.dtype == torch.uint8
@@ -76,8 +51,7 @@ class QuantScheme:
 
     def dequantize(self, prefix: str, tensor: torch.Tensor,
                    aux: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The weight [out, in] in float32 from the quantized tensor and its aux tensors
-        (by full name); prefix: e.g. "model.layers.0.self_attn.q_proj."."""
+        """The float32 weight [out, in]; aux: by full name; prefix: "model.layers.0.[...].q_proj."."""
         if self.method == "bitsandbytes":
             return _bnb_4bit(prefix + "weight", tensor, aux)
         parts = {}
@@ -116,7 +90,8 @@ class QuantScheme:
         zeros = _unpack_columns(parts["qzeros"], self.method == "awq") + self.zero_offset
         if self.method == "awq":  # qweight [in, out/8], nibbles along out
             q = _unpack_columns(qweight, awq=True)  # [in, out]
-            group = torch.arange(q.shape[0]) // self._group(q.shape[0])
+            group = torch.arange(q.shape[0]) // (
+                q.shape[0] if self.group_size == -1 else self.group_size)
         else:  # gptq: qweight [in/8, out], nibbles along in
             q = ((qweight.unsqueeze(1) >> _SEQ_SHIFTS.view(1, -1, 1)) & 0xF).reshape(-1, qweight.shape[1])
             group = parts["g_idx"].to(torch.int64)
@@ -126,12 +101,8 @@ class QuantScheme:
                               f"{tuple(scales.shape)} and the groups do not fit together")
         return ((q - zeros[group]).to(torch.float32) * scales[group]).t().contiguous()
 
-    def _group(self, rows: int) -> int:
-        return rows if self.group_size == -1 else self.group_size
-
 
 def _bnb_4bit(name: str, packed: torch.Tensor, aux: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A bitsandbytes Linear4bit weight, dequantized to float32 [out, in]."""
     def part(key: str) -> torch.Tensor:
         if f"{name}.{key}" not in aux:
             raise ConfigError(f"{name} is 4-bit but the checkpoint has no {name}.{key}")
@@ -185,21 +156,19 @@ _LINEAR_PARAMS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "do
 
 
 def is_linear_weight(param: str) -> bool:
-    """A decoder layer's linear weight (what FP8 checkpoints quantize; not the embedding,
-    the head or the norms)."""
+    """A decoder layer's linear weight: what FP8 checkpoints quantize."""
     return param.endswith(_LINEAR_PARAMS)
 
 
 def round_to_fp8(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] rounded to float8_e4m3fn with one scale per output row (vLLM's
-    --quantization fp8 on a dense checkpoint), back in float32."""
+    """weight rounded to float8_e4m3fn per output row (vLLM's --quantization fp8), in float32."""
     w = weight.to(torch.float32)
     scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     return (w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
 
 
 def scheme_of(model_dir: str | Path) -> QuantScheme | None:
-    """The checkpoint's quantization scheme, None for a dense one; refuses any other."""
+    """The checkpoint's quantization scheme, None for a dense one."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     qc = cfg.get("quantization_config")
     if qc is None:

@@ -1,9 +1,5 @@
-"""Paged attention: write new K/V into the block cache, then attend each
-sequence's queries over its cached context.
-
-`paged_attention` dispatches by device: the Triton kernels of
-metrale.ops.attention_triton on CUDA (decode: CUDA-graph capturable), and the plain
-torch reference below elsewhere (CPU, and the ground truth for the kernels' tests)."""
+"""Paged attention over the block KV cache: metrale.ops.attention_triton's kernels on CUDA,
+the torch reference below elsewhere (CPU, and the kernels' tests' ground truth)."""
 
 from __future__ import annotations
 
@@ -28,10 +24,9 @@ def paged_attention(
     meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
     softcap: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence. positions: [T], each
-    query's position (the varlen kernel's split merge reads it). softcap: scores become
-    softcap * tanh(scores / softcap); window: a query sees only the last `window` keys up
-    to itself (Gemma 2; the torch reference only: an engine refuses them on CUDA)."""
+    """q: [T, H, D] -> [T, H, D], causal within each sequence; positions: [T] (the varlen
+    split merge reads them). softcap and window (Gemma 2): the torch reference only (an
+    engine refuses them on CUDA)."""
     if softcap is not None or window is not None:
         return paged_attention_per_sequence(q, k_cache, v_cache, meta, scale, softcap, window)
     if not q.is_cuda:
@@ -48,10 +43,8 @@ def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence.
-
-    A decode step (one query per sequence) runs as one batched SDPA over the sequences'
-    gathered, padded K/V; anything else attends sequence by sequence."""
+    """A decode step (one query per sequence) as one batched SDPA over gathered, padded K/V;
+    anything else sequence by sequence."""
     if not meta.is_prefill and q.shape[0] == meta.context_lens.shape[0]:
         index = meta.scratch.get("decode_ref")
         if index is None:  # the same for every layer of the step
@@ -64,17 +57,15 @@ def paged_attention_ref(
             if buffers is None or buffers[0].shape != shape or buffers[0].dtype != k_cache.dtype:
                 buffers = meta.scratch["decode_ref_kv"] = (
                     k_cache.new_empty(shape), v_cache.new_empty(shape))
-        return paged_decode_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                index, buffers)
+        return paged_decode_ref(q, k_cache, v_cache, scale, index, buffers)
     return paged_attention_per_sequence(q, k_cache, v_cache, meta, scale)
 
 
 def decode_ref_index(
     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
 ) -> tuple[torch.Tensor | slice, int, torch.Tensor]:
-    """(blocks, longest context, key mask [B, 1, 1, L]) for paged_decode_ref. blocks:
-    [B, nb] indices, or for one sequence whose blocks are consecutive (the common case
-    of a lone request) the slice of them, so its K/V are a view, not a gather per layer."""
+    """(blocks [B, nb], longest context, key mask [B, 1, 1, L]) for paged_decode_ref; for one
+    sequence of consecutive blocks (a lone request) a slice: its K/V a view, not a gather."""
     max_ctx = int(context_lens.max())
     n_blocks = -(-max_ctx // block_size)
     # -1 padding of shorter tables -> block 0: read, then masked away
@@ -88,27 +79,23 @@ def decode_ref_index(
 
 
 def paged_decode_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    index: tuple[torch.Tensor, int, torch.Tensor] | None = None,
-    buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+    index: tuple[torch.Tensor | slice, int, torch.Tensor],
+    buffers: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
-    """One query per sequence, q: [B, H, D] -> [B, H, D], each at its sequence's last
-    position. One gather of all sequences' blocks into [B, L, KV, D] padded to the longest
-    context, one SDPA with a padding mask (masked keys weigh exactly 0). index: this
-    step's decode_ref_index(...), kept across layers; buffers: [B * nb, block_size, KV, D]
-    each for the gathered K and V (a fresh allocation per layer cost more than the gather)."""
+    """q: [B, H, D] at each sequence's last position -> [B, H, D]: one gather of the blocks
+    into [B, L, KV, D], one masked SDPA. index: the step's decode_ref_index; buffers: the
+    step's gathered K and V (an allocation per layer cost more than the gather)."""
     B, H, D = q.shape
     KV = k_cache.shape[2]
-    blocks, max_ctx, valid = index or decode_ref_index(block_tables, context_lens, k_cache.shape[1])
+    blocks, max_ctx, valid = index
     if isinstance(blocks, slice):  # one sequence, consecutive blocks: a view
         k = k_cache[blocks].flatten(0, 1)[None, :max_ctx]  # [1, L, KV, D]
         v = v_cache[blocks].flatten(0, 1)[None, :max_ctx]
     else:
         flat = blocks.flatten()  # [B * nb]
-        k_out, v_out = buffers if buffers is not None else (None, None)
-        k = torch.index_select(k_cache, 0, flat, out=k_out)  # [B * nb, bs, KV, D]
-        v = torch.index_select(v_cache, 0, flat, out=v_out)
+        k = torch.index_select(k_cache, 0, flat, out=buffers[0])  # [B * nb, bs, KV, D]
+        v = torch.index_select(v_cache, 0, flat, out=buffers[1])
         k = k.view(B, -1, KV, D)[:, :max_ctx]  # [B, L, KV, D]
         v = v.view(B, -1, KV, D)[:, :max_ctx]
         # Keys past a shorter sequence's context are stale cache memory, perhaps NaN (a
@@ -130,8 +117,7 @@ def paged_attention_per_sequence(
     meta: AttentionMetadata, scale: float, softcap: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D] -> out: [T, H, D]; causal within each sequence, one SDPA per sequence
-    (soft-capped scores: explicit softmax, as SDPA has no cap)."""
+    """One SDPA per sequence (with softcap an explicit softmax: SDPA has no cap)."""
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu = meta.cu_query.tolist()

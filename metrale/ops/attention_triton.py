@@ -1,20 +1,15 @@
-"""Triton paged attention over the block KV cache (same semantics as
-metrale.ops.attention.paged_attention_ref).
+"""Triton paged attention over the block KV cache (paged_attention_ref's semantics).
 
-- decode: one query per sequence; a program serves one (sequence, KV head, split) and
-  all the query heads of that KV head (GQA: K/V read once per group). Split-K
-  (flash-decoding): each split writes its running max, sum and unnormalised output for
-  a slice of the context, and a second kernel merges them. The split count depends only
-  on the batch size and the block-table width, and the kernels read context lengths and
-  block tables from device memory: a decode step is CUDA-graph capturable.
-- varlen (prefill chunks, mixed steps): causal, paged; the grid is a tile list (BLOCK_M
-  queries of one sequence each) x KV heads x key splits, merged as in decode (split-K
-  lets a short chunk of a long prompt fill the GPU: a 96-query chunk over 8k keys is 2
-  tiles per head without it). The tile list has a fixed length (tiles past the step's
-  exit at once), so a mixed step is capturable when it is given (prefill_tiles).
+- decode: a program serves one (sequence, KV head, split) and all the query heads of that
+  KV head (GQA: K/V read once per group). Split-K (flash-decoding): each split writes its
+  running max, sum and unnormalised output, a second kernel merges them. Splits depend on
+  shapes only and lengths and tables are read from device memory: graph-capturable.
+- varlen (prefill chunks, mixed steps): the grid is a tile list (BLOCK_M queries of one
+  sequence) x KV heads x key splits, merged as in decode (a 96-query chunk over 8k keys is
+  2 tiles per head without splits). A fixed-length tile list (prefill_tiles; tiles past the
+  step's exit at once) makes a mixed step capturable.
 
-Block tables may hold any value past a sequence's context: only entries for positions
-< context_lens are read.
+Block table entries past a sequence's context are never read.
 """
 
 from __future__ import annotations
@@ -48,9 +43,8 @@ def _attend_tile(
     q, k_ptr, v_ptr, tab_row, t, t_ok, visible, head_off, c_sb, c_st, d, d_ok, scale,
     m_i, l_i, acc, BLOCK_SIZE: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    """The keys t ([BN], t_ok those in the split, found through the block table row
-    tab_row) into the online softmax of the query rows q ([rows, D_PAD]); visible:
-    [rows, BN] or [1, BN]."""
+    """Keys t ([BN], t_ok those in the split) of block table row tab_row into the online
+    softmax of the query rows q ([rows, D_PAD]); visible: [rows, BN] or [1, BN]."""
     blk = tl.load(tab_row + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
     row = blk * c_sb + (t % BLOCK_SIZE).to(tl.int64) * c_st + head_off  # [BN]
     kv_mask = t_ok[:, None] & d_ok[None, :]
@@ -219,9 +213,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head): enough programs for DECODE_WAVES waves, and enough that no
-    program walks more than DECODE_SPLIT_CAPACITY of the table's capacity, but never
-    slices shorter than MIN_SPLIT_TOKENS of it. Depends on shapes only (graph-safe)."""
+    """Splits per (sequence, KV head): programs for DECODE_WAVES waves, none walking more than
+    DECODE_SPLIT_CAPACITY of the table, no slice under MIN_SPLIT_TOKENS. Shapes only."""
     want = -(-DECODE_WAVES * _num_sms(device) // max(batch * kv_heads, 1))
     want = max(want, -(-max_context // DECODE_SPLIT_CAPACITY))
     return max(1, min(want, max_context // MIN_SPLIT_TOKENS, 64))
@@ -237,10 +230,8 @@ def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
 ) -> torch.Tensor:
-    """q: [B, H, D] (one query per sequence, at position context_lens - 1) -> [B, H, D].
-
-    k_cache, v_cache: [num_blocks, block_size, KV, D]; block_tables: [B, W] (int32/int64);
-    context_lens: [B] >= 1."""
+    """q: [B, H, D] (one query per sequence, at position context_lens - 1) -> [B, H, D];
+    caches: [num_blocks, block_size, KV, D]; block_tables: [B, W]; context_lens: [B] >= 1."""
     require_triton()
     B, H, D = q.shape
     _, bs, KV, _ = k_cache.shape
@@ -274,9 +265,8 @@ def paged_decode(
 
 
 def prefill_block_m(max_tokens: int, group: int) -> int:
-    """Queries per tile (each with the `group` query heads of a KV head): 64 or 128
-    rows in all, the fewer for steps of few tokens (mostly decode rows of one query and
-    short chunks), the more for big prefills (fewer passes over the keys)."""
+    """Queries per tile, each with its `group` query heads: 64 rows for steps of few tokens
+    (decode rows, short chunks), 128 for big prefills (fewer passes over the keys)."""
     rows = 64 if max_tokens <= 256 else 128
     return max(1, rows // next_pow2(group))
 
@@ -284,7 +274,7 @@ def prefill_block_m(max_tokens: int, group: int) -> int:
 def prefill_tiles(cu_query: list[int], num_tiles: int | None = None,
                   block_m: int = PREFILL_BLOCK_M) -> list[tuple[int, int]]:
     """(sequence, query tile) of every block_m run of queries, padded with (-1, 0) to
-    num_tiles entries (a CUDA graph's fixed grid)."""
+    num_tiles (a CUDA graph's fixed grid)."""
     tiles = [(i, m) for i, (a, b) in enumerate(zip(cu_query, cu_query[1:]))
              for m in range(-(-(b - a) // block_m))]
     if num_tiles is not None:
@@ -300,8 +290,8 @@ def max_prefill_tiles(num_tokens: int, num_seqs: int, block_m: int = PREFILL_BLO
 
 
 def prefill_split_keys(max_context: int) -> int:
-    """Keys per split of varlen attention: MIN_SPLIT_PREFILL, or more so that a context of
-    the table's capacity makes at most MAX_PREFILL_SPLITS. Shapes only (graph-safe)."""
+    """Keys per varlen split: MIN_SPLIT_PREFILL, or more so that the table's capacity makes
+    at most MAX_PREFILL_SPLITS. Shapes only."""
     per = -(-max_context // MAX_PREFILL_SPLITS)
     return max(MIN_SPLIT_PREFILL, -(-per // PREFILL_BLOCK_N) * PREFILL_BLOCK_N)
 
@@ -312,14 +302,10 @@ def paged_prefill(
     tiles: torch.Tensor | None = None, positions: torch.Tensor | None = None,
     split_keys: int | None = None, block_m: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D], sequence i's queries are rows cu_query[i]:cu_query[i+1], the last of
-    them at position context_lens[i] - 1; causal over its cached context -> [T, H, D].
-
-    tiles: [N, 2] (sequence, query tile) per program row, -1 padded (prefill_tiles with
-    block_m); None builds it from cu_query (a host sync: not under graph capture).
-    positions: [T] each query's position (the merge of key splits reads it; None: derived
-    on the host). split_keys: keys per split (default from the block table's capacity).
-    block_m: queries per tile (default prefill_block_m(max_query_len, H // KV))."""
+    """q: [T, H, D], sequence i's queries rows cu_query[i]:cu_query[i+1], the last at
+    position context_lens[i] - 1; causal over its cached context -> [T, H, D].
+    tiles (prefill_tiles with block_m) and positions ([T], read by the split merge): None
+    derives them on the host (a sync: not under graph capture)."""
     require_triton()
     T, H, D = q.shape
     _, bs, KV, _ = k_cache.shape

@@ -1,18 +1,12 @@
-"""Fused elementwise kernels for the decoder on CUDA: RMSNorm (alone, or with the
-residual add before it), rotary embedding (with the K/V cache write), and SiLU-and-multiply.
+"""Fused decoder kernels for CUDA, one launch each: RMSNorm (with the residual add before
+it), rotary embedding (with the K/V cache write), SiLU-and-multiply. In torch, RMSNorm is
+~7 launches and rotary ~18 per layer: ~1300 per decode step of a 32-layer model, mostly
+launch gap.
 
-In torch, RMSNorm is ~7 launches and rotary ~18 per layer: ~1300 launches per decode step
-on a 32-layer model, mostly launch gap, comparable to reading the weights. Here one launch
-each; the residual adds ride in the norm that reads their sum (add_rmsnorm).
-
-The arithmetic is the torch code's (fp32 math, the same roundings to the activation dtype):
-rmsnorm_ref, add_rmsnorm_ref and silu_mul_ref below (rotary's: metrale.model.layers) are
-the model's torch path and the tests' oracle. Results are bitwise equal except where the
-fp32 math runs in another order (the norm's sum of squares, rotary, silu's exp), and then
-within an ulp of the activation dtype.
-
-ENABLED = False keeps the torch path on CUDA too (bench/gpu_all.py sets it when these
-kernels fail their tests; `bench/decode.py --override ...fused_triton.ENABLED=0` times it).
+The arithmetic is the torch path's (the *_ref functions below, rotary's in
+metrale.model.layers: the tests' oracle), bitwise equal except where fp32 math runs in
+another order, and then within an ulp of the activation dtype. ENABLED = False keeps the
+torch path on CUDA (bench/gpu_all.py when these kernels fail their tests).
 """
 
 from __future__ import annotations
@@ -28,9 +22,8 @@ _ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @device_function
 def _round(x, dtype: tl.constexpr, RNE_BITS: tl.constexpr):
-    """fp32 x rounded to dtype to nearest even, as torch's casts round. The interpreter's
-    fp32 -> bf16 cast truncates instead; there (RNE_BITS) the rounding is done on the bits,
-    so that the CPU tests can compare bitwise."""
+    """fp32 x rounded to nearest even, as torch casts; with RNE_BITS on the bits, since the
+    interpreter's bf16 cast truncates (the CPU tests compare bitwise)."""
     if RNE_BITS and dtype == tl.bfloat16:
         b = x.to(tl.uint32, bitcast=True)
         b = (b + (0x7FFF + ((b >> 16) & 1))) >> 16 << 16  # a tie goes to the even bf16 mantissa
@@ -73,9 +66,9 @@ def _silu_mul_kernel(g_ptr, y_ptr, I, g_st, y_st, RNE_BITS: tl.constexpr, BLOCK:
 def _rotary_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
                    q_st, q_sh, k_st, k_sh, v_st, v_sh, qo_st, ko_st, H, KV, tab_st,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr):
-    """Heads [0, H) are q's, [H, H + KV) k's, and with STORE [H + KV, H + 2 KV) v's
-    (copied, not rotated). Without STORE, k goes to row t of ko; with it, k and v go to
-    row slot_ptr[t] of the caches ko/vo (their KV write, no pass of its own)."""
+    """Heads [0, H) are q's, [H, H + KV) k's, and with STORE [H + KV, H + 2 KV) v's (copied,
+    not rotated). k goes to row t of ko, or with STORE k and v to row slot_ptr[t] of the
+    caches ko/vo."""
     t, hb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     row = t
@@ -115,8 +108,8 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def rows_usable(*ts: torch.Tensor) -> bool:
-    """Whether add_rmsnorm and silu_mul take these as they are, in one launch with no copy:
-    CUDA [T, N] tensors of one shape and a supported dtype, rows contiguous (any row stride)."""
+    """Whether add_rmsnorm and silu_mul take these without a copy: CUDA [T, N] tensors of one
+    shape and supported dtype, unit last stride."""
     x = ts[0]
     return usable(x) and x.dim() == 2 and x.dtype in _ROW_DTYPES and all(
         t.shape == x.shape and t.dtype == x.dtype and t.stride(1) == 1 for t in ts)
@@ -130,8 +123,6 @@ def rotary_usable(q: torch.Tensor, cos: torch.Tensor) -> bool:
 
 def rotary_store_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether rotary_store_kv takes these: unit last strides, contiguous caches of
-    q's dtype, v shaped as k."""
     return (rotary_usable(q, cos) and all(x.stride(-1) == 1 for x in (q, k, v))
             and v.shape == k.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape == v_cache.shape
@@ -139,7 +130,6 @@ def rotary_store_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., N] -> weight * normalized x. The torch path, and the kernel's oracle."""
     # fp32 statistics as transformers does, so low-precision runs match it
     dtype = x.dtype
     x = x.float()
@@ -149,13 +139,11 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [T, N] -> (rmsnorm_ref(s), s) for s = x + residual."""
     s = x + residual
     return rmsnorm_ref(s, weight, eps), s
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [T, 2I] (gate columns, then up) -> silu(gate) * up: [T, I]."""
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)  # each [T, I]
     return F.silu(gate) * up
 
@@ -181,24 +169,19 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, N] -> weight * normalized x, in x.dtype."""
     return _norm(x, None, weight, eps)[0]
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [T, N] of one dtype -> (normed, s): s = x + residual, the residual
-    stream, and normed = rmsnorm(s), both new tensors, in one launch.
-
-    Out of place, unlike vLLM's fused_add_rms_norm: in place would save memory, not
-    traffic; captured outputs are static addresses anyway; and the inputs stay as they
-    were, as with add_rmsnorm_ref (at layer 0 the residual is the embedding output)."""
+    """(rmsnorm(s), s) for s = x + residual, both new tensors. Out of place, unlike vLLM's
+    fused_add_rms_norm: in place saves memory, not traffic, and the inputs stay as
+    add_rmsnorm_ref leaves them (at layer 0 the residual is the embedding output)."""
     return _norm(x, residual, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [T, 2I] (gate columns, then up, as MLP.gate_up_proj makes them) ->
-    silu(gate) * up: [T, I], in one launch."""
+    """gate_up: [T, 2I] (gate columns, then up) -> silu(gate) * up: [T, I]."""
     T, width = gate_up.shape
     if width % 2:
         raise ValueError(f"gate_up has {width} columns: gate and up need the same width")
@@ -215,8 +198,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, KV, D] (any row/head strides, unit last) -> rotated copies;
-    cos, sin: [P, D] float32 tables indexed by positions [T]."""
+    """q: [T, H, D], k: [T, KV, D] (unit last stride) -> rotated copies; cos, sin: [P, D]
+    float32 tables indexed by positions [T]."""
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, unlike q
     ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _launch_rotary(positions, q, k, k, qo, ko, ko, positions, cos, sin, store=False)
@@ -226,9 +209,8 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """rotary, with the rotated k and v written straight into the caches [blocks, bs, KV, D]
-    at slot_mapping [T] (attention.store_kv's two index_copy passes, ~3 us each a layer
-    at decode, ride in this launch); returns the rotated q [T, H, D]."""
+    """rotary, k and v written into the caches [blocks, bs, KV, D] at slot_mapping [T]
+    (store_kv's two index_copy passes, ~3 us each a layer at decode); returns q rotated."""
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, unlike q
     _launch_rotary(positions, q, k, v, qo, k_cache, v_cache, slot_mapping, cos, sin, store=True)
     return qo

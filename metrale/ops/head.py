@@ -1,10 +1,7 @@
-"""The output head's product, logits = hidden @ W.T, with a faster CPU path for a few rows.
-
-On the CPU, F.linear of a few rows against a tall head goes through MKL's gemv / small-M
-path, which neither streams the weight at full speed nor uses the second core; W @ hidden.T
-(the same products, summed in another order) was 2-3x faster for 1-8 rows on the 2-core dev
-box with the default model's 49152 x 576 head (1 row 6.6 -> 2.3 ms, 8 rows 11.3 -> 6.0 ms),
-no faster from ~32 rows. The head is 16-20% of a CPU decode step of that model.
+"""logits = hidden @ W.T. On the CPU, F.linear of a few rows against a tall head takes MKL's
+gemv path (neither full-speed nor on the second core); W @ hidden.T was 2-3x faster for 1-8
+rows on the 2-core dev box with the default model's 49152 x 576 head (1 row 6.6 -> 2.3 ms),
+no faster from ~32 rows: the head is 16-20% of that model's CPU decode step.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""One Triton launch that lands every tensor of an adapter into its slot.
-
-One torch copy per tensor costs a launch and a view construction each (a Llama-3-8B r=16
-adapter has 448 tensors: several ms of host time against ~2 ms for the bytes). Here a
-descriptor row per tensor says where it is in the staged bytes and where it goes:
+"""One Triton launch that lands every tensor of an adapter into its slot (a copy per tensor
+cost several ms of host time for a Llama-3-8B r=16 adapter's 448, against ~2 ms for the
+bytes). A descriptor row per tensor says where it is in the staged bytes and where it goes:
 
     dst[dst_off + i * cols + j] = src[src_off + i * s_row + j * s_col]   i < rows, j < cols
 
@@ -14,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.ops.triton_utils import jit_kernel, require_triton, tl
+from metrale.ops.triton_utils import jit_kernel, require_triton, shares_storage, storage_base, tl
 
 BLOCK = 2048  # destination elements per program
 
@@ -36,23 +34,17 @@ def _land_kernel(src_ptr, dst_ptr, desc_ptr, BLOCK: tl.constexpr):
 
 
 def base_of(views: list[torch.Tensor]) -> torch.Tensor | None:
-    """The 1-D storage every view lives in (same dtype, aligned), or None if they don't
-    share one (then land them one by one)."""
-    if not views:
+    """The 1-D storage all the views live in, or None (then land them one by one)."""
+    if not views or not shares_storage(views, views[0].dtype) or not all(
+            v.is_contiguous() for v in views):
         return None
-    v0 = views[0]
-    ptr = v0.untyped_storage().data_ptr()
-    for v in views:
-        if v.dtype != v0.dtype or v.untyped_storage().data_ptr() != ptr or not v.is_contiguous():
-            return None
-    return v0.as_strided((v0.untyped_storage().nbytes() // v0.element_size(),), (1,), 0)
+    return storage_base(views[0])
 
 
 def land_views(dst: torch.Tensor, src_base: torch.Tensor,
                items: list[tuple[torch.Tensor, int, int, int, bool]]) -> None:
-    """dst: the 1-D pool buffer; src_base: base_of(the views).
-    items: (view, dst element offset, rows, cols, transpose) with view [rows, cols], or
-    [cols, rows] when transpose (B -> Bt)."""
+    """dst: the 1-D pool buffer; src_base: base_of(the views); items: (view, dst element
+    offset, rows, cols, transpose), as landing_row's."""
     size = src_base.element_size()
     rows = [landing_row((view.data_ptr() - src_base.data_ptr()) // size, dst_off, r, c, t)
             for view, dst_off, r, c, t in items]
@@ -69,13 +61,11 @@ def landing_row(src_off: int, dst_off: int, rows: int, cols: int,
 
 
 def max_tiles(rows: list[tuple[int, ...]]) -> int:
-    """Programs per tensor: enough for the largest one."""
     return -(-max(r[1] * r[2] for r in rows) // BLOCK)
 
 
 def land_rows(dst: torch.Tensor, src: torch.Tensor, desc: torch.Tensor, tiles: int) -> None:
-    """One launch: every descriptor row of desc ([N, 6] int64 on dst's device) from the
-    1-D src into the 1-D dst (offsets are elements of each)."""
+    """One launch for every row of desc ([N, 6] int64 on dst's device), 1-D src to 1-D dst."""
     require_triton()
     kernel = jit_kernel(_land_kernel, dst.device)
     kernel[(desc.shape[0], tiles)](src, dst, desc, BLOCK=BLOCK, num_warps=4)

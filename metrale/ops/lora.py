@@ -1,10 +1,6 @@
-"""Multi-LoRA dispatch: the layers call this; it picks the pool views of the
-fused modules and runs the Triton kernels on CUDA or the torch reference.
-
-Entry points, one per place a LoRA applies: `lora_linear` (decoder projections: the
-base GEMM and its delta, DoRA's gain for flagged slots; `lora_apply` adds the delta to a
-given y), `lora_embed` (embed_tokens: a gather, then the expand) and `lora_logits`
-(lm_head, on the rows whose logits are computed)."""
+"""Multi-LoRA dispatch for the layers: the pool views of the fused modules, through the
+Triton kernels on CUDA or the torch reference; one entry point per place a LoRA applies
+(decoder projections, embed_tokens, lm_head)."""
 
 from __future__ import annotations
 
@@ -27,11 +23,8 @@ def lora_apply(
     y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer: int,
     modules: tuple[str, ...], out_slices: tuple[slice, ...], bias: torch.Tensor | None = None,
 ) -> None:
-    """y[:, out_slices[i]] += LoRA_{modules[i]}(x) per token slot, in place (DoRA slots:
-    y = g * (y - bias + delta) + bias per module, y holding x W^T + bias on entry).
-
-    y: [T, sum(out)], x: [T, in], bias: [sum(out)] or None; modules the pool does not
-    serve are skipped."""
+    """y[:, out_slices[i]] += LoRA_{modules[i]}(x) in place (lora_ref's semantics, DoRA
+    included); modules the pool does not serve are skipped."""
     views = lora.pool.fused_views(layer, modules, out_slices)
     if views is None:
         return
@@ -50,8 +43,7 @@ def lora_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoraBatch,
     layer: int, modules: tuple[str, ...], out_slices: tuple[slice, ...],
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias) plus lora_apply's delta: y [T, sum(out)] for x [T, in].
-    On CUDA the shrink overlaps the base GEMM (lora_triton.lora_linear)."""
+    """F.linear(x, weight, bias) plus lora_apply's delta (on CUDA the shrink overlaps the GEMM)."""
     views = lora.pool.fused_views(layer, modules, out_slices)
     if views is None or not _triton(x):
         y = F.linear(x, weight, bias)

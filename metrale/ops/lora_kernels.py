@@ -1,7 +1,5 @@
-"""The multi-LoRA Triton kernels: shrink (h = x @ A[slot].T) and expand (y += s * h @ Bt[slot],
-with DoRA's gain epilogue). docs/DESIGN.md ("The multi-LoRA kernels") explains the design;
-metrale.ops.lora_launch builds their descriptors and grids, metrale.ops.lora_triton calls them.
-
+"""The multi-LoRA Triton kernels, shrink (h = x @ A[slot].T) and expand (y += s * h @ Bt[slot],
+with DoRA's gain epilogue), launched by metrale.ops.lora_launch (docs/DESIGN.md: the design).
 Each program reads its module's descriptor row (int64, DESC_COLS columns, offsets in elements):
 0 a_off  1 a_slot_stride  2 a_row_stride  3 b_off  4 b_slot_stride  5 b_row_stride
 6 out_dim  7 y_col  8 rank_off  9 rank_stride  10 scale_off  11 scale_stride
@@ -15,8 +13,8 @@ DESC_COLS = 16
 
 @device_function
 def _rows(pid_t, T, slot_ptr, order_ptr, SORTED: tl.constexpr, BLOCK_T: tl.constexpr):
-    """(token, slot) of each of the program's BLOCK_T rows, slot -1 past T. SORTED: row i
-    is token order[i], else token i."""
+    """(token, slot) of the program's BLOCK_T rows (row i is token order[i] if SORTED), slot
+    -1 past T."""
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     row_ok = rows < T
     if SORTED:
@@ -32,10 +30,9 @@ def shrink_kernel(
     ATOMIC: tl.constexpr, SORTED: tl.constexpr, F32_DOT: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """Program (block of BLOCK_T rows, K split, module): for each distinct slot among its
-    rows, h[tok, m*R + r] (+)= x[tok, k_lo:k_hi] @ A[s, r, k_lo:k_hi] for r < rank. ATOMIC:
-    split-K adds into one zero-filled h; else split pid_k writes its own partial rows
-    (h + pid_k * split_stride)."""
+    """Program (BLOCK_T rows, K split, module), per distinct slot among its rows:
+    h[tok, m*R + r] (+)= x[tok, k_lo:k_hi] @ A[s, r, k_lo:k_hi] for r < rank, added into one
+    zeroed h if ATOMIC, else into split pid_k's own partial rows (split_stride apart)."""
     pid_t, pid_k, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tok, slot = _rows(pid_t, T, slot_ptr, order_ptr, SORTED, BLOCK_T)
     d = desc_ptr + m * 16  # DESC_COLS (a global int is no constexpr to Triton)
@@ -71,11 +68,10 @@ def shrink_kernel(
                     acc = tl.dot(xt.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(xt.to(at.dtype), at, acc)
-            # split_stride 0: one h for all splits (atomics); else this split's partial rows
             h_ptrs = (h_ptr + pid_k * split_stride + tok[:, None] * h_stride + m * R
                       + r[None, :])  # [BT, BR]
             h_mask = sel[:, None] & r_ok[None, :]
-            if ATOMIC:  # split-K: several programs add into the zero-filled h
+            if ATOMIC:
                 tl.atomic_add(h_ptrs, acc, mask=h_mask)
             else:
                 tl.store(h_ptrs, acc, mask=h_mask)
@@ -89,10 +85,9 @@ def expand_kernel(
     SORTED: tl.constexpr, F32_DOT: tl.constexpr, ALIGN: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """Program (block of BLOCK_T rows, BLOCK_N output columns, module): for each distinct
-    slot among its rows, y[tok, y_col + n] += scale * h @ Bt[s, :rank, n], h summed over
-    n_split partials in a fixed order; a slot flagged DoRA stores
-    g * (y - bias + scale * acc) + bias instead (y holds x W^T + bias on entry)."""
+    """Program (BLOCK_T rows, BLOCK_N output columns, module), per distinct slot among its
+    rows: y[tok, y_col + n] += scale * h @ Bt[s, :rank, n], h summed over n_split partials in
+    a fixed order; a DoRA slot stores g * (y - bias + scale * acc) + bias (y holds x W^T + bias)."""
     pid_t, pid_n, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     d = desc_ptr + m * 16  # DESC_COLS (a global int is no constexpr to Triton)
     # offsets and dims read from memory carry no alignment facts; without these hints (for

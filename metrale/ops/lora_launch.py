@@ -1,7 +1,6 @@
-"""Launch plumbing of the multi-LoRA kernels (metrale.ops.lora_kernels): the path and block
-sizes for a shape, the per-layout descriptors (built once, cached), the alignment hints and
-the two launches, shrink and expand. Callers use metrale.ops.lora_triton; docs/DESIGN.md
-("The multi-LoRA kernels") explains the choices."""
+"""Launch plumbing of the multi-LoRA kernels (metrale.ops.lora_kernels): path and block sizes
+per shape, cached descriptors, alignment hints, the shrink and expand launches. Callers use
+metrale.ops.lora_triton; docs/DESIGN.md ("The multi-LoRA kernels") explains the choices."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from metrale.ops.lora_kernels import DESC_COLS, expand_kernel, shrink_kernel
-from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2
+from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, shares_storage, storage_base
 
 # Block sizes (H200, bench/lora_kernels.py) of the two token mappings: decode (one program
 # per token) and prefill (up to BLOCK_T rows of the slot order per program: see config).
@@ -20,9 +19,7 @@ DECODE_CFG = dict(BLOCK_K=256, BLOCK_N=128, shrink_warps=4, expand_warps=2, spli
 PREFILL_CFG = dict(BLOCK_T=32, BLOCK_K=128, BLOCK_N=256, shrink_warps=4, expand_warps=4,
                    split_k=256)
 
-# "split": the shrink's split-K partials go to a workspace the expand sums (two launches,
-# deterministic); "atomic": h is zero-filled and the partials added into it atomically
-# (three launches: memset, shrink, expand).
+# "split": split-K partials in a workspace the expand sums; "atomic": added into a zeroed h
 PATHS = ("split", "atomic")
 
 
@@ -38,10 +35,8 @@ class PathRule:
         return self.min_t <= T and (self.max_t is None or T <= self.max_t)
 
 
-# The path per shape, the first row that matches, as measured on an H200: past 64 tokens
-# (the slot-sorted mapping) split beat atomic for every Llama-3-8B group (T=256: q/k/v 15.7
-# vs 18.1 us); at decode sizes split fell from 0.73x to 0.65x of base end to end (1B, batch
-# 32; BENCHMARKS.md). docs/DESIGN.md says what would move a row.
+# The first matching row, as measured on an H200 (docs/DESIGN.md: the numbers, and what
+# would move a row): split past 64 tokens, atomic at decode sizes.
 PATH_TABLE = (
     PathRule("split", min_t=65),
     PathRule("atomic"),
@@ -49,7 +44,6 @@ PATH_TABLE = (
 
 
 def choose_path(T: int) -> str:
-    """The path PATH_TABLE gives a group of T tokens."""
     for rule in PATH_TABLE:
         if rule.matches(T):
             return rule.path
@@ -66,34 +60,22 @@ def f32_dot(kernel, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (is_interpreted(kernel) and dtype == torch.bfloat16)
 
 
-def _storage_base(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D view over t's whole storage: the pointer every descriptor offset is relative to."""
-    return t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
-
-
-def _shares_storage(ts, dtype: torch.dtype) -> bool:
-    ptr = ts[0].untyped_storage().data_ptr()
-    return all(t.dtype == dtype and t.untyped_storage().data_ptr() == ptr for t in ts)
-
-
 def pool_base(views) -> torch.Tensor:
-    """The storage behind the [S, R, dim] pool views (None entries skipped): one base pointer
-    serves every module of a group."""
+    """The one storage behind the [S, R, dim] pool views of a group (None entries skipped)."""
     views = [v for v in views if v is not None]
     for v in views:
         if v.dim() != 3 or v.stride(2) != 1:
             raise ValueError(f"pool views must be [S, R, dim] with unit last stride, got {v.shape}")
-    if not _shares_storage(views, views[0].dtype):
+    if not shares_storage(views, views[0].dtype):
         raise ValueError("fused LoRA modules must be views of one pool storage with one dtype")
-    return _storage_base(views[0])
+    return storage_base(views[0])
 
 
 def _tables(tabs, dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """(base, per-module (element offset, slot stride)) of per-slot tables, [S] (ranks,
-    scales, DoRA flags) or [S, out_m] (gains): views of one storage cost nothing, separate
-    tensors are copied into one (a small copy, on every call)."""
-    if _shares_storage(tabs, dtype) and all(t.dim() == 1 or t.stride(1) == 1 for t in tabs):
-        return _storage_base(tabs[0]), [(t.storage_offset(), t.stride(0)) for t in tabs]
+    """(base, per-module (element offset, slot stride)) of [S] or [S, out_m] per-slot tables:
+    views of one storage cost nothing, separate tensors are copied into one on every call."""
+    if shares_storage(tabs, dtype) and all(t.dim() == 1 or t.stride(1) == 1 for t in tabs):
+        return storage_base(tabs[0]), [(t.storage_offset(), t.stride(0)) for t in tabs]
     fields, off = [], 0
     for t in tabs:
         fields.append((off, math.prod(t.shape[1:])))
@@ -106,8 +88,7 @@ _DESCS: dict = {}
 
 def descriptor(device, As, Bts, y_cols, rank_fields, scale_fields, dora_fields=None,
                gain_fields=None) -> torch.Tensor:
-    """[M, DESC_COLS] int64 on device, cached per layout (the values never depend on slot
-    contents)."""
+    """[M, DESC_COLS] int64 on device, cached per layout (never per slot contents)."""
     rows = []
     M = len(As)
     dora_fields = dora_fields or [(0, 0)] * M
@@ -128,7 +109,7 @@ def descriptor(device, As, Bts, y_cols, rank_fields, scale_fields, dora_fields=N
 
 def align(t: torch.Tensor, values) -> int:
     """Largest power of two (elements, up to 16 bytes) dividing t's address and every value:
-    the kernels' tl.multiple_of hint, without which loads and stores are not vectorized."""
+    the tl.multiple_of hint without which loads and stores are not vectorized."""
     a = 16 // t.element_size()
     while a > 1 and (t.data_ptr() % (a * t.element_size()) or any(v % a for v in values)):
         a //= 2
@@ -162,8 +143,7 @@ def split_k(T: int, IN: int, M: int, cfg: dict) -> tuple[int, int]:
 
 
 def workspace(x: torch.Tensor, As, order, *, partials: bool) -> torch.Tensor:
-    """The shrink's output for `shrink`: h [T, M*R] fp32 (the atomic path), or with partials
-    the split path's [splits, T, M*R] workspace."""
+    """shrink's fp32 output: h [T, M*R] (atomic), or with partials [splits, T, M*R] (split)."""
     T, IN = x.shape
     M, R = len(As), As[0].shape[1]
     if not partials:
@@ -173,12 +153,9 @@ def workspace(x: torch.Tensor, As, order, *, partials: bool) -> torch.Tensor:
 
 
 def shrink(x, As, slot_ids, ranks_list, order, h) -> torch.Tensor:
-    """h[:, m*R:(m+1)*R] = x @ As[m][slot].T for every module m.
-
-    h [T, M*R] fp32: zero-filled here, split-K programs adding into it atomically (zeros for
-    slot -1 and past the rank). h [splits, T, M*R] (`workspace(partials=True)`): split k's
-    sum over its share of `in` in h[k]; only rows r < rank of adapter tokens are written
-    (expand reads nothing else), so there is no memset and no atomic."""
+    """h[:, m*R:(m+1)*R] = x @ As[m][slot].T for every module m, into a workspace(): a 2-D h
+    is zeroed here and split-K adds into it atomically; a 3-D one gets split k's partial sum
+    in h[k], only rows r < rank of adapter tokens (all the expand reads)."""
     T, IN = x.shape
     M, R = len(As), As[0].shape[1]
     if x.stride(1) != 1 or any(a.shape[1:] != (R, IN) for a in As):
@@ -258,8 +235,7 @@ def expand_tables(y, Bts, ranks_list, scales_list, doras_list, gains_list):
 def expand(y, h, Bts, cols, slot_ids, ranks_list, scales_list, order,
            doras_list=None, gains_list=None, bias=None) -> None:
     """y[:, cols[m]:+out_m] += scale * h[:, m*R:(m+1)*R] @ Bts[m][slot] for every module m
-    (DoRA slots, flagged in doras_list: the gain epilogue, bias the one y already holds).
-    h: [T, M*R], or [splits, T, M*R] split-K partials, summed here."""
+    (DoRA slots: the gain epilogue, bias the one y holds); a 3-D h's partials are summed."""
     T, M, R = y.shape[0], len(Bts), Bts[0].shape[1]
     if h.shape[-2:] != (T, M * R) or h.stride(-1) != 1 or h.dim() not in (2, 3):
         raise ValueError(f"h must be [(splits,) {T}, {M * R}] (got {tuple(h.shape)})")

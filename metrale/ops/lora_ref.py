@@ -1,20 +1,15 @@
 """Plain-torch multi-LoRA: the CPU engine's path and the tests' oracle for the Triton kernels.
 
-For one (layer, module) the pool exposes A: [S, R, in] and Bt: [S, R, out] (B transposed),
-rank-major with rows r..R-1 zero (metrale.pool), and per-slot `scales: [S]` float32. Each
-token t carries `slot_ids[t]` (-1 = base model only):
-  y[t] += scales[s] * (x[t] @ A[s].T) @ Bt[s]     for s = slot_ids[t] >= 0.
-Zero padding makes the full-R product exact: optional `ranks` only skip work.
-
-DoRA (PEFT's use_dora) scales base and delta together, per output row, for tokens of a slot
-whose `doras[s]` flag is set, with the gain row `gains[s]` ([out] float32, m / ||W + sBA||):
+The pool's A: [S, R, in] and Bt: [S, R, out] have rows past a slot's rank zero, so the full-R
+product is exact (`ranks` only skip work); per-slot scales: [S] float32. For each token t of
+slot s = slot_ids[t] >= 0 (-1: base model only):
+  y[t] += scales[s] * (x[t] @ A[s].T) @ Bt[s]
+and for a slot flagged in `doras`, with gains[s] = m / ||W + sBA|| ([out] float32; y holds
+x W^T + bias on entry):
   y[t] = gains[s] * (y[t] - bias + scales[s] * (x[t] @ A[s].T) @ Bt[s]) + bias
-(y holds x W^T + bias on entry). Embedding LoRA (lora_embedding_A/B) has no shrink
-matmul: h[t] = A[s][:, ids[t]], a gather of one column per token (`lora_embed_ref`).
 
-Tokens are grouped by slot, one dense matmul per distinct slot instead of a [T, R, in]
-gather of weights; the engine groups once per batch (`token_groups`), and a group whose
-tokens are contiguous is a slice: x is read and y added into through views.
+One dense matmul per distinct slot, not a [T, R, in] gather of weights; the engine groups
+once per batch (`token_groups`), a contiguous group being a slice read and added through views.
 """
 
 from __future__ import annotations
@@ -25,8 +20,8 @@ import torch
 
 
 def slot_groups(slot_ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (slot, token indices) for each slot used in the batch; slot -1 is skipped, and
-    a batch without adapter tokens costs no sort."""
+    """(slot, token indices) per slot used, -1 skipped; a batch without adapter tokens
+    costs no sort."""
     if slot_ids.numel() == 0 or not bool((slot_ids >= 0).any()):
         return
     sorted_slots, order = torch.sort(slot_ids, stable=True)  # both: [T]
@@ -41,9 +36,7 @@ SlotGroups = list[tuple[int, TokenIndex]]
 
 
 def token_groups(slot_ids: Sequence[int], device: torch.device | str = "cpu") -> SlotGroups:
-    """(slot, tokens) per slot used, slot -1 skipped, from the host list of token slots.
-
-    tokens is a slice when the slot's tokens are contiguous, else an int64 index tensor."""
+    """slot_groups from the host list of token slots, a contiguous group as a slice."""
     where: dict[int, list[int]] = {}
     for t, slot in enumerate(slot_ids):
         if slot >= 0:
@@ -92,10 +85,7 @@ def lora_apply_ref(
     y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
     slot_ids: torch.Tensor, scales: torch.Tensor, ranks: torch.Tensor | None = None,
 ) -> None:
-    """y += LoRA(x) in place, token by token's slot: lora_apply_fused_ref for one module.
-
-    ranks ([S] int, optional): slices the rank padding away and skips untargeted slots (rank 0).
-    """
+    """lora_apply_fused_ref for one module."""
     lora_apply_fused_ref(y, x, [A], [Bt], [slice(None)], slot_ids, [scales],
                          None if ranks is None else [ranks])
 
@@ -107,13 +97,10 @@ def lora_apply_fused_ref(
     doras_list: Sequence[torch.Tensor] | None = None,
     gains_list: Sequence[torch.Tensor] | None = None, bias: torch.Tensor | None = None,
 ) -> None:
-    """Several modules reading the same x (q/k/v, gate/up) adding into slices of one fused y.
-
-    y: [T, sum(out_i)]; module i adds into y[:, out_slices[i]] (width Bts[i].shape[2]).
-    groups: `token_groups(slot_ids)` when the caller has it (once per batch), else grouped here.
-    doras_list / gains_list ([S] int, [S, out_i] float32 per module): DoRA as in the module
-    docstring for slots flagged in doras_list; bias: [sum(out_i)], the bias y already holds.
-    """
+    """Modules reading the same x (q/k/v, gate/up) add into slices of one y in place: module
+    i into y[:, out_slices[i]]. ranks_list ([S] int each) skip rank padding and rank-0
+    (untargeted) slots; groups: token_groups(slot_ids) when the caller has it;
+    doras_list / gains_list ([S], [S, out_i] per module) and bias (the one y holds): DoRA."""
     n = len(As)
     if not (len(Bts) == len(out_slices) == len(scales_list) == n):
         raise ValueError("As, Bts, out_slices and scales_list must have one entry per module")
@@ -134,7 +121,9 @@ def lora_apply_fused_ref(
             A_s, Bt_s = As[i][slot], Bts[i][slot]
             if rank is not None:
                 A_s, Bt_s = A_s[:rank], Bt_s[:rank]  # A_s: [r, in], Bt_s: [r, out]
-            gain, b = _dora_of(i, slot, doras_list, gains_list, bias, out_slices)
+            gain = b = None
+            if doras_list is not None and int(doras_list[i][slot]):
+                gain, b = gains_list[i][slot], None if bias is None else bias[out_slices[i]]
             if gain is None and y.dtype == torch.float32:
                 _add_delta(y_views[i], x_g, idx, A_s, Bt_s, scale_rows[i][slot])
             else:
@@ -144,9 +133,8 @@ def lora_apply_fused_ref(
 
 def _add_delta(y: torch.Tensor, x_g: torch.Tensor, idx: TokenIndex, A_s: torch.Tensor,
                Bt_s: torch.Tensor, scale: float) -> None:
-    """y[idx] += scale * (x_g @ A_s.T) @ Bt_s for a float32 y: the scale rides on the add
-    (no separate multiply), and scattered tokens use index_add_ (no gather of y[idx], add
-    and scatter back)."""
+    """y[idx] += scale * (x_g @ A_s.T) @ Bt_s for a float32 y, the scale riding on the add,
+    scattered tokens through index_add_ (no gather of y[idx] and scatter back)."""
     delta = (x_g @ A_s.float().T) @ Bt_s.float()  # [n, r] @ [r, out] -> [n, out], unscaled
     # The same y + scale * delta in both branches, so slices and index tensors agree bit
     # for bit (the tests hold the engine's batch groups to the per-call grouping).
@@ -156,23 +144,14 @@ def _add_delta(y: torch.Tensor, x_g: torch.Tensor, idx: TokenIndex, A_s: torch.T
         y.index_add_(0, idx, delta, alpha=scale)
 
 
-def _dora_of(i, slot, doras_list, gains_list, bias, out_slices):
-    """(gain [out_i], bias slice [out_i] or None) of module i for a DoRA slot, else (None, None)."""
-    if doras_list is None or not int(doras_list[i][slot]):
-        return None, None
-    return gains_list[i][slot], None if bias is None else bias[out_slices[i]]
-
-
 def lora_embed_ref(
     y: torch.Tensor, ids: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
     slot_ids: torch.Tensor, scales: torch.Tensor, ranks: torch.Tensor | None = None,
     doras: torch.Tensor | None = None, gains: torch.Tensor | None = None,
     groups: SlotGroups | None = None,
 ) -> None:
-    """Embedding LoRA in place: y[t] += scales[s] * A[s][:, ids[t]] @ Bt[s] (DoRA slots:
-    y[t] = gains[s] * (y[t] + that)), PEFT's lora_embedding_A/B for ids [T] of slot s.
-
-    y: [T, hidden] (the base embeddings), A: [S, R, vocab], Bt: [S, R, hidden]."""
+    """PEFT's lora_embedding_A/B in place: y[t] += scales[s] * A[s][:, ids[t]] @ Bt[s] (DoRA
+    slots: y[t] = gains[s] * (y[t] + that)); y: [T, hidden], A: [S, R, vocab]."""
     for slot, idx in slot_groups(slot_ids) if groups is None else groups:
         rank = int(ranks[slot]) if ranks is not None else None
         if rank == 0:

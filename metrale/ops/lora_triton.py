@@ -1,12 +1,6 @@
 """Triton multi-LoRA over the adapter pool: lora_ref's semantics, plus per-slot `ranks` so
-rank padding costs nothing. The entry points metrale.ops.lora calls (lora_linear,
-lora_apply_fused, lora_embed) and the single-module shrink and expand; the kernels are in
-metrale.ops.lora_kernels, their launches in metrale.ops.lora_launch, and docs/DESIGN.md
-("The multi-LoRA kernels") explains both.
-
-No call syncs with the host, allocates outside the caller's stream or reads slot contents
-on the host, so CUDA graphs stay valid when adapters are swapped into slots. The kernels
-never read or write a token with slot -1."""
+rank padding costs nothing (docs/DESIGN.md, "The multi-LoRA kernels"). No call syncs with
+the host or reads slot contents there: CUDA graphs stay valid across adapter swaps."""
 
 from __future__ import annotations
 
@@ -22,14 +16,13 @@ from metrale.ops.triton_utils import require_triton
 # Past this many tokens a batch without a slot order gets one (sort_tokens_by_slot) and
 # the prefill mapping; the runner and the CUDA graphs read it to sort once per step.
 DECODE_MAX_T = 64
-# lora_linear runs the shrink on a side stream beside the base GEMM on CUDA: faster at
-# every batch size measured (BENCHMARKS.md, decode_overlap_ab). Only a benchmark turns it
-# off, to time one stream: `bench/decode.py --override metrale.ops.lora_triton.OVERLAP=0`.
+# lora_linear's shrink beside the base GEMM on a side stream: faster at every batch size
+# measured (BENCHMARKS.md, decode_overlap_ab); off only in `bench/decode.py --override`.
 OVERLAP = True
 
 
 def sort_tokens_by_slot(slot_ids: torch.Tensor) -> torch.Tensor:
-    """order: [T] int64 token indices grouped by slot. Build once per batch, reuse in every layer."""
+    """[T] int64 token indices grouped by slot: built once per batch, for every layer."""
     return torch.argsort(slot_ids, stable=True)
 
 
@@ -77,8 +70,7 @@ def lora_embed(
     doras: torch.Tensor | None = None, gains: torch.Tensor | None = None, *,
     order: torch.Tensor | None = None,
 ) -> None:
-    """lora_embed_ref's semantics: the shrink is a gather of A's columns (torch, on the
-    device, no sync), the expand the kernel with its DoRA epilogue."""
+    """lora_embed_ref's semantics: a gather of A's columns on the device, then the expand."""
     require_triton()
     if y.shape[0] == 0:
         return
@@ -93,12 +85,9 @@ def lora_apply_fused(
     doras_list=None, gains_list=None, bias: torch.Tensor | None = None,
     path: str | None = None,
 ) -> None:
-    """lora_apply_fused_ref's semantics: modules sharing x (q/k/v, gate/up) add into slices
-    of y, one shrink and one expand launch for the whole group.
-
-    path: one of PATHS; None (what the engine passes) takes launch.PATH_TABLE's for the
-    shape. No host sync: a batch with no adapter token still launches, and every program
-    exits after reading its slot ids. order: from `sort_tokens_by_slot`, once per batch."""
+    """lora_apply_fused_ref's semantics, one shrink and one expand launch for the group.
+    path: one of PATHS, None (the engine's) for launch.PATH_TABLE's; order: from
+    sort_tokens_by_slot."""
     require_triton()
     T, M = x.shape[0], len(As)
     if not (len(Bts) == len(out_slices) == len(scales_list) == len(ranks_list) == M):
@@ -124,9 +113,8 @@ def lora_linear(
     slot_ids: torch.Tensor, scales_list, ranks_list, *, order: torch.Tensor | None = None,
     doras_list=None, gains_list=None, path: str | None = None,
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias) followed by lora_apply_fused(y, x, ...): the same result.
-    On CUDA the shrink (it reads only x) runs on a side stream while the GEMM runs on the
-    current one, and the expand after both; CUDA graphs capture the fork and the join."""
+    """F.linear(x, weight, bias), then lora_apply_fused; on CUDA the shrink (it reads only x)
+    runs on a side stream during the GEMM, the expand after both (graphs capture the fork)."""
     T = x.shape[0]
     if T == 0 or not (OVERLAP and x.is_cuda):
         y = F.linear(x, weight, bias)  # [T, out]

@@ -1,10 +1,7 @@
-"""The Triton shim every kernel file imports: triton itself, or (triton is the optional
-`metrale[triton]` extra) a stand-in with which the kernel modules still import, so the
-torch paths keep working and calling a kernel raises; and the launch helpers they share.
-
-On CPU, kernels run in Triton's interpreter, which is on only if TRITON_INTERPRET=1 was set
-before triton was first imported: whoever wants it sets the variable before importing this
-module (tests/conftest.py does).
+"""The Triton shim the kernel files import (without the optional `metrale[triton]` extra, a
+stand-in: the modules import, calling a kernel raises) and their shared launch helpers. On
+CPU, kernels run in Triton's interpreter, on only if TRITON_INTERPRET=1 was set before
+triton was first imported (tests/conftest.py does).
 """
 
 from __future__ import annotations
@@ -51,18 +48,26 @@ def jit_kernel(fn, device: torch.device):
 
 
 def device_function(fn):
-    """fn as a Triton device function that kernels can call: jitted when defined, unlike
-    kernels, since the compiler of a kernel that calls it takes it from the module's
-    globals and accepts only a jitted function (without triton, fn itself: no kernel runs)."""
+    """fn as a Triton device function, jitted when defined (unlike kernels): a calling kernel's
+    compiler takes it from the module's globals and accepts only a jitted function."""
     return fn if triton is None else triton.jit(fn)
 
 
 def is_interpreted(kernel) -> bool:
-    """Whether a jit_kernel result runs in the CPU interpreter, whose tl.dot differs from
-    the compiled one (the kernels pick exact fp32 dots there)."""
+    """Whether a jit_kernel result runs in the CPU interpreter (whose tl.dot differs)."""
     return InterpretedFunction is not None and isinstance(kernel, InterpretedFunction)
 
 
+def storage_base(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view over t's whole storage: the pointer descriptor offsets are relative to."""
+    return t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+
+
+def shares_storage(ts, dtype: torch.dtype) -> bool:
+    ptr = ts[0].untyped_storage().data_ptr()
+    return all(t.dtype == dtype and t.untyped_storage().data_ptr() == ptr for t in ts)
+
+
 def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (1 for n <= 1): tl.arange and block sizes need one."""
+    """Smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, n - 1).bit_length()
