@@ -193,7 +193,7 @@ class PeerClient:
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             raise PeerConnectionError(
-                f"peer {self.addr} cannot be reached ({what}): {type(e).__name__}: {str(e)[:200]}"
+                f"peer {self.addr}: {what}: unreachable ({type(e).__name__}: {str(e)[:200]})"
             ) from None
         except BaseException:  # a deadline or byte-cap refusal from the socket
             conn.close()
