@@ -54,8 +54,7 @@ class AdapterManager:
         self.pending.setdefault(seq.adapter, []).append(seq)
 
     def _route(self, version: AdapterVersion) -> int | None:
-        """The slot serving `version`; a slot that still holds it but was unrouted (drained
-        for a landing that has not taken it yet) is routed again."""
+        """The slot serving `version`; a slot still holding it but drained is routed again."""
         slot = self.registry.slot_of(version.name)
         if slot is not None:
             return slot

@@ -14,8 +14,7 @@ class OutputProcessor:
         self.tokenizer, self.eos_ids, self.max_seq_tokens = tokenizer, eos_ids, max_seq_tokens
 
     def process(self, seqs: list[Sequence], results: list[SampleResult]) -> list[RequestOutput]:
-        """seqs: the step's sampling sequences, one result each. A sequence that finished
-        or was aborted while the step ran drops its token."""
+        """seqs: the step's sampling sequences; one that ended meanwhile drops its token."""
         outputs = []
         for seq, result in zip(seqs, results, strict=True):
             if seq.is_finished:

@@ -138,8 +138,7 @@ class AdapterRegistry:
     # --- changes -----------------------------------------------------------------------
 
     def check_new(self, name: str, reload: bool) -> None:
-        """Refusals of register(name, reload) that need no I/O: call before validating
-        files, so a refused call costs nothing."""
+        """Refusals of register(name, reload) that need no I/O: check before any file."""
         validate_adapter_name(name)
         if name.lower() in self._reserved:
             raise InvalidNameError(

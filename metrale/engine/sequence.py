@@ -27,9 +27,8 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
-    # Tokens sampled by a launched step whose result has not reached the host yet (async
-    # scheduling): they count in len(seq) and the next step reads the newest one on the
-    # device, from row `pending_row` of the in-flight step's sampled tokens.
+    # tokens sampled by a launched step the host has not seen yet (async scheduling): they
+    # count in len(seq); the next step reads the newest from row `pending_row` of its draws
     num_pending: int = 0
     pending_row: int = -1
     max_len: int = 1 << 62  # prompt + max_tokens, within the engine's limit: it stops here

@@ -86,8 +86,7 @@ class LandingEvent:
 
 @dataclass(frozen=True)
 class Prepared:
-    """An adapter read and checked from some source, ready to be written into any slot
-    through a Landing. Producing one touches no slot: every refusal happens before."""
+    """An adapter read and checked, ready for any slot through a Landing (no slot touched)."""
 
     write: Callable[[Landing], None]
     identity: AdapterIdentity | None = None  # set: fill the host tier after the commit
