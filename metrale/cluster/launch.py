@@ -10,6 +10,7 @@ replicas and the ingress, on Ray Serve.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -59,10 +60,8 @@ def deploy(spec: ReplicaSpec, cluster: ClusterConfig, settings_kwargs: dict,
 
 def shutdown(spec: ReplicaSpec) -> None:
     serve.delete(APP_NAME)
-    try:
+    with contextlib.suppress(ValueError):  # no such actor
         ray.kill(ray.get_actor(spec.registry_name, namespace=spec.registry_namespace))
-    except ValueError:
-        pass
 
 
 def serve_cluster(args: argparse.Namespace, on_demand: dict[str, Path] | None = None) -> int:

@@ -6,6 +6,7 @@ AdapterRegistry, so the cluster refuses exactly what one engine refuses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -146,10 +147,8 @@ class RegistryActor:
         self.registry.report(replica_id, applied, peer_addr, url, resident, errors)
         self._notify()  # waiters in wait_applied look again
         if self.registry.state_version <= applied:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), POLL_S)
-            except TimeoutError:
-                pass
         others = {m.replica_id: (m.peer_addr, dict(m.resident)) for m in self.registry.live()
                   if m.replica_id != replica_id}
         return self.registry.state_version, self.registry.desired(), others
@@ -158,10 +157,8 @@ class RegistryActor:
         """Wait until every live replica applied `version`; the ones still lagging."""
         deadline = time.monotonic() + timeout_s
         while (lagging := self.registry.lagging(version)) and time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), min(POLL_S, deadline - time.monotonic()))
-            except TimeoutError:
-                pass
         return lagging
 
     async def beat(self, replica_id: str) -> None:

@@ -6,6 +6,7 @@ cluster's internal key, plus generate(), routing stats, an exporter and Registry
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -157,11 +158,9 @@ class EngineReplica:
         return f"http://{shown}:{port}"
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.sync.stop()
             self.peer_server.close()
-        except Exception:
-            pass
 
 
 def multiplexed_replica(max_models: int) -> type:

@@ -6,6 +6,7 @@ replica needs no replay log. The ingress validated the files once: registrations
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -37,10 +38,8 @@ class RegistrySync:
 
     async def _beat_loop(self) -> None:
         while not self._stop:
-            try:
+            with contextlib.suppress(Exception):  # the registry restarting: the next poll reports
                 await self._beat()
-            except Exception:  # the registry restarting: the next poll reports anyway
-                pass
             await asyncio.sleep(POLL_S)
 
     async def run(self) -> None:
@@ -83,10 +82,8 @@ class RegistrySync:
 
     async def _unload(self, name: str) -> None:
         self.applied.pop(name, None)
-        try:
+        with contextlib.suppress(UnknownAdapterError):
             await self.engine.unload(name)
-        except UnknownAdapterError:
-            pass
 
     async def _register(self, want: AdapterVersion, reload: bool) -> None:
         ops = self.engine.ops

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import threading
@@ -166,10 +167,8 @@ class AsyncEngine:
             if not finished and self.alive:
                 # the consumer left early (or admission was cancelled mid-flight);
                 # abort of an unknown id is a no-op, so this is safe either way
-                try:
+                with contextlib.suppress(EngineUnavailableError):  # stopped: shutdown aborts it
                     self.submit(lambda: self.engine.abort(request_id))
-                except EngineUnavailableError:
-                    pass  # stopped meanwhile: shutdown aborts every request
 
     # --- adapter management: bytes read here, off the engine thread; changes on it ----------
 
@@ -341,10 +340,8 @@ class AsyncEngine:
 
     @staticmethod
     def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody listens
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # its event loop is closed: nobody is listening any more
-            pass
 
     def _fail_leftovers(self, error: BaseException) -> None:
         for request_id in list(self._streams):
@@ -355,9 +352,7 @@ class AsyncEngine:
                 self._thread is not threading.current_thread():
             return  # still running commands (join timed out): never race it for a future
         for future in list(self._futures):
-            try:
+            with contextlib.suppress(RuntimeError):  # already running or done
                 if future.set_running_or_notify_cancel():
                     future.set_exception(error)
-            except RuntimeError:  # already running or done
-                pass
 
