@@ -7,18 +7,14 @@ stays within its bound. The bucket here is a small S3 look-alike on loopback."""
 from __future__ import annotations
 
 import datetime
-import hashlib
 import shutil
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from metrale.adapters.object_store import ObjectStoreError, S3Source, sign_v4
 from metrale.adapters.sources import AdapterSources
+from tests.helpers.bucket import FILES, Bucket
 from tests.helpers.peers import adapter_dir
-
-FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def test_signature_v4_matches_aws_published_example():
@@ -30,58 +26,6 @@ def test_signature_v4_matches_aws_published_example():
         "AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/aws4_request,"
         "SignedHeaders=host;range;x-amz-content-sha256;x-amz-date,"
         "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41")
-
-
-class Bucket:
-    """Objects by path-style key (/bucket/key); modes per key: 'bad-etag', 'short'."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-        self.modes: dict[str, str] = {}
-        self.gets: list[str] = []
-        bucket = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                bucket.gets.append(self.path)
-                auth = self.headers.get("Authorization", "")
-                if not auth.startswith("AWS4-HMAC-SHA256 Credential=AKTEST/") or \
-                        "/us-test-1/s3/aws4_request" not in auth or not self.headers.get("x-amz-date"):
-                    self.send_response(403)
-                    self.end_headers()
-                    return
-                body = bucket.objects.get(self.path)
-                if body is None:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                mode = bucket.modes.get(self.path)
-                etag = "0" * 32 if mode == "bad-etag" else hashlib.md5(body).hexdigest()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("ETag", f'"{etag}"')
-                self.end_headers()
-                self.wfile.write(body[:len(body) // 2] if mode == "short" else body)
-                if mode == "short":
-                    self.close_connection = True
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{self.server.server_address[1]}",
-                    "AWS_ACCESS_KEY_ID": "AKTEST", "AWS_SECRET_ACCESS_KEY": "secret",
-                    "AWS_REGION": "us-test-1"}
-
-    def put_adapter(self, key_prefix: str, src: str = "a") -> None:
-        for f in FILES:
-            self.objects[f"/bucket/{key_prefix}/{f}"] = (adapter_dir(src) / f).read_bytes()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -133,11 +77,23 @@ def test_a_crash_mid_download_leaves_nothing_served_after_a_restart(bucket, tmp_
 def test_the_cache_keeps_to_its_bound_least_recently_used_first(bucket, tmp_path):
     for name in ("a", "b"):
         bucket.put_adapter(f"team/{name}", name)
-    one = sum(len(bucket.objects[f"/bucket/team/a/{f}"]) for f in FILES)
-    source = S3Source("s3://bucket/team", tmp_path, cache_bytes=one + one // 2, environ=bucket.env)
+    a, b = (sum(len(bucket.objects[f"/bucket/team/{n}/{f}"]) for f in FILES) for n in "ab")
+    bound = max(a, b) + min(a, b) // 2  # either fits, both do not
+    source = S3Source("s3://bucket/team", tmp_path, cache_bytes=bound, environ=bucket.env)
     first = source.find("a")
     second = source.find("b")
     assert second.exists() and not first.exists()
+    assert source.find("a") == first  # fetched again, into the same path, b out
+    assert not second.exists()
+
+
+def test_an_adapter_larger_than_the_whole_cache_is_refused(bucket, tmp_path):
+    bucket.put_adapter("team/a", "a")
+    one = sum(len(bucket.objects[f"/bucket/team/a/{f}"]) for f in FILES)
+    source = S3Source("s3://bucket/team", tmp_path, cache_bytes=one - 1, environ=bucket.env)
+    with pytest.raises(ObjectStoreError, match="more than the whole disk cache"):
+        source.find("a")
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
 
 
 def test_sources_mix_directories_and_buckets(bucket, tmp_path, monkeypatch):

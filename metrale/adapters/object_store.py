@@ -17,6 +17,7 @@ import http.client
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
@@ -92,8 +93,9 @@ class S3Source:
         return self.url
 
     def find(self, name: str) -> Path | None:
-        """The adapter's cached directory, fetched first if needed; None when the store
-        has no such adapter. `name` passed the adapter-name rule."""
+        """The adapter's cached directory, fetched first if needed (again after an eviction:
+        the path stays the same); None when the store has no such adapter. `name` passed the
+        adapter-name rule. Callers serialise finds (AdapterSources' lock)."""
         final = self.cache / name
         if holds_adapter(final):
             os.utime(final)  # recency, for eviction
@@ -102,18 +104,19 @@ class S3Source:
         try:
             for file, cap in zip(ADAPTER_FILES, (MAX_CONFIG_BYTES, MAX_WEIGHTS_BYTES)):
                 key = "/".join(p for p in (self.prefix, name, file) if p)
-                if not self._download(key, tmp / file, cap):
+                # room is made before the bytes land: the cache never holds more than its bound
+                if not self._download(key, tmp / file, cap,
+                                      lambda n: self._make_room(n + _bytes_in(tmp), name)):
                     return None
             final.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(final, ignore_errors=True)  # a partial copy left by hand
             tmp.rename(final)  # the one step that publishes
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        self._evict(keep=final)
         return final
 
-    def _download(self, key: str, dest: Path, cap: int) -> bool:
-        """GET key into dest, checked; False on 404."""
+    def _download(self, key: str, dest: Path, cap: int, room: Callable[[int], None]) -> bool:
+        """GET key into dest, checked, after room(its announced bytes); False on 404."""
         path = f"{self.base}/{key}"
         headers = {"x-amz-security-token": self.session_token} if self.session_token else {}
         conn_cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
@@ -136,6 +139,7 @@ class S3Source:
             if announced is None or not announced.isdigit() or int(announced) > cap:
                 raise ObjectStoreError(f"{self.url}: {key} announces {announced!r} bytes "
                                        f"(at most {cap})")
+            room(int(announced))
             length, md5, got = int(announced), hashlib.md5(usedforsecurity=False), 0
             with open(dest, "wb") as f:
                 while chunk := reply.read(min(_CHUNK, length - got + 1)):
@@ -155,14 +159,21 @@ class S3Source:
         finally:
             conn.close()
 
-    def _evict(self, keep: Path) -> None:
-        """Least recently used adapters out until the cache fits its bound."""
-        dirs = [p.parent for p in self.cache.rglob(ADAPTER_FILES[1]) if p.parent != keep]
-        sizes = {d: sum(f.stat().st_size for f in d.iterdir()) for d in dirs}
-        total = sum(sizes.values()) + sum(f.stat().st_size for f in keep.iterdir())
+    def _make_room(self, incoming: int, name: str) -> None:
+        """Least recently used adapters out until `incoming` more bytes fit the bound."""
+        if incoming > self.cache_bytes:
+            raise ObjectStoreError(f"{self.url}: adapter {name!r} needs {incoming} bytes, more "
+                                   f"than the whole disk cache ({self.cache_bytes}, "
+                                   "--adapter-cache-bytes)")
+        dirs = [p.parent for p in self.cache.rglob(ADAPTER_FILES[1])]
+        sizes = {d: _bytes_in(d) for d in dirs}
+        total = sum(sizes.values()) + incoming
         for d in sorted(dirs, key=lambda d: d.stat().st_mtime):
             if total <= self.cache_bytes:
                 break
             shutil.rmtree(d, ignore_errors=True)
             total -= sizes[d]
 
+
+def _bytes_in(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir())

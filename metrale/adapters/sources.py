@@ -47,6 +47,7 @@ class AdapterSources:
         self.sources = tuple(self._source(str(r), cache_dir, cache_bytes) for r in roots)
         self.negative_ttl_s, self._clock = negative_ttl_s, clock
         self._missing: OrderedDict[str, float] = OrderedDict()  # name -> remembered until
+        self._cached: dict[str, S3Source] = {}  # names found in a bucket: their copy may go
         self._lock = threading.Lock()  # requests look up from worker threads
 
     @staticmethod
@@ -69,9 +70,20 @@ class AdapterSources:
                 path = source.find(name)
                 if path is not None:
                     self._missing.pop(name, None)
+                    if isinstance(source, S3Source):
+                        self._cached[name] = source
                     return path
             self._missing[name] = now + self.negative_ttl_s
             self._missing.move_to_end(name)
             while len(self._missing) > MAX_REMEMBERED_MISSES:
                 self._missing.popitem(last=False)
             return None
+
+    def refresh(self, name: str) -> None:
+        """Before a request for a registered name found in a bucket: its disk-cache copy
+        (the path the engine registered) is fetched again if the cache evicted it, and
+        becomes the most recently used, so the landing that follows finds it."""
+        source = self._cached.get(name)
+        if source is not None:
+            with self._lock:
+                source.find(name)

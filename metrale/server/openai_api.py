@@ -64,8 +64,11 @@ def resolve_adapter(body: GenerationRequest, settings: ServerSettings) -> str | 
 async def register_from_sources(engine: EngineAPI, settings: ServerSettings, name: str) -> None:
     """A name no one registered yet, found in an --adapter-source, is registered now (the
     engine's own 404 follows when no source holds it); a request racing for the same
-    name finds it registered."""
-    if settings.sources is None or not is_valid_name(name) or await engine.is_known(name):
+    name finds it registered. A registered name from a bucket gets its cached copy back."""
+    if settings.sources is None or not is_valid_name(name):
+        return
+    if await engine.is_known(name):
+        await asyncio.to_thread(settings.sources.refresh, name)
         return
     path = await asyncio.to_thread(settings.sources.find, name)
     if path is not None:
