@@ -1,11 +1,10 @@
-"""Issue 28's CPU line, its directory half: 10,000 adapter directories (three layouts) behind
-`--adapter-source`, and a Zipf(1.1) trace of requests naming them directly, with no
-registration call, from 8 clients at once against a server of 4 slots: every completion's
-greedy tokens equal transformers + PEFT for its adapter. A known-but-cold adapter (found and
-registered, never landed) costs the server a few KB of Python memory, not its weights.
-
-The 1,000-object S3 half of that line is not built here (tests/test_object_store_source.py
-covers one bucket's downloads, cut-off transfers and corrupt objects)."""
+"""Issue 28's CPU line: 10,000 adapter directories (three layouts) behind `--adapter-source`,
+and 1,000 objects in an S3 look-alike behind a disk cache of about 40 adapters; Zipf(1.1)
+traces of requests naming them directly, with no registration call, from 8 clients at once
+against a server of 4 slots: every completion's greedy tokens equal transformers + PEFT for
+its adapter, the cache's files never pass its bound, an object cut off mid-download and a
+corrupt one are refused and never served. A known-but-cold adapter (found and registered,
+never landed) costs the server well under a KB of Python memory, not its weights."""
 
 from __future__ import annotations
 
