@@ -108,3 +108,19 @@ def test_sources_mix_directories_and_buckets(bucket, tmp_path, monkeypatch):
     assert found is not None and (found / FILES[1]).read_bytes() == \
         (adapter_dir("b") / FILES[1]).read_bytes()
     assert sources.find("org/nowhere") is None
+
+
+def test_refresh_fetches_an_evicted_copy_back_and_never_raises(bucket, tmp_path, monkeypatch):
+    for key, value in bucket.env.items():
+        monkeypatch.setenv(key, value)
+    bucket.put_adapter("team/a", "a")
+    sources = AdapterSources(["s3://bucket/team"], cache_dir=tmp_path / "cache")
+    path = sources.find("a")
+    shutil.rmtree(path)  # the cache dropped it
+    sources.refresh("a")
+    assert (path / FILES[1]).read_bytes() == (adapter_dir("a") / FILES[1]).read_bytes()
+    shutil.rmtree(path)
+    bucket.modes[f"/bucket/team/a/{FILES[1]}"] = "short"  # the store fails now
+    sources.refresh("a")  # logged, not raised: a resident adapter needs no copy
+    assert not path.exists()
+    sources.refresh("never-found")  # a name no bucket gave: nothing to do

@@ -7,15 +7,18 @@ NEGATIVE_TTL_S, so a stream of requests for it costs one look-up.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from metrale.adapters.object_store import S3Source, holds_adapter
+from metrale.adapters.object_store import ObjectStoreError, S3Source, holds_adapter
 from metrale.config import ConfigError
 from metrale.names import validate_adapter_name
+
+log = logging.getLogger("metrale.adapters")
 
 NEGATIVE_TTL_S = 30.0
 MAX_REMEMBERED_MISSES = 10_000
@@ -82,8 +85,12 @@ class AdapterSources:
     def refresh(self, name: str) -> None:
         """Before a request for a registered name found in a bucket: its disk-cache copy
         (the path the engine registered) is fetched again if the cache evicted it, and
-        becomes the most recently used, so the landing that follows finds it."""
+        becomes the most recently used, so the landing that follows finds it. Best effort:
+        a resident adapter needs no copy, and a landing without one fails on its own."""
         source = self._cached.get(name)
         if source is not None:
             with self._lock:
-                source.find(name)
+                try:
+                    source.find(name)
+                except ObjectStoreError as e:
+                    log.warning("adapter %r: its cached copy could not be fetched again: %s", name, e)
