@@ -27,8 +27,10 @@ Ray Serve's max_ongoing_requests):
 
 Loads: Zipf(alpha) over the adapters (0.8 and 1.1), and "shift": Zipf 1.1 whose hot
 set is re-drawn every --shift-s seconds. Reported: adapter hit rate (the adapter was
-READY on the chosen replica when the request arrived), promotions per second, p50/p99
-TTFT, and load imbalance (max/mean of requests per replica).
+READY on the chosen replica when the request arrived) and its ratio to the clairvoyant
+bound (clairvoyant_hit_rate: Belady's MIN over all the cluster's slots as one cache, on the
+same trace), promotions per second, p50/p99 TTFT, and load imbalance (max/mean of requests
+per replica).
 """
 
 from __future__ import annotations
@@ -347,6 +349,34 @@ def arrivals(n_adapters: int, alpha: float, rate: float, seconds: float, shift_s
         out.append(Request(len(out), order[rank_], t, rng.randint(32, 96), 128))
 
 
+def clairvoyant_hit_rate(load: list[Request], capacity: int) -> float:
+    """Belady's MIN over one cache of every slot of the cluster (replicas x slots): on a
+    miss with the cache full, the adapter asked for furthest in the future goes. An upper
+    bound on any router and eviction policy on the same trace: the replicas together hold at
+    most `capacity` adapters, a request hits only where its adapter is held (a request
+    needs its adapter landed: no bypass), and MIN is optimal for one demand-filled cache."""
+    never = float("inf")
+    next_use, seen = [never] * len(load), {}
+    for i in range(len(load) - 1, -1, -1):
+        next_use[i] = seen.get(load[i].adapter, never)
+        seen[load[i].adapter] = i
+    held: dict[int, float] = {}  # adapter -> the index of its next request
+    furthest: list[tuple[float, int]] = []  # (-next request, adapter); stale entries skipped
+    hits = 0
+    for i, r in enumerate(load):
+        if r.adapter in held:
+            hits += 1
+        elif len(held) >= capacity:
+            while True:
+                negative, victim = heapq.heappop(furthest)
+                if held.get(victim) == -negative:
+                    break
+            del held[victim]
+        held[r.adapter] = next_use[i]
+        heapq.heappush(furthest, (-next_use[i], r.adapter))
+    return hits / max(1, len(load))
+
+
 def percentile(values: list[float], p: float) -> float:
     if not values:
         return float("nan")
@@ -397,14 +427,18 @@ def main() -> None:
     rows = []
     for rate, (name, (alpha, shift)) in itertools.product(args.rates, loads.items()):
         load = arrivals(args.adapters, alpha, rate, args.seconds, shift, args.seed)
+        bound = clairvoyant_hit_rate(load, args.replicas * args.slots)
         for policy in POLICIES:
-            row = {"rate": rate, "load": name, **simulate(policy, load, args, times)}
+            row = {"rate": rate, "load": name, **simulate(policy, load, args, times),
+                   "clairvoyant_hit_rate": bound}
+            row["hit_over_clairvoyant"] = row["hit_rate"] / bound
             rows.append(row)
             print(f"{rate:5.0f}/s {name:9s} {policy:14s} hit {row['hit_rate']:.3f}  prom/s "
                   f"{row['promotions_per_s']:7.1f}  ttft p50 {row['ttft_p50_ms']:8.1f} ms  "
-                  f"p99 {row['ttft_p99_ms']:8.1f} ms  imbalance {row['imbalance']:.2f}", flush=True)
-    cols = ["rate", "load", "policy", "hit_rate", "promotions_per_s", "ttft_p50_ms", "ttft_p99_ms",
-            "imbalance", "completed"]
+                  f"p99 {row['ttft_p99_ms']:8.1f} ms  imbalance {row['imbalance']:.2f}  "
+                  f"hit/clairvoyant {row['hit_over_clairvoyant']:.3f}", flush=True)
+    cols = ["rate", "load", "policy", "hit_rate", "clairvoyant_hit_rate", "hit_over_clairvoyant",
+            "promotions_per_s", "ttft_p50_ms", "ttft_p99_ms", "imbalance", "completed"]
     print()
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
