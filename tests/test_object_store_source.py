@@ -116,6 +116,7 @@ def test_refresh_fetches_an_evicted_copy_back_and_never_raises(bucket, tmp_path,
     bucket.put_adapter("team/a", "a")
     sources = AdapterSources(["s3://bucket/team"], cache_dir=tmp_path / "cache")
     path = sources.find("a")
+    assert sources.from_bucket("a") and not sources.from_bucket("never-found")
     shutil.rmtree(path)  # the cache dropped it
     sources.refresh("a")
     assert (path / FILES[1]).read_bytes() == (adapter_dir("a") / FILES[1]).read_bytes()

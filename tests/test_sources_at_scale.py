@@ -68,7 +68,7 @@ def world(tmp_path_factory):
         shutil.copyfile(config, out / "adapter_config.json")
         save_file({key: (0.3 * torch.randn(shape, generator=g)).half()
                    for key, shape in shapes.items()}, str(out / "adapter_model.safetensors"))
-    return {"root": root, "model": root / "model", "source": source, "base": base}
+    return {"model": root / "model", "source": source, "base": base}
 
 
 def zipf_trace(n: int, count: int, s: float, seed: int) -> list[int]:

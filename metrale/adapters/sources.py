@@ -82,6 +82,10 @@ class AdapterSources:
                 self._missing.popitem(last=False)
             return None
 
+    def from_bucket(self, name: str) -> bool:
+        """Whether `name` was found in a bucket: only then is there a cached copy to refresh."""
+        return name in self._cached
+
     def refresh(self, name: str) -> None:
         """Before a request for a registered name found in a bucket: its disk-cache copy
         (the path the engine registered) is fetched again if the cache evicted it, and

@@ -68,7 +68,8 @@ async def register_from_sources(engine: EngineAPI, settings: ServerSettings, nam
     if settings.sources is None or not is_valid_name(name):
         return
     if await engine.is_known(name):
-        await asyncio.to_thread(settings.sources.refresh, name)
+        if settings.sources.from_bucket(name):  # a thread hop only for a copy that may be gone
+            await asyncio.to_thread(settings.sources.refresh, name)
         return
     path = await asyncio.to_thread(settings.sources.find, name)
     if path is not None:
