@@ -89,7 +89,8 @@ def _gemm_with_lora_us(x, weight, group_args, order, path: str | None) -> float:
     """A layer's projection as the model runs it: the base GEMM plus the group's LoRA
     (lora_triton.lora_linear: the shrink beside the GEMM), by PATH_TABLE's path or `path`."""
     As, Bts, slices, ids, scales, ranks = group_args
-    return _graph_us(functools.partial(lt.lora_linear, x, weight, None, As, Bts, slices, ids,
+    base = functools.partial(torch.nn.functional.linear, weight=weight)
+    return _graph_us(functools.partial(lt.lora_linear, x, base, None, As, Bts, slices, ids,
                                        scales, ranks, order=order, path=path))
 
 

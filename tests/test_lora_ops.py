@@ -327,8 +327,8 @@ def test_paths_match_ref(path, T, dora, dtype, small_k):
 @pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("path", lt.PATHS)
 def test_lora_linear_is_the_gemm_then_the_delta(path, dora, small_k):
-    """lora_linear(x, W, b, ...) == F.linear(x, W, b) then lora_apply_fused (bias, DoRA):
-    the layers call the former (it overlaps the shrink with the GEMM on CUDA)."""
+    """lora_linear(x, base, b, ...) == base(x) = F.linear(x, W, b) then lora_apply_fused
+    (bias, DoRA): the layers call the former (it overlaps the shrink with the GEMM on CUDA)."""
     dims = GROUPS["qkv_gqa"]
     T, S, seed = 9, 7, 77 + dora
     clean, nan = pools(S=S, R=16, dims=dims, dtype=torch.float32, seed=seed, ranks=PATH_RANKS)
@@ -338,7 +338,8 @@ def test_lora_linear_is_the_gemm_then_the_delta(path, dora, small_k):
     bias = None if bias is None else bias.to(DEV)
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(y0.shape[1], x.shape[1], generator=g).to(DEV)  # [sum(out), in]
-    got = lt.lora_linear(x, weight, bias, nan.As, nan.Bts, slices, ids, nan.scales_list,
+    base = functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
+    got = lt.lora_linear(x, base, bias, nan.As, nan.Bts, slices, ids, nan.scales_list,
                          nan.ranks_list, doras_list=doras, gains_list=gains, path=path)
     want = torch.nn.functional.linear(x, weight, bias)
     ref.lora_apply_fused_ref(want, x, clean.As, clean.Bts, slices, ids, clean.scales_list,
@@ -583,7 +584,8 @@ def test_gpu_overlapped_lora_linear_in_a_graph(T):
     out = torch.empty(T, weight.shape[0], dtype=torch.bfloat16, device=DEV)
 
     def linear():
-        return lt.lora_linear(x, weight, None, pool.As, pool.Bts, slices, ids,
+        return lt.lora_linear(x, functools.partial(torch.nn.functional.linear, weight=weight),
+                              None, pool.As, pool.Bts, slices, ids,
                               pool.scales_list, pool.ranks_list, path="split")
 
     def step():

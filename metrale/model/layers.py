@@ -11,7 +11,9 @@ from torch import nn
 
 from metrale.config import ConfigError, ModelConfig
 from metrale.forward_context import get_context
+from metrale.ops import fp8_linear as fp8
 from metrale.ops import fused_triton as fused
+from metrale.ops import lora as lora_ops
 from metrale.ops.attention import store_kv
 from metrale.ops.lora import lora_linear
 
@@ -105,7 +107,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LoraProjection(nn.Module):
     """A (possibly fused) linear projection plus the per-token LoRA delta of the modules it
     fuses (metrale.ops.lora; the DoRA ops take the bias back out of y, so the base matmul
-    stays one fused addmm)."""
+    stays one fused addmm). Its weight is dense, or FP8 after use_fp8 (metrale.ops.fp8_linear:
+    the Triton GEMM on CUDA, the dequantizing reference elsewhere)."""
 
     def __init__(self, layer: int, modules: tuple[str, ...], in_features: int,
                  out_features: tuple[int, ...], bias: bool = False) -> None:
@@ -116,10 +119,49 @@ class LoraProjection(nn.Module):
         self.bias = nn.Parameter(torch.zeros(total)) if bias else None
         bounds = [0, *itertools.accumulate(out_features)]
         self.out_slices = tuple(slice(a, b) for a, b in zip(bounds, bounds[1:]))
+        self.register_buffer("weight_scale", None)  # FP8: float32 [ceil(N/so), ceil(K/si)]
+        self.register_buffer("tile_counters", None, persistent=False)
+        self.scale_block = (1, in_features)  # FP8: (so, si), the rows and columns a scale covers
+
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the weight as float8_e4m3fn [N, K] with a float32 scale per (so, si) block,
+        both uninitialised (the loader fills them; on the meta device too, then build())."""
+        n, k = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=fp8.FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        self.scale_block = block
+        self.weight_scale = torch.empty(-(-n // block[0]), -(-k // block[1]),
+                                        dtype=torch.float32, device=device)
+        self.tile_counters = fp8.tile_counters(n, device)
+
+    def build(self) -> None:
+        """Zero the split-K tile counters (after to_empty: computed state, not a weight)."""
+        if self.tile_counters is not None and not self.tile_counters.is_meta:
+            self.tile_counters.zero_()
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight W [N, K] the base computes with, in dtype (DoRA's norms read it)."""
+        if not self.is_fp8:
+            return self.weight
+        return fp8.dequantize(self.weight, self.weight_scale, self.scale_block).to(dtype)
+
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> the base linear's y [T, N], bias included."""
+        if not self.is_fp8:
+            return F.linear(x, self.weight, self.bias)
+        if (x.is_cuda or lora_ops.TRITON_ON_CPU) and fp8.fits(x, self.scale_block):
+            return fp8.fp8_linear(x.contiguous(), self.weight, self.weight_scale,
+                                  self.scale_block, self.bias, self.tile_counters)
+        return fp8.fp8_linear_ref(x, self.weight, self.weight_scale, self.scale_block, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lora = get_context().lora
         if lora is None:
-            return F.linear(x, self.weight, self.bias)  # [T, out]
-        return lora_linear(x, self.weight, self.bias, lora, self.layer, self.modules_,
+            return self.base(x)  # [T, out]
+        return lora_linear(x, self.base, self.bias, lora, self.layer, self.modules_,
                            self.out_slices)

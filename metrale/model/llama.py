@@ -186,4 +186,5 @@ class BaseWeights:
             return (model.embed_tokens if model.lm_head is None else model.lm_head).weight
         part, name, i = self._PROJ[module]
         proj = getattr(getattr(model.layers[layer], part), name)
-        return proj.weight[proj.out_slices[i]]  # [out_m, in]
+        dense = proj.dense_weight(model.embed_tokens.weight.dtype)  # an FP8 one dequantized
+        return dense[proj.out_slices[i]]  # [out_m, in]

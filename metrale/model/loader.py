@@ -10,15 +10,10 @@ import torch
 from safetensors import safe_open
 
 from metrale.config import ConfigError, ModelConfig
-from metrale.model.layers import RotaryEmbedding
+from metrale.model.layers import LoraProjection, RotaryEmbedding
 from metrale.model.llama import LlamaForCausalLM
-from metrale.model.quantization import (
-    FP8_DTYPES,
-    QuantScheme,
-    is_linear_weight,
-    round_to_fp8,
-    scheme_of,
-)
+from metrale.model.quantization import FP8_DTYPES, QuantScheme, scheme_of
+from metrale.ops.fp8_linear import quantize_rows
 
 # HF name suffix -> (our parameter suffix, shard index within the fused weight)
 _FUSED = {
@@ -46,16 +41,22 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                quantization: str | None = None) -> LlamaForCausalLM:
     """quantization "fp8": a dense checkpoint's linear weights rounded to FP8 per output
-    channel as they load (a quantized checkpoint keeps its own scheme)."""
+    channel as they load (a quantized checkpoint keeps its own scheme). FP8 linears stay FP8
+    in memory (metrale.ops.fp8_linear); other quantized formats dequantize as they load."""
     model_dir = Path(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
-    model = model.to_empty(device=device)
-    _build_rotary(model)  # computed buffers, not weights
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
     scheme = scheme_of(model_dir)
     aux = _aux_tensors(model_dir, scheme) if scheme is not None else {}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    projections = {f"{name}.weight": m for name, m in model.named_modules()
+                   if isinstance(m, LoraProjection)}
+    shapes = {target: proj.weight.shape for target, proj in projections.items()}
+    for target, block in _fp8_projections(shapes, cfg, scheme, aux, quantization).items():
+        projections[target].use_fp8(block)  # before memory: a 70B base never exists in bf16
+    model = model.to_empty(device=device)
+    build_computed(model)  # buffers computed, not loaded
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
     for path in weight_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -64,7 +65,14 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                 tensor = f.get_tensor(name)
                 if scheme is not None and scheme.quantizes(name, tensor):
                     name = name.rsplit(".", 1)[0] + ".weight"
-                    tensor = scheme.dequantize(name.removesuffix("weight"), tensor, aux)
+                    prefix = name.removesuffix("weight")
+                    target, shard = param_name(name)
+                    if target in projections and projections[target].is_fp8:
+                        copy_fp8(projections[target], *scheme.fp8_parts(prefix, tensor, aux),
+                                 target, shard, cfg)
+                        loaded.add(f"{target}#{shard}")
+                        continue
+                    tensor = scheme.dequantize(prefix, tensor, aux)
                 elif tensor.dtype in FP8_DTYPES:
                     raise ConfigError(f"{name} is float8 but config.json has no "
                                       "quantization_config")
@@ -73,9 +81,11 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                     continue
                 if target not in params:
                     raise ConfigError(f"{path}: unexpected weight {name} for a {cfg.model_type} model")
-                if quantization == "fp8" and scheme is None and is_linear_weight(target):
-                    tensor = round_to_fp8(tensor)
-                copy_weight(params[target], tensor, target, shard, cfg)
+                if target in projections and projections[target].is_fp8:  # --quantization fp8
+                    q, scale = quantize_rows(tensor)
+                    copy_fp8(projections[target], q, scale, (1, tensor.shape[1]), target, shard, cfg)
+                else:
+                    copy_weight(params[target], tensor, target, shard, cfg)
                 loaded.add(f"{target}#{shard}")
     _check_complete(params, loaded, cfg)
     if cfg.gemma_norms:  # Gemma's norms scale by (1 + w): fold the 1 in once, here
@@ -83,14 +93,81 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             for name, param in params.items():
                 if name.endswith("norm.weight"):
                     param.add_(1.0)
-    model.to(dtype).eval()
-    _build_rotary(model)  # rotary tables stay float32 whatever the weights are
+    with torch.no_grad():
+        for param in model.parameters():  # nn.Module.to(dtype) would cast FP8 weights too
+            if param.dtype not in FP8_DTYPES:
+                param.data = param.data.to(dtype)
+    model.eval()
+    build_computed(model)  # rotary tables stay float32 whatever the weights are
     return model
 
 
-def _build_rotary(model: LlamaForCausalLM) -> None:
-    for module in model.modules():  # Gemma 3 has a second table for its sliding layers
-        if isinstance(module, RotaryEmbedding):
+def _fp8_projections(shapes: dict[str, torch.Size], cfg: ModelConfig,
+                     scheme: QuantScheme | None, aux: dict[str, torch.Tensor],
+                     quantization: str | None) -> dict:
+    """Of our projection weights (shapes: name -> [N, K]) those that stay FP8 -> their scale
+    blocks (so, si): all under --quantization fp8; in an FP8 checkpoint those whose parts
+    all have scales (a fused one whose parts do not share the row blocks gets a scale per
+    row and K block)."""
+    if scheme is None:
+        if quantization != "fp8":
+            return {}
+        return {name: (1, shape[1]) for name, shape in shapes.items()}
+    if scheme.method not in ("fp8", "compressed-tensors"):
+        return {}
+    parts: dict[str, list[int | None]] = {}
+    for name in aux:
+        last = name.rsplit(".", 1)[-1]
+        if last in ("weight_scale", "weight_scale_inv"):
+            target, shard = param_name(name.removesuffix(last) + "weight")
+            parts.setdefault(target, []).append(shard)
+    blocks = {}
+    for target, shape in shapes.items():
+        sizes = _shard_sizes(target, cfg)
+        shards = parts.get(target, [])
+        if None not in shards and len(shards) < len(sizes):
+            continue  # not every part quantized: dequantized at load instead
+        if scheme.block is None:
+            blocks[target] = (1, shape[1])
+            continue
+        bo, bi = scheme.block
+        aligned = None in shards or all(size % bo == 0 for size in sizes)
+        blocks[target] = (bo if aligned else 1, bi)
+    return blocks
+
+
+def _shard_sizes(target: str, cfg: ModelConfig) -> list[int]:
+    if "qkv_proj" in target:
+        return [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    if "gate_up_proj" in target:
+        return [cfg.intermediate_size] * 2
+    return [0]
+
+
+def copy_fp8(proj: LoraProjection, q: torch.Tensor, scale: torch.Tensor,
+             block: tuple[int, int], target: str, shard: int | None, cfg: ModelConfig) -> None:
+    """One checkpoint part (q [rows, K] float8, its scale grid over (so, si) blocks) into an
+    FP8 projection, re-spreading the scales when the projection uses per-row blocks."""
+    rows = proj.weight.shape[0] if shard is None else _shard_sizes(target, cfg)[shard]
+    start = 0 if shard is None else sum(_shard_sizes(target, cfg)[:shard])
+    if q.shape != (rows, proj.weight.shape[1]):
+        raise ConfigError(f"weight {target} has shape {tuple(q.shape)}, expected "
+                          f"{(rows, proj.weight.shape[1])}: the checkpoint does not match its config.json")
+    so, si = proj.scale_block
+    if block[1] != si:
+        raise ConfigError(f"{target}: its parts' scale blocks differ ({block[1]} vs {si} columns)")
+    if block[0] != so:  # the fused projection's row blocks are single rows
+        scale = scale.repeat_interleave(block[0], 0)[:rows]
+    with torch.no_grad():
+        proj.weight.narrow(0, start, rows).copy_(q)
+        proj.weight_scale.narrow(0, start // so, scale.shape[0]).copy_(scale)
+
+
+def build_computed(model: LlamaForCausalLM) -> None:
+    """(Re)build the buffers computed rather than loaded: rotary tables (Gemma 3 has a second
+    for its sliding layers) and FP8 projections' tile counters."""
+    for module in model.modules():
+        if isinstance(module, (RotaryEmbedding, LoraProjection)):
             module.build()
 
 
@@ -117,8 +194,7 @@ def param_name(hf: str) -> tuple[str | None, int | None]:
 def copy_weight(param: torch.Tensor, tensor: torch.Tensor, target: str, shard: int | None,
                 cfg: ModelConfig) -> None:
     if shard is not None:
-        sizes = ([cfg.q_size, cfg.kv_size, cfg.kv_size] if "qkv_proj" in target
-                 else [cfg.intermediate_size] * 2)
+        sizes = _shard_sizes(target, cfg)
         param = param.narrow(0, sum(sizes[:shard]), sizes[shard])
     if param.shape != tensor.shape:
         raise ConfigError(

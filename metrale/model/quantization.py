@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from metrale.config import ConfigError
+from metrale.ops.fp8_linear import dequantize
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -54,31 +55,35 @@ class QuantScheme:
         """The float32 weight [out, in]; aux: by full name; prefix: "model.layers.0.[...].q_proj."."""
         if self.method == "bitsandbytes":
             return _bnb_4bit(prefix + "weight", tensor, aux)
+        if self.method in ("fp8", "compressed-tensors"):
+            return dequantize(*self.fp8_parts(prefix, tensor, aux))
         parts = {}
         for part in _AUX[self.method]:
             if prefix + part not in aux:
                 raise ConfigError(f"{prefix}{_WEIGHT[self.method]} is quantized but the "
                                   f"checkpoint has no {prefix}{part}")
             parts[part] = aux[prefix + part]
-        if self.method in ("fp8", "compressed-tensors"):
-            return self._float8(prefix, tensor, next(iter(parts.values())))
         return self._int4(prefix, tensor, parts)
 
-    def _float8(self, prefix: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        w, s = weight.to(torch.float32), scale.to(torch.float32)
+    def fp8_parts(self, prefix: str, weight: torch.Tensor, aux: dict[str, torch.Tensor]):
+        """(q [out, in] float8, scale grid float32, (so, si)) in metrale.ops.fp8_linear's
+        layout: a block-wise checkpoint's own blocks; one scale per row otherwise."""
+        part = _AUX[self.method][0]
+        if prefix + part not in aux:
+            raise ConfigError(f"{prefix}weight is quantized but the checkpoint has no "
+                              f"{prefix}{part}")
+        s = aux[prefix + part].to(torch.float32)
+        out, d_in = weight.shape
         if self.block is not None:  # s: [ceil(out/bo), ceil(in/bi)]
-            bo, bi = self.block
-            want = (-(-w.shape[0] // bo), -(-w.shape[1] // bi))
+            want = (-(-out // self.block[0]), -(-d_in // self.block[1]))
             if tuple(s.shape) != want:
                 raise ConfigError(f"{prefix}weight_scale_inv has shape {tuple(s.shape)}, "
                                   f"expected {want} for blocks of {list(self.block)}")
-            s = s.repeat_interleave(bo, 0)[:w.shape[0]].repeat_interleave(bi, 1)[:, :w.shape[1]]
-        elif s.numel() == w.shape[0] and s.numel() != 1:  # per output channel
-            s = s.reshape(-1, 1)
-        elif s.numel() != 1:
+            return weight, s, self.block
+        if s.numel() not in (1, out):
             raise ConfigError(f"{prefix}: {s.numel()} weight scales; expected 1 or one per "
-                              f"output row ({w.shape[0]})")
-        return w * s
+                              f"output row ({out})")
+        return weight, s.reshape(-1, 1).expand(out, 1).contiguous(), (1, d_in)
 
     def _int4(self, prefix: str, qweight: torch.Tensor, parts: dict) -> torch.Tensor:
         if qweight.dtype != torch.int32 or parts["qzeros"].dtype != torch.int32 or \
@@ -149,22 +154,6 @@ def _unpack_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:
     (AWQ's interleaved order, or in order)."""
     shifts = _AWQ_SHIFTS if awq else _SEQ_SHIFTS
     return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
-
-
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-_LINEAR_PARAMS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
-
-
-def is_linear_weight(param: str) -> bool:
-    """A decoder layer's linear weight: what FP8 checkpoints quantize."""
-    return param.endswith(_LINEAR_PARAMS)
-
-
-def round_to_fp8(weight: torch.Tensor) -> torch.Tensor:
-    """weight rounded to float8_e4m3fn per output row (vLLM's --quantization fp8), in float32."""
-    w = weight.to(torch.float32)
-    scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return (w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
 
 
 def scheme_of(model_dir: str | Path) -> QuantScheme | None:

@@ -4,8 +4,9 @@ Triton kernels on CUDA or the torch reference; one entry point per place a LoRA 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 
 from metrale.forward_context import LoraBatch
 from metrale.ops import lora_ref, lora_triton
@@ -40,18 +41,19 @@ def lora_apply(
 
 
 def lora_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoraBatch,
-    layer: int, modules: tuple[str, ...], out_slices: tuple[slice, ...],
+    x: torch.Tensor, base: Callable[[torch.Tensor], torch.Tensor], bias: torch.Tensor | None,
+    lora: LoraBatch, layer: int, modules: tuple[str, ...], out_slices: tuple[slice, ...],
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias) plus lora_apply's delta (on CUDA the shrink overlaps the GEMM)."""
+    """base(x) (the base linear, bias included) plus lora_apply's delta (on CUDA the shrink
+    overlaps the GEMM)."""
     views = lora.pool.fused_views(layer, modules, out_slices)
     if views is None or not _triton(x):
-        y = F.linear(x, weight, bias)
+        y = base(x)
         if views is not None:
             lora_apply(y, x, lora, layer, modules, out_slices, bias)
         return y
     As, Bts, slices, scales, ranks, doras, gains = views
-    return lora_triton.lora_linear(x, weight, bias, As, Bts, slices, lora.slot_ids, scales,
+    return lora_triton.lora_linear(x, base, bias, As, Bts, slices, lora.slot_ids, scales,
                                    ranks, order=lora.order, doras_list=doras, gains_list=gains)
 
 

@@ -5,9 +5,9 @@ the host or reads slot contents there: CUDA graphs stay valid across adapter swa
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from metrale.ops import lora_launch as launch
 from metrale.ops.lora_launch import PATHS, choose_path
@@ -109,22 +109,22 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def lora_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, As, Bts, out_slices,
-    slot_ids: torch.Tensor, scales_list, ranks_list, *, order: torch.Tensor | None = None,
-    doras_list=None, gains_list=None, path: str | None = None,
+    x: torch.Tensor, base: Callable[[torch.Tensor], torch.Tensor], bias: torch.Tensor | None,
+    As, Bts, out_slices, slot_ids: torch.Tensor, scales_list, ranks_list, *,
+    order: torch.Tensor | None = None, doras_list=None, gains_list=None, path: str | None = None,
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias), then lora_apply_fused; on CUDA the shrink (it reads only x)
-    runs on a side stream during the GEMM, the expand after both (graphs capture the fork)."""
+    """base(x) (the base linear, bias included: a dense or FP8 GEMM), then lora_apply_fused;
+    on CUDA the shrink (it reads only x) runs on a side stream during the GEMM, the expand
+    after both (graphs capture the fork)."""
     T = x.shape[0]
     if T == 0 or not (OVERLAP and x.is_cuda):
-        y = F.linear(x, weight, bias)  # [T, out]
+        y = base(x)  # [T, out]
         lora_apply_fused(y, x, As, Bts, out_slices, slot_ids, scales_list, ranks_list,
                          order=order, doras_list=doras_list, gains_list=gains_list, bias=bias,
                          path=path)
         return y
     require_triton()
     path = _path_for(x, path)
-    cols = launch.y_cols(out_slices, Bts, weight.shape[0])
     order = _order_for(slot_ids, order)
     # allocated on the current stream and freed there after the expand, which runs after
     # the join: no other work can be handed this memory while the side stream writes it
@@ -133,8 +133,9 @@ def lora_linear(
     side.wait_stream(main)  # x, slot_ids and order are written on the current stream
     with torch.cuda.stream(side):
         launch.shrink(x, As, slot_ids, ranks_list, order, h)
-    y = F.linear(x, weight, bias)  # [T, out]
+    y = base(x)  # [T, out]
     main.wait_stream(side)
+    cols = launch.y_cols(out_slices, Bts, y.shape[1])
     launch.expand(y, h, Bts, cols, slot_ids, ranks_list, scales_list, order, doras_list,
                   gains_list, bias)
     return y

@@ -1,0 +1,122 @@
+"""The FP8 weight-only GEMM (metrale.ops.fp8_linear) against its plain-torch reference in
+Triton's interpreter: both forms (x W^T and W x^T), per-row and block scales, split K (the
+last split sums the others' partials and leaves its tile counter at 0 for the next launch),
+bias, ragged shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale.ops import fp8_linear as f
+from tests.helpers.kernels import KERNELS
+
+pytestmark = pytest.mark.skipif(not KERNELS, reason="needs Triton (compiled or interpreted)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weights(n: int, k: int, block, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    if block is None:
+        q, scale = f.quantize_rows(w)
+        return q, scale, (1, k)
+    bo, bi = block
+    scale = torch.rand(-(-n // bo), -(-k // bi), generator=g) + 0.01  # [N blocks, K blocks]
+    return (w * 30).clamp(-f.FP8_MAX, f.FP8_MAX).to(f.FP8_DTYPE), scale, block
+
+
+@pytest.mark.parametrize("t, n, k, block, split, bias", [
+    (3, 40, 96, None, 1, False),
+    (5, 70, 256, None, 4, True),  # K splits of 64 over 4 programs, N ragged
+    (17, 33, 128, (16, 32), 2, False),  # block scales applied per K tile
+    (1, 64, 512, (8, 32), 8, True),
+    (70, 48, 64, None, 1, True),  # past SPLIT_MAX_M: prefill tiles
+    (9, 40, 96, None, 2, True),  # K not a multiple of the splits' tiles: masked along K
+    (300, 40, 96, (16, 32), 1, True),  # from DENSE_MIN_M: dequantized for F.linear
+])
+def test_gemm_equals_reference(t, n, k, block, split, bias):
+    q, scale, blk = _weights(n, k, block, seed=t + n)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(k))
+    b = torch.randn(n) if bias else None
+    q, scale, x = q.to(DEVICE), scale.to(DEVICE), x.to(DEVICE)
+    b = b.to(DEVICE) if b is not None else None
+    want = f.fp8_linear_ref(x, q, scale, blk, b)
+    counters = f.tile_counters(n, x.device)
+    forced = [f.GemmConfig(16, 16, 32, split, swap=swap) for swap in (False, True)]
+    for cfg in (*forced, None):  # a forced split, both GEMM forms, then the chosen config
+        for _ in range(2):  # a second launch reuses the counters the first reset
+            got = f.fp8_linear(x, q, scale, blk, b, counters, cfg)
+            torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-4)
+    assert int(counters.abs().sum()) == 0
+
+
+def test_dequantize_kernel_equals_the_reference_bitwise():
+    for block in (None, (16, 32)):
+        q, scale, blk = _weights(70, 96, block, seed=3)
+        q, scale = q.to(DEVICE), scale.to(DEVICE)
+        want = f.dequantize(q, scale, blk)
+        assert torch.equal(f.dequantize_to(q, scale, blk, torch.float32), want)
+
+
+def test_a_wrong_scale_changes_the_answer():
+    """The GEMM reads each block's own scale: one block's scale doubled moves its outputs."""
+    q, scale, blk = _weights(32, 64, (16, 32), seed=1)
+    x = torch.randn(4, 64).to(DEVICE)
+    q, scale = q.to(DEVICE), scale.to(DEVICE)
+    counters = f.tile_counters(32, x.device)
+    base = f.fp8_linear(x, q, scale, blk, None, counters, f.GemmConfig(16, 16, 32, 2))
+    scale[1, 1] *= 2
+    moved = f.fp8_linear(x, q, scale, blk, None, counters, f.GemmConfig(16, 16, 32, 2))
+    changed = (moved - base).abs().amax(0) > 1e-3  # [N]
+    assert changed[16:].all() and not changed[:16].any()
+
+
+def test_chosen_configs_split_only_skinny_gemms_and_fit_the_counters():
+    sms = 132
+    for m in (1, 8, 32, 64):
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            counters = f.tile_counters(n, torch.device("cpu")).numel()
+            cfg = f.choose_config(m, n, k, 128, sms, counters)
+            tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+            assert cfg.block_m >= m or cfg.block_m == 64
+            assert tiles <= counters and k // cfg.split_k >= cfg.block_k
+    assert f.choose_config(512, 4096, 4096, 128, sms, 1024).split_k == 1
+
+
+def test_inputs_it_cannot_tile_are_refused():
+    q, scale, _ = _weights(32, 40, (16, 40), seed=2)  # K blocks of 40: no power-of-2 tile fits
+    x = torch.randn(2, 40)
+    assert not f.fits(x, (16, 20))
+    with pytest.raises(ValueError, match="K blocks"):
+        f.fp8_linear(x, q, scale, (16, 20), None, f.tile_counters(32, x.device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (57344, 8192)])
+def test_gpu_gemm_at_model_shapes_replays_in_a_graph(n, k):
+    """bf16 activations at Llama-3-8B / 70B projection shapes, decode and prefill sizes:
+    within bf16 rounding of the reference, and a captured graph's replays (the split-K
+    counters reset by the kernel itself) equal the eager result bitwise."""
+    q, scale, blk = _weights(n, k, None, seed=n)
+    q, scale = q.cuda(), scale.cuda()
+    counters = f.tile_counters(n, q.device)
+    for t in (1, 7, 32, 64, 200, 300):
+        x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+        want = f.fp8_linear_ref(x.float(), q, scale, blk)  # fp32 math on the same weights
+        got = f.fp8_linear(x, q, scale, blk, None, counters)
+        err = (got.float() - want).abs().max() / want.abs().max()
+        assert err < 1e-2, (t, float(err))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            f.fp8_linear(x, q, scale, blk, None, counters)  # warm-up off the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = f.fp8_linear(x, q, scale, blk, None, counters)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, got), t
+    assert int(counters.abs().sum()) == 0
