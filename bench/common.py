@@ -21,15 +21,22 @@ from pathlib import Path
 
 import torch
 
-from metrale.config import ModelConfig
+from metrale.config import LINEAR_MODULES, ModelConfig
+from metrale.model.layers import LoraProjection
 from metrale.model.llama import LlamaForCausalLM
-from metrale.model.loader import copy_weight, param_name
+from metrale.model.loader import build_computed, copy_weight, param_name
+from metrale.ops.fp8_linear import FP8_DTYPE, quantize_rows
 
 CONFIGS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
                       tie_word_embeddings=False),
+    # built only as FP8 (llama3-70b-fp8): 141 GB in bf16 does not fit one H200
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                       tie_word_embeddings=False),
     "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                         head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -48,7 +55,87 @@ class Pair:
     model_dir: Path
     config: ModelConfig
     ours: LlamaForCausalLM
-    hf: object  # transformers LlamaForCausalLM
+    hf: object | None  # transformers LlamaForCausalLM; None for a base built only as FP8
+
+
+def build_any(name: str, device: str, workdir: Path) -> Pair:
+    """build_pair(name); "<name>-fp8": its projections rounded to FP8 per output row after
+    (--quantization fp8's rounding), or, for a shape that does not fit in bf16, built FP8
+    with random weights and no transformers twin (build_random_fp8)."""
+    base = name.removesuffix("-fp8")
+    if base == name:
+        return build_pair(name, device, workdir)
+    if base == "llama3-70b":
+        return build_random_fp8(base, device, workdir)
+    pair = build_pair(base, device, workdir)
+    for m in pair.ours.modules():
+        if isinstance(m, LoraProjection):
+            q, scale = quantize_rows(m.weight)
+            m.use_fp8((1, q.shape[1]))
+            with torch.no_grad():
+                m.weight.copy_(q)
+                m.weight_scale.copy_(scale)
+    build_computed(pair.ours)
+    return Pair(name, pair.model_dir, pair.config, pair.ours, pair.hf)
+
+
+def build_random_fp8(name: str, device: str, workdir: Path, max_positions: int = 16384) -> Pair:
+    """Our model alone, FP8 projections from the start (never a bf16 copy in memory):
+    e4m3 codes of N(0, 1) scaled by 0.02 per row (transformers' init std), embeddings
+    N(0, 0.02), norms 1."""
+    import transformers
+
+    model_dir = workdir / name
+    transformers.LlamaConfig(**CONFIGS[name]).save_pretrained(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        ours = LlamaForCausalLM(cfg, max_positions)
+    for m in ours.modules():
+        if isinstance(m, LoraProjection):
+            m.use_fp8((1, m.weight.shape[1]))
+    ours = ours.to_empty(device=device)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # make_engine's
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for pname, p in ours.named_parameters():
+            if p.dtype == FP8_DTYPE:
+                for rows in p.split(4096):  # bounded scratch
+                    rows.copy_(torch.randn(rows.shape, device=device).to(FP8_DTYPE))
+            elif pname.endswith("norm.weight"):
+                p.data = torch.ones_like(p, dtype=dtype)
+            else:
+                p.data = (torch.randn_like(p) * 0.02).to(dtype)
+        for b in ours.buffers():
+            if b.dtype == torch.float32 and b.dim() == 2 and b.shape[1] == 1:  # scales
+                b.fill_(0.02)
+    ours.eval()
+    build_computed(ours)
+    return Pair(f"{name}-fp8", model_dir, cfg, ours, None)
+
+
+def write_random_adapters(pair: Pair, n: int, out_dir: Path, dtype=torch.bfloat16) -> None:
+    """LORA-shaped adapters in PEFT's file layout without a transformers model (a base built
+    only as FP8): a0 random, a1..a{n-1} links to it (speed depends on the slots read, not
+    on their values)."""
+    from safetensors.torch import save_file
+
+    cfg, r = pair.config, LORA["r"]
+    torch.manual_seed(1)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for module in LINEAR_MODULES:
+            d_in, d_out = cfg.linear_shape(module)
+            key = f"base_model.model.{cfg.module_path(layer, module)}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(r, d_in) / d_in ** 0.5).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(d_out, r) * 0.01).to(dtype)
+    a0 = adapter_dir(out_dir, 0)
+    a0.mkdir(parents=True)
+    save_file(tensors, a0 / "adapter_model.safetensors")
+    (a0 / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": LORA["lora_alpha"],
+        "target_modules": list(LINEAR_MODULES)}))
+    for i in range(1, n):
+        adapter_dir(out_dir, i).symlink_to(a0, target_is_directory=True)
 
 
 def build_pair(name: str, device: str, workdir: Path, dtype=None,

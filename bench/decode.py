@@ -3,6 +3,11 @@ adapters, against transformers + PEFT mixed-adapter `generate`, and the HBM roof
 
     PYTHONPATH=. python bench/decode.py [--model llama3-8b] [--batch 32 64] [--mixed]
 
+--model NAME-fp8 (llama3-8b-fp8, llama3-70b-fp8): the base's projections in FP8 with a
+scale per output row (metrale.ops.fp8_linear's weight-only GEMM; the 70B shape is built
+FP8 from the start with random weights and random adapters, no PEFT baseline); its
+roofline counts the FP8 bytes and the scales.
+
 JSON `decode[<model>]`: per batch size base_tok_s, lora1_tok_s, lora32_tok_s,
 peft_mixed32_tok_s (batch 32 only), hbm_roofline_tok_s, and the inputs of the roofline;
 per mode (base, lora1, lora32) the median step wall time (*_step_ms) and on CUDA the
@@ -38,7 +43,7 @@ import torch
 from bench.adapter_kinds import dora_variant, embedding_variant
 from bench.common import (
     adapter_dir,
-    build_pair,
+    build_any,
     copy_bandwidth,
     make_peft,
     median,
@@ -46,6 +51,7 @@ from bench.common import (
     results_path,
     sync,
     table,
+    write_random_adapters,
 )
 from metrale.config import EngineConfig, PoolConfig, SchedulerConfig
 from metrale.engine.llm_engine import LLMEngine
@@ -146,6 +152,8 @@ def roofline_tok_s(pair, batch: int, ctx: float, bw: float) -> tuple[float, floa
     cfg, m = pair.config, pair.ours
     weights = sum(p.numel() * p.element_size() for n, p in m.named_parameters()
                   if cfg.tie_word_embeddings or not n.startswith("embed_tokens"))
+    weights += sum(b.numel() * b.element_size() for n, b in m.named_buffers()
+                   if n.endswith("weight_scale"))  # an FP8 base's scales
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * ctx * batch
     step = weights + kv
     return batch / (step / bw), step
@@ -313,8 +321,12 @@ def main() -> None:
         lora_launch.PATH_TABLE = (lora_launch.PathRule(args.lora_path),)
         args.override.append(f"lora-path={args.lora_path}")
     with tempfile.TemporaryDirectory() as tmp:
-        pair = build_pair(args.model, args.device, Path(tmp))
-        peft = make_peft(pair, 32, Path(tmp) / "adapters")
+        pair = build_any(args.model, args.device, Path(tmp))
+        if pair.hf is not None:
+            peft = make_peft(pair, 32, Path(tmp) / "adapters")
+        else:  # a base built only as FP8: adapters written directly, no PEFT baseline
+            peft = None
+            write_random_adapters(pair, 32, Path(tmp) / "adapters")
         if not args.only_mixed:
             res = run(pair, Path(tmp) / "adapters", None if args.no_peft else peft, args.device,
                       tuple(args.batch))

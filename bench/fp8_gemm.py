@@ -1,0 +1,123 @@
+"""The FP8 weight-only GEMM (metrale.ops.fp8_linear) at Llama-3-8B and 70B projection
+shapes against its byte floor and bf16 cuBLAS, and a sweep of tile configs per shape:
+what choose_config should pick.
+
+    PYTHONPATH=. python bench/fp8_gemm.py [--m 1 8 32 64 128] [--sweep]
+
+JSON `fp8_gemm[<model> <proj> m<M>]`: bf16_us (F.linear on the bf16 weight), fp8_us (the
+chosen config), floor_us (FP8 weight + scales + activations at the copy bandwidth of the
+same run), fp8_over_floor, bf16_over_fp8, config; with --sweep best_us / best_config over
+SWEEP (decode sizes) or SWEEP_PREFILL (the Triton tiles; fp8_us from DENSE_MIN_M on is the
+dequantize-then-cuBLAS path). Times: the median replay of a CUDA graph of 20 calls, per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from bench.common import copy_bandwidth, merge_results, results_path, table
+from metrale.ops import fp8_linear as f
+
+SHAPES = {  # (N, K) of the fused projections the model runs
+    "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                  "down": (4096, 14336)},
+    "llama3-70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192),
+                   "down": (8192, 28672)},
+}
+SWEEP = [dict(swap=sw, block_n=bn, block_k=bk, split_k=s, num_warps=4,
+              num_stages=3 if bk == 256 else 4)  # decode sizes (M <= 64)
+         for sw, bn, bk, s in itertools.product((False, True), (64, 128), (128, 256),
+                                                (1, 2, 4, 8))]
+SWEEP_PREFILL = [dict(swap=sw, block_n=128, block_k=bk, split_k=1, num_warps=8, num_stages=st)
+                 for sw, bk, st in itertools.product((False, True), (64, 128), (3, 4))]
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def run(ms: list[int], sweep: bool) -> dict:
+    bw = copy_bandwidth("cuda")
+    out = {}
+    for model, shapes in SHAPES.items():
+        for proj, (n, k) in shapes.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            q, scale = f.quantize_rows(w)
+            counters = f.tile_counters(n, w.device)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                floor = (n * k + n * 4 + m * k * 2 + m * n * 2) / bw * 1e6
+                cfg = f.choose_config(m, n, k, 128, torch.cuda.get_device_properties(0)
+                                      .multi_processor_count, counters.numel())
+                fp8 = functools.partial(f.fp8_linear, x, q, scale, (1, k), None, counters)
+                row = {
+                    "bf16_us": graph_us(functools.partial(F.linear, x, w)),
+                    "fp8_us": graph_us(fp8), "floor_us": floor,
+                    "config": str(dataclasses.astuple(cfg)),
+                }
+                if sweep:
+                    timed = []
+                    decode = m <= f.SPLIT_MAX_M
+                    for c in SWEEP if decode else SWEEP_PREFILL:
+                        bm = max(16, 1 << (m - 1).bit_length()) if decode else min(m, 128)
+                        c = f.GemmConfig(block_m=bm, **c)
+                        if -(-m // c.block_m) * -(-n // c.block_n) > counters.numel():
+                            continue
+                        try:
+                            us = graph_us(functools.partial(fp8, config=c))
+                        except triton.runtime.errors.OutOfResources:
+                            continue
+                        timed.append((us, dataclasses.astuple(c)))
+                    timed.sort()
+                    print("  top:", [(round(us, 1), c) for us, c in timed[:6]], flush=True)
+                    row["best_us"], row["best_config"] = timed[0][0], str(timed[0][1])
+                    row["best_over_floor"] = timed[0][0] / floor
+                row["fp8_over_floor"] = row["fp8_us"] / floor
+                row["bf16_over_fp8"] = row["bf16_us"] / row["fp8_us"]
+                out[f"{model} {proj} m{m}"] = row
+                print(model, proj, m, {k: (round(v, 2) if isinstance(v, float) else v)
+                                       for k, v in row.items()}, flush=True)
+    out["copy_bw_GBs"] = bw / 1e9
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 32, 64, 128, 512])
+    ap.add_argument("--sweep", action="store_true", help="also time SWEEP's configs per shape")
+    args = ap.parse_args()
+    res = run(args.m, args.sweep)
+    for key, row in res.items():
+        if isinstance(row, dict):
+            merge_results(results_path("cuda"), "fp8_gemm", key, row)
+    rows = [{"shape": k, **v} for k, v in res.items() if isinstance(v, dict)]
+    print(table(rows, ["shape", "bf16_us", "fp8_us", "floor_us", "fp8_over_floor",
+                       "bf16_over_fp8", "best_us", "best_over_floor", "config", "best_config"]))
+
+
+if __name__ == "__main__":
+    main()
