@@ -27,7 +27,9 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # In every (layer, module) key they sit at layer 0 (they have no layer of their own).
 EXTRA_TARGETS: tuple[str, ...] = ("embed_tokens", "lm_head")
 EXTRA_TARGETS_FLAG = "--lora-extra-targets"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
+                         *MOE_MODEL_TYPES)
 # Phi-3 fuses q/k/v and gate/up in its checkpoint, so PEFT wraps (and adapters name) the
 # fused Linear: one lora_A for all, lora_B's rows split across the parts, in this order.
 FUSED_PEFT_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -97,13 +99,56 @@ def _gemma_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 / Phi-4: fused checkpoint projections, a window on every layer where given,
+    partial rotary (Phi-4-mini rotates 3/4 of each head)."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if float(partial) != 1.0:
-        raise ConfigError(f"partial_rotary_factor {partial!r} is not served for phi3 (1.0)")
+    partial = float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
     window = cfg.get("sliding_window")
-    return dict(fused_peft_modules=True, sliding_window=int(window) if window else None,
+    return dict(fused_peft_modules=True, partial_rotary_factor=partial,
+                sliding_window=int(window) if window else None,
                 sliding_layers=tuple(range(int(cfg["num_hidden_layers"]))) if window else ())
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP's shape and routing (model/moe.py)."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int  # each expert's intermediate size
+    norm_topk_prob: bool  # renormalise the top-k weights to sum to 1
+    fp32_weights: bool  # Mixtral multiplies by float32 weights; the others cast them back
+    layers: tuple[int, ...]  # the layers with experts; the others have a dense MLP
+    shared_expert_size: int = 0  # Qwen2-MoE: a sigmoid-gated shared expert beside them
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts or self.expert_size <= 0:
+            raise ConfigError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts "
+                              f"({self.num_experts}), the expert size ({self.expert_size}) > 0")
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE and Qwen3-MoE (experts every decoder_sparse_step-th layer but the
+    mlp_only_layers), Mixtral (always renormalised, float32 weights), OLMoE (q/k norms over
+    the whole projection; clip_qkv refused)."""
+    model_type, layers = cfg["model_type"], int(cfg["num_hidden_layers"])
+    # transformers 5 writes num_local_experts for every family; hub configs num_experts
+    experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+    if model_type == "mixtral":
+        size, norm = int(cfg["intermediate_size"]), True
+    else:
+        size = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        norm = bool(cfg.get("norm_topk_prob", False))
+    moe_layers = tuple(range(layers))
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+        moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    if model_type == "olmoe" and cfg.get("clip_qkv") is not None:
+        raise ConfigError(f"clip_qkv {cfg['clip_qkv']!r} is not served for olmoe (null)")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+    return dict(moe=MoeConfig(experts, int(cfg["num_experts_per_tok"]), size, norm,
+                              model_type == "mixtral", moe_layers, shared),
+                qk_norm_full=model_type == "olmoe")
 
 
 def _float_or_none(value: Any) -> float | None:
@@ -142,11 +187,25 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' rotary base (no scaling)
     fused_peft_modules: bool = False  # Phi-3: PEFT sees qkv_proj and gate_up_proj
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotary turns
+    moe: MoeConfig | None = None  # mixture-of-experts MLPs on moe.layers
+    qk_norm_full: bool = False  # OLMoE: q/k RMSNorm over the whole projection, not per head
 
-    @property
-    def reference_attention_only(self) -> bool:
-        """Soft-capping and sliding windows run in the torch reference attention only."""
-        return self.attn_softcap is not None or bool(self.sliding_layers)
+    def layer_modules(self, layer: int) -> tuple[str, ...]:
+        """The LoRA-targetable projections of a decoder layer: an expert layer offers only
+        attention (expert and router LoRA are not served yet)."""
+        if self.moe is not None and layer in self.moe.layers:
+            return ATTN_MODULES
+        return LINEAR_MODULES
+
+    def window_masks(self, max_len: int) -> bool:
+        """Whether the sliding window can hide a key within max_len positions (a key k is
+        seen from q iff k > q - window): never once the window covers the whole context."""
+        return bool(self.sliding_layers) and self.sliding_window < max_len
+
+    def reference_attention_only(self, max_len: int) -> bool:
+        """Soft-capping, and windows that mask something, run in the torch reference only."""
+        return self.attn_softcap is not None or self.window_masks(max_len)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -158,11 +217,19 @@ class ModelConfig:
                                "num_heads", "num_kv_heads", "head_dim"))
         _check_positive(self, ("query_pre_attn_scalar", "attn_softcap", "final_softcap",
                                "sliding_window"), optional=True)
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} gives "
+                              f"{self.rotary_dim} rotary dims of {self.head_dim}: not an even "
+                              "count in 2..head_dim")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads {self.num_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_kv_heads}"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -247,13 +314,15 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
                                              model_type in ("gemma2", "gemma3_text"))),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get(
+                "qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             **(_gemma_fields(cfg) if model_type in ("gemma2", "gemma3_text") else {}),
             **(_phi3_fields(cfg) if model_type == "phi3" else {}),
+            **(_moe_fields(cfg) if model_type in MOE_MODEL_TYPES else {}),
         )
 
     @classmethod

@@ -112,7 +112,8 @@ def resolve_targets(
     """The (layer, module) pairs PEFT would wrap, with its rank and scale for each; one
     MatchBudget bounds all the regex matching."""
     # (path, layer, module) of everything PEFT could target, model-level ones at layer 0
-    universe = [(model.peft_path(i, m), i, m) for i in range(model.num_layers) for m in LINEAR_MODULES]
+    universe = [(model.peft_path(i, m), i, m) for i in range(model.num_layers)
+                for m in model.layer_modules(i)]
     universe += [(model.module_path(0, m), 0, m) for m in EXTRA_TARGETS]
     budget = MatchBudget()
     if isinstance(peft.target_modules, str) and peft.target_modules.lower() == ALL_LINEAR:

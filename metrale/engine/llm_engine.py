@@ -64,9 +64,13 @@ class LLMEngine:
             # kernels launch on the current device: make it this engine's (e.g. cuda:1)
             torch.cuda.set_device(self.device)
         self.dtype = parse_dtype(cfg.dtype)
-        if self.device.type == "cuda" and self.model_config.reference_attention_only:
-            raise ConfigError(f"{self.model_config.model_type} serves on the CPU for now: its "
-                              "attention (soft-capping, sliding windows) has no GPU kernel yet")
+        if self.device.type == "cuda" and (  # Gemma: its GPU path has never been run
+                self.model_config.gemma_norms
+                or self.model_config.reference_attention_only(cfg.max_model_len)):
+            raise ConfigError(
+                f"{self.model_config.model_type} serves on the CPU for now: its attention "
+                "(soft-capping, or a sliding window shorter than max_model_len "
+                f"{cfg.max_model_len}) has no GPU kernel yet")
         if self.model_config.gemma_norms and "embed_tokens" in cfg.pool.extra_targets:
             raise ConfigError("embed_tokens LoRA is not served on gemma2 yet (its embeddings "
                               "are scaled)")

@@ -35,8 +35,9 @@ class RMSNorm(nn.Module):
         return fused.rmsnorm_ref(x, self.weight, self.eps)
 
 
-def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
+def _inv_freq(cfg: ModelConfig, long: bool = False) -> torch.Tensor:
+    """[rotary_dim / 2] inverse frequencies; long: LongRoPE's long-context factors."""
+    dim = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = dict(cfg.rope_scaling or ())
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -55,15 +56,44 @@ def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ConfigError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+    if kind in ("longrope", "su"):
+        factors = scaling["long_factor" if long else "short_factor"]
+        if len(factors) != dim // 2:
+            raise ConfigError(f"rope_scaling {'long' if long else 'short'}_factor has "
+                              f"{len(factors)} values, expected {dim // 2}")
+        return inv / torch.tensor([float(f) for f in factors], dtype=torch.float32)
+    raise ConfigError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3, "
+                      "longrope)")
+
+
+def _longrope(cfg: ModelConfig) -> tuple[int, float] | None:
+    """LongRoPE's (original_max_position_embeddings, cos/sin scale), None for other kinds.
+    The scale is transformers': sqrt(1 + ln(factor) / ln(original)) with factor =
+    max_position_embeddings / original unless the config gives either."""
+    scaling = dict(cfg.rope_scaling or ())
+    if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return None
+    original = int(scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        factor = float(scaling.get("factor") or cfg.max_position_embeddings / original)
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return original, float(attention)
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables over the first rotary_dim dims of each head (all of them unless the
+    model rotates a part: Phi-4-mini). LongRoPE: positions below the original context use
+    the short factors, the rest the long ones (what transformers computes for a prompt
+    within the original context and every token decoded after it; a longer prompt it turns
+    with the long factors from position 0)."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg, self.max_positions = cfg, max_positions
-        self.register_buffer("cos", torch.empty(max_positions, cfg.head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
+        self.partial = cfg.rotary_dim != cfg.head_dim
+        self.register_buffer("cos", torch.empty(max_positions, cfg.rotary_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, cfg.rotary_dim), persistent=False)
         self.build()
 
     def build(self) -> None:
@@ -72,16 +102,28 @@ class RotaryEmbedding(nn.Module):
             return
         device = self.cos.device
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, _inv_freq(self.cfg).to(device))  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        freqs = torch.outer(t, _inv_freq(self.cfg).to(device))  # [P, R/2]
+        longrope = _longrope(self.cfg)
+        if longrope is not None:
+            original, scale = longrope
+            long = torch.outer(t, _inv_freq(self.cfg, long=True).to(device))
+            freqs = torch.where((t >= original)[:, None], long, freqs)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, R]
         self.cos, self.sin = emb.cos(), emb.sin()
+        if longrope is not None:
+            self.cos, self.sin = self.cos * scale, self.sin * scale
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [T, H, D], k: [T, KV, D], positions: [T]
-        if fused.rotary_usable(q, self.cos) and q.stride(2) == 1 and k.stride(2) == 1:
+        if (not self.partial and fused.rotary_usable(q, self.cos) and q.stride(2) == 1
+                and k.stride(2) == 1):
             return fused.rotary(positions, q, k, self.cos, self.sin)  # one launch, not ~18
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, R]
         sin = self.sin[positions].unsqueeze(1)
+        if self.partial:  # the dims past rotary_dim pass through
+            r = self.cfg.rotary_dim
+            return (torch.cat((_rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1),
+                    torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1))
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -89,7 +131,7 @@ class RotaryEmbedding(nn.Module):
                          slot_mapping: torch.Tensor) -> torch.Tensor:
         """forward, then k and v into the caches (store_kv): rotated q. On CUDA one launch
         (two index_copy passes were 3.5% of an 8B decode step)."""
-        if fused.rotary_store_usable(q, k, v, self.cos, k_cache, v_cache):
+        if not self.partial and fused.rotary_store_usable(q, k, v, self.cos, k_cache, v_cache):
             return fused.rotary_store_kv(positions, q, k, v, self.cos, self.sin, k_cache, v_cache,
                                          slot_mapping)
         q, k = self.forward(positions, q, k)

@@ -1,6 +1,6 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma 2/3) over a
-flat token batch with paged KV; fused projections (qkv, gate/up) add each token's LoRA
-delta from the forward context."""
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma 2/3, and the
+MoE families of model/moe.py) over a flat token batch with paged KV; fused projections
+(qkv, gate/up) add each token's LoRA delta from the forward context."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from torch import nn
 from metrale.config import ModelConfig
 from metrale.forward_context import get_context
 from metrale.model.layers import LoraProjection, RMSNorm, RotaryEmbedding
+from metrale.model.moe import MoeMLP
 from metrale.ops import fused_triton as fused
 from metrale.ops.attention import paged_attention
 from metrale.ops.head import head_logits
@@ -31,9 +32,15 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm_full:  # OLMoE: over the whole projection, before the head split
+            self.q_norm = RMSNorm(cfg.q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.kv_size, cfg.rms_norm_eps)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
-        self.window = cfg.sliding_window if layer in cfg.sliding_layers else None
+        # a window as long as the context hides nothing (Phi-3's 2047 under 2k): dropped, so
+        # the layer runs the GPU kernels
+        masks = layer in cfg.sliding_layers and cfg.window_masks(rotary.max_positions)
+        self.window = cfg.sliding_window if masks else None
         # [num_blocks, block_size, KV, D]; bound by the runner once the cache is sized
         self.k_cache = self.v_cache = torch.empty(0)
 
@@ -41,8 +48,10 @@ class Attention(nn.Module):
         cfg = self.cfg
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(T, cfg.num_heads, cfg.head_dim)  # [T, H, D]
-        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, D]
+        if cfg.qk_norm_full:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # [T, H, D]
+        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, D]
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -80,7 +89,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer)
+        moe = cfg.moe is not None and layer in cfg.moe.layers
+        self.mlp = MoeMLP(cfg) if moe else MLP(cfg, layer)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ fusing q/k/v and gate/up and dequantizing (metrale.model.quantization) as they s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -15,6 +16,18 @@ from metrale.model.llama import LlamaForCausalLM
 from metrale.model.quantization import FP8_DTYPES, QuantScheme, scheme_of
 from metrale.ops.fp8_linear import quantize_rows
 
+# MoE layers: the stacked experts' parts (Qwen/OLMoE names, Mixtral's w1/w3/w2), and the
+# router and shared expert by their name within the layer
+_EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": None, "w2": None}
+_LAYER = re.compile(r"^(layers\.\d+)\.(.+)$")
+_MOE_NAMES = {
+    "mlp.gate.weight": ("mlp.router", None), "block_sparse_moe.gate.weight": ("mlp.router", None),
+    "mlp.shared_expert.gate_proj.weight": ("mlp.shared_gate_up", 0),
+    "mlp.shared_expert.up_proj.weight": ("mlp.shared_gate_up", 1),
+    "mlp.shared_expert.down_proj.weight": ("mlp.shared_down", None),
+    "mlp.shared_expert_gate.weight": ("mlp.shared_expert_gate", None),
+}
 # HF name suffix -> (our parameter suffix, shard index within the fused weight)
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -141,7 +154,19 @@ def _shard_sizes(target: str, cfg: ModelConfig) -> list[int]:
         return [cfg.q_size, cfg.kv_size, cfg.kv_size]
     if "gate_up_proj" in target:
         return [cfg.intermediate_size] * 2
+    if target.endswith("shared_gate_up"):
+        return [cfg.moe.shared_expert_size] * 2
     return [0]
+
+
+def _num_shards(target: str, cfg: ModelConfig) -> int | None:
+    """How many checkpoint parts make the parameter (None: one, unsplit)."""
+    if target.endswith("experts_gate_up"):
+        return 2 * cfg.moe.num_experts
+    if target.endswith("experts_down"):
+        return cfg.moe.num_experts
+    sizes = _shard_sizes(target, cfg)
+    return len(sizes) if len(sizes) > 1 else None
 
 
 def copy_fp8(proj: LoraProjection, q: torch.Tensor, scale: torch.Tensor,
@@ -181,10 +206,20 @@ def _aux_tensors(model_dir: Path, scheme: QuantScheme) -> dict[str, torch.Tensor
 
 
 def param_name(hf: str) -> tuple[str | None, int | None]:
-    """(our parameter, shard within it) for an HF weight name; (None, None) for buffers we compute."""
+    """(our parameter, shard within it) for an HF weight name; (None, None) for buffers we
+    compute. An expert's gate and up are shards 2e and 2e + 1 of the layer's stacked
+    experts_gate_up, its down shard e of experts_down."""
     if hf.endswith("rotary_emb.inv_freq"):
         return None, None
     name = hf.removeprefix("model.")
+    if (m := _EXPERT.match(name)) and m[3] in _EXPERT_PARTS:
+        part = _EXPERT_PARTS[m[3]]
+        if part is None:
+            return f"{m[1]}.mlp.experts_down", int(m[2])
+        return f"{m[1]}.mlp.experts_gate_up", 2 * int(m[2]) + part
+    if (m := _LAYER.match(name)) and m[2] in _MOE_NAMES:
+        target, shard = _MOE_NAMES[m[2]]
+        return f"{m[1]}.{target}", shard
     for suffix, (fused, shard) in _FUSED.items():
         if f".{suffix}." in f".{name}":
             return name.replace(suffix, fused), shard
@@ -193,7 +228,14 @@ def param_name(hf: str) -> tuple[str | None, int | None]:
 
 def copy_weight(param: torch.Tensor, tensor: torch.Tensor, target: str, shard: int | None,
                 cfg: ModelConfig) -> None:
-    if shard is not None:
+    if shard is not None and not 0 <= shard < _num_shards(target, cfg):
+        raise ConfigError(f"weight {target} has no part {shard}: the checkpoint has more "
+                          "experts than its config.json")
+    if target.endswith("experts_gate_up"):  # [E, 2I, H] as 2E parts of [I, H]
+        param = param.unflatten(1, (2, -1)).flatten(0, 1)[shard]
+    elif target.endswith("experts_down"):
+        param = param[shard]
+    elif shard is not None:
         sizes = _shard_sizes(target, cfg)
         param = param.narrow(0, sum(sizes[:shard]), sizes[shard])
     if param.shape != tensor.shape:
@@ -210,7 +252,7 @@ def _check_complete(params, loaded, cfg: ModelConfig) -> None:
     for name in params:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        shards = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else None
+        shards = _num_shards(name, cfg)
         keys = [f"{name}#{i}" for i in range(shards)] if shards else [f"{name}#None"]
         if not all(k in loaded for k in keys) and f"{name}#None" not in loaded:  # or fused (Phi-3)
             missing.append(name)

@@ -224,6 +224,11 @@ def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: st
     refuse(layer >= model.num_layers, PeerManifestError,
            lambda i: f"layer {int(layer[i])} is not in [0, {model.num_layers - 1}]")
     refuse(extra & (layer != 0), PeerManifestError, lambda i: "a model-level module's layer must be 0")
+    offered = np.array([[m in model.layer_modules(i) or m in EXTRA_TARGETS for m in MODULES]
+                        for i in range(model.num_layers)])  # [layers, modules]
+    refuse(~offered[layer, module], AdapterMismatchError, lambda i: (
+        f"layer {int(layer[i])} of this {model.model_type} model has no "
+        f"{MODULES[module[i]]} (its MLP is a mixture of experts)"))
     refuse(kind >= len(KINDS), PeerManifestError, lambda i: f"kind {int(kind[i])} is not A, B or M")
     refuse((rows == 0) | (cols == 0), PeerManifestError,
            lambda i: f"shape [{int(rows[i])}, {int(cols[i])}] is not [rank, dim]")

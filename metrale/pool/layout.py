@@ -66,8 +66,10 @@ class SlotLayout:
 
     @property
     def module_keys(self) -> tuple[tuple[int, str], ...]:
-        """Every (layer, module) with pool memory, in slot order."""
-        keys = [(layer, m) for layer in range(self.model.num_layers) for m in self.pool.target_modules]
+        """Every (layer, module) with pool memory, in slot order (an expert layer's MLP has
+        none: its modules are not targets)."""
+        keys = [(layer, m) for layer in range(self.model.num_layers)
+                for m in self.pool.target_modules if m in self.model.layer_modules(layer)]
         return tuple(keys) + tuple((0, m) for m in self.pool.extra_targets)
 
     @property

@@ -132,20 +132,20 @@ class AdapterPool:
         return norms
 
     def _group_regions(self, slot: int) -> list:
-        """(keys, [layers, rows, cols] view, kind, one_hot) per (module, kind) of A and B."""
+        """(keys, [layers, rows, cols] view, kind, one_hot) per evenly spaced run of a
+        (module, kind)'s regions: one run per module unless layers differ (MoE models)."""
         base, out = slot * self.layout.slot_elems, []
         for module in dict.fromkeys(m for _, m in self.layout.module_keys):
             layers = [layer for layer, m in self.layout.module_keys if m == module]
             for kind in ("A", "B"):
                 regions = [self.layout.region(layer, module, kind) for layer in layers]
-                first, step = regions[0], (regions[1].offset - regions[0].offset if len(regions) > 1
-                                           else 0)
-                if any(r.offset != first.offset + i * step for i, r in enumerate(regions)):
-                    raise AssertionError(f"{module} {kind}: regions not evenly spaced")
-                view = self.buffer.as_strided((len(regions), first.rows, first.cols),
-                                              (step, first.cols, 1), base + first.offset)
-                keys = [(layer, module, kind) for layer in layers]
-                out.append((keys, view, kind, module == "embed_tokens"))
+                for run in _even_runs(regions):
+                    first = run[0]
+                    step = run[1].offset - first.offset if len(run) > 1 else 0
+                    view = self.buffer.as_strided((len(run), first.rows, first.cols),
+                                                  (step, first.cols, 1), base + first.offset)
+                    keys = [(r.layer, module, kind) for r in run]
+                    out.append((keys, view, kind, module == "embed_tokens"))
         return out
 
     # --- landing ----------------------------------------------------------------
@@ -302,3 +302,15 @@ def _norms(x: torch.Tensor, kind: str, one_hot: bool, dtype: torch.dtype) -> tor
     if one_hot:
         return torch.linalg.vector_norm(x, math.inf, dim=(1, 2), dtype=dtype)
     return torch.linalg.vector_norm(x, 2, dim=2, dtype=dtype).amax(1)
+
+
+def _even_runs(regions: list) -> list[list]:
+    """regions split into maximal runs of equal offset steps."""
+    runs = [[regions[0]]]
+    for r in regions[1:]:
+        run = runs[-1]
+        if len(run) == 1 or r.offset - run[-1].offset == run[1].offset - run[0].offset:
+            run.append(r)
+        else:
+            runs.append([r])
+    return runs

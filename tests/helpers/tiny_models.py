@@ -45,6 +45,21 @@ def hf_config(arch: str, **overrides):
                      final_logit_softcapping=3.0, sliding_window=5, tie_word_embeddings=True,
                      attn_implementation="eager")
         return transformers.Gemma2Config(**{**kw, **gemma, **overrides})
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    if arch == "qwen3_moe":  # layer 1 dense (mlp_only_layers): the two kinds of layer mixed
+        return transformers.Qwen3MoeConfig(**{**kw, **moe, "head_dim": 32, "norm_topk_prob": True,
+                                              "mlp_only_layers": [1], **overrides})
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**{**kw, **moe, "shared_expert_intermediate_size": 80,
+                                              "norm_topk_prob": False, **overrides})
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**{**kw, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                             "intermediate_size": 48, **overrides})
+    if arch == "olmoe":
+        return transformers.OlmoeConfig(**{**kw, "num_experts": 4, "num_experts_per_tok": 2,
+                                           "intermediate_size": 48, "pad_token_id": 0,
+                                           "bos_token_id": None, "eos_token_id": None,
+                                           **overrides})
     raise ValueError(arch)
 
 
@@ -55,7 +70,11 @@ def make_model(arch: str, seed: int = 0, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, **overrides))
     with torch.no_grad():  # default init leaves norms at 1 and biases at 0: hides bugs
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if name.endswith("mlp.gate.weight"):  # MoE routers: decisive top-k choices
+                p.normal_(0, 1.0)
+            elif ".experts." in name:  # experts that move the answer (init's 0.02 barely does)
+                p.normal_(0, 0.15)
+            elif "norm" in name:
                 p.add_(0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.normal_(0, 0.2)

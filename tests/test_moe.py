@@ -1,0 +1,158 @@
+"""Mixture-of-experts bases (Qwen3-MoE with a dense layer among the expert ones, Qwen2-MoE
+with its gated shared expert, Mixtral, OLMoE): greedy tokens equal transformers' for the
+base and transformers + PEFT for attention adapters, mixed in one batch with more adapters
+than slots. Adapters on the experts
+are refused at registration, naming the target. A routing detail metrale got wrong would
+show: each one sabotaged here fails the comparison.
+
+Checkpoints are saved by transformers in the hub's layout (one tensor per expert part:
+experts.E.gate_proj / w1, ...); the tiny configs' routers are scaled so top-k choices are
+decisive (tiny_models.make_model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from metrale import LLM, SamplingParams
+from metrale.errors import AdapterMismatchError, MetraleError
+from metrale.model import moe
+from tests.helpers.reference import assert_mixed_batch_matches, check, hf_greedy, prompts
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+GEN = 6
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    base = make_model(request.param, seed=7)
+    save_model(base, root / "model")
+    # attention only: PEFT 0.21 on transformers 5 turns any gate/up/down_proj target (even
+    # the dense layer's, by full path) into target_parameters on the fused experts
+    adapters = {name: (make_adapter(base, root / name, seed=seed, r=4, lora_alpha=8,
+                                    target_modules=ATTENTION), root / name)
+                for name, seed in (("x", 3), ("y", 4), ("z", 5))}
+    return request.param, root, base, adapters
+
+
+def test_base_and_mixed_adapters_equal_transformers_peft(family):
+    arch, root, base, adapters = family
+    llm = assert_mixed_batch_matches(root / "model", base, adapters, prompts(11, 3), GEN,
+                                     max_loras=2)  # 3 adapters through 2 slots
+    assert llm.engine.model_config.moe is not None
+    if arch == "qwen3_moe":  # its dense layer 1 offers the MLP, the expert layers do not
+        layout = llm.engine.runner.pool.layout
+        assert (1, "gate_proj") in layout.module_keys and (0, "gate_proj") not in layout.module_keys
+
+
+def test_norms_over_a_layout_whose_layers_differ(family):
+    """Qwen3-MoE's dense layer makes its slot regions unevenly spaced: the landing check's
+    per-region norms (taken per evenly spaced run) equal each region's own."""
+    arch, root, _, adapters = family
+    if arch != "qwen3_moe":
+        pytest.skip("the family with a dense layer among expert ones")
+    llm = LLM(root / "model", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
+              num_kv_blocks=64)
+    llm.engine.swap_lora_slot_from_disk(adapters["x"][1], "x", 0)
+    pool = llm.engine.runner.pool
+    norms = pool.gain_norms(0)
+    assert {k[:2] for k in norms} == set(pool.layout.module_keys)
+    for (layer, module, kind), got in norms.items():
+        x = (pool.lora_a if kind == "A" else pool.lora_bt)(layer, module)[0].float()  # [R, cols]
+        want = x.norm(dim=1).amax() if kind == "A" else x.abs().sum(0).amax()
+        assert got == pytest.approx(float(want), rel=1e-6), (layer, module, kind)
+
+
+def _matches(llm, base, prompt_list) -> bool:
+    """Greedy tokens and their logprobs equal transformers' (check's tolerance)."""
+    params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True, logprobs=1)
+    for prompt, out in zip(prompt_list, llm.generate(prompt_list, params)):
+        try:
+            check(out, *hf_greedy(base, prompt, GEN))
+        except AssertionError:
+            return False
+    return True
+
+
+SABOTAGE = {
+    "no renormalisation": lambda m: setattr(m, "norm_topk", not m.norm_topk),
+    "one expert fewer per token": lambda m: setattr(m, "top_k", m.top_k - 1),
+    "float32 weights flipped": lambda m: setattr(m, "fp32_weights", not m.fp32_weights),
+}
+
+
+@pytest.mark.parametrize("what", SABOTAGE)
+def test_a_routing_detail_gotten_wrong_is_caught(family, what):
+    """Tokens and logprobs equal transformers'; flipping one routing detail in the served
+    model breaks that (the weights' dtype is a no-op in fp32 and is skipped)."""
+    arch, root, base, _ = family
+    llm = LLM(root / "model", max_loras=0, max_model_len=64, block_size=4, num_kv_blocks=64)
+    ps = prompts(12, 4)
+    assert _matches(llm, base, ps)
+    if what == "float32 weights flipped":
+        pytest.skip("fp32 tests: the weights' dtype is float32 either way")
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, moe.MoeMLP):
+            SABOTAGE[what](module)
+    assert not _matches(llm, base, ps)
+
+
+def test_qwen2_moe_shared_expert_is_served(tmp_path):
+    """Without its shared expert (or with its gate dropped) the answer changes."""
+    base = make_model("qwen2_moe", seed=7)
+    save_model(base, tmp_path / "m")
+    llm = LLM(tmp_path / "m", max_loras=0, max_model_len=64, block_size=4, num_kv_blocks=64)
+    ps = prompts(13, 4)
+    assert _matches(llm, base, ps)
+    with torch.no_grad():
+        for module in llm.engine.runner.model.modules():
+            if isinstance(module, moe.MoeMLP):
+                module.shared_expert_gate.fill_(30.0)  # sigmoid -> 1: the gate ignored
+    assert not _matches(llm, base, ps)
+
+
+def test_expert_adapters_are_refused_naming_the_target(family, tmp_path):
+    """An adapter in the per-expert layout (transformers 4 PEFT: experts.E.gate_proj) and one
+    on the fused expert parameters (target_parameters) are refused; nothing is registered."""
+    arch, root, _, adapters = family
+    llm = LLM(root / "model", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
+              num_kv_blocks=64)
+    src = adapters["y"][1]
+    per_expert = tmp_path / "per_expert"
+    per_expert.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    tensors = load_file(src / "adapter_model.safetensors")
+    part = "block_sparse_moe.experts.0.w1" if arch == "mixtral" else "mlp.experts.0.gate_proj"
+    expert = f"base_model.model.model.layers.0.{part}"
+    tensors[f"{expert}.lora_A.weight"] = torch.randn(4, 64)
+    tensors[f"{expert}.lora_B.weight"] = torch.randn(48, 4)
+    save_file(tensors, per_expert / "adapter_model.safetensors")
+    name = part.rsplit(".", 1)[1]
+    (per_expert / "adapter_config.json").write_text(json.dumps(
+        {**cfg, "target_modules": [*ATTENTION, name]}))
+    with pytest.raises(AdapterMismatchError, match=name):
+        llm.register_adapter("experts", per_expert)
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    save_file(load_file(src / "adapter_model.safetensors"), fused / "adapter_model.safetensors")
+    (fused / "adapter_config.json").write_text(json.dumps(
+        {**cfg, "target_parameters": ["mlp.experts.gate_up_proj"]}))
+    with pytest.raises(MetraleError, match="target_parameters"):
+        llm.register_adapter("fused", fused)
+    assert llm.engine.registry.names() == []
+
+
+@pytest.mark.gpu
+def test_gpu_moe_serves_eagerly_with_adapters(family):
+    """fp32 on CUDA: the routing's host sync keeps a MoE model off CUDA graphs; the
+    attention adapters run through the Triton LoRA kernels."""
+    _, root, base, adapters = family
+    llm = assert_mixed_batch_matches(root / "model", base, adapters, prompts(11, 3), GEN,
+                                     max_loras=2, device="cuda", dtype="float32")
+    assert llm.engine.runner.graphs is None
