@@ -105,9 +105,9 @@ def build_random_fp8(name: str, device: str, workdir: Path, max_positions: int =
                 p.data = torch.ones_like(p, dtype=dtype)
             else:
                 p.data = (torch.randn_like(p) * 0.02).to(dtype)
-        for b in ours.buffers():
-            if b.dtype == torch.float32 and b.dim() == 2 and b.shape[1] == 1:  # scales
-                b.fill_(0.02)
+        for m in ours.modules():
+            if isinstance(m, LoraProjection):
+                m.weight_scale.fill_(0.02)
     ours.eval()
     build_computed(ours)
     return Pair(f"{name}-fp8", model_dir, cfg, ours, None)

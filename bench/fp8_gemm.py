@@ -71,8 +71,7 @@ def run(ms: list[int], sweep: bool) -> dict:
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 floor = (n * k + n * 4 + m * k * 2 + m * n * 2) / bw * 1e6
-                cfg = f.choose_config(m, n, k, 128, torch.cuda.get_device_properties(0)
-                                      .multi_processor_count, counters.numel())
+                cfg = f.chosen_config(m, q, scale, (1, k), counters)
                 fp8 = functools.partial(f.fp8_linear, x, q, scale, (1, k), None, counters)
                 row = {
                     "bf16_us": graph_us(functools.partial(F.linear, x, w)),

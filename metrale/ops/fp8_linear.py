@@ -189,11 +189,20 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[device]
 
 
+def chosen_config(t: int, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                  counters: torch.Tensor) -> GemmConfig:
+    """choose_config for t tokens through this weight: K tiles up to 256 columns with
+    per-row scales, else within one scale block."""
+    block_k_max = 256 if scale.shape[1] == 1 else block[1] & -block[1]
+    return choose_config(t, q.shape[0], q.shape[1], block_k_max, _num_sms(q.device),
+                         counters.numel())
+
+
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None, counters: torch.Tensor,
                config: GemmConfig | None = None) -> torch.Tensor:
     """fp8_linear_ref's result through the Triton GEMM. x: [T, K] (unit last stride); q:
-    [N, K] contiguous; counters: from tile_counters(N); config: None for choose_config's."""
+    [N, K] contiguous; counters: from tile_counters(N); config: None for chosen_config's."""
     require_triton()
     (t, k), n = x.shape, q.shape[0]
     if not fits(x, block):
@@ -201,19 +210,16 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tup
                          f"{tuple(x.shape)} {x.dtype}, blocks {block}")
     if config is None and t >= DENSE_MIN_M:  # cuBLAS on a bf16 copy beats our wide tiles
         return F.linear(x, dequantize_to(q, scale, block, x.dtype), bias)
-    so, si = block
-    per_row = scale.shape[1] == 1
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if t == 0:
         return y
-    block_k_max = 256 if per_row else si & -si  # a K tile never straddles two scale blocks
-    cfg = config or choose_config(t, n, k, block_k_max, _num_sms(x.device), counters.numel())
+    cfg = config or chosen_config(t, q, scale, block, counters)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(t, cfg.block_m), cfg.split_k)
     ws = (torch.empty(cfg.split_k, t, n, dtype=torch.float32, device=x.device)
           if cfg.split_k > 1 else y)
     kernel = jit_kernel(_fp8_gemm_kernel, x.device)
     kernel[grid](x, q, scale, bias if bias is not None else y, y, ws, counters, t, n, k,
-                 x.stride(0), y.stride(0), scale.stride(0), so, si, PER_ROW=per_row,
+                 x.stride(0), y.stride(0), scale.stride(0), *block, PER_ROW=scale.shape[1] == 1,
                  HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
                  EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, SWAP=cfg.swap,
                  IEEE=x.dtype == torch.float32,
