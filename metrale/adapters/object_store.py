@@ -6,6 +6,9 @@ other stores, path-style); requests are signed with AWS Signature Version 4.
 
 A download is checked (Content-Length bytes; a single-part ETag's MD5) in a private temp
 dir and published by one rename: a crash or a refused download leaves nothing served.
+Fetches of different names run at once (a slow object delays only its own requests); one
+name is fetched once however many ask, and the bytes every fetch announced are reserved
+in the bound before they land, so the cache never holds more than it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import http.client
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import threading
+import zlib
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
@@ -30,6 +34,7 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_WEIGHTS_BYTES = 16 << 30
 TIMEOUT_S = 30.0
 _CHUNK = 4 << 20
+_NAME_LOCKS = 64  # fetches of names that share a stripe wait for each other
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
@@ -86,6 +91,10 @@ class S3Source:
         self.cache = Path(cache_dir) / "s3" / self.bucket / self.prefix
         self.cache.mkdir(parents=True, exist_ok=True)
         self.cache_bytes = cache_bytes
+        self._lock = threading.Lock()  # the cache's directories and _reserved
+        self._room = threading.Condition(self._lock)  # signalled when a reservation ends
+        self._reserved = 0  # bytes announced by fetches in flight
+        self._name_locks = [threading.Lock() for _ in range(_NAME_LOCKS)]
         for stale in self.cache.parent.glob(".download-*"):  # a crash mid-download
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -95,28 +104,45 @@ class S3Source:
     def find(self, name: str) -> Path | None:
         """The adapter's cached directory, fetched first if needed (again after an eviction:
         the path stays the same); None when the store has no such adapter. `name` passed the
-        adapter-name rule. Callers serialise finds (AdapterSources' lock)."""
+        adapter-name rule. Safe from many threads."""
         final = self.cache / name
-        if holds_adapter(final):
-            os.utime(final)  # recency, for eviction
+        with self._name_locks[zlib.crc32(name.encode()) % _NAME_LOCKS]:
+            with self._lock:
+                if holds_adapter(final):
+                    os.utime(final)  # recency, for eviction
+                    return final
+            conns, reserved, tmp = [], 0, None
+            try:
+                replies = []
+                for file, cap in zip(ADAPTER_FILES, (MAX_CONFIG_BYTES, MAX_WEIGHTS_BYTES)):
+                    key = "/".join(p for p in (self.prefix, name, file) if p)
+                    conn, reply, length = self._get(key, cap)
+                    conns.append(conn)
+                    if reply is None:
+                        return None
+                    replies.append((key, file, reply, length))
+                # room for the whole adapter before its bytes land: never past the bound
+                reserved = self._reserve(sum(r[3] for r in replies), name)
+                tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=self.cache.parent))
+                for key, file, reply, length in replies:
+                    self._receive(key, reply, length, tmp / file)
+                with self._lock:
+                    final.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.rmtree(final, ignore_errors=True)  # a partial copy left by hand
+                    tmp.rename(final)  # the one step that publishes
+            finally:
+                for conn in conns:
+                    conn.close()
+                if tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                if reserved:
+                    with self._room:
+                        self._reserved -= reserved
+                        self._room.notify_all()
             return final
-        tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=self.cache.parent))
-        try:
-            for file, cap in zip(ADAPTER_FILES, (MAX_CONFIG_BYTES, MAX_WEIGHTS_BYTES)):
-                key = "/".join(p for p in (self.prefix, name, file) if p)
-                # room is made before the bytes land: the cache never holds more than its bound
-                if not self._download(key, tmp / file, cap,
-                                      lambda n: self._make_room(n + _bytes_in(tmp), name)):
-                    return None
-            final.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(final, ignore_errors=True)  # a partial copy left by hand
-            tmp.rename(final)  # the one step that publishes
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return final
 
-    def _download(self, key: str, dest: Path, cap: int, room: Callable[[int], None]) -> bool:
-        """GET key into dest, checked, after room(its announced bytes); False on 404."""
+    def _get(self, key: str, cap: int):
+        """(connection, reply, announced bytes) of a GET, its body unread; reply None on 404."""
         path = f"{self.base}/{key}"
         headers = {"x-amz-security-token": self.session_token} if self.session_token else {}
         conn_cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
@@ -131,7 +157,7 @@ class S3Source:
             conn.request("GET", quote(path, safe="/-_.~"), headers=send)
             reply = conn.getresponse()
             if reply.status == 404:
-                return False
+                return conn, None, 0
             if reply.status != 200:
                 raise ObjectStoreError(f"{self.url}: GET {key}: HTTP {reply.status} "
                                        f"{reply.read(512)!r}")
@@ -139,8 +165,18 @@ class S3Source:
             if announced is None or not announced.isdigit() or int(announced) > cap:
                 raise ObjectStoreError(f"{self.url}: {key} announces {announced!r} bytes "
                                        f"(at most {cap})")
-            room(int(announced))
-            length, md5, got = int(announced), hashlib.md5(usedforsecurity=False), 0
+            return conn, reply, int(announced)
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise ObjectStoreError(f"{self.url}: GET {key} failed: {type(e).__name__}: {e}") from None
+        except ObjectStoreError:
+            conn.close()
+            raise
+
+    def _receive(self, key: str, reply, length: int, dest: Path) -> None:
+        """reply's body into dest, checked: exactly `length` bytes, a single-part ETag's MD5."""
+        md5, got = hashlib.md5(usedforsecurity=False), 0
+        try:
             with open(dest, "wb") as f:
                 while chunk := reply.read(min(_CHUNK, length - got + 1)):
                     got += len(chunk)
@@ -148,31 +184,36 @@ class S3Source:
                         break
                     md5.update(chunk)
                     f.write(chunk)
-            if got != length:
-                raise ObjectStoreError(f"{self.url}: {key}: {got} bytes of the {length} announced")
-            etag = (reply.getheader("ETag") or "").strip('"')
-            if len(etag) == 32 and "-" not in etag and etag != md5.hexdigest():  # single-part
-                raise ObjectStoreError(f"{self.url}: {key}: the bytes do not match ETag {etag}")
-            return True
         except (OSError, http.client.HTTPException) as e:
             raise ObjectStoreError(f"{self.url}: GET {key} failed: {type(e).__name__}: {e}") from None
-        finally:
-            conn.close()
+        if got != length:
+            raise ObjectStoreError(f"{self.url}: {key}: {got} bytes of the {length} announced")
+        etag = (reply.getheader("ETag") or "").strip('"')
+        if len(etag) == 32 and "-" not in etag and etag != md5.hexdigest():  # single-part
+            raise ObjectStoreError(f"{self.url}: {key}: the bytes do not match ETag {etag}")
 
-    def _make_room(self, incoming: int, name: str) -> None:
-        """Least recently used adapters out until `incoming` more bytes fit the bound."""
+    def _reserve(self, incoming: int, name: str) -> int:
+        """Least recently used adapters out until `incoming` more bytes fit the bound beside
+        the cached ones and the other fetches' reservations (waiting for those to end when
+        they are what is in the way); then reserve them. Returns incoming."""
         if incoming > self.cache_bytes:
             raise ObjectStoreError(f"{self.url}: adapter {name!r} needs {incoming} bytes, more "
                                    f"than the whole disk cache ({self.cache_bytes}, "
                                    "--adapter-cache-bytes)")
-        dirs = [p.parent for p in self.cache.rglob(ADAPTER_FILES[1])]
-        sizes = {d: _bytes_in(d) for d in dirs}
-        total = sum(sizes.values()) + incoming
-        for d in sorted(dirs, key=lambda d: d.stat().st_mtime):
-            if total <= self.cache_bytes:
-                break
-            shutil.rmtree(d, ignore_errors=True)
-            total -= sizes[d]
+        with self._room:  # a waiter holds no reservation: whoever it waits for can finish
+            while True:
+                dirs = [p.parent for p in self.cache.rglob(ADAPTER_FILES[1])]
+                sizes = {d: _bytes_in(d) for d in dirs}
+                total = sum(sizes.values()) + self._reserved + incoming
+                for d in sorted(dirs, key=lambda d: d.stat().st_mtime):
+                    if total <= self.cache_bytes:
+                        break
+                    shutil.rmtree(d, ignore_errors=True)
+                    total -= sizes[d]
+                if total <= self.cache_bytes:
+                    self._reserved += incoming
+                    return incoming
+                self._room.wait()
 
 
 def _bytes_in(folder: Path) -> int:

@@ -51,7 +51,7 @@ class AdapterSources:
         self.negative_ttl_s, self._clock = negative_ttl_s, clock
         self._missing: OrderedDict[str, float] = OrderedDict()  # name -> remembered until
         self._cached: dict[str, S3Source] = {}  # names found in a bucket: their copy may go
-        self._lock = threading.Lock()  # requests look up from worker threads
+        self._lock = threading.Lock()  # _missing and _cached: requests look up from threads
 
     @staticmethod
     def _source(root: str, cache_dir: str | Path | None, cache_bytes: int):
@@ -62,25 +62,27 @@ class AdapterSources:
         return S3Source(root, cache_dir, cache_bytes)
 
     def find(self, name: str) -> Path | None:
-        """Raises InvalidNameError for a name the rule refuses; None when no source holds it."""
+        """Raises InvalidNameError for a name the rule refuses; None when no source holds it.
+        Look-ups run outside the lock: a slow bucket delays only the names it is asked for."""
         validate_adapter_name(name)
         with self._lock:
-            now = self._clock()
             until = self._missing.get(name)
-            if until is not None and now < until:
+            if until is not None and self._clock() < until:
                 return None
-            for source in self.sources:
-                path = source.find(name)
-                if path is not None:
+        for source in self.sources:
+            path = source.find(name)
+            if path is not None:
+                with self._lock:
                     self._missing.pop(name, None)
                     if isinstance(source, S3Source):
                         self._cached[name] = source
-                    return path
-            self._missing[name] = now + self.negative_ttl_s
+                return path
+        with self._lock:
+            self._missing[name] = self._clock() + self.negative_ttl_s
             self._missing.move_to_end(name)
             while len(self._missing) > MAX_REMEMBERED_MISSES:
                 self._missing.popitem(last=False)
-            return None
+        return None
 
     def from_bucket(self, name: str) -> bool:
         """Whether `name` was found in a bucket: only then is there a cached copy to refresh."""
@@ -93,8 +95,7 @@ class AdapterSources:
         a resident adapter needs no copy, and a landing without one fails on its own."""
         source = self._cached.get(name)
         if source is not None:
-            with self._lock:
-                try:
-                    source.find(name)
-                except ObjectStoreError as e:
-                    log.warning("adapter %r: its cached copy could not be fetched again: %s", name, e)
+            try:
+                source.find(name)
+            except ObjectStoreError as e:
+                log.warning("adapter %r: its cached copy could not be fetched again: %s", name, e)

@@ -12,12 +12,14 @@ FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 class Bucket:
-    """Objects by path-style key (/bucket/key); modes per key: 'bad-etag', 'short'."""
+    """Objects by path-style key (/bucket/key); modes per key: 'bad-etag', 'short'; a held
+    key (hold) answers its headers, then waits for release before its body."""
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.modes: dict[str, str] = {}
         self.gets: list[str] = []
+        self.held: dict[str, tuple[threading.Event, threading.Event]] = {}  # arrived, released
         bucket = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,6 +46,11 @@ class Bucket:
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("ETag", f'"{etag}"')
                 self.end_headers()
+                if self.path in bucket.held:
+                    arrived, released = bucket.held[self.path]
+                    self.wfile.flush()
+                    arrived.set()
+                    released.wait(60)
                 self.wfile.write(body[:len(body) // 2] if mode == "short" else body)
                 if mode == "short":
                     self.close_connection = True
@@ -53,6 +60,12 @@ class Bucket:
         self.env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{self.server.server_address[1]}",
                     "AWS_ACCESS_KEY_ID": "AKTEST", "AWS_SECRET_ACCESS_KEY": "secret",
                     "AWS_REGION": "us-test-1"}
+
+    def hold(self, key: str) -> tuple[threading.Event, threading.Event]:
+        """(arrived, release): arrived is set once a GET of key has its headers; setting
+        release sends the body."""
+        self.held[key] = (threading.Event(), threading.Event())
+        return self.held[key]
 
     def put_adapter(self, key_prefix: str, src: str = "a") -> None:
         for f in FILES:
