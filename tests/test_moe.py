@@ -12,12 +12,15 @@ decisive (tiny_models.make_model)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from metrale import LLM, SamplingParams
+from metrale.config import ConfigError
 from metrale.errors import AdapterMismatchError, MetraleError
 from metrale.model import moe
 from tests.helpers.reference import assert_mixed_batch_matches, check, hf_greedy, prompts
@@ -49,6 +52,33 @@ def test_base_and_mixed_adapters_equal_transformers_peft(family):
     if arch == "qwen3_moe":  # its dense layer 1 offers the MLP, the expert layers do not
         layout = llm.engine.runner.pool.layout
         assert (1, "gate_proj") in layout.module_keys and (0, "gate_proj") not in layout.module_keys
+
+
+def test_a_checkpoint_with_stacked_experts_loads_too(family, tmp_path):
+    """transformers 5 keeps the experts stacked in memory (experts.gate_up_proj [E, 2I, H],
+    experts.down_proj [E, H, I]); a checkpoint written that way serves the same tokens."""
+    _, root, base, _ = family
+    stacked = tmp_path / "stacked"
+    shutil.copytree(root / "model", stacked)
+    save_file({k: v.contiguous() for k, v in base.state_dict().items()},
+              stacked / "model.safetensors")
+    with safe_open(stacked / "model.safetensors", "pt") as f:
+        assert any(k.endswith("experts.gate_up_proj") for k in f.keys())
+    llm = LLM(stacked, max_loras=0, max_model_len=64, block_size=4, num_kv_blocks=64)
+    assert _matches(llm, base, prompts(14, 2))
+
+
+def test_a_checkpoint_with_more_experts_than_its_config_is_refused(family, tmp_path):
+    arch, root, _, _ = family
+    extra = tmp_path / "extra"
+    shutil.copytree(root / "model", extra)
+    tensors = load_file(extra / "model.safetensors")
+    part = "block_sparse_moe.experts.{}.w1" if arch == "mixtral" else "mlp.experts.{}.gate_proj"
+    tensors[f"model.layers.0.{part.format(4)}.weight"] = tensors[
+        f"model.layers.0.{part.format(0)}.weight"].clone()
+    save_file(tensors, extra / "model.safetensors")
+    with pytest.raises(ConfigError, match="more experts"):
+        LLM(extra, max_loras=0, max_model_len=64, block_size=4, num_kv_blocks=64)
 
 
 def test_norms_over_a_layout_whose_layers_differ(family):

@@ -16,13 +16,16 @@ from metrale.model.llama import LlamaForCausalLM
 from metrale.model.quantization import FP8_DTYPES, QuantScheme, scheme_of
 from metrale.ops.fp8_linear import quantize_rows
 
-# MoE layers: the stacked experts' parts (Qwen/OLMoE names, Mixtral's w1/w3/w2), and the
-# router and shared expert by their name within the layer
+# MoE layers: the stacked experts' parts (Qwen/OLMoE names, Mixtral's w1/w3/w2) or the
+# stacks themselves, and the router and shared expert by their name within the layer
 _EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 _EXPERT_PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": None, "w2": None}
 _LAYER = re.compile(r"^(layers\.\d+)\.(.+)$")
 _MOE_NAMES = {
     "mlp.gate.weight": ("mlp.router", None), "block_sparse_moe.gate.weight": ("mlp.router", None),
+    # transformers 5's in-memory layout, already stacked ([E, 2I, H] gate then up; [E, H, I])
+    "mlp.experts.gate_up_proj": ("mlp.experts_gate_up", None),
+    "mlp.experts.down_proj": ("mlp.experts_down", None),
     "mlp.shared_expert.gate_proj.weight": ("mlp.shared_gate_up", 0),
     "mlp.shared_expert.up_proj.weight": ("mlp.shared_gate_up", 1),
     "mlp.shared_expert.down_proj.weight": ("mlp.shared_down", None),
@@ -228,16 +231,8 @@ def param_name(hf: str) -> tuple[str | None, int | None]:
 
 def copy_weight(param: torch.Tensor, tensor: torch.Tensor, target: str, shard: int | None,
                 cfg: ModelConfig) -> None:
-    if shard is not None and not 0 <= shard < _num_shards(target, cfg):
-        raise ConfigError(f"weight {target} has no part {shard}: the checkpoint has more "
-                          "experts than its config.json")
-    if target.endswith("experts_gate_up"):  # [E, 2I, H] as 2E parts of [I, H]
-        param = param.unflatten(1, (2, -1)).flatten(0, 1)[shard]
-    elif target.endswith("experts_down"):
-        param = param[shard]
-    elif shard is not None:
-        sizes = _shard_sizes(target, cfg)
-        param = param.narrow(0, sum(sizes[:shard]), sizes[shard])
+    if shard is not None:
+        param = _part(param, target, shard, cfg)
     if param.shape != tensor.shape:
         raise ConfigError(
             f"weight {target} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}: "
@@ -245,6 +240,19 @@ def copy_weight(param: torch.Tensor, tensor: torch.Tensor, target: str, shard: i
         )
     with torch.no_grad():
         param.copy_(tensor)
+
+
+def _part(param: torch.Tensor, target: str, shard: int, cfg: ModelConfig) -> torch.Tensor:
+    """The view of param that checkpoint part `shard` fills."""
+    if not 0 <= shard < (_num_shards(target, cfg) or 0):
+        raise ConfigError(f"weight {target} has no part {shard}: the checkpoint has more "
+                          "experts than its config.json")
+    if target.endswith("experts_gate_up"):  # [E, 2I, H] as 2E parts of [I, H]
+        return param.unflatten(1, (2, -1)).flatten(0, 1)[shard]
+    if target.endswith("experts_down"):
+        return param[shard]
+    sizes = _shard_sizes(target, cfg)
+    return param.narrow(0, sum(sizes[:shard]), sizes[shard])
 
 
 def _check_complete(params, loaded, cfg: ModelConfig) -> None:
