@@ -22,6 +22,10 @@ LINEAR_MODULES: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# A MoE layer's stacked experts as LoRA targets (PEFT's target_parameters on
+# mlp.experts.gate_up_proj / down_proj): one A [r * E, in] and B [out, r * E] each.
+EXPERT_MODULES = ("experts_gate_up", "experts_down")
+EXPERT_PARAMS = {"experts_gate_up": "gate_up_proj", "experts_down": "down_proj"}
 # Model-level LoRA targets whose pool memory is opt-in (lm_head's B alone is
 # max_rank x vocab per slot): PoolConfig.extra_targets / EngineConfig.lora_extra_targets.
 # In every (layer, module) key they sit at layer 0 (they have no layer of their own).
@@ -192,10 +196,10 @@ class ModelConfig:
     qk_norm_full: bool = False  # OLMoE: q/k RMSNorm over the whole projection, not per head
 
     def layer_modules(self, layer: int) -> tuple[str, ...]:
-        """The LoRA-targetable projections of a decoder layer: an expert layer offers only
-        attention (expert and router LoRA are not served yet)."""
+        """The LoRA-targetable modules of a decoder layer: an expert layer offers attention
+        and its stacked experts (router and shared-expert LoRA are not served)."""
         if self.moe is not None and layer in self.moe.layers:
-            return ATTN_MODULES
+            return ATTN_MODULES + EXPERT_MODULES
         return LINEAR_MODULES
 
     def window_masks(self, max_len: int) -> bool:
@@ -249,7 +253,14 @@ class ModelConfig:
             "v_proj": (h, self.kv_size), "o_proj": (self.q_size, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
         }
+        if self.moe is not None:
+            e = self.moe.expert_size
+            shapes.update(experts_gate_up=(h, 2 * e), experts_down=(e, h))
         return shapes[module]
+
+    def module_rows(self, module: str) -> int:
+        """LoRA rows per rank: an expert module stacks one rank-r factor per expert."""
+        return self.moe.num_experts if module in EXPERT_MODULES else 1
 
     @staticmethod
     def module_path(layer: int, module: str) -> str:
@@ -258,6 +269,8 @@ class ModelConfig:
             return "model.embed_tokens"
         if module == "lm_head":
             return "lm_head"
+        if module in EXPERT_MODULES:
+            return f"model.layers.{layer}.mlp.experts"
         group = "self_attn" if module in ATTN_MODULES else "mlp"
         return f"model.layers.{layer}.{group}.{module}"
 
@@ -359,14 +372,15 @@ class PoolConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         _check_positive(self, ("max_lora_rank",))
-        unknown = set(self.target_modules) - set(LINEAR_MODULES)
+        known = LINEAR_MODULES + EXPERT_MODULES
+        unknown = set(self.target_modules) - set(known)
         if unknown or not self.target_modules:
             raise ConfigError(
                 f"pool target_modules {sorted(unknown) or '()'} invalid; choose from "
-                f"{', '.join(LINEAR_MODULES)}"
+                f"{', '.join(known)}"
             )
         # Keep pool order canonical whatever order the caller gave.
-        ordered = tuple(m for m in LINEAR_MODULES if m in self.target_modules)
+        ordered = tuple(m for m in known if m in self.target_modules)
         object.__setattr__(self, "target_modules", ordered)
 
 
@@ -440,6 +454,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # model-level LoRA targets to size pool memory for (EXTRA_TARGETS); mirrors pool.extra_targets
     lora_extra_targets: tuple[str, ...] = ()
+    # pool memory for LoRA on a MoE model's experts (EXPERT_MODULES: each slot then holds one
+    # rank-r A and B per expert and layer); mirrors EXPERT_MODULES in pool.target_modules
+    lora_experts: bool = False
     # "fp8": a dense checkpoint's linear weights rounded to FP8 per output channel at load
     # (vLLM's --quantization fp8); a quantized checkpoint keeps its own scheme
     quantization: str | None = None
@@ -454,6 +471,11 @@ class EngineConfig:
         object.__setattr__(self, "lora_extra_targets", extra)
         if extra != self.pool.extra_targets:
             object.__setattr__(self, "pool", replace(self.pool, extra_targets=extra))
+        experts = self.lora_experts or any(m in EXPERT_MODULES for m in self.pool.target_modules)
+        object.__setattr__(self, "lora_experts", experts)
+        if experts and not all(m in self.pool.target_modules for m in EXPERT_MODULES):
+            object.__setattr__(self, "pool", replace(
+                self.pool, target_modules=self.pool.target_modules + EXPERT_MODULES))
         if self.quantization not in (None, "fp8"):
             raise ConfigError(f"quantization {self.quantization!r}: only 'fp8' is served")
         _check_positive(self, ("max_model_len", "block_size", "max_num_seqs",

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from metrale import LLM, SamplingParams
 from metrale.config import ConfigError
-from metrale.errors import AdapterMismatchError, MetraleError
+from metrale.errors import AdapterMismatchError
 from metrale.model import moe
 from tests.helpers.reference import assert_mixed_batch_matches, check, hf_greedy, prompts
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
@@ -147,16 +147,71 @@ def test_qwen2_moe_shared_expert_is_served(tmp_path):
     assert not _matches(llm, base, ps)
 
 
-def test_expert_adapters_are_refused_naming_the_target(family, tmp_path):
-    """An adapter in the per-expert layout (transformers 4 PEFT: experts.E.gate_proj) and one
-    on the fused expert parameters (target_parameters) are refused; nothing is registered."""
-    arch, root, _, adapters = family
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def expert_adapters(family):
+    """PEFT's expert LoRA (target_parameters on the stacked experts): both parameters beside
+    the attention, the down projection alone."""
+    arch, root, base, adapters = family
+    specs = {"both": dict(target_modules=ATTENTION, target_parameters=EXPERTS),
+             "down": dict(target_modules=["q_proj"], target_parameters=EXPERTS[1:])}
+    made = {name: (make_adapter(base, root / f"e_{name}", seed=seed, r=4, lora_alpha=8, **spec),
+                   root / f"e_{name}") for seed, (name, spec) in enumerate(specs.items(), 20)}
+    return {**made, "x": adapters["x"]}
+
+
+def test_expert_lora_equals_transformers_peft(family, expert_adapters):
+    """Expert adapters of both shapes and an attention one, three through two slots in one
+    batch, equal transformers + PEFT (ParamWrapper) greedy tokens."""
+    _, root, base, _ = family
+    llm = assert_mixed_batch_matches(root / "model", base, expert_adapters, prompts(15, 3), GEN,
+                                     max_loras=2, lora_experts=True)
+    assert "experts_gate_up" in llm.engine.runner.pool.layout.pool.target_modules
+
+
+def test_swaps_between_expert_and_attention_adapters_keep_each_slot_right(family,
+                                                                          expert_adapters):
+    """One slot: attention -> experts -> attention -> experts only-down; each served equal
+    to PEFT (a zeroed slot's expert rows and ranks leave nothing behind)."""
+    _, root, base, _ = family
     llm = LLM(root / "model", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
-              num_kv_blocks=64)
+              num_kv_blocks=64, lora_experts=True)
+    params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+    for i, name in enumerate(["x", "both", "x", "down"]):
+        llm.engine.swap_lora_slot_from_disk(expert_adapters[name][1], f"s{i}", 0)
+        for p in prompts(30 + i, 2):
+            out = llm.generate([p], params, f"s{i}")[0]
+            assert list(out.token_ids) == hf_greedy(expert_adapters[name][0], p, GEN)[0], name
+
+
+def test_a_peer_asking_for_an_expert_adapter_is_refused_and_the_slot_let_go(family,
+                                                                           expert_adapters):
+    """Peer manifests carry no expert modules yet: a lease of an expert adapter is a typed
+    refusal, and the slot it pinned for the export is released."""
+    from metrale.errors import UnsupportedAdapterError
+    from metrale.peer.exporter import AdapterExporter
+
+    _, root, _, _ = family
+    llm = LLM(root / "model", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
+              num_kv_blocks=64, lora_experts=True)
+    llm.engine.swap_lora_slot_from_disk(expert_adapters["both"][1], "both", 0)
+    exporter = AdapterExporter(llm.engine.lora, llm.engine.registry)
+    with pytest.raises(UnsupportedAdapterError, match="experts"):
+        exporter.lease("both")
+    assert llm.engine.lora.table.ref_count(0) == 0
+
+
+def test_expert_adapters_are_refused_naming_the_target(family, expert_adapters, tmp_path):
+    """The per-expert layout (transformers 4 PEFT: experts.E.gate_proj) is refused naming the
+    module; target_parameters without pool memory for experts naming --lora-experts; on the
+    router naming it; nothing is registered."""
+    arch, root, _, adapters = family
     src = adapters["y"][1]
+    cfg = json.loads((src / "adapter_config.json").read_text())
     per_expert = tmp_path / "per_expert"
     per_expert.mkdir()
-    cfg = json.loads((src / "adapter_config.json").read_text())
     tensors = load_file(src / "adapter_model.safetensors")
     part = "block_sparse_moe.experts.0.w1" if arch == "mixtral" else "mlp.experts.0.gate_proj"
     expert = f"base_model.model.model.layers.0.{part}"
@@ -166,16 +221,20 @@ def test_expert_adapters_are_refused_naming_the_target(family, tmp_path):
     name = part.rsplit(".", 1)[1]
     (per_expert / "adapter_config.json").write_text(json.dumps(
         {**cfg, "target_modules": [*ATTENTION, name]}))
+    router = tmp_path / "router"
+    shutil.copytree(src, router)
+    (router / "adapter_config.json").write_text(json.dumps(
+        {**cfg, "target_parameters": ["mlp.gate.weight"]}))
+    kw = dict(max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4, num_kv_blocks=64)
+    without = LLM(root / "model", **kw)
+    with pytest.raises(AdapterMismatchError, match="--lora-experts"):
+        without.register_adapter("both", expert_adapters["both"][1])
+    llm = LLM(root / "model", lora_experts=True, **kw)
     with pytest.raises(AdapterMismatchError, match=name):
         llm.register_adapter("experts", per_expert)
-    fused = tmp_path / "fused"
-    fused.mkdir()
-    save_file(load_file(src / "adapter_model.safetensors"), fused / "adapter_model.safetensors")
-    (fused / "adapter_config.json").write_text(json.dumps(
-        {**cfg, "target_parameters": ["mlp.experts.gate_up_proj"]}))
-    with pytest.raises(MetraleError, match="target_parameters"):
-        llm.register_adapter("fused", fused)
-    assert llm.engine.registry.names() == []
+    with pytest.raises(AdapterMismatchError, match="router"):
+        llm.register_adapter("router", router)
+    assert llm.engine.registry.names() == [] and without.engine.registry.names() == []
 
 
 @pytest.mark.gpu
@@ -186,3 +245,12 @@ def test_gpu_moe_serves_eagerly_with_adapters(family):
     llm = assert_mixed_batch_matches(root / "model", base, adapters, prompts(11, 3), GEN,
                                      max_loras=2, device="cuda", dtype="float32")
     assert llm.engine.runner.graphs is None
+
+
+def test_dora_on_expert_parameters_is_refused():
+    from metrale.adapters.peft_config import PeftAdapterConfig
+    from metrale.errors import UnsupportedAdapterError
+
+    with pytest.raises(UnsupportedAdapterError, match="target_parameters"):
+        PeftAdapterConfig.from_dict({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                                     "target_parameters": EXPERTS, "use_dora": True})

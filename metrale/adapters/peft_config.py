@@ -58,11 +58,17 @@ class PeftAdapterConfig:
     exclude_modules: Names | None = None
     use_dora: bool = False
     fan_in_fan_out: bool = False
+    # MoE experts' stacked parameters (mlp.experts.gate_up_proj / down_proj), in the order
+    # PEFT wrapped them: it decides which tensor is which (adapters/plan.py)
+    target_parameters: tuple[str, ...] = ()
     peft_type: str = "LORA"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
     _match: _Matchers = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.use_dora and self.target_parameters:
+            raise UnsupportedAdapterError("DoRA on experts' parameters (use_dora with "
+                                          "target_parameters) is not served")
         _check_scales(self)
         _check_layer_fields(self)
         object.__setattr__(self, "_match", _Matchers.build(self))
@@ -137,6 +143,7 @@ class PeftAdapterConfig:
             exclude_modules=_names_or_regex("exclude_modules", d.get("exclude_modules")),
             use_dora=_flag(d, "use_dora"),
             fan_in_fan_out=_flag(d, "fan_in_fan_out"),
+            target_parameters=_target_parameters(d.get("target_parameters")),
             peft_type=_peft_type(d.get("peft_type")),
             raw=dict(d),
         )
@@ -164,6 +171,7 @@ class PeftAdapterConfig:
             # from_dict refuses any other bias and a non-empty modules_to_save
             "modules_to_save": None,
             "use_dora": self.use_dora, "bias": "none", "fan_in_fan_out": self.fan_in_fan_out,
+            "target_parameters": list(self.target_parameters),
         }
 
 
@@ -360,6 +368,14 @@ def _name_list(field_name: str, value: Any) -> tuple[str, ...]:
     return tuple(sorted(names)) if isinstance(value, (set, frozenset)) else tuple(names)
 
 
+def _target_parameters(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, _LIST_TYPES):
+        raise AdapterConfigError(f"target_parameters must be a list or null, got {brief(value)}")
+    return tuple(dict.fromkeys(_name_list("target_parameters", value)))  # PEFT's order kept
+
+
 def _targets(value: Any) -> Names:
     if value is None:
         raise AdapterConfigError(
@@ -444,8 +460,6 @@ def _refuse_unserved(d: dict[str, Any]) -> None:
     _refuse_nonempty(d, "trainable_token_indices", (list, tuple, dict),
                      "trainable_token_indices={} (new tokens: full embedding rows per slot) "
                      "is not served")
-    _refuse_nonempty(d, "target_parameters", _LIST_TYPES,
-                     "target_parameters={} (MoE expert/router deltas) is not served")
     _refuse_nonempty(d, "layer_replication", _LIST_TYPES, "layer_replication={} is not served")
     for name in _VARIANT_CONFIGS:
         if d.get(name) is not None:  # PEFT turns even {} into an active variant

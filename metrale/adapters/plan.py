@@ -15,6 +15,8 @@ from metrale.adapters.patterns import MatchBudget
 from metrale.adapters.peft_config import ALL_LINEAR, PeftAdapterConfig
 from metrale.adapters.safetensors_file import TensorEntry, read_header
 from metrale.config import (
+    EXPERT_MODULES,
+    EXPERT_PARAMS,
     EXTRA_TARGETS,
     EXTRA_TARGETS_FLAG,
     LINEAR_MODULES,
@@ -53,6 +55,7 @@ class ModuleTarget:
     module: str
     rank: int
     scale: float
+    experts: int = 1  # an expert module's A and B stack a rank-r factor per expert
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class TensorLanding:
 
     @property
     def rows(self) -> int:  # of its region it fills
-        return 1 if self.kind == "M" else self.target.rank
+        return 1 if self.kind == "M" else self.target.rank * self.target.experts
 
 
 @dataclass(frozen=True)
@@ -111,10 +114,15 @@ def resolve_targets(
 ) -> tuple[ModuleTarget, ...]:
     """The (layer, module) pairs PEFT would wrap, with its rank and scale for each; one
     MatchBudget bounds all the regex matching."""
-    # (path, layer, module) of everything PEFT could target, model-level ones at layer 0
+    # (path, layer, module) of everything PEFT could target, model-level ones at layer 0;
+    # target_parameters name the experts' stacked parameters (module path + parameter)
     universe = [(model.peft_path(i, m), i, m) for i in range(model.num_layers)
-                for m in model.layer_modules(i)]
+                for m in model.layer_modules(i) if m not in EXPERT_MODULES]
     universe += [(model.module_path(0, m), 0, m) for m in EXTRA_TARGETS]
+    experts = [(f"{model.module_path(i, m)}.{EXPERT_PARAMS[m]}", i, m)
+               for i in range(model.num_layers) for m in model.layer_modules(i)
+               if m in EXPERT_MODULES]
+    _refuse_unknown_parameters(peft.target_parameters, experts, model)
     budget = MatchBudget()
     if isinstance(peft.target_modules, str) and peft.target_modules.lower() == ALL_LINEAR:
         # PEFT expands "all-linear" to every Linear but the output head, by full path.
@@ -123,8 +131,11 @@ def resolve_targets(
     elif not isinstance(peft.target_modules, str):
         _refuse_unknown_names(peft.target_modules, universe, model)
     targets = []
-    for path, layer, module in universe:
-        if not peft.targets(path, budget):
+    for path, layer, module in universe + experts:
+        if module in EXPERT_MODULES:
+            if not any(path == t or path.endswith("." + t) for t in peft.target_parameters):
+                continue
+        elif not peft.targets(path, budget):
             continue
         if module in EXTRA_TARGETS and module not in pool.extra_targets:
             raise ExtraTargetsRequiredError(
@@ -132,10 +143,11 @@ def resolve_targets(
                 f"{module}: start it with {EXTRA_TARGETS_FLAG} {module}"
             )
         if module not in pool.target_modules and module not in EXTRA_TARGETS:
+            hint = ("--lora-experts (pool memory for expert LoRA)" if module in EXPERT_MODULES
+                    else f"{module} in its LoRA target modules")
             raise AdapterMismatchError(
-                f"the adapter targets {module} but the pool serves only "
-                f"{', '.join(pool.target_modules)}; start the engine with {module} in its "
-                "LoRA target modules"
+                f"the adapter targets {path} but the pool serves only "
+                f"{', '.join(pool.target_modules)}; start the engine with {hint}"
             )
         rank = peft.rank_for(path, budget)
         if rank > pool.max_lora_rank:
@@ -143,13 +155,25 @@ def resolve_targets(
                 f"{path} has rank {rank} > --max-lora-rank {pool.max_lora_rank}; "
                 f"start the engine with --max-lora-rank {peft.max_rank()} or more"
             )
-        targets.append(ModuleTarget(layer, module, rank, peft.scaling_for(path, budget)))
+        targets.append(ModuleTarget(layer, module, rank, peft.scaling_for(path, budget),
+                                    model.module_rows(module)))
     if not targets:
         raise AdapterMismatchError(
             f"target_modules {brief(peft.target_modules)} matches no module of this "
             f"{model.model_type} model"
         )
     return tuple(targets)
+
+
+def _refuse_unknown_parameters(names, experts, model: ModelConfig) -> None:
+    """target_parameters may name the experts' stacked gate_up_proj / down_proj only."""
+    for name in names:
+        if not any(p == name or p.endswith("." + name) for p, _, _ in experts):
+            what = "router" if name.endswith("gate.weight") else "parameter"
+            raise AdapterMismatchError(
+                f"target_parameters entry {brief(name)} names no {what} metrale serves LoRA on "
+                f"in a {model.model_type} model (mlp.experts.gate_up_proj and "
+                "mlp.experts.down_proj of its expert layers)")
 
 
 def _refuse_unknown_names(names, universe, model: ModelConfig) -> None:
@@ -218,7 +242,10 @@ def _match_tensors(
 ) -> tuple[TensorLanding, ...]:
     by_path: dict[str, list[ModuleTarget]] = {}  # a fused Linear (Phi-3) has several parts
     for t in targets:
-        by_path.setdefault(model.peft_path(t.layer, t.module), []).append(t)
+        if t.module not in EXPERT_MODULES:
+            by_path.setdefault(model.peft_path(t.layer, t.module), []).append(t)
+    by_path.update(_expert_paths(targets, model))
+    chosen: dict[str, ModuleTarget] = {}  # an expert path's target, once a tensor told it
     landings: list[TensorLanding] = []
     seen: set[tuple[str, str]] = set()
     for entry in entries:
@@ -236,7 +263,9 @@ def _match_tensors(
                 f"{source}: tensor {brief(entry.name)} is for a module the adapter config "
                 "does not target in this model (or a module this model does not have)"
             )
-        target, kind = parts[0], _KINDS[m["kind"]]
+        kind = _KINDS[m["kind"]]
+        target = parts[0] if parts[0].module not in EXPERT_MODULES else \
+            _expert_target(m["module"], kind, entry, parts, chosen, model)
         if (target.module == "embed_tokens") != m["kind"].startswith("lora_embedding") \
                 and kind != "M":
             raise AdapterMismatchError(
@@ -248,8 +277,7 @@ def _match_tensors(
                 f"{source}: tensor {brief(entry.name)} is a DoRA magnitude, but the adapter "
                 "config does not set use_dora=true"
             )
-        d_in, d_out = model.linear_shape(target.module)[0], model.fused_rows(target.module)[2]
-        expected = {"A": (target.rank, d_in), "B": (d_out, target.rank), "M": (d_out,)}[kind]
+        expected = _expected(target, kind, model)
         if entry.shape != expected:
             raise AdapterMismatchError(
                 f"{source}: {entry.name} has shape {list(entry.shape)}, expected "
@@ -259,9 +287,14 @@ def _match_tensors(
         if (m["module"], kind) in seen:
             raise AdapterFileError(f"{source}: two tensors for {m['module']} {m['kind']}")
         seen.add((m["module"], kind))
+        if target.module in EXPERT_MODULES:  # the candidates are alternatives, not parts
+            parts = [target]
         for part in parts:  # A is shared; B's and M's rows are split across the parts
             part_entry = entry if kind == "A" else _rows(entry, *model.fused_rows(part.module)[:2])
             landings.append(TensorLanding(part, kind, part_entry))
+    if len(set(chosen.values())) < len(chosen):
+        raise AdapterMismatchError(f"{source}: two nested expert wrappers hold tensors of the "
+                                   "same parameter; the file does not match its config")
     names = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector"}
     kinds = ("A", "B", "M") if dora else ("A", "B")
     missing = [f"{path}.{names[k]}" for path in by_path for k in kinds if (path, k) not in seen]
@@ -272,6 +305,41 @@ def _match_tensors(
             + (" (a DoRA adapter needs every module's lora_magnitude_vector)" if dora else "")
         )
     return tuple(landings)
+
+
+def _expert_paths(targets, model: ModelConfig) -> dict:
+    """The tensor paths of a layer's expert targets, each with all of them as candidates.
+    PEFT nests a module's wrapped parameters, so of N targeted the tensors sit at mlp.experts
+    and mlp.experts.base_layer (and deeper); which is which depends on PEFT's wrapping
+    order, not on the config's list (a set), so _match_tensors tells them apart by shape."""
+    layers: dict[int, list[ModuleTarget]] = {}
+    for t in targets:
+        if t.module in EXPERT_MODULES:
+            layers.setdefault(t.layer, []).append(t)
+    return {model.module_path(layer, ts[0].module) + ".base_layer" * k: ts
+            for layer, ts in layers.items() for k in range(len(ts))}
+
+
+def _expert_target(path: str, kind: str, entry: TensorEntry, parts, chosen: dict,
+                   model: ModelConfig) -> ModuleTarget:
+    """Which of a layer's expert targets the tensor at `path` is: the one its shape fits
+    (gate_up A is [r*E, hidden], down's [r*E, expert size]; B out 2 x expert size vs
+    hidden), the same for a path's A and B; with both fitting, the order PEFT wraps them
+    in (gate_up inner)."""
+    if path in chosen:
+        return chosen[path]
+    fits = [t for t in parts if entry.shape == _expected(t, kind, model)]
+    if len(fits) > 1:  # both fit: PEFT wraps gate_up first, so it is the inner one
+        inner = path.endswith(".base_layer")
+        fits = [t for t in fits if (t.module == "experts_gate_up") == inner]
+    chosen[path] = fits[0] if fits else parts[0]  # none fits: the shape check says so
+    return chosen[path]
+
+
+def _expected(target: ModuleTarget, kind: str, model: ModelConfig) -> tuple[int, ...]:
+    d_in, d_out = model.linear_shape(target.module)[0], model.fused_rows(target.module)[2]
+    rows = target.rank * target.experts
+    return {"A": (rows, d_in), "B": (d_out, rows), "M": (d_out,)}[kind]
 
 
 def _rows(entry: TensorEntry, first: int, rows: int) -> TensorEntry:

@@ -90,7 +90,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         moe = cfg.moe is not None and layer in cfg.moe.layers
-        self.mlp = MoeMLP(cfg) if moe else MLP(cfg, layer)
+        self.mlp = MoeMLP(cfg, layer) if moe else MLP(cfg, layer)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,13 @@ plus Qwen2-MoE's sigmoid-gated shared expert.
 
 The reference path on every backend: each routed expert is a gather, two matmuls and an
 index_add, with a host sync to list the experts hit, so a MoE model runs without CUDA
-graphs. No LoRA on the experts, the router or the shared expert yet: adapters that target
-them are refused at registration (the layer offers only the attention modules).
+graphs.
+
+LoRA on the experts (PEFT's target_parameters on mlp.experts.gate_up_proj / down_proj,
+pool memory with --lora-experts): each slot holds PEFT's own factors, A [r * E, in] with
+expert e's rows at e * r, and B transposed [r * E, out] with expert e's at ri * E + e
+(ParamWrapper's layout), added to the expert's outputs per token and slot. No LoRA on the
+router or the shared expert.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ModelConfig
+from metrale.forward_context import get_context
 
 
 class MoeMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         moe = cfg.moe
         e, h, i = moe.num_experts, cfg.hidden_size, moe.expert_size
         self.top_k, self.norm_topk, self.fp32_weights = moe.top_k, moe.norm_topk_prob, moe.fp32_weights
@@ -46,14 +53,45 @@ class MoeMLP(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.fp32_weights:
             weights = weights.to(logits.dtype)
+        lora = get_context().lora
+        if lora is not None and "experts_gate_up" not in lora.pool.layout.pool.target_modules:
+            lora = None  # no pool memory for expert LoRA
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():  # ascending, as transformers visits them
             pos, tok = torch.where(experts.T == e)  # by top-k position, then token
-            gate, up = F.linear(x[tok], self.experts_gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts_down[e]) * weights[tok, pos, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+            gate_up = F.linear(x[tok], self.experts_gate_up[e])  # [n, 2I]
+            if lora is not None:
+                gate_up = gate_up + self._lora(lora, "experts_gate_up", e, tok, x[tok])
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up  # [n, I]
+            y = F.linear(h, self.experts_down[e])
+            if lora is not None:
+                y = y + self._lora(lora, "experts_down", e, tok, h)
+            out.index_add_(0, tok, (y * weights[tok, pos, None]).to(out.dtype))
         if self.shared_gate_up is not None:
             gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
             shared = F.linear(F.silu(gate) * up, self.shared_down)
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
         return out
+
+    def _lora(self, lora, module: str, e: int, tok: torch.Tensor,
+              x: torch.Tensor) -> torch.Tensor:
+        """Expert e's LoRA delta for its tokens tok (x: their inputs [n, in]) -> [n, out]:
+        scale * (x A_e^T) B_e per token, by each token's slot."""
+        pool, layer = lora.pool, self.layer
+        m, n_experts = pool.layout.module_index(module), self.experts_gate_up.shape[0]
+        slots = lora.slot_ids[tok]  # [n]
+        delta = None
+        for s in torch.unique(slots).tolist():
+            rank = int(pool.ranks[s, layer, m]) if s >= 0 else 0
+            if rank == 0:
+                continue
+            rows = slots == s
+            a = pool.lora_a(layer, module)[s, :rank * n_experts].view(n_experts, rank, -1)[e]
+            bt = pool.lora_bt(layer, module)[s, :rank * n_experts].view(rank, n_experts, -1)
+            h = x[rows].float() @ a.float().T  # [n_s, r]
+            d = (h @ bt[:, e].float()) * float(pool.scales[s, layer, m])  # [n_s, out]
+            if delta is None:
+                delta = torch.zeros(x.shape[0], d.shape[1], dtype=torch.float32, device=x.device)
+            delta[rows] = d
+        return 0 if delta is None else delta.to(x.dtype)

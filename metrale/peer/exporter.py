@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
-from metrale.errors import UnknownAdapterError
+from metrale.errors import UnknownAdapterError, UnsupportedAdapterError
 from metrale.names import is_valid_name
 from metrale.peer import wire
 from metrale.peer.errors import (
@@ -302,6 +302,9 @@ class AdapterExporter:
             r = int(ranks[layer, m])
             if r == 0:
                 continue
+            if module not in wire.MODULES:
+                raise UnsupportedAdapterError(f"{name!r} has LoRA on a MoE model's experts, "
+                                              "which peers do not carry yet")
             parts = [(0, self.pool.lora_a(layer, module)[slot, :r]),  # [r, in], contiguous
                      (1, self.pool.lora_bt(layer, module)[slot, :r])]  # [r, out]
             if int(doras[layer, m]):

@@ -46,7 +46,8 @@ class SlotLayout:
         regions, cursor, gains, g_cursor = {}, 0, {}, 0
         for layer, module in self.module_keys:
             d_in, d_out = self.model.linear_shape(module)
-            for kind, rows, cols in (("A", self.max_rank, d_in), ("B", self.max_rank, d_out),
+            rank_rows = self.max_rank * self.model.module_rows(module)  # experts: one per expert
+            for kind, rows, cols in (("A", rank_rows, d_in), ("B", rank_rows, d_out),
                                      ("M", 1, d_out)):
                 region = TensorRegion(layer, module, kind, cursor, rows, cols)
                 regions[(layer, module, kind)] = region

@@ -240,10 +240,10 @@ class AdapterPool:
                 t = landing.target
                 if landing.kind == "M":
                     self.magnitude(t.layer, t.module)[slot, 0].copy_(src)  # [out]
-                elif landing.kind == "A":
-                    self.lora_a(t.layer, t.module)[slot, :t.rank].copy_(src)  # [r, in]
-                else:
-                    self.lora_bt(t.layer, t.module)[slot, :t.rank].copy_(src.t())  # [r, out]
+                elif landing.kind == "A":  # [r, in] (experts: [r * E, in])
+                    self.lora_a(t.layer, t.module)[slot, :landing.rows].copy_(src)
+                else:  # [r, out] (experts: [r * E, out])
+                    self.lora_bt(t.layer, t.module)[slot, :landing.rows].copy_(src.t())
 
     def write_tables(self, slot: int, ranks: torch.Tensor, scales: torch.Tensor,
                      doras: torch.Tensor) -> None:

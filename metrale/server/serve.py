@@ -94,6 +94,7 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
               quantization=args.quantization,
               peer_allow=tuple(args.peer_allow), peer_transport=args.peer_transport,
               peer_timeout_s=args.peer_timeout, lora_extra_targets=args.lora_extra_targets,
+              lora_experts=args.lora_experts,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               scheduler=SchedulerConfig(
                   max_prefill_chunk=args.max_prefill_chunk,
@@ -210,6 +211,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated model-level LoRA targets to reserve slot memory for: "
                         "embed_tokens, lm_head (lm_head costs max-lora-rank x vocab per slot); "
                         "adapters with LoRA on them are refused without it (default: none)")
+    p.add_argument("--lora-experts", action="store_true",
+                   help="a MoE base: reserve slot memory for LoRA on its experts (PEFT's "
+                        "target_parameters on mlp.experts.gate_up_proj / down_proj; each slot "
+                        "then holds a rank-r factor per expert and layer); adapters with "
+                        "expert LoRA are refused without it")
     add_engine_arguments(p)
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV-cache blocks of 16 tokens to allocate (default: room for "
