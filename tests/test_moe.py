@@ -254,3 +254,16 @@ def test_dora_on_expert_parameters_is_refused():
     with pytest.raises(UnsupportedAdapterError, match="target_parameters"):
         PeftAdapterConfig.from_dict({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
                                      "target_parameters": EXPERTS, "use_dora": True})
+
+
+def test_expert_lora_with_rslora_and_a_rank_pattern_equals_peft(tmp_path):
+    """rsLoRA scaling and a rank_pattern entry on one expert parameter (rank 2 there, 4
+    elsewhere) apply to expert targets as PEFT applies them."""
+    base = make_model("qwen3_moe", seed=9)
+    save_model(base, tmp_path / "model")
+    spec = dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["o_proj"],
+                target_parameters=EXPERTS,
+                rank_pattern={"model.layers.0.mlp.experts.down_proj": 2})
+    adapters = {"p": (make_adapter(base, tmp_path / "p", seed=40, **spec), tmp_path / "p")}
+    assert_mixed_batch_matches(tmp_path / "model", base, adapters, prompts(16, 2), GEN,
+                               lora_experts=True)

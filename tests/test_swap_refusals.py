@@ -115,8 +115,9 @@ BAD_ADAPTERS = {
     "bias": (lambda p: _edit_config(p, bias="all"), errors.UnsupportedAdapterError),
     "modules-to-save": (lambda p: _edit_config(p, modules_to_save=["lm_head"]),
                         errors.UnsupportedAdapterError),
+    # expert LoRA on a dense base: its target does not exist here
     "moe-target-parameters": (lambda p: _edit_config(p, target_parameters=["experts.gate_up"]),
-                              errors.UnsupportedAdapterError),
+                              errors.AdapterMismatchError),
     "not-lora": (lambda p: _edit_config(p, peft_type="IA3"), errors.UnsupportedAdapterError),
     "config-missing": (lambda p: (p / "adapter_config.json").unlink(), errors.AdapterConfigError),
     "config-garbage": (lambda p: (p / "adapter_config.json").write_text("{nope"),
