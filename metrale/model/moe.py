@@ -32,7 +32,6 @@ class MoeMLP(nn.Module):
         moe = cfg.moe
         e, h, i = moe.num_experts, cfg.hidden_size, moe.expert_size
         self.top_k, self.norm_topk, self.fp32_weights = moe.top_k, moe.norm_topk_prob, moe.fp32_weights
-        self.inter = i
         self.router = nn.Parameter(torch.empty(e, h))  # [E, H]
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))  # [E, 2I, H]: gate, up
         self.experts_down = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
