@@ -231,6 +231,24 @@ def copy_bandwidth(device: str, nbytes: int = 2 << 30) -> float:
     return nbytes / (ms / 1e3)
 
 
+def graph_us(fn, reps: int = 20) -> float:
+    """GPU time of fn per call: `reps` calls captured in one CUDA graph (as the engine runs
+    them), so Python launch overhead is out of the figure; the median of Triton's
+    do_bench over replays."""
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and cache descriptors before capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / reps
+
+
 def h2d_ms(nbytes: int, device: str) -> float:
     """Pinned host -> device copy of nbytes (median ms)."""
     if not device.startswith("cuda"):

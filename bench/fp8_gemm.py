@@ -8,7 +8,9 @@ JSON `fp8_gemm[<model> <proj> m<M>]`: bf16_us (F.linear on the bf16 weight), fp8
 chosen config), floor_us (FP8 weight + scales + activations at the copy bandwidth of the
 same run), fp8_over_floor, bf16_over_fp8, config; with --sweep best_us / best_config over
 SWEEP (decode sizes) or SWEEP_PREFILL (the Triton tiles; fp8_us from DENSE_MIN_M on is the
-dequantize-then-cuBLAS path). Times: the median replay of a CUDA graph of 20 calls, per call.
+dequantize-then-cuBLAS path). Times: common.graph_us, a CUDA graph of 20 calls replayed
+under triton's do_bench (median), per call. (The session-16 figures in
+bench/results/20261202-h200.json took the median of 7 event-timed replays instead.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from bench.common import copy_bandwidth, merge_results, results_path, table
+from bench.common import copy_bandwidth, graph_us, merge_results, results_path, table
 from metrale.ops import fp8_linear as f
 
 SHAPES = {  # (N, K) of the fused projections the model runs
@@ -37,27 +39,6 @@ SWEEP = [dict(swap=sw, block_n=bn, block_k=bk, split_k=s, num_warps=4,
                                                 (1, 2, 4, 8))]
 SWEEP_PREFILL = [dict(swap=sw, block_n=128, block_k=bk, split_k=1, num_warps=8, num_stages=st)
                  for sw, bk, st in itertools.product((False, True), (64, 128), (3, 4))]
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
 
 
 def run(ms: list[int], sweep: bool) -> dict:

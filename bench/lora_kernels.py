@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.testing
 
+from bench.common import graph_us
 from bench.lora_fused import FUSED_CFG, apply_fused
 from metrale.ops import lora_launch as launch
 from metrale.ops import lora_ref as ref
@@ -70,27 +71,12 @@ def _median_ms(fn) -> float:
     return triton.testing.do_bench(fn, return_mode="median")
 
 
-def _graph_us(fn, reps: int = 20) -> float:
-    """GPU time of fn per call: `reps` calls captured in one CUDA graph (as the engine runs
-    them), so Python launch overhead is out of the figure."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and cache descriptors before capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return _median_ms(graph.replay) * 1e3 / reps
-
-
 def _gemm_with_lora_us(x, weight, group_args, order, path: str | None) -> float:
     """A layer's projection as the model runs it: the base GEMM plus the group's LoRA
     (lora_triton.lora_linear: the shrink beside the GEMM), by PATH_TABLE's path or `path`."""
     As, Bts, slices, ids, scales, ranks = group_args
     base = functools.partial(torch.nn.functional.linear, weight=weight)
-    return _graph_us(functools.partial(lt.lora_linear, x, base, None, As, Bts, slices, ids,
+    return graph_us(functools.partial(lt.lora_linear, x, base, None, As, Bts, slices, ids,
                                        scales, ranks, order=order, path=path))
 
 
@@ -102,7 +88,7 @@ def _gemm_then_lora_us(x, weight, y, group_args, order) -> float:
         torch.mm(x, weight.T, out=y)
         lt.lora_apply_fused(y, x, As, Bts, slices, ids, scales, ranks, order=order)
 
-    return _graph_us(one_stream)
+    return graph_us(one_stream)
 
 
 def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(TOKENS),
@@ -138,16 +124,16 @@ def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(T
                          + T * (in_dim + 2 * sum(outs)) * elt)
                 row = dict(group=name, T=T, spread=spread,
                            path=launch.choose_path(T),
-                           floor_us=moved / (hbm_gbps * 1e3), graph_us=_graph_us(apply))
+                           floor_us=moved / (hbm_gbps * 1e3), graph_us=graph_us(apply))
                 for path in lt.PATHS:
-                    row[f"{path}_us"] = _graph_us(functools.partial(
+                    row[f"{path}_us"] = graph_us(functools.partial(
                         lt.lora_apply_fused, *args, order=order, path=path))
                 # the fused kernel is for decode batches only
-                row["fused_us"] = _graph_us(functools.partial(apply_fused, *args)) \
+                row["fused_us"] = graph_us(functools.partial(apply_fused, *args)) \
                     if T <= lt.DECODE_MAX_T else None
                 gemm = functools.partial(torch.nn.functional.linear, x, weight)
                 group_args = (As, Bts, slices, ids, scales, ranks)
-                row.update(gemm_us=_graph_us(gemm),
+                row.update(gemm_us=graph_us(gemm),
                            gemm_lora_us=_gemm_with_lora_us(x, weight, group_args, order, None),
                            gemm_then_lora_us=_gemm_then_lora_us(x, weight, y, group_args, order))
                 for path in lt.PATHS:
@@ -156,10 +142,10 @@ def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(T
                 row["lora_in_layer_us"] = row["gemm_lora_us"] - row["gemm_us"]
                 # the other token mapping at decode sizes: tokens sorted by slot, a block
                 # of rows per program (what batches past DECODE_MAX_T get), to set it
-                row["sorted_us"] = _graph_us(functools.partial(
+                row["sorted_us"] = graph_us(functools.partial(
                     lt.lora_apply_fused, *args, order=lt.sort_tokens_by_slot(ids))) \
                     if 1 < T <= lt.DECODE_MAX_T else None
-                row.update(shrink_us=_graph_us(shrink), expand_us=_graph_us(expand),
+                row.update(shrink_us=graph_us(shrink), expand_us=graph_us(expand),
                            eager_us=_median_ms(apply) * 1e3,
                            ref_us=_median_ms(functools.partial(ref.lora_apply_fused_ref, *args))
                            * 1e3)

@@ -155,6 +155,20 @@ def test_quantization_fp8_rounds_a_dense_checkpoint_per_output_channel(tmp_path)
         LLM(tmp_path / "dense", max_loras=0, quantization="int4")
 
 
+def _fp8_with_plain_and_dora(tmp_path, fmt: str):
+    """An FP8 checkpoint of format fmt at tmp_path/fp8, its dequantized reference model,
+    and a plain and a DoRA adapter trained on that reference."""
+    base = make_model("llama", seed=11)
+    ref = copy.deepcopy(base)
+    ref.load_state_dict(fp8_checkpoint(base, tmp_path / "fp8", fmt))
+    adapters = {"plain": (make_adapter(ref, tmp_path / "plain", seed=3, r=4, lora_alpha=8,
+                                       target_modules="all-linear"), tmp_path / "plain"),
+                "dora": (make_adapter(ref, tmp_path / "dora", seed=4, r=4, lora_alpha=8,
+                                      use_dora=True, target_modules="all-linear"),
+                         tmp_path / "dora")}
+    return ref, adapters
+
+
 @pytest.mark.parametrize("fmt", ["block", "channel"])
 def test_fp8_gemm_kernel_in_the_engine_with_dora_and_plain_adapters(tmp_path, fmt, monkeypatch):
     """The same checkpoints through the Triton FP8 GEMM (Triton's interpreter on CPU) and
@@ -165,14 +179,7 @@ def test_fp8_gemm_kernel_in_the_engine_with_dora_and_plain_adapters(tmp_path, fm
     if not KERNELS or torch.cuda.is_available():  # with CUDA: the gpu test runs them compiled
         pytest.skip("needs Triton's interpreter (a CPU-only box)")
     monkeypatch.setattr(lora_ops, "TRITON_ON_CPU", True)
-    base = make_model("llama", seed=11)
-    ref = copy.deepcopy(base)
-    ref.load_state_dict(fp8_checkpoint(base, tmp_path / "fp8", fmt))
-    adapters = {"plain": (make_adapter(ref, tmp_path / "plain", seed=3, r=4, lora_alpha=8,
-                                       target_modules="all-linear"), tmp_path / "plain"),
-                "dora": (make_adapter(ref, tmp_path / "dora", seed=4, r=4, lora_alpha=8,
-                                      use_dora=True, target_modules="all-linear"),
-                         tmp_path / "dora")}
+    ref, adapters = _fp8_with_plain_and_dora(tmp_path, fmt)
     llm = assert_mixed_batch_matches(tmp_path / "fp8", ref, adapters, PROMPTS[:1], 4)
     assert llm.engine.runner.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
 
@@ -182,14 +189,7 @@ def test_fp8_gemm_kernel_in_the_engine_with_dora_and_plain_adapters(tmp_path, fm
 def test_gpu_fp8_checkpoint_through_graphs_equals_peft(tmp_path, fmt):
     """fp32 on CUDA (exact-fp32 dots): the compiled FP8 GEMM under captured graphs, plain
     and DoRA adapters beside the base, against transformers + PEFT on the CPU."""
-    base = make_model("llama", seed=11)
-    ref = copy.deepcopy(base)
-    ref.load_state_dict(fp8_checkpoint(base, tmp_path / "fp8", fmt))
-    adapters = {"plain": (make_adapter(ref, tmp_path / "plain", seed=3, r=4, lora_alpha=8,
-                                       target_modules="all-linear"), tmp_path / "plain"),
-                "dora": (make_adapter(ref, tmp_path / "dora", seed=4, r=4, lora_alpha=8,
-                                      use_dora=True, target_modules="all-linear"),
-                         tmp_path / "dora")}
+    ref, adapters = _fp8_with_plain_and_dora(tmp_path, fmt)
     llm = assert_mixed_batch_matches(tmp_path / "fp8", ref, adapters, PROMPTS, GEN,
                                      device="cuda", dtype="float32")
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0
