@@ -58,8 +58,8 @@ class PeftAdapterConfig:
     exclude_modules: Names | None = None
     use_dora: bool = False
     fan_in_fan_out: bool = False
-    # MoE experts' stacked parameters (mlp.experts.gate_up_proj / down_proj), in the order
-    # PEFT wrapped them: it decides which tensor is which (adapters/plan.py)
+    # MoE experts' stacked parameters (mlp.experts.gate_up_proj / down_proj); PEFT keeps
+    # them as a set, so their order says nothing (adapters/plan.py matches tensors by shape)
     target_parameters: tuple[str, ...] = ()
     peft_type: str = "LORA"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -373,7 +373,7 @@ def _target_parameters(value: Any) -> tuple[str, ...]:
         return ()
     if not isinstance(value, _LIST_TYPES):
         raise AdapterConfigError(f"target_parameters must be a list or null, got {brief(value)}")
-    return tuple(dict.fromkeys(_name_list("target_parameters", value)))  # PEFT's order kept
+    return tuple(dict.fromkeys(_name_list("target_parameters", value)))  # duplicates once
 
 
 def _targets(value: Any) -> Names:
