@@ -75,7 +75,6 @@ def build_any(name: str, device: str, workdir: Path) -> Pair:
             with torch.no_grad():
                 m.weight.copy_(q)
                 m.weight_scale.copy_(scale)
-    build_computed(pair.ours)
     return Pair(name, pair.model_dir, pair.config, pair.ours, pair.hf)
 
 

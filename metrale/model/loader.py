@@ -70,7 +70,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     for target, block in _fp8_projections(shapes, cfg, scheme, aux, quantization).items():
         projections[target].use_fp8(block)  # before memory: a 70B base never exists in bf16
     model = model.to_empty(device=device)
-    build_computed(model)  # buffers computed, not loaded
+    build_computed(model)  # buffers computed, not loaded (the dtype cast below skips them)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for path in weight_files(model_dir):
@@ -113,9 +113,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         for param in model.parameters():  # nn.Module.to(dtype) would cast FP8 weights too
             if param.dtype not in FP8_DTYPES:
                 param.data = param.data.to(dtype)
-    model.eval()
-    build_computed(model)  # rotary tables stay float32 whatever the weights are
-    return model
+    return model.eval()
 
 
 def _fp8_projections(shapes: dict[str, torch.Size], cfg: ModelConfig,
