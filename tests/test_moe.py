@@ -23,6 +23,7 @@ from metrale import LLM, SamplingParams
 from metrale.config import ConfigError
 from metrale.errors import AdapterMismatchError
 from metrale.model import moe
+from tests.helpers.pool import snapshot
 from tests.helpers.reference import assert_mixed_batch_matches, check, hf_greedy, prompts
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
@@ -206,7 +207,7 @@ def test_a_peer_asking_for_an_expert_adapter_is_refused_and_the_slot_let_go(fami
 def test_expert_adapters_are_refused_naming_the_target(family, expert_adapters, tmp_path):
     """The per-expert layout (transformers 4 PEFT: experts.E.gate_proj) is refused naming the
     module; target_parameters without pool memory for experts naming --lora-experts; on the
-    router naming it; nothing is registered."""
+    router naming it; nothing is registered, the pool's bytes and slot identities stay."""
     arch, root, _, adapters = family
     src = adapters["y"][1]
     cfg = json.loads((src / "adapter_config.json").read_text())
@@ -227,14 +228,19 @@ def test_expert_adapters_are_refused_naming_the_target(family, expert_adapters, 
         {**cfg, "target_parameters": ["mlp.gate.weight"]}))
     kw = dict(max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4, num_kv_blocks=64)
     without = LLM(root / "model", **kw)
-    with pytest.raises(AdapterMismatchError, match="--lora-experts"):
-        without.register_adapter("both", expert_adapters["both"][1])
     llm = LLM(root / "model", lora_experts=True, **kw)
-    with pytest.raises(AdapterMismatchError, match=name):
-        llm.register_adapter("experts", per_expert)
-    with pytest.raises(AdapterMismatchError, match="router"):
-        llm.register_adapter("router", router)
-    assert llm.engine.registry.names() == [] and without.engine.registry.names() == []
+    refusals = [(without, expert_adapters["both"][1], "--lora-experts"),
+                (llm, per_expert, name), (llm, router, "router")]
+    for engine_llm in (without, llm):  # a slot already serving an adapter: it must stay so
+        engine_llm.engine.swap_lora_slot_from_disk(adapters["x"][1], "x", 0)
+    for engine_llm, bad, message in refusals:
+        before = snapshot(engine_llm.engine.lora)
+        with pytest.raises(AdapterMismatchError, match=message):
+            engine_llm.register_adapter("bad", bad)
+        with pytest.raises(AdapterMismatchError, match=message):
+            engine_llm.engine.swap_lora_slot_from_disk(bad, "bad", 0)
+        assert snapshot(engine_llm.engine.lora) == before
+    assert llm.engine.registry.names() == without.engine.registry.names() == ["x"]
 
 
 @pytest.mark.gpu
