@@ -156,29 +156,30 @@ def test_a_slow_object_delays_only_its_own_name_and_is_fetched_once(bucket, tmp_
 
 
 def test_a_fetch_waits_for_room_held_by_one_in_flight(bucket, tmp_path):
-    """The bound counts downloads in flight: with room for one adapter, a second fetch
-    waits while the first streams, then evicts it once it is cached, never both at once."""
+    """The bound counts downloads in flight: with room for one adapter, a fetch that starts
+    while another streams waits for it and then evicts it, so the two are never cached
+    together (a fetch that ignored the other's reservation would find the cache empty,
+    evict nothing, and leave both)."""
     for name in ("a", "b"):
         bucket.put_adapter(f"team/{name}", name)
     a, b = (sum(len(bucket.objects[f"/bucket/team/{n}/{f}"]) for f in FILES) for n in "ab")
     bound = max(a, b) + min(a, b) // 2  # either fits, both do not
-    arrived, release = bucket.hold(f"/bucket/team/a/{FILES[1]}")
+    arrived_a, release_a = bucket.hold(f"/bucket/team/a/{FILES[1]}")
+    arrived_b, release_b = bucket.hold(f"/bucket/team/b/{FILES[1]}")
     source = S3Source("s3://bucket/team", tmp_path, cache_bytes=bound, environ=bucket.env)
     got = {}
     first = threading.Thread(target=lambda: got.__setitem__("a", source.find("a")))
-    first.start()
-    assert arrived.wait(60)  # a's bytes reserved, its body held
     second = threading.Thread(target=lambda: got.__setitem__("b", source.find("b")))
-    second.start()
-    sizes = []
     try:
-        second.join(0.5)  # not a timing assertion: b may not finish before a is released
-        sizes.append(sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file()))
-        assert "b" not in got
+        first.start()
+        assert arrived_a.wait(60)  # a's bytes reserved, its body held
+        second.start()
+        assert arrived_b.wait(60)  # b has both headers: it reserves next
     finally:
-        release.set()
-    first.join(60)
-    second.join(60)
+        release_a.set()
+        first.join(60)
+        release_b.set()
+        second.join(60)
     assert got["a"] == source.cache / "a" and got["b"] == source.cache / "b"
     assert (source.cache / "b").exists() and not (source.cache / "a").exists()
-    assert max(sizes) <= bound
+    assert sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file()) <= bound
