@@ -15,18 +15,16 @@ chunks) the weight is dequantized to a scratch copy for cuBLAS, faster there tha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from metrale.ops.split_k import GemmConfig, finish_split, num_sms, tile_counters
 from metrale.ops.triton_utils import jit_kernel, next_pow2, require_triton, tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SPLIT_MAX_M = 64  # past this many rows a GEMM has tiles enough without splitting K
 DENSE_MIN_M = 256  # from here on: the weight dequantized (3 bytes an element), then cuBLAS
-_SMS: dict[torch.device, int] = {}
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -50,17 +48,6 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.to(torch.float32)
     scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     return (w / scale).to(FP8_DTYPE), scale
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int = 4
-    num_stages: int = 4
-    swap: bool = False  # compute y^T = W x^T
 
 
 def choose_config(m: int, n: int, k: int, block_k_max: int, num_sms: int,
@@ -149,17 +136,8 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K
                                   other=0.0)
     last = True
     if SPLIT_K > 1:
-        tile = pid_m * tl.num_programs(0) + pid_n
-        mn = m_row.to(tl.int64) * N + n_row
-        tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=tile_ok)
-        tl.debug_barrier()  # every thread's partial is written before the count says so
-        last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
-        if last:
-            acc = tl.zeros(acc.shape, dtype=tl.float32)
-            for p in range(SPLIT_K):  # ".cg": the other SMs' partials, not a stale L1 line
-                acc += tl.load(ws_ptr + p * M * N + mn, mask=tile_ok, other=0.0,
-                               cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (and graph replay)
+        acc, last = finish_split(acc, ws_ptr, cnt_ptr, m_row.to(tl.int64) * N + n_row, tile_ok,
+                                 pid_m * tl.num_programs(0) + pid_n, pid_k, M, N, SPLIT_K)
     if last:
         if PER_ROW:
             acc *= tl.load(s_ptr + (n_row // SO) * s_st, mask=n_row < N, other=0.0)
@@ -176,25 +154,12 @@ def fits(x: torch.Tensor, block: tuple[int, int]) -> bool:
             and (block[1] >= k or (block[1] & -block[1]) >= 16))
 
 
-def tile_counters(n: int, device: torch.device) -> torch.Tensor:
-    """The int32 zeros a GEMM of N = n output columns needs for its split-K tiles: one
-    buffer per call site (a projection), so GEMMs on two streams never share one."""
-    return torch.zeros(4 * -(-n // 16), dtype=torch.int32, device=device)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device not in _SMS:
-        _SMS[device] = (torch.cuda.get_device_properties(device).multi_processor_count
-                        if device.type == "cuda" else 4)
-    return _SMS[device]
-
-
 def chosen_config(t: int, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                   counters: torch.Tensor) -> GemmConfig:
     """choose_config for t tokens through this weight: K tiles up to 256 columns with
     per-row scales, else within one scale block."""
     block_k_max = 256 if scale.shape[1] == 1 else block[1] & -block[1]
-    return choose_config(t, q.shape[0], q.shape[1], block_k_max, _num_sms(q.device),
+    return choose_config(t, q.shape[0], q.shape[1], block_k_max, num_sms(q.device),
                          counters.numel())
 
 
