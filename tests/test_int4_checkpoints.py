@@ -1,7 +1,9 @@
 """4-bit AWQ (gemm), GPTQ (act-order or not, sym or asym, v1 and v2 zero formats) and
-bitsandbytes NF4 checkpoints (with and without double quantization) load through the
-dequantizing reference path: greedy tokens equal transformers + PEFT on the dequantized
-weights, base and two adapters mixed in one batch.
+bitsandbytes NF4 checkpoints (with and without double quantization) of Llama and Qwen3 are
+held in 4 bits (metrale.ops.int4_linear's layout; its dequantizing reference on CPU, the
+Triton GEMM in the interpreter and on CUDA): greedy tokens equal transformers + PEFT on the
+dequantized weights, base and plain and DoRA adapters mixed in one batch. A fused
+projection whose parts were act-ordered differently dequantizes at load instead.
 
 Checkpoints are made here from a tiny random Llama: each linear weight quantized to 4-bit
 integers per group, packed by the layouts the formats document (written here, not taken
@@ -107,11 +109,23 @@ def nf4_tensors(prefix: str, w: torch.Tensor, double: bool) -> tuple[dict, torch
     return out, deq
 
 
-def int4_checkpoint(base, path, method: str, act_order: bool = False, sym: bool = False,
+def _input_of(name: str) -> str:
+    """Which activation a linear reads: q/k/v share one, gate/up another (so GPTQ's
+    act order, a permutation of the input by its Hessian, is the same for them)."""
+    layer = name.split(".mlp.")[0].split(".self_attn.")[0]
+    for kind, modules in (("attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+        if any(f".{m}." in name for m in modules):
+            return f"{layer}.{kind}"
+    return name
+
+
+def int4_checkpoint(base, path, method: str, act_order: str | bool = False, sym: bool = False,
                     v2: bool = True):
+    """act_order: "shared" (a permutation per input, as GPTQ makes it) or "per-tensor"."""
     save_model(base, path)
     tensors, dequantized = {}, {}
     g = torch.Generator().manual_seed(0)
+    orders: dict[str, torch.Tensor] = {}
     for name, w in base.state_dict().items():
         if not any(f".{m}." in name for m in LINEAR):
             tensors[name], dequantized[name] = w.contiguous(), w
@@ -124,7 +138,10 @@ def int4_checkpoint(base, path, method: str, act_order: bool = False, sym: bool 
         n_groups = n_in // GROUP
         group_of = torch.arange(n_in) // GROUP
         if act_order:  # rows of a group scattered across the input dimension
-            group_of = group_of[torch.randperm(n_in, generator=g)]
+            key = _input_of(name) if act_order == "shared" else name
+            if key not in orders:
+                orders[key] = group_of[torch.randperm(n_in, generator=g)]
+            group_of = orders[key]
         q, zeros, scales, deq = quantize(w, group_of, n_groups, sym)
         dequantized[name] = deq
         tensors[prefix + "scales"] = scales
@@ -150,24 +167,84 @@ def int4_checkpoint(base, path, method: str, act_order: bool = False, sym: bool 
     return dequantized
 
 
-@pytest.mark.parametrize("method, act_order, sym, v2", [
-    ("awq", False, False, True),
-    ("gptq", False, False, True),
-    ("gptq", True, False, True),  # act-order
-    ("gptq", True, True, False),  # sym, the v1 zero format (zero - 1 stored)
-    ("nf4", False, False, True),
-    ("nf4-double", False, False, True),
-], ids=["awq", "gptq", "gptq-act-order", "gptq-sym-v1", "nf4", "nf4-double-quant"])
-def test_int4_checkpoint_equals_transformers_peft_on_its_dequantized_weights(
-        tmp_path, method, act_order, sym, v2):
-    base = make_model("llama", seed=13)
-    dequantized = int4_checkpoint(base, tmp_path / "q", method, act_order, sym, v2)
+FORMATS = {  # id: (method, act_order, sym, v2)
+    "awq": ("awq", False, False, True),
+    "gptq": ("gptq", False, False, True),
+    "gptq-act-order": ("gptq", "shared", False, True),
+    "gptq-sym-v1": ("gptq", "shared", True, False),  # the v1 zero format (zero - 1 stored)
+    "nf4": ("nf4", False, False, True),
+    "nf4-double-quant": ("nf4-double", False, False, True),
+}
+
+
+def _projections(llm):
+    layer = llm.engine.runner.model.layers[0]
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj]
+
+
+def _with_adapters(tmp_path, arch: str, fmt: str, dora: bool = False):
+    """A 4-bit checkpoint of format fmt at tmp_path/q, its dequantized reference model,
+    and adapters trained on that reference (a plain one and a DoRA one, or two plain)."""
+    base = make_model(arch, seed=13, intermediate_size=128)  # NF4's 64-blocks within rows
     ref = copy.deepcopy(base)
-    ref.load_state_dict(dequantized)
+    ref.load_state_dict(int4_checkpoint(base, tmp_path / "q", *FORMATS[fmt]))
+    kinds = (("x", 3, False), ("y", 4, dora))
     adapters = {name: (make_adapter(ref, tmp_path / name, seed=seed, r=4, lora_alpha=8,
-                                    target_modules="all-linear"), tmp_path / name)
-                for name, seed in (("x", 3), ("y", 4))}
-    assert_mixed_batch_matches(tmp_path / "q", ref, adapters, PROMPTS, GEN)
+                                    use_dora=use_dora, target_modules="all-linear"),
+                       tmp_path / name) for name, seed, use_dora in kinds}
+    return ref, adapters
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_int4_checkpoint_equals_transformers_peft_on_its_dequantized_weights(tmp_path, fmt, arch):
+    ref, adapters = _with_adapters(tmp_path, arch, fmt)
+    llm = assert_mixed_batch_matches(tmp_path / "q", ref, adapters, PROMPTS, GEN)
+    for proj in _projections(llm):  # held in 4 bits, act-ordered columns sorted by group
+        assert proj.quant == "int4" and proj.weight.dtype == torch.int32
+        assert (proj.input_perm is not None) == bool(FORMATS[fmt][1])
+
+
+@pytest.mark.parametrize("method", ["gptq", "nf4"])
+def test_weights_the_kernel_cannot_take_dequantize_at_load(tmp_path, method):
+    """GPTQ: q, k and v act-ordered three ways (the fused projection has one column order);
+    NF4: blocks of 64 straddling the rows of a 96-column down_proj."""
+    base = make_model("llama", seed=13)  # intermediate 96
+    ref = copy.deepcopy(base)
+    ref.load_state_dict(int4_checkpoint(base, tmp_path / "q", method, act_order="per-tensor"))
+    adapters = {"x": (make_adapter(ref, tmp_path / "x", seed=3, r=4, lora_alpha=8,
+                                   target_modules="all-linear"), tmp_path / "x")}
+    llm = assert_mixed_batch_matches(tmp_path / "q", ref, adapters, PROMPTS, GEN)
+    qkv, o, gate_up, down = _projections(llm)
+    held = [p.quant == "int4" for p in (qkv, o, gate_up, down)]
+    assert held == ([False, True, False, True] if method == "gptq" else [True, True, True, False])
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq-act-order", "nf4-double-quant"])
+def test_int4_gemm_kernel_in_the_engine_with_dora_and_plain_adapters(tmp_path, fmt, monkeypatch):
+    """The same checkpoints through the Triton 4-bit GEMM (Triton's interpreter on CPU) and
+    the LoRA kernels, a DoRA adapter (its norms read the dequantized weight, columns back
+    in their order) beside a plain one and the base in one batch."""
+    from metrale.ops import lora as lora_ops
+    from tests.helpers.kernels import KERNELS
+    if not KERNELS or torch.cuda.is_available():  # with CUDA: the gpu test runs them compiled
+        pytest.skip("needs Triton's interpreter (a CPU-only box)")
+    monkeypatch.setattr(lora_ops, "TRITON_ON_CPU", True)
+    ref, adapters = _with_adapters(tmp_path, "llama", fmt, dora=True)
+    assert_mixed_batch_matches(tmp_path / "q", ref, adapters, PROMPTS[:1], 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["awq", "gptq-act-order", "nf4-double-quant"])
+def test_gpu_int4_checkpoint_through_graphs_equals_peft(tmp_path, fmt):
+    """fp32 on CUDA (exact-fp32 dots): the compiled 4-bit GEMM under captured graphs, plain
+    and DoRA adapters beside the base, against transformers + PEFT on the CPU."""
+    ref, adapters = _with_adapters(tmp_path, "qwen3", fmt, dora=True)
+    llm = assert_mixed_batch_matches(tmp_path / "q", ref, adapters, PROMPTS, GEN,
+                                     device="cuda", dtype="float32")
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0
+    assert all(p.quant == "int4" for p in _projections(llm))
 
 
 def test_packed_tensors_of_the_wrong_kind_are_refused(tmp_path):
@@ -197,3 +274,35 @@ def test_a_packed_weight_without_its_scales_is_refused(tmp_path):
     save_file(tensors, tmp_path / "q" / "model.safetensors")
     with pytest.raises(ConfigError, match="down_proj.scales"):
         LLM(tmp_path / "q", max_loras=0, max_model_len=64, block_size=4, num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_a_group_size_the_scales_do_not_have_is_refused(tmp_path, method):
+    """config.json says groups of 64 where the checkpoint's scales come in groups of 32:
+    refused at load naming the tensor (not served with every other scale skipped)."""
+    from metrale.config import ConfigError
+
+    base = make_model("llama", seed=13, intermediate_size=128)
+    int4_checkpoint(base, tmp_path / "q", method)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"]["group_size"] = 2 * GROUP
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    if method == "gptq":  # without g_idx the groups come from config.json
+        from safetensors.torch import load_file
+        tensors = {k: v for k, v in load_file(tmp_path / "q" / "model.safetensors").items()
+                   if not k.endswith("g_idx")}
+        save_file(tensors, tmp_path / "q" / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"scales has \d+ groups; group_size 64"):
+        LLM(tmp_path / "q", max_loras=0, max_model_len=64, block_size=4, num_kv_blocks=16)
+
+
+def test_a_4bit_base_holds_its_projections_in_an_eighth_of_the_float32_bytes(tmp_path):
+    base = make_model("llama", seed=13, intermediate_size=128)
+    int4_checkpoint(base, tmp_path / "q", "awq")
+    llm = LLM(tmp_path / "q", max_loras=0, max_model_len=64, block_size=4, num_kv_blocks=16)
+    for proj in _projections(llm):
+        n, k = proj.weight.shape[0], proj.in_features
+        held = sum(t.numel() * t.element_size() for t in (proj.weight, proj.weight_scale,
+                                                           proj.weight_zero))
+        # codes padded to 256 columns, fp16 scales and uint8 zeros per 32 columns
+        assert held == n * (-(-k // 256) * 256) // 2 + n * (k // GROUP) * 3

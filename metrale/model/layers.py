@@ -13,6 +13,7 @@ from metrale.config import ConfigError, ModelConfig
 from metrale.forward_context import get_context
 from metrale.ops import fp8_linear as fp8
 from metrale.ops import fused_triton as fused
+from metrale.ops import int4_linear as int4
 from metrale.ops import lora as lora_ops
 from metrale.ops.attention import store_kv
 from metrale.ops.lora import lora_linear
@@ -149,21 +150,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LoraProjection(nn.Module):
     """A (possibly fused) linear projection plus the per-token LoRA delta of the modules it
     fuses (metrale.ops.lora; the DoRA ops take the bias back out of y, so the base matmul
-    stays one fused addmm). Its weight is dense, or FP8 after use_fp8 (metrale.ops.fp8_linear:
-    the Triton GEMM on CUDA, the dequantizing reference elsewhere)."""
+    stays one fused addmm). Its weight is dense, FP8 after use_fp8 (metrale.ops.fp8_linear)
+    or 4-bit after use_int4 (metrale.ops.int4_linear): the Triton GEMMs on CUDA, the
+    dequantizing references elsewhere."""
 
     def __init__(self, layer: int, modules: tuple[str, ...], in_features: int,
                  out_features: tuple[int, ...], bias: bool = False) -> None:
         super().__init__()
         self.layer, self.modules_ = layer, modules
+        self.in_features = in_features
         total = sum(out_features)
         self.weight = nn.Parameter(torch.empty(total, in_features))
         self.bias = nn.Parameter(torch.zeros(total)) if bias else None
         bounds = [0, *itertools.accumulate(out_features)]
         self.out_slices = tuple(slice(a, b) for a, b in zip(bounds, bounds[1:]))
-        self.register_buffer("weight_scale", None)  # FP8: float32 [ceil(N/so), ceil(K/si)]
+        self.quant: str | None = None  # "fp8" | "int4"
+        self.register_buffer("weight_scale", None)  # FP8: float32 [ceil(N/so), ceil(K/si)]; 4-bit: [N, G]
+        self.register_buffer("weight_zero", None)  # 4-bit: uint8 [N, G]
+        self.register_buffer("codebook", None)  # 4-bit NF4 / FP4: float32 [16]
+        self.register_buffer("input_perm", None)  # 4-bit act-order: int64 [K]
         self.register_buffer("tile_counters", None, persistent=False)
         self.scale_block = (1, in_features)  # FP8: (so, si), the rows and columns a scale covers
+        self.int4_layout: int4.Int4Layout | None = None
 
     def use_fp8(self, block: tuple[int, int]) -> None:
         """Hold the weight as float8_e4m3fn [N, K] with a float32 scale per (so, si) block,
@@ -176,6 +184,26 @@ class LoraProjection(nn.Module):
         self.weight_scale = torch.empty(-(-n // block[0]), -(-k // block[1]),
                                         dtype=torch.float32, device=device)
         self.tile_counters = fp8.tile_counters(n, device)
+        self.quant = "fp8"
+
+    def use_int4(self, layout: int4.Int4Layout) -> None:
+        """Hold the weight as 4-bit codes in int4_linear's packed layout with its per-group
+        scales (and zero points, or a codebook), all uninitialised, as use_fp8."""
+        n, k = self.weight.shape[0], self.in_features
+        int4.check_group(layout.group, k)
+        device = self.weight.device
+        groups = -(-k // layout.group)
+        self.weight = nn.Parameter(torch.empty(n, int4.padded_k(k) // 8, dtype=torch.int32,
+                                               device=device), requires_grad=False)
+        self.weight_scale = torch.empty(n, groups, dtype=layout.scale_dtype, device=device)
+        if layout.zero:
+            self.weight_zero = torch.empty(n, groups, dtype=torch.uint8, device=device)
+        if layout.codebook:
+            self.codebook = torch.empty(16, dtype=torch.float32, device=device)
+        if layout.act_order:
+            self.input_perm = torch.empty(k, dtype=torch.int64, device=device)
+        self.tile_counters = int4.tile_counters(n, device)
+        self.int4_layout, self.quant = layout, "int4"
 
     def build(self) -> None:
         """Zero the split-K tile counters (after to_empty: computed state, not a weight)."""
@@ -184,22 +212,40 @@ class LoraProjection(nn.Module):
 
     @property
     def is_fp8(self) -> bool:
-        return self.weight_scale is not None
+        return self.quant == "fp8"
+
+    def _int4_args(self) -> tuple:
+        return (self.weight, self.weight_scale, self.weight_zero, self.codebook,
+                self.int4_layout.group)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight W [N, K] the base computes with, in dtype (DoRA's norms read it)."""
-        if not self.is_fp8:
-            return self.weight
-        return fp8.dequantize(self.weight, self.weight_scale, self.scale_block).to(dtype)
+        if self.quant == "fp8":
+            return fp8.dequantize(self.weight, self.weight_scale, self.scale_block).to(dtype)
+        if self.quant == "int4":
+            w = int4.dequantize(*self._int4_args(), self.in_features)  # columns sorted by group
+            if self.input_perm is not None:
+                w = w[:, torch.argsort(self.input_perm)]
+            return w.to(dtype)
+        return self.weight
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> the base linear's y [T, N], bias included."""
-        if not self.is_fp8:
-            return F.linear(x, self.weight, self.bias)
-        if (x.is_cuda or lora_ops.TRITON_ON_CPU) and fp8.fits(x, self.scale_block):
-            return fp8.fp8_linear(x.contiguous(), self.weight, self.weight_scale,
-                                  self.scale_block, self.bias, self.tile_counters)
-        return fp8.fp8_linear_ref(x, self.weight, self.weight_scale, self.scale_block, self.bias)
+        triton_ok = x.is_cuda or lora_ops.TRITON_ON_CPU
+        if self.quant == "fp8":
+            if triton_ok and fp8.fits(x, self.scale_block):
+                return fp8.fp8_linear(x.contiguous(), self.weight, self.weight_scale,
+                                      self.scale_block, self.bias, self.tile_counters)
+            return fp8.fp8_linear_ref(x, self.weight, self.weight_scale, self.scale_block,
+                                      self.bias)
+        if self.quant == "int4":
+            if self.input_perm is not None:
+                x = x.index_select(1, self.input_perm)  # [T, K] in the weight's column order
+            if triton_ok and x.dim() == 2:
+                return int4.int4_linear(x.contiguous(), *self._int4_args(), self.bias,
+                                        self.tile_counters)
+            return int4.int4_linear_ref(x, *self._int4_args(), self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lora = get_context().lora

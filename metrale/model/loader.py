@@ -4,6 +4,7 @@ fusing q/k/v and gate/up and dequantizing (metrale.model.quantization) as they s
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -13,8 +14,11 @@ from safetensors import safe_open
 from metrale.config import ConfigError, ModelConfig
 from metrale.model.layers import LoraProjection, RotaryEmbedding
 from metrale.model.llama import LlamaForCausalLM
-from metrale.model.quantization import FP8_DTYPES, QuantScheme, scheme_of
+from metrale.model.quantization import FP8_DTYPES, Int4Codes, QuantScheme, bnb_state, scheme_of
+from metrale.ops import int4_linear as int4
 from metrale.ops.fp8_linear import quantize_rows
+
+log = logging.getLogger("metrale.loader")
 
 # MoE layers: the stacked experts' parts (Qwen/OLMoE names, Mixtral's w1/w3/w2) or the
 # stacks themselves, and the router and shared expert by their name within the layer
@@ -69,6 +73,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     shapes = {target: proj.weight.shape for target, proj in projections.items()}
     for target, block in _fp8_projections(shapes, cfg, scheme, aux, quantization).items():
         projections[target].use_fp8(block)  # before memory: a 70B base never exists in bf16
+    for target, layout in _int4_projections(shapes, cfg, scheme, aux).items():
+        projections[target].use_int4(layout)
     model = model.to_empty(device=device)
     build_computed(model)  # buffers computed, not loaded (the dtype cast below skips them)
     params = dict(model.named_parameters())
@@ -86,6 +92,11 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                     if target in projections and projections[target].is_fp8:
                         copy_fp8(projections[target], *scheme.fp8_parts(prefix, tensor, aux),
                                  target, shard, cfg)
+                        loaded.add(f"{target}#{shard}")
+                        continue
+                    if target in projections and projections[target].quant == "int4":
+                        copy_int4(projections[target], scheme.int4_codes(prefix, tensor, aux),
+                                  target, shard, cfg)
                         loaded.add(f"{target}#{shard}")
                         continue
                     tensor = scheme.dequantize(prefix, tensor, aux)
@@ -110,8 +121,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                 if name.endswith("norm.weight"):
                     param.add_(1.0)
     with torch.no_grad():
-        for param in model.parameters():  # nn.Module.to(dtype) would cast FP8 weights too
-            if param.dtype not in FP8_DTYPES:
+        for param in model.parameters():  # nn.Module.to(dtype) would cast FP8 / 4-bit too
+            if param.dtype.is_floating_point and param.dtype not in FP8_DTYPES:
                 param.data = param.data.to(dtype)
     return model.eval()
 
@@ -148,6 +159,81 @@ def _fp8_projections(shapes: dict[str, torch.Size], cfg: ModelConfig,
         aligned = None in shards or all(size % bo == 0 for size in sizes)
         blocks[target] = (bo if aligned else 1, bi)
     return blocks
+
+
+def _int4_projections(shapes: dict[str, torch.Size], cfg: ModelConfig,
+                      scheme: QuantScheme | None, aux: dict[str, torch.Tensor]) -> dict:
+    """Of our projection weights those that stay 4-bit -> their Int4Layout: every part
+    quantized alike (group size, scale dtype, codebook, GPTQ act order) into groups the
+    kernel takes. The rest dequantize at load (logged)."""
+    if scheme is None or scheme.method not in ("awq", "gptq", "bitsandbytes"):
+        return {}
+    parts: dict[str, dict] = {}  # target -> {shard: (layout fields, g_idx or codebook)}
+    for name in aux:
+        if scheme.method == "bitsandbytes" and name.endswith(".weight.absmax"):
+            weight = name.removesuffix(".absmax")
+            _, shape, blocksize = bnb_state(weight, aux)
+            key = (blocksize if shape[1] % blocksize == 0 else 0, torch.float32, False, True)
+            extra = aux.get(f"{weight}.quant_map")
+        elif scheme.method != "bitsandbytes" and name.endswith(".scales"):
+            weight = name.removesuffix("scales") + "weight"
+            extra = aux.get(name.removesuffix("scales") + "g_idx")
+            key = (scheme.group_size, aux[name].dtype, True, False)
+        else:
+            continue
+        target, shard = param_name(weight)
+        parts.setdefault(target, {})[shard] = (key, extra)
+    layouts = {}
+    for target, shape in shapes.items():
+        found = parts.get(target)
+        if not found:
+            continue
+        k = shape[1]
+        keys = {key for key, _ in found.values()}
+        extras = [extra for _, extra in found.values()]
+        complete = None in found or len(found) == len(_shard_sizes(target, cfg))
+        same = len(keys) == 1 and (all(e is None for e in extras) or (
+            all(e is not None for e in extras) and all(torch.equal(extras[0], e) for e in extras)))
+        group, scale_dtype, zero, codebook = next(iter(keys))
+        group = k if group in (-1, None) or group >= k else group
+        act_order = (scheme.method == "gptq" and extras[0] is not None
+                     and not torch.equal(extras[0].long(), torch.arange(k) // group))
+        ok = complete and same and group > 0 and (group == k or group % 32 == 0)
+        if ok and act_order:  # stored columns sorted by group: each group whole, in order
+            sorted_groups = extras[0].long()[torch.argsort(extras[0].long(), stable=True)]
+            ok = torch.equal(sorted_groups, torch.arange(k) // group)
+        if not ok:
+            log.info("%s: 4-bit parts the kernel cannot take together; dequantized at load",
+                     target)
+            continue
+        layouts[target] = int4.Int4Layout(group, scale_dtype, zero, codebook, act_order)
+    return layouts
+
+
+def copy_int4(proj: LoraProjection, codes: Int4Codes | None, target: str, shard: int | None,
+              cfg: ModelConfig) -> None:
+    """One checkpoint part's 4-bit codes into a 4-bit projection (its columns sorted by
+    group under GPTQ act order)."""
+    rows = proj.weight.shape[0] if shard is None else _shard_sizes(target, cfg)[shard]
+    start = 0 if shard is None else sum(_shard_sizes(target, cfg)[:shard])
+    if codes is None or codes.q.shape != (rows, proj.in_features) or \
+            codes.scale.shape[1] != proj.weight_scale.shape[1]:
+        got = None if codes is None else tuple(codes.q.shape)
+        raise ConfigError(f"weight {target} has shape {got}, expected {(rows, proj.in_features)} "
+                          f"in {proj.weight_scale.shape[1]} groups: the checkpoint does not "
+                          "match its config.json")
+    q = codes.q
+    if proj.input_perm is not None:
+        perm = torch.argsort(codes.group_of, stable=True)
+        q = q[:, perm]
+        proj.input_perm.copy_(perm)
+    with torch.no_grad():
+        proj.weight.narrow(0, start, rows).copy_(int4.pack(q))
+        proj.weight_scale.narrow(0, start, rows).copy_(codes.scale)
+        if proj.weight_zero is not None:
+            proj.weight_zero.narrow(0, start, rows).copy_(codes.zero)
+        if proj.codebook is not None:
+            proj.codebook.copy_(codes.codebook)
 
 
 def _shard_sizes(target: str, cfg: ModelConfig) -> list[int]:

@@ -1,8 +1,9 @@
-"""Quantized checkpoints, read from their config.json `quantization_config` and
-dequantized to float32 as they load: the reference path on every backend (the base then
-runs in the engine's dtype, and LoRA reads the activations an adapter trained on the
-dequantized base saw). docs/DESIGN.md ("Quantized checkpoints") gives each format's
-tensors; anything else is refused at start naming the field.
+"""Quantized checkpoints, read from their config.json `quantization_config`: each format's
+tensors parsed into what the loader keeps (FP8 codes and scales for metrale.ops.fp8_linear,
+4-bit codes by output row, Int4Codes, for metrale.ops.int4_linear) or dequantized to float32
+(the reference path, for weights the kernels do not take). LoRA reads the activations an
+adapter trained on the dequantized base saw either way. docs/DESIGN.md ("Quantized
+checkpoints") gives each format's tensors; anything else is refused at start naming the field.
 """
 
 from __future__ import annotations
@@ -54,16 +55,10 @@ class QuantScheme:
                    aux: dict[str, torch.Tensor]) -> torch.Tensor:
         """The float32 weight [out, in]; aux: by full name; prefix: "model.layers.0.[...].q_proj."."""
         if self.method == "bitsandbytes":
-            return _bnb_4bit(prefix + "weight", tensor, aux)
+            return _bnb_4bit(prefix + "weight", tensor, aux).dequantize()
         if self.method in ("fp8", "compressed-tensors"):
             return dequantize(*self.fp8_parts(prefix, tensor, aux))
-        parts = {}
-        for part in _AUX[self.method]:
-            if prefix + part not in aux:
-                raise ConfigError(f"{prefix}{_WEIGHT[self.method]} is quantized but the "
-                                  f"checkpoint has no {prefix}{part}")
-            parts[part] = aux[prefix + part]
-        return self._int4(prefix, tensor, parts)
+        return self.int4_codes(prefix, tensor, aux).dequantize()
 
     def fp8_parts(self, prefix: str, weight: torch.Tensor, aux: dict[str, torch.Tensor]):
         """(q [out, in] float8, scale grid float32, (so, si)) in metrale.ops.fp8_linear's
@@ -85,37 +80,100 @@ class QuantScheme:
                               f"output row ({out})")
         return weight, s.reshape(-1, 1).expand(out, 1).contiguous(), (1, d_in)
 
-    def _int4(self, prefix: str, qweight: torch.Tensor, parts: dict) -> torch.Tensor:
+    def int4_codes(self, prefix: str, tensor: torch.Tensor,
+                   aux: dict[str, torch.Tensor]) -> Int4Codes | None:
+        """The weight's 4-bit codes by output row; None for a bitsandbytes weight whose
+        blocks straddle rows (it only dequantizes)."""
+        if self.method == "bitsandbytes":
+            return _bnb_4bit(prefix + "weight", tensor, aux).by_rows()
+        parts = {}
+        for part in _AUX[self.method]:
+            if prefix + part not in aux and not (part == "g_idx" and self.method == "gptq"):
+                raise ConfigError(f"{prefix}{_WEIGHT[self.method]} is quantized but the "
+                                  f"checkpoint has no {prefix}{part}")
+            parts[part] = aux.get(prefix + part)
+        return self._int4(prefix, tensor, parts)
+
+    def _int4(self, prefix: str, qweight: torch.Tensor, parts: dict) -> Int4Codes:
         if qweight.dtype != torch.int32 or parts["qzeros"].dtype != torch.int32 or \
                 parts["scales"].dtype not in FLOAT_DTYPES or qweight.dim() != 2:
             raise ConfigError(f"{prefix}: qweight and qzeros must be 2-D int32 and scales "
                               f"floating point, got {qweight.dtype}, {parts['qzeros'].dtype}, "
                               f"{parts['scales'].dtype}")
-        scales = parts["scales"].to(torch.float32)  # [groups, out]
+        scales = parts["scales"]  # [groups, out]
         zeros = _unpack_columns(parts["qzeros"], self.method == "awq") + self.zero_offset
         if self.method == "awq":  # qweight [in, out/8], nibbles along out
             q = _unpack_columns(qweight, awq=True)  # [in, out]
-            group = torch.arange(q.shape[0]) // (
-                q.shape[0] if self.group_size == -1 else self.group_size)
         else:  # gptq: qweight [in/8, out], nibbles along in
             q = ((qweight.unsqueeze(1) >> _SEQ_SHIFTS.view(1, -1, 1)) & 0xF).reshape(-1, qweight.shape[1])
+        if parts.get("g_idx") is not None:
             group = parts["g_idx"].to(torch.int64)
+        else:  # groups by config.json: as many scales as groups, or the config lies
+            size = q.shape[0] if self.group_size == -1 else self.group_size
+            group = torch.arange(q.shape[0]) // size
+            if scales.shape[0] != -(-q.shape[0] // size):
+                raise ConfigError(f"{prefix}scales has {scales.shape[0]} groups; group_size "
+                                  f"{self.group_size} over {q.shape[0]} inputs makes "
+                                  f"{-(-q.shape[0] // size)}")
         if zeros.shape != scales.shape or q.shape[1] != scales.shape[1] or \
-                group.numel() != q.shape[0] or int(group.max()) >= scales.shape[0] or int(group.min()) < 0:
+                group.numel() != q.shape[0] or int(group.max()) >= scales.shape[0] or \
+                int(group.min()) < 0:
             raise ConfigError(f"{prefix}: qweight {tuple(qweight.shape)}, qzeros, scales "
                               f"{tuple(scales.shape)} and the groups do not fit together")
-        return ((q - zeros[group]).to(torch.float32) * scales[group]).t().contiguous()
+        return Int4Codes(q.t().to(torch.uint8), scales.t().contiguous(),  # zeros: 0..16 (v1)
+                         zeros.t().to(torch.uint8).contiguous(), None, group)
 
 
-def _bnb_4bit(name: str, packed: torch.Tensor, aux: dict[str, torch.Tensor]) -> torch.Tensor:
-    def part(key: str) -> torch.Tensor:
-        if f"{name}.{key}" not in aux:
-            raise ConfigError(f"{name} is 4-bit but the checkpoint has no {name}.{key}")
-        return aux[f"{name}.{key}"]
+@dataclass
+class Int4Codes:
+    """A 4-bit weight by output row: W[o, i] = (v(q[o, i]) - zero[o, g]) * scale[o, g], g =
+    group_of[i], v the code or codebook[code]."""
+    q: torch.Tensor  # uint8 [out, in]
+    scale: torch.Tensor  # [out, groups], the checkpoint's float dtype
+    zero: torch.Tensor | None  # uint8 [out, groups]
+    codebook: torch.Tensor | None  # float32 [16]
+    group_of: torch.Tensor  # int64 [in]
 
+    def dequantize(self) -> torch.Tensor:
+        v = self.codebook[self.q.long()] if self.codebook is not None else self.q.to(torch.float32)
+        if self.zero is not None:
+            v = v - self.zero.to(torch.float32)[:, self.group_of]
+        return v * self.scale.to(torch.float32)[:, self.group_of]
+
+
+@dataclass
+class _Bnb4bit:
+    codes: torch.Tensor  # int64 [out * in], row-major
+    absmax: torch.Tensor  # float32, one per block of the flattened weight
+    codebook: torch.Tensor  # float32 [16]
+    shape: tuple[int, int]
+    blocksize: int
+
+    def dequantize(self) -> torch.Tensor:
+        n = self.codes.numel()
+        values = self.codebook[self.codes] * self.absmax[torch.arange(n) // self.blocksize]
+        return values.reshape(self.shape)
+
+    def by_rows(self) -> Int4Codes | None:
+        out, d_in = self.shape
+        if d_in % self.blocksize:
+            return None
+        return Int4Codes(self.codes.reshape(out, d_in).to(torch.uint8),
+                         self.absmax.reshape(out, d_in // self.blocksize), None, self.codebook,
+                         torch.arange(d_in) // self.blocksize)
+
+
+def _aux_part(aux: dict[str, torch.Tensor], name: str, key: str) -> torch.Tensor:
+    if f"{name}.{key}" not in aux:
+        raise ConfigError(f"{name} is 4-bit but the checkpoint has no {name}.{key}")
+    return aux[f"{name}.{key}"]
+
+
+def bnb_state(name: str, aux: dict[str, torch.Tensor]) -> tuple[dict, tuple[int, int], int]:
+    """(quant state, weight shape, blocksize) of bitsandbytes weight `name`."""
     state_key = next((k for k in ("quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
                       if f"{name}.{k}" in aux), "quant_state.bitsandbytes__nf4")
-    raw = part(state_key)
+    raw = _aux_part(aux, name, state_key)
     if raw.dtype != torch.uint8 or raw.numel() > MAX_QUANT_STATE_BYTES:
         raise ConfigError(f"{name}.{state_key} is not a small JSON byte string")
     try:
@@ -123,16 +181,24 @@ def _bnb_4bit(name: str, packed: torch.Tensor, aux: dict[str, torch.Tensor]) -> 
         shape, blocksize = [int(d) for d in state["shape"]], int(state["blocksize"])
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{name}.{state_key} is not bitsandbytes' quant state ({e})") from None
-    n = shape[0] * shape[1] if len(shape) == 2 else -1
-    if n <= 0 or blocksize <= 0 or packed.numel() * 2 < n:
-        raise ConfigError(f"{name}: shape {shape} and blocksize {blocksize} do not fit "
-                          f"{packed.numel()} bytes")
-    absmax = part("absmax")
+    if len(shape) != 2 or min(shape) <= 0 or blocksize <= 0:
+        raise ConfigError(f"{name}: shape {shape} and blocksize {blocksize} are not a 2-D "
+                          "weight in positive blocks")
+    return state, (shape[0], shape[1]), blocksize
+
+
+def _bnb_4bit(name: str, packed: torch.Tensor, aux: dict[str, torch.Tensor]) -> _Bnb4bit:
+    state, shape, blocksize = bnb_state(name, aux)
+    n = shape[0] * shape[1]
+    if packed.numel() * 2 < n:
+        raise ConfigError(f"{name}: shape {list(shape)} does not fit {packed.numel()} bytes")
+    absmax = _aux_part(aux, name, "absmax")
     if absmax.dtype not in (torch.uint8, *FLOAT_DTYPES) or absmax.dim() != 1:
         raise ConfigError(f"{name}.absmax must be a 1-D float (or uint8, double-quantized) "
                           f"tensor, got {absmax.dtype} {tuple(absmax.shape)}")
     if "nested_absmax" in state or f"{name}.nested_absmax" in aux:  # double quantization
-        nested, codes = part("nested_absmax").to(torch.float32), part("nested_quant_map")
+        nested = _aux_part(aux, name, "nested_absmax").to(torch.float32)
+        codes = _aux_part(aux, name, "nested_quant_map")
         block = int(state.get("nested_blocksize", 256))
         index = torch.arange(absmax.numel()) // block
         if int(index.max()) >= nested.numel():
@@ -143,10 +209,12 @@ def _bnb_4bit(name: str, packed: torch.Tensor, aux: dict[str, torch.Tensor]) -> 
     if absmax.numel() != -(-n // blocksize):
         raise ConfigError(f"{name}: {absmax.numel()} absmax values for {n} codes in blocks "
                           f"of {blocksize}")
+    codebook = _aux_part(aux, name, "quant_map").to(torch.float32)
+    if codebook.shape != (16,):
+        raise ConfigError(f"{name}.quant_map has shape {tuple(codebook.shape)}, expected (16,)")
     flat = packed.reshape(-1).to(torch.int64)
     codes4 = torch.stack((flat >> 4, flat & 0xF), 1).reshape(-1)[:n]  # high nibble first
-    values = part("quant_map").to(torch.float32)[codes4]
-    return (values * absmax[torch.arange(n) // blocksize]).reshape(shape)
+    return _Bnb4bit(codes4, absmax, codebook, shape, blocksize)
 
 
 def _unpack_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:
