@@ -25,6 +25,7 @@ from metrale.config import LINEAR_MODULES, ModelConfig
 from metrale.model.layers import LoraProjection
 from metrale.model.llama import LlamaForCausalLM
 from metrale.model.loader import build_computed, copy_weight, param_name
+from metrale.ops import int4_linear
 from metrale.ops.fp8_linear import FP8_DTYPE, quantize_rows
 
 CONFIGS = {
@@ -32,7 +33,7 @@ CONFIGS = {
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
                       tie_word_embeddings=False),
-    # built only as FP8 (llama3-70b-fp8): 141 GB in bf16 does not fit one H200
+    # built only quantized (llama3-70b-fp8, -awq): 141 GB in bf16 does not fit one H200
     "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                        rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
@@ -58,15 +59,25 @@ class Pair:
     hf: object | None  # transformers LlamaForCausalLM; None for a base built only as FP8
 
 
+INT4 = {  # bench name suffix -> how the random 4-bit projections are held
+    "awq": int4_linear.Int4Layout(128, torch.float16, zero=True, codebook=False, act_order=False),
+    "gptq": int4_linear.Int4Layout(128, torch.float16, zero=True, codebook=False, act_order=True),
+    "nf4": int4_linear.Int4Layout(64, torch.float32, zero=False, codebook=True, act_order=False),
+}
+NF4_CODES = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
+                          0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0])
+
+
 def build_any(name: str, device: str, workdir: Path) -> Pair:
     """build_pair(name); "<name>-fp8": its projections rounded to FP8 per output row after
     (--quantization fp8's rounding), or, for a shape that does not fit in bf16, built FP8
-    with random weights and no transformers twin (build_random_fp8)."""
-    base = name.removesuffix("-fp8")
-    if base == name:
+    with random weights and no transformers twin (build_random_quant); "<name>-awq",
+    "-gptq" (act order), "-nf4": 4-bit projections with random codes (build_random_quant)."""
+    base, _, quant = name.rpartition("-")
+    if quant in INT4 or (quant == "fp8" and base == "llama3-70b"):
+        return build_random_quant(base, quant, device, workdir)
+    if quant != "fp8":
         return build_pair(name, device, workdir)
-    if base == "llama3-70b":
-        return build_random_fp8(base, device, workdir)
     pair = build_pair(base, device, workdir)
     for m in pair.ours.modules():
         if isinstance(m, LoraProjection):
@@ -78,20 +89,26 @@ def build_any(name: str, device: str, workdir: Path) -> Pair:
     return Pair(name, pair.model_dir, pair.config, pair.ours, pair.hf)
 
 
-def build_random_fp8(name: str, device: str, workdir: Path, max_positions: int = 16384) -> Pair:
-    """Our model alone, FP8 projections from the start (never a bf16 copy in memory):
-    e4m3 codes of N(0, 1) scaled by 0.02 per row (transformers' init std), embeddings
-    N(0, 0.02), norms 1."""
+def build_random_quant(name: str, quant: str, device: str, workdir: Path,
+                       max_positions: int = 16384) -> Pair:
+    """Our model alone, projections quantized from the start (never a bf16 copy in memory),
+    weights about N(0, 0.02) (transformers' init std): FP8 codes of N(0, 1) scaled by 0.02
+    per row; 4-bit: uniform codes, zero points 8 and scales 0.005, or NF4 codes under an
+    absmax of 0.05; GPTQ act order a random column permutation. Embeddings N(0, 0.02),
+    norms 1."""
     import transformers
 
-    model_dir = workdir / name
+    model_dir = workdir / f"{name}-{quant}"
     transformers.LlamaConfig(**CONFIGS[name]).save_pretrained(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         ours = LlamaForCausalLM(cfg, max_positions)
     for m in ours.modules():
         if isinstance(m, LoraProjection):
-            m.use_fp8((1, m.weight.shape[1]))
+            if quant == "fp8":
+                m.use_fp8((1, m.in_features))
+            else:
+                m.use_int4(INT4[quant])
     ours = ours.to_empty(device=device)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # make_engine's
     torch.manual_seed(0)
@@ -100,21 +117,31 @@ def build_random_fp8(name: str, device: str, workdir: Path, max_positions: int =
             if p.dtype == FP8_DTYPE:
                 for rows in p.split(4096):  # bounded scratch
                     rows.copy_(torch.randn(rows.shape, device=device).to(FP8_DTYPE))
+            elif p.dtype == torch.int32:  # 8 uniform 4-bit codes a word
+                for rows in p.split(4096):
+                    rows.copy_(torch.randint(-2**31, 2**31 - 1, rows.shape, device=device,
+                                             dtype=torch.int32))
             elif pname.endswith("norm.weight"):
                 p.data = torch.ones_like(p, dtype=dtype)
             else:
                 p.data = (torch.randn_like(p) * 0.02).to(dtype)
         for m in ours.modules():
             if isinstance(m, LoraProjection):
-                m.weight_scale.fill_(0.02)
+                m.weight_scale.fill_(0.02 if quant == "fp8" else 0.05 if quant == "nf4" else 0.005)
+                if m.weight_zero is not None:
+                    m.weight_zero.fill_(8)
+                if m.codebook is not None:
+                    m.codebook.copy_(NF4_CODES)
+                if m.input_perm is not None:
+                    m.input_perm.copy_(torch.randperm(m.in_features, device=device))
     ours.eval()
     build_computed(ours)
-    return Pair(f"{name}-fp8", model_dir, cfg, ours, None)
+    return Pair(f"{name}-{quant}", model_dir, cfg, ours, None)
 
 
 def write_random_adapters(pair: Pair, n: int, out_dir: Path, dtype=torch.bfloat16) -> None:
     """LORA-shaped adapters in PEFT's file layout without a transformers model (a base built
-    only as FP8): a0 random, a1..a{n-1} links to it (speed depends on the slots read, not
+    only quantized): a0 random, a1..a{n-1} links to it (speed depends on the slots read, not
     on their values)."""
     from safetensors.torch import save_file
 

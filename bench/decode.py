@@ -6,7 +6,10 @@ adapters, against transformers + PEFT mixed-adapter `generate`, and the HBM roof
 --model NAME-fp8 (llama3-8b-fp8, llama3-70b-fp8): the base's projections in FP8 with a
 scale per output row (metrale.ops.fp8_linear's weight-only GEMM; the 70B shape is built
 FP8 from the start with random weights and random adapters, no PEFT baseline); its
-roofline counts the FP8 bytes and the scales.
+roofline counts the FP8 bytes and the scales. --model NAME-awq / -gptq / -nf4 (llama3-8b,
+llama3-70b): 4-bit projections with random codes built that way (metrale.ops.int4_linear:
+AWQ group 128 with zero points, GPTQ the same plus act order, NF4 blocks of 64 with float32
+absmax); the roofline counts the packed codes, scales and zero points.
 
 JSON `decode[<model>]`: per batch size base_tok_s, lora1_tok_s, lora32_tok_s,
 peft_mixed32_tok_s (batch 32 only), hbm_roofline_tok_s, and the inputs of the roofline;
@@ -153,7 +156,7 @@ def roofline_tok_s(pair, batch: int, ctx: float, bw: float) -> tuple[float, floa
     weights = sum(p.numel() * p.element_size() for n, p in m.named_parameters()
                   if cfg.tie_word_embeddings or not n.startswith("embed_tokens"))
     weights += sum(b.numel() * b.element_size() for n, b in m.named_buffers()
-                   if n.endswith("weight_scale"))  # an FP8 base's scales
+                   if n.endswith(("weight_scale", "weight_zero")))  # a quantized base's scales
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * ctx * batch
     step = weights + kv
     return batch / (step / bw), step
@@ -324,7 +327,7 @@ def main() -> None:
         pair = build_any(args.model, args.device, Path(tmp))
         if pair.hf is not None:
             peft = make_peft(pair, 32, Path(tmp) / "adapters")
-        else:  # a base built only as FP8: adapters written directly, no PEFT baseline
+        else:  # a base built only quantized: adapters written directly, no PEFT baseline
             peft = None
             write_random_adapters(pair, 32, Path(tmp) / "adapters")
         if not args.only_mixed:
