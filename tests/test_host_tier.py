@@ -112,7 +112,7 @@ def test_landing_kernel_equals_per_tensor_copies(adapters, dtype, how):
                 t = landing.target
                 region = layout.region(t.layer, t.module, landing.kind)
                 items.append((view, slot * n + region.offset, t.rank, region.cols,
-                              landing.kind == "B"))
+                              landing.kind == "B", region.cols))
             land_views(got, base_of(views), items)
         assert got[:slot * n].isnan().all() and got[(slot + 1) * n:].isnan().all()
         region = got[slot * n:(slot + 1) * n]

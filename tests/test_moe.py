@@ -1,9 +1,9 @@
 """Mixture-of-experts bases (Qwen3-MoE with a dense layer among the expert ones, Qwen2-MoE
 with its gated shared expert, Mixtral, OLMoE): greedy tokens equal transformers' for the
 base and transformers + PEFT for attention adapters, mixed in one batch with more adapters
-than slots. Adapters on the experts
-are refused at registration, naming the target. A routing detail metrale got wrong would
-show: each one sabotaged here fails the comparison.
+than slots; expert LoRA in PEFT's target_parameters layout (tests/test_moe_per_expert.py:
+the per-expert layout). A routing detail metrale got wrong would show: each one sabotaged
+here fails the comparison.
 
 Checkpoints are saved by transformers in the hub's layout (one tensor per expert part:
 experts.E.gate_proj / w1, ...); the tiny configs' routers are scaled so top-k choices are
@@ -205,9 +205,10 @@ def test_a_peer_asking_for_an_expert_adapter_is_refused_and_the_slot_let_go(fami
 
 
 def test_expert_adapters_are_refused_naming_the_target(family, expert_adapters, tmp_path):
-    """The per-expert layout (transformers 4 PEFT: experts.E.gate_proj) is refused naming the
-    module; target_parameters without pool memory for experts naming --lora-experts; on the
-    router naming it; nothing is registered, the pool's bytes and slot identities stay."""
+    """A per-expert tensor (transformers 4 PEFT: experts.E.gate_proj) of the wrong shape is
+    refused naming it; target_parameters without pool memory for experts naming
+    --lora-experts; on the router naming it; nothing is registered, the pool's bytes and
+    slot identities stay."""
     arch, root, _, adapters = family
     src = adapters["y"][1]
     cfg = json.loads((src / "adapter_config.json").read_text())
@@ -217,11 +218,11 @@ def test_expert_adapters_are_refused_naming_the_target(family, expert_adapters, 
     part = "block_sparse_moe.experts.0.w1" if arch == "mixtral" else "mlp.experts.0.gate_proj"
     expert = f"base_model.model.model.layers.0.{part}"
     tensors[f"{expert}.lora_A.weight"] = torch.randn(4, 64)
-    tensors[f"{expert}.lora_B.weight"] = torch.randn(48, 4)
+    tensors[f"{expert}.lora_B.weight"] = torch.randn(47, 4)  # the expert size is 48
     save_file(tensors, per_expert / "adapter_model.safetensors")
     name = part.rsplit(".", 1)[1]
     (per_expert / "adapter_config.json").write_text(json.dumps(
-        {**cfg, "target_modules": [*ATTENTION, name]}))
+        {**cfg, "target_modules": [*ATTENTION, f"layers.0.{part}"]}))
     router = tmp_path / "router"
     shutil.copytree(src, router)
     (router / "adapter_config.json").write_text(json.dumps(

@@ -47,6 +47,14 @@ _BASE_RE = re.compile(r"^base_model\.model\.(?P<module>model\.embed_tokens|lm_he
                       r"\.base_layer\.weight$")
 _KINDS = {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding_B": "B",
           "lora_magnitude_vector": "M"}
+# PEFT on transformers 4's MoE layers wraps each expert's own Linears (mlp.experts.7.gate_proj;
+# Mixtral's block_sparse_moe.experts.7.w1 / w3 / w2): name -> (our stacked module, part)
+_EXPERT_LINEARS = {"gate_proj": ("experts_gate_up", 0), "up_proj": ("experts_gate_up", 1),
+                   "down_proj": ("experts_down", 0)}
+_MIXTRAL_EXPERT_LINEARS = {"w1": ("experts_gate_up", 0), "w3": ("experts_gate_up", 1),
+                           "w2": ("experts_down", 0)}
+_PER_EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.")
+_ROUTER_OR_SHARED = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|shared_expert\w*)(\.|$)")
 
 
 @dataclass(frozen=True)
@@ -59,17 +67,47 @@ class ModuleTarget:
 
 
 @dataclass(frozen=True)
+class ExpertPart:
+    """One expert's own Linear in a per-expert adapter, and its block of the layer's
+    stacked target: gate and up sit side by side (A rows [gate r | up r] per expert, Bt
+    columns [gate | up]), so the stacked rank is their sum."""
+
+    target: ModuleTarget
+    expert: int
+    rank: int
+    rank_offset: int  # first of its rank rows within the expert's block
+    col0: int  # first output column (up's: the expert size)
+    out: int  # output columns
+
+
+@dataclass(frozen=True)
 class TensorLanding:
     """One file tensor and where it goes: A -> A[slot, :rank, :], B -> Bt[slot, :rank, :],
-    M (DoRA magnitude, [out]) -> the module's M region."""
+    M (DoRA magnitude, [out]) -> the module's M region. One expert's part in a per-expert
+    adapter (expert_part) fills a block of its stacked region instead: `n_rows` rows from
+    `row0`, `row_step` apart, `cols` columns from `col0`."""
 
     target: ModuleTarget
     kind: str  # "A" | "B" | "M"
     entry: TensorEntry
+    part: str = ""  # the per-expert module it came from (its A and B pair by this)
+    n_rows: int = 0  # 0: the target's rank rows (per expert for a stacked one)
+    row0: int = 0
+    row_step: int = 1
+    col0: int = 0
+    cols: int = 0  # 0: the region's
 
     @property
     def rows(self) -> int:  # of its region it fills
-        return 1 if self.kind == "M" else self.target.rank * self.target.experts
+        if self.kind == "M":
+            return 1
+        return self.n_rows or self.target.rank * self.target.experts
+
+    def placement(self, region) -> tuple[int, int, int]:
+        """(first element offset, columns, destination row stride) within the slot, for
+        a metrale.pool.layout Region of [rows, region.cols]."""
+        return (region.offset + self.row0 * region.cols + self.col0, self.cols or region.cols,
+                self.row_step * region.cols)
 
 
 @dataclass(frozen=True)
@@ -114,6 +152,13 @@ def resolve_targets(
 ) -> tuple[ModuleTarget, ...]:
     """The (layer, module) pairs PEFT would wrap, with its rank and scale for each; one
     MatchBudget bounds all the regex matching."""
+    return _resolve(peft, model, pool, per_expert=False)[0]
+
+
+def _resolve(peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig,
+             per_expert: bool) -> tuple[tuple[ModuleTarget, ...], dict[str, ExpertPart]]:
+    """resolve_targets, and with per_expert (the file holds transformers 4's per-expert
+    tensors) each expert Linear PEFT wrapped, by path."""
     # (path, layer, module) of everything PEFT could target, model-level ones at layer 0;
     # target_parameters name the experts' stacked parameters (module path + parameter)
     universe = [(model.peft_path(i, m), i, m) for i in range(model.num_layers)
@@ -122,14 +167,16 @@ def resolve_targets(
     experts = [(f"{model.module_path(i, m)}.{EXPERT_PARAMS[m]}", i, m)
                for i in range(model.num_layers) for m in model.layer_modules(i)
                if m in EXPERT_MODULES]
+    linears = _expert_linears(model) if per_expert else {}
     _refuse_unknown_parameters(peft.target_parameters, experts, model)
     budget = MatchBudget()
     if isinstance(peft.target_modules, str) and peft.target_modules.lower() == ALL_LINEAR:
         # PEFT expands "all-linear" to every Linear but the output head, by full path.
-        linear = tuple(p for p, _, m in universe if m not in EXTRA_TARGETS)
+        linear = tuple(p for p, _, m in universe if m not in EXTRA_TARGETS) + tuple(linears)
         peft = replace(peft, target_modules=linear)
     elif not isinstance(peft.target_modules, str):
-        _refuse_unknown_names(peft.target_modules, universe, model)
+        _refuse_unknown_names(peft.target_modules,
+                              universe + [(p, i, m) for p, (i, m, _, _) in linears.items()], model)
     targets = []
     for path, layer, module in universe + experts:
         if module in EXPERT_MODULES:
@@ -137,32 +184,91 @@ def resolve_targets(
                 continue
         elif not peft.targets(path, budget):
             continue
-        if module in EXTRA_TARGETS and module not in pool.extra_targets:
-            raise ExtraTargetsRequiredError(
-                f"the adapter has LoRA on {path}, and this engine has no pool memory for "
-                f"{module}: start it with {EXTRA_TARGETS_FLAG} {module}"
-            )
-        if module not in pool.target_modules and module not in EXTRA_TARGETS:
-            hint = ("--lora-experts (pool memory for expert LoRA)" if module in EXPERT_MODULES
-                    else f"{module} in its LoRA target modules")
-            raise AdapterMismatchError(
-                f"the adapter targets {path} but the pool serves only "
-                f"{', '.join(pool.target_modules)}; start the engine with {hint}"
-            )
+        _check_pool_serves(path, module, pool)
         rank = peft.rank_for(path, budget)
-        if rank > pool.max_lora_rank:
-            raise AdapterMismatchError(
-                f"{path} has rank {rank} > --max-lora-rank {pool.max_lora_rank}; "
-                f"start the engine with --max-lora-rank {peft.max_rank()} or more"
-            )
+        _check_rank(path, rank, pool, peft.max_rank())
         targets.append(ModuleTarget(layer, module, rank, peft.scaling_for(path, budget),
                                     model.module_rows(module)))
+    stacked, parts = _stack_expert_linears(peft, model, pool, linears, budget)
+    if stacked and any(t.module in EXPERT_MODULES for t in targets):
+        raise AdapterMismatchError("the adapter holds per-expert tensors and target_parameters "
+                                   "on the stacked experts at once; it does not match its config")
+    targets += stacked
     if not targets:
         raise AdapterMismatchError(
             f"target_modules {brief(peft.target_modules)} matches no module of this "
             f"{model.model_type} model"
         )
-    return tuple(targets)
+    return tuple(targets), parts
+
+
+def _expert_linears(model: ModelConfig) -> dict[str, tuple[int, str, int, int]]:
+    """path -> (layer, stacked module, part, expert) of every expert Linear of a
+    transformers 4 MoE model."""
+    if model.moe is None:
+        return {}
+    mixtral = model.model_type == "mixtral"
+    names = _MIXTRAL_EXPERT_LINEARS if mixtral else _EXPERT_LINEARS
+    block = "block_sparse_moe" if mixtral else "mlp"
+    return {f"model.layers.{layer}.{block}.experts.{e}.{name}": (layer, module, part, e)
+            for layer in model.moe.layers for e in range(model.moe.num_experts)
+            for name, (module, part) in names.items()}
+
+
+def _stack_expert_linears(peft, model: ModelConfig, pool: PoolConfig, linears: dict,
+                          budget: MatchBudget):
+    """The stacked targets the wrapped expert Linears land in, and each Linear's ExpertPart:
+    per (layer, module) a rank of the parts' largest ranks side by side, one scale."""
+    wrapped: dict[tuple[int, str], list] = {}
+    for path, (layer, module, part, expert) in linears.items():
+        if peft.targets(path, budget):
+            _check_pool_serves(path, module, pool)
+            wrapped.setdefault((layer, module), []).append(
+                (path, part, expert, peft.rank_for(path, budget), peft.scaling_for(path, budget)))
+    targets, parts = [], {}
+    for (layer, module), found in wrapped.items():
+        scales = {scale for *_, scale in found}
+        if len(scales) > 1:
+            raise UnsupportedAdapterError(
+                f"experts of layer {layer} have LoRA scales {sorted(scales)} (rank or alpha "
+                "patterns that differ between an expert's gate, up or down, or between "
+                "experts); the stacked expert LoRA holds one scale per layer")
+        part_rank = {}
+        for _, part, _, rank, _ in found:
+            part_rank[part] = max(part_rank.get(part, 0), rank)
+        offsets = {part: sum(r for p, r in part_rank.items() if p < part) for part in part_rank}
+        total = sum(part_rank.values())
+        _check_rank(f"model.layers.{layer} experts ({module}: their gate and up LoRA side by "
+                    "side)", total, pool, total)
+        target = ModuleTarget(layer, module, total, scales.pop(), model.module_rows(module))
+        targets.append(target)
+        size = model.linear_shape(module)[1] // (2 if module == "experts_gate_up" else 1)
+        for path, part, expert, rank, _ in found:
+            parts[path] = ExpertPart(target, expert, rank, offsets[part], part * size, size)
+    return targets, parts
+
+
+def _check_pool_serves(path: str, module: str, pool: PoolConfig) -> None:
+    if module in EXTRA_TARGETS and module not in pool.extra_targets:
+        raise ExtraTargetsRequiredError(
+            f"the adapter has LoRA on {path}, and this engine has no pool memory for "
+            f"{module}: start it with {EXTRA_TARGETS_FLAG} {module}"
+        )
+    if module not in pool.target_modules and module not in EXTRA_TARGETS:
+        hint = ("--lora-experts (pool memory for expert LoRA)" if module in EXPERT_MODULES
+                else f"{module} in its LoRA target modules")
+        raise AdapterMismatchError(
+            f"the adapter targets {path} but the pool serves only "
+            f"{', '.join(pool.target_modules)}; start the engine with {hint}"
+        )
+
+
+def _check_rank(path: str, rank: int, pool: PoolConfig, needed: int) -> None:
+    if rank > pool.max_lora_rank:
+        raise AdapterMismatchError(
+            f"{path} has rank {rank} > --max-lora-rank {pool.max_lora_rank}; "
+            f"start the engine with --max-lora-rank {needed} or more"
+        )
 
 
 def _refuse_unknown_parameters(names, experts, model: ModelConfig) -> None:
@@ -220,8 +326,12 @@ def plan_from_tensors(
 ) -> AdapterPlan:
     """Match already size-checked tensors to PEFT's targets (disk and peers alike)."""
     entries = list(entries)
-    targets = resolve_targets(peft, model, pool)
-    landings = _match_tensors(source, entries, targets, model, peft.use_dora)
+    per_expert = any(_PER_EXPERT_TENSOR.search(e.name) for e in entries)
+    if per_expert and peft.use_dora:
+        raise UnsupportedAdapterError(f"{source}: DoRA on experts (use_dora with per-expert "
+                                      "LoRA) is not served")
+    targets, parts = _resolve(peft, model, pool, per_expert)
+    landings = _match_tensors(source, entries, targets, model, peft.use_dora, parts)
     spans = _spans(landings) if len(landings) < len(entries) else ()
     return AdapterPlan(name, peft, source, data_bytes, targets, landings, data_offset, spans)
 
@@ -238,13 +348,15 @@ def _spans(landings: tuple[TensorLanding, ...]) -> tuple[tuple[int, int], ...]:
 
 def _match_tensors(
     source: str, entries: Iterable[TensorEntry], targets: tuple[ModuleTarget, ...],
-    model: ModelConfig, dora: bool = False,
+    model: ModelConfig, dora: bool = False, expert_parts: dict[str, ExpertPart] | None = None,
 ) -> tuple[TensorLanding, ...]:
+    expert_parts = expert_parts or {}
     by_path: dict[str, list[ModuleTarget]] = {}  # a fused Linear (Phi-3) has several parts
     for t in targets:
         if t.module not in EXPERT_MODULES:
             by_path.setdefault(model.peft_path(t.layer, t.module), []).append(t)
-    by_path.update(_expert_paths(targets, model))
+    stacked = {(p.target.layer, p.target.module) for p in expert_parts.values()}
+    by_path.update(_expert_paths([t for t in targets if (t.layer, t.module) not in stacked], model))
     chosen: dict[str, ModuleTarget] = {}  # an expert path's target, once a tensor told it
     landings: list[TensorLanding] = []
     seen: set[tuple[str, str]] = set()
@@ -257,7 +369,18 @@ def _match_tensors(
                 f"{source}: tensor {brief(entry.name)} is not a LoRA A/B, embedding or DoRA "
                 "magnitude weight metrale serves (biases and full-weight overlays are refused)"
             )
+        if m["module"] in expert_parts:
+            kind = _KINDS[m["kind"]]
+            landings.append(_expert_landing(source, entry, kind, expert_parts[m["module"]], model))
+            if (m["module"], kind) in seen:
+                raise AdapterFileError(f"{source}: two tensors for {m['module']} {m['kind']}")
+            seen.add((m["module"], kind))
+            continue
         parts = by_path.get(m["module"])
+        if parts is None and _ROUTER_OR_SHARED.search(m["module"]):
+            raise UnsupportedAdapterError(
+                f"{source}: tensor {brief(entry.name)} is LoRA on a MoE router or shared "
+                "expert, which metrale does not serve (attention and the routed experts only)")
         if parts is None:
             raise AdapterMismatchError(
                 f"{source}: tensor {brief(entry.name)} is for a module the adapter config "
@@ -297,7 +420,8 @@ def _match_tensors(
                                    "same parameter; the file does not match its config")
     names = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector"}
     kinds = ("A", "B", "M") if dora else ("A", "B")
-    missing = [f"{path}.{names[k]}" for path in by_path for k in kinds if (path, k) not in seen]
+    missing = [f"{path}.{names[k]}" for path in [*by_path, *expert_parts] for k in kinds
+               if (path, k) not in seen]
     if missing:
         raise AdapterFileError(
             f"{source}: targeted modules have no weights: {', '.join(missing[:4])}"
@@ -305,6 +429,26 @@ def _match_tensors(
             + (" (a DoRA adapter needs every module's lora_magnitude_vector)" if dora else "")
         )
     return tuple(landings)
+
+
+def _expert_landing(source: str, entry: TensorEntry, kind: str, part: ExpertPart,
+                    model: ModelConfig) -> TensorLanding:
+    """One expert Linear's A [r, in] or B [out, r] into its block of the stacked region:
+    A rows e * R + offset (the expert's block of R rows), Bt rows (offset + i) * E + e
+    (the stacked layout is rank-major: PEFT's ParamWrapper's) from column col0."""
+    t = part.target
+    d_in = model.linear_shape(t.module)[0]
+    expected = (part.rank, d_in) if kind == "A" else (part.out, part.rank)
+    if kind not in ("A", "B") or entry.shape != expected:
+        raise AdapterMismatchError(
+            f"{source}: {entry.name} has shape {list(entry.shape)}, expected "
+            f"{list(expected)} for this base model at rank {part.rank}")
+    if kind == "A":
+        return TensorLanding(t, "A", entry, part=entry.name.rsplit(".lora_", 1)[0],
+                             n_rows=part.rank, row0=part.expert * t.rank + part.rank_offset)
+    return TensorLanding(t, "B", entry, part=entry.name.rsplit(".lora_", 1)[0], n_rows=part.rank,
+                         row0=part.rank_offset * t.experts + part.expert, row_step=t.experts,
+                         col0=part.col0, cols=part.out)
 
 
 def _expert_paths(targets, model: ModelConfig) -> dict:

@@ -79,9 +79,10 @@ def check_gain(source: str, a: TensorLanding, b: TensorLanding, a_norm: float, b
 
 def check_gains(plan: AdapterPlan, norms: list[float], pool_dtype: torch.dtype) -> None:
     """check_gain for each module; norms[i] is plan.landings[i]'s."""
-    by_target: dict[tuple[int, str], dict[str, int]] = {}
+    by_target: dict[tuple[int, str, str], dict[str, int]] = {}
     for i, landing in enumerate(plan.landings):
-        by_target.setdefault((landing.target.layer, landing.target.module), {})[landing.kind] = i
+        by_target.setdefault((landing.target.layer, landing.target.module, landing.part),
+                             {})[landing.kind] = i
     for kinds in by_target.values():
         if "A" in kinds and "B" in kinds:  # plan_adapter gives every module both
             a, b = kinds["A"], kinds["B"]

@@ -8,11 +8,11 @@ The reference path on every backend: each routed expert is a gather, two matmuls
 index_add, with a host sync to list the experts hit, so a MoE model runs without CUDA
 graphs.
 
-LoRA on the experts (PEFT's target_parameters on mlp.experts.gate_up_proj / down_proj,
-pool memory with --lora-experts): each slot holds PEFT's own factors, A [r * E, in] with
-expert e's rows at e * r, and B transposed [r * E, out] with expert e's at ri * E + e
-(ParamWrapper's layout), added to the expert's outputs per token and slot. No LoRA on the
-router or the shared expert.
+LoRA on the experts (pool memory with --lora-experts): each slot holds PEFT's
+target_parameters factors, A [r * E, in] with expert e's rows at e * r, and B transposed
+[r * E, out] with expert e's at ri * E + e (ParamWrapper's layout; per-expert adapters land
+there too, metrale.adapters.plan), added to the expert's outputs per token and slot. No
+LoRA on the router or the shared expert.
 """
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 cost several ms of host time for a Llama-3-8B r=16 adapter's 448, against ~2 ms for the
 bytes). A descriptor row per tensor says where it is in the staged bytes and where it goes:
 
-    dst[dst_off + i * cols + j] = src[src_off + i * s_row + j * s_col]   i < rows, j < cols
+    dst[dst_off + i * d_row + j] = src[src_off + i * s_row + j * s_col]   i < rows, j < cols
 
 A is [r, in] -> A[slot, :r] (s_row = in, s_col = 1); B is [out, r] -> Bt[slot, :r] = B^T
 (s_row = 1, s_col = r), strided reads that L2 absorbs; the dtype conversion is in registers.
+d_row is cols for a tensor that fills whole region rows, wider for one expert's part of a
+stacked expert region (metrale.adapters.plan: rows every E, columns from an offset).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ BLOCK = 2048  # destination elements per program
 
 def _land_kernel(src_ptr, dst_ptr, desc_ptr, BLOCK: tl.constexpr):
     i, tile = tl.program_id(0), tl.program_id(1)
-    d = desc_ptr + i * 6
+    d = desc_ptr + i * 7
     rows, cols = tl.load(d + 1), tl.load(d + 2)
     n = rows * cols
     if tile * BLOCK >= n:
@@ -30,7 +32,8 @@ def _land_kernel(src_ptr, dst_ptr, desc_ptr, BLOCK: tl.constexpr):
     src = src_ptr + tl.load(d + 0) + r * tl.load(d + 3) + c * tl.load(d + 4)
     x = tl.load(src, mask=ok, other=0.0)
     # downcasts round to nearest even as torch's copy_ does (compiled; the interpreter truncates)
-    tl.store(dst_ptr + tl.load(d + 5) + e, x.to(dst_ptr.dtype.element_ty), mask=ok)
+    dst = dst_ptr + tl.load(d + 5) + r * tl.load(d + 6) + c
+    tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
 def base_of(views: list[torch.Tensor]) -> torch.Tensor | None:
@@ -42,22 +45,24 @@ def base_of(views: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def land_views(dst: torch.Tensor, src_base: torch.Tensor,
-               items: list[tuple[torch.Tensor, int, int, int, bool]]) -> None:
+               items: list[tuple[torch.Tensor, int, int, int, bool, int]]) -> None:
     """dst: the 1-D pool buffer; src_base: base_of(the views); items: (view, dst element
-    offset, rows, cols, transpose), as landing_row's."""
+    offset, rows, cols, transpose, dst row stride), as landing_row's."""
     size = src_base.element_size()
-    rows = [landing_row((view.data_ptr() - src_base.data_ptr()) // size, dst_off, r, c, t)
-            for view, dst_off, r, c, t in items]
+    rows = [landing_row((view.data_ptr() - src_base.data_ptr()) // size, dst_off, r, c, t, d)
+            for view, dst_off, r, c, t, d in items]
     if rows:
         land_rows(dst, src_base, torch.tensor(rows, dtype=torch.int64).to(dst.device, non_blocking=True),
                   max_tiles(rows))
 
 
-def landing_row(src_off: int, dst_off: int, rows: int, cols: int,
-                transpose: bool) -> tuple[int, int, int, int, int, int]:
+def landing_row(src_off: int, dst_off: int, rows: int, cols: int, transpose: bool,
+                dst_row: int | None = None) -> tuple[int, int, int, int, int, int, int]:
     """The descriptor row of one tensor (elements): at src_off, [rows, cols], or
-    [cols, rows] when transpose (B -> Bt), landing at dst_off as [rows, cols]."""
-    return (src_off, rows, cols, 1 if transpose else cols, rows if transpose else 1, dst_off)
+    [cols, rows] when transpose (B -> Bt), landing at dst_off as [rows, cols] whose rows
+    are dst_row apart (None: cols, packed)."""
+    return (src_off, rows, cols, 1 if transpose else cols, rows if transpose else 1, dst_off,
+            cols if dst_row is None else dst_row)
 
 
 def max_tiles(rows: list[tuple[int, ...]]) -> int:
@@ -65,7 +70,7 @@ def max_tiles(rows: list[tuple[int, ...]]) -> int:
 
 
 def land_rows(dst: torch.Tensor, src: torch.Tensor, desc: torch.Tensor, tiles: int) -> None:
-    """One launch for every row of desc ([N, 6] int64 on dst's device), 1-D src to 1-D dst."""
+    """One launch for every row of desc ([N, 7] int64 on dst's device), 1-D src to 1-D dst."""
     require_triton()
     kernel = jit_kernel(_land_kernel, dst.device)
     kernel[(desc.shape[0], tiles)](src, dst, desc, BLOCK=BLOCK, num_warps=4)

@@ -231,19 +231,23 @@ class AdapterPool:
             base, items = slot * self.layout.slot_elems, []
             for landing, src in zip(plan.landings, views):
                 t = landing.target
-                region = self.layout.region(t.layer, t.module, landing.kind)
-                items.append((src, base + region.offset, landing.rows, region.cols,
-                              landing.kind == "B"))
+                offset, cols, row_stride = landing.placement(
+                    self.layout.region(t.layer, t.module, landing.kind))
+                items.append((src, base + offset, landing.rows, cols, landing.kind == "B",
+                              row_stride))
             land_views(self.buffer, src_base, items)
         else:
             for landing, src in zip(plan.landings, views):
                 t = landing.target
                 if landing.kind == "M":
                     self.magnitude(t.layer, t.module)[slot, 0].copy_(src)  # [out]
-                elif landing.kind == "A":  # [r, in] (experts: [r * E, in])
-                    self.lora_a(t.layer, t.module)[slot, :landing.rows].copy_(src)
-                else:  # [r, out] (experts: [r * E, out])
-                    self.lora_bt(t.layer, t.module)[slot, :landing.rows].copy_(src.t())
+                    continue
+                region = (self.lora_a if landing.kind == "A" else self.lora_bt)(t.layer, t.module)
+                cols = landing.cols or region.shape[-1]
+                last = landing.row0 + (landing.rows - 1) * landing.row_step + 1
+                dst = region[slot, landing.row0:last:landing.row_step,
+                             landing.col0:landing.col0 + cols]  # [rows, cols]
+                dst.copy_(src if landing.kind == "A" else src.t())  # B [out, r] -> Bt [r, out]
 
     def write_tables(self, slot: int, ranks: torch.Tensor, scales: torch.Tensor,
                      doras: torch.Tensor) -> None:

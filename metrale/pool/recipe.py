@@ -19,7 +19,7 @@ from metrale.pool.layout import SlotLayout
 @dataclass(frozen=True)
 class LandingRecipe:
     dtype: torch.dtype  # of every staged tensor
-    desc: torch.Tensor  # [N, 6] int64 on the pool's device: landing rows, offsets from the slot base
+    desc: torch.Tensor  # [N, 7] int64 on the pool's device: landing rows, offsets from the slot base
     tiles: int  # landing programs per tensor
     ranks: torch.Tensor  # [L, M] int32, host (pinned with CUDA)
     scales: torch.Tensor  # [L, M] float32, host
@@ -65,9 +65,9 @@ def build_recipe(plan: AdapterPlan, layout: SlotLayout, device: torch.device,
         if begin % size:
             return None
         t = landing.target
-        region = layout.region(t.layer, t.module, landing.kind)
-        rows.append(landing_row(begin // size, region.offset, landing.rows, region.cols,
-                                landing.kind == "B" and not staged_bt))
+        offset, cols, row_stride = landing.placement(layout.region(t.layer, t.module, landing.kind))
+        rows.append(landing_row(begin // size, offset, landing.rows, cols,
+                                landing.kind == "B" and not staged_bt, row_stride))
     pin = device.type == "cuda"
     desc = torch.tensor(rows, dtype=torch.int64).to(device)
     return LandingRecipe(dtype, desc, max_tiles(rows), *table_rows(plan, layout, pin))

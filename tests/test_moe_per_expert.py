@@ -1,0 +1,184 @@
+"""Expert LoRA in transformers 4's per-expert layout (PEFT wrapping each expert's own Linears:
+mlp.experts.3.gate_proj.lora_A, Mixtral's block_sparse_moe.experts.3.w1) on the four MoE
+families, some experts and parts left out: greedy tokens equal transformers + PEFT.
+
+PEFT on transformers 5 has no per-expert Linears, so the reference is the same LoRA written
+in PEFT's other layout (target_parameters on the stacked experts, ParamWrapper): each
+expert's gate and up factors side by side in a rank-4 block (A rows [gate | up], B
+block-diagonal), down's in the first half of its block, the rest zero; PEFT computes the
+forward pass. The block layout is built here from PEFT's parameter shapes, not taken from
+metrale."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from metrale import LLM, SamplingParams
+from metrale.errors import AdapterMismatchError, UnsupportedAdapterError
+from metrale.ops.landing_triton import land_rows
+from metrale.pool.recipe import build_recipe
+from tests.helpers.kernels import KERNELS
+from tests.helpers.reference import assert_mixed_batch_matches, hf_greedy, prompts
+from tests.helpers.tiny_models import make_adapter, make_model, save_model
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+R, R_PART = 4, 2  # the reference's rank; each per-expert Linear's
+GEN = 6
+
+
+def _names(arch: str):
+    if arch == "mixtral":
+        return "block_sparse_moe", {"w1": "gate", "w3": "up", "w2": "down"}
+    return "mlp", {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+def _left_out(layer: int, expert: int, part: str) -> bool:
+    """Some experts and parts the adapter does not target: all of expert 2 in the first
+    expert layer, expert 1's up in the others."""
+    return (layer == 0 and expert == 2) or (layer != 0 and expert == 1 and part == "up")
+
+
+def per_expert_adapter(arch: str, base, path, seed: int):
+    """(PEFT reference model, directory of the per-expert adapter) with the same LoRA."""
+    ref = make_adapter(base, path.with_name(path.name + "_ref"), seed=seed, r=R, lora_alpha=8,
+                       target_modules=["q_proj"], target_parameters=EXPERTS)
+    cfg = base.config
+    n_exp = cfg.num_local_experts if arch == "mixtral" else cfg.num_experts
+    g = torch.Generator().manual_seed(seed)
+    block, names = _names(arch)
+    tensors, targets = {}, ["q_proj"]
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            if not hasattr(module, "lora_A") or "default" not in module.lora_A:
+                continue
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            layer = name.split(".layers.")[1].split(".")[0]
+            prefix = f"base_model.model.model.layers.{layer}."
+            if name.endswith("q_proj"):  # rank 2 of the reference's 4
+                a[R_PART:], b[:, R_PART:] = 0, 0
+                tensors[prefix + "self_attn.q_proj.lora_A.weight"] = a[:R_PART].clone()
+                tensors[prefix + "self_attn.q_proj.lora_B.weight"] = b[:, :R_PART].clone()
+                continue
+            a.zero_()
+            b.zero_()
+            gate_up = module.parameter_name == "gate_up_proj"
+            size = b.shape[0] // 2 if gate_up else b.shape[0]  # [out, R * E]
+            for e in range(n_exp):
+                for hf, part in names.items():
+                    if (part == "down") == gate_up or _left_out(int(layer), e, part):
+                        continue
+                    pa = torch.randn(R_PART, a.shape[1], generator=g) / a.shape[1] ** 0.5
+                    pb = torch.randn(size, R_PART, generator=g)
+                    off = R_PART if part == "up" else 0  # rank rows of the expert's block
+                    a[e * R + off:e * R + off + R_PART] = pa
+                    rows = slice(size, 2 * size) if part == "up" else slice(0, size)
+                    for i in range(R_PART):  # column (rank, expert): i * E + e, rank-major
+                        b[rows, (off + i) * n_exp + e] = pb[:, i]
+                    key = f"{prefix}{block}.experts.{e}.{hf}"
+                    tensors[key + ".lora_A.weight"] = pa
+                    tensors[key + ".lora_B.weight"] = pb
+                    targets.append(f"layers.{layer}.{block}.experts.{e}.{hf}")
+    path.mkdir()
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": R_PART, "lora_alpha": 4,
+        "target_modules": targets}))  # scale 4 / 2 = the reference's 8 / 4
+    return ref, path
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    base = make_model(request.param, seed=7)
+    save_model(base, root / "model")
+    adapters = {"pe": per_expert_adapter(request.param, base, root / "pe", seed=50),
+                "stacked": (make_adapter(base, root / "stacked", seed=51, r=R, lora_alpha=8,
+                                         target_modules=["k_proj"], target_parameters=EXPERTS),
+                            root / "stacked"),
+                "x": (make_adapter(base, root / "x", seed=52, r=R, lora_alpha=8,
+                                   target_modules=["q_proj", "v_proj"]), root / "x")}
+    return request.param, root, base, adapters
+
+
+def test_per_expert_adapter_equals_transformers_peft(family):
+    """Per-expert, stacked and attention adapters, three through two slots in one batch."""
+    _, root, base, adapters = family
+    ps = prompts(61, 3)
+    moved = [p for p in ps if hf_greedy(adapters["pe"][0], p, GEN)[0] != hf_greedy(base, p, GEN)[0]]
+    assert moved, "the per-expert adapter must change some answer, or the test shows nothing"
+    assert_mixed_batch_matches(root / "model", base, adapters, ps, GEN, max_loras=2,
+                               max_lora_rank=R, lora_experts=True)
+
+
+def test_swaps_between_per_expert_stacked_and_attention_adapters(family):
+    """One slot: per-expert -> stacked -> attention -> per-expert, each equal to PEFT (a
+    zeroed slot leaves no expert rows or columns behind)."""
+    _, root, _, adapters = family
+    llm = LLM(root / "model", max_loras=1, max_lora_rank=R, max_model_len=64, block_size=4,
+              num_kv_blocks=64, lora_experts=True)
+    params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+    for i, name in enumerate(["pe", "stacked", "x", "pe"]):
+        llm.engine.swap_lora_slot_from_disk(adapters[name][1], f"s{i}", 0)
+        for p in prompts(70 + i, 2):
+            out = llm.generate([p], params, f"s{i}")[0]
+            assert list(out.token_ids) == hf_greedy(adapters[name][0], p, GEN)[0], name
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
+def test_the_landing_kernel_places_expert_blocks_as_the_torch_path(family):
+    """The one-launch landing (rows E apart, columns from an offset) writes the slot the
+    per-tensor path writes."""
+    _, root, _, adapters = family
+    llm = LLM(root / "model", max_loras=1, max_lora_rank=R, max_model_len=64, block_size=4,
+              num_kv_blocks=64, lora_experts=True)
+    llm.engine.swap_lora_slot_from_disk(adapters["pe"][1], "pe", 0)
+    pool = llm.engine.runner.pool
+    from metrale.adapters.plan import plan_adapter
+    plan = plan_adapter(adapters["pe"][1], "pe", llm.engine.model_config, pool.layout.pool)
+    assert any(landing.row_step > 1 for landing in plan.landings)
+    raw = (adapters["pe"][1] / "adapter_model.safetensors").read_bytes()[plan.data_offset:]
+    recipe = build_recipe(plan, pool.layout, torch.device("cpu"))
+    got = torch.zeros(pool.layout.slot_elems, dtype=pool.buffer.dtype)
+    land_rows(got, torch.frombuffer(bytearray(raw), dtype=recipe.dtype), recipe.desc, recipe.tiles)
+    torch.testing.assert_close(got, pool.slot_region(0), rtol=2 ** -7, atol=0)
+
+
+def test_per_expert_refusals_leave_the_engine_serving(tmp_path):
+    """A rank the pool cannot hold once gate and up sit side by side names the rank to
+    start with; scales that differ between an expert's parts are refused as such; a
+    per-expert adapter without --lora-experts names the flag; a router LoRA tensor (what
+    transformers 4's all-linear adds) names the router. The engine serves after."""
+    base = make_model("qwen3_moe", seed=7)
+    save_model(base, tmp_path / "model")
+    ref, pe = per_expert_adapter("qwen3_moe", base, tmp_path / "pe", seed=50)
+    kw = dict(max_loras=1, max_model_len=64, block_size=4, num_kv_blocks=64)
+    small = LLM(tmp_path / "model", max_lora_rank=3, lora_experts=True, **kw)
+    with pytest.raises(AdapterMismatchError, match="--max-lora-rank 4"):
+        small.register_adapter("pe", pe)
+    no_experts = LLM(tmp_path / "model", max_lora_rank=R, **kw)
+    with pytest.raises(AdapterMismatchError, match="--lora-experts"):
+        no_experts.register_adapter("pe", pe)
+    from safetensors.torch import load_file
+    tensors = load_file(pe / "adapter_model.safetensors")
+    router = tmp_path / "router"  # transformers 4's all-linear wraps the router's Linear too
+    router.mkdir()
+    (router / "adapter_config.json").write_text((pe / "adapter_config.json").read_text())
+    save_file({**tensors, "base_model.model.model.layers.0.mlp.gate.lora_A.weight":
+               torch.randn(2, 64), "base_model.model.model.layers.0.mlp.gate.lora_B.weight":
+               torch.randn(4, 2)}, router / "adapter_model.safetensors")
+    llm = LLM(tmp_path / "model", max_lora_rank=R, lora_experts=True, **kw)
+    with pytest.raises(UnsupportedAdapterError, match="router"):
+        llm.engine.swap_lora_slot_from_disk(router, "router", 0)
+    cfg = json.loads((pe / "adapter_config.json").read_text())
+    cfg["alpha_pattern"] = {"layers.0.mlp.experts.0.up_proj": 8}
+    (pe / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedAdapterError, match="one scale per layer"):
+        llm.register_adapter("pe", pe)
+    assert llm.engine.registry.names() == []
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert list(out[0].token_ids) == hf_greedy(base, [5, 6, 7], 3)[0]
