@@ -33,7 +33,7 @@ $(VENV)/.installed-cluster: $(VENV)/.installed-run
 
 # The tests: everything, the cluster tests' Ray included.
 $(VENV)/.installed: $(VENV)/.installed-run
-	@echo "metrale: installing the test extras (pytest, hypothesis, triton, NIXL, Ray Serve; ~1-2 min)"
+	@echo "metrale: installing the test extras (pytest, hypothesis, triton, NIXL, Ray Serve, bitsandbytes; ~1-2 min)"
 	$(PIP) -e ".[test,server,demo,triton,peer,cluster]"
 	@touch $@
 

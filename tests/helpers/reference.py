@@ -31,10 +31,13 @@ def prompts(seed: int, n: int, shared_prefix: int = 0) -> list[list[int]]:
 
 
 def assert_mixed_batch_matches(model_dir, base, adapters: dict, prompt_list: list[list[int]],
-                               n: int, **llm_kw):
+                               n: int, tie_gap: float = 0.0, **llm_kw):
     """An LLM on model_dir, with `adapters` ({name: (PEFT model, its directory)})
     registered, serves every prompt with the base and with each adapter, all in one
-    batch, with greedy tokens equal to transformers + PEFT's. Returns the LLM."""
+    batch, with greedy tokens equal to transformers + PEFT's. tie_gap: a sequence is
+    compared up to the first step where the reference's top two log-probabilities are
+    closer than that (a tie either side may break), and 3 in 4 of all tokens must be
+    compared. Returns the LLM."""
     from metrale import LLM, SamplingParams  # metrale: after conftest's triton switch
 
     kw = dict(max_loras=max(1, len(adapters)), max_lora_rank=4, max_model_len=64, block_size=4,
@@ -46,7 +49,13 @@ def assert_mixed_batch_matches(model_dir, base, adapters: dict, prompt_list: lis
     outs = llm.generate([p for p, _ in requests],
                         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
                         [a for _, a in requests])
+    compared = 0
     for (prompt, adapter), out in zip(requests, outs):
-        want, _ = hf_greedy(adapters[adapter][0] if adapter else base, prompt, n)
-        assert list(out.token_ids) == want, (prompt, adapter)
+        want, logprobs = hf_greedy(adapters[adapter][0] if adapter else base, prompt, n)
+        top2 = logprobs.topk(2, dim=-1).values  # [n, 2]
+        ties = ((top2[:, 0] - top2[:, 1]) < tie_gap).nonzero().flatten().tolist()
+        upto = ties[0] if ties else n
+        assert list(out.token_ids)[:upto] == want[:upto], (prompt, adapter)
+        compared += upto
+    assert compared >= 0.75 * n * len(requests), f"only {compared} tokens outside ties"
     return llm
