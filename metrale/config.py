@@ -25,7 +25,12 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # A MoE layer's stacked experts as LoRA targets (PEFT's target_parameters on
 # mlp.experts.gate_up_proj / down_proj): one A [r * E, in] and B [out, r * E] each.
 EXPERT_MODULES = ("experts_gate_up", "experts_down")
-EXPERT_PARAMS = {"experts_gate_up": "gate_up_proj", "experts_down": "down_proj"}
+# its router (target_parameters on mlp.gate.weight): a plain A [r, hidden], B [E, r]
+ROUTER_MODULE = "router"
+MOE_MODULES = (*EXPERT_MODULES, ROUTER_MODULE)  # pool memory with --lora-experts
+# the parameter PEFT's target_parameters names, under the module's path
+MOE_PARAMS = {"experts_gate_up": "gate_up_proj", "experts_down": "down_proj",
+              ROUTER_MODULE: "weight"}
 # Model-level LoRA targets whose pool memory is opt-in (lm_head's B alone is
 # max_rank x vocab per slot): PoolConfig.extra_targets / EngineConfig.lora_extra_targets.
 # In every (layer, module) key they sit at layer 0 (they have no layer of their own).
@@ -196,10 +201,10 @@ class ModelConfig:
     qk_norm_full: bool = False  # OLMoE: q/k RMSNorm over the whole projection, not per head
 
     def layer_modules(self, layer: int) -> tuple[str, ...]:
-        """The LoRA-targetable modules of a decoder layer: an expert layer offers attention
-        and its stacked experts (router and shared-expert LoRA are not served)."""
+        """The LoRA-targetable modules of a decoder layer: an expert layer offers attention,
+        its stacked experts and its router (shared-expert LoRA is not served)."""
         if self.moe is not None and layer in self.moe.layers:
-            return ATTN_MODULES + EXPERT_MODULES
+            return ATTN_MODULES + MOE_MODULES
         return LINEAR_MODULES
 
     def window_masks(self, max_len: int) -> bool:
@@ -255,7 +260,8 @@ class ModelConfig:
         }
         if self.moe is not None:
             e = self.moe.expert_size
-            shapes.update(experts_gate_up=(h, 2 * e), experts_down=(e, h))
+            shapes.update(experts_gate_up=(h, 2 * e), experts_down=(e, h),
+                          router=(h, self.moe.num_experts))
         return shapes[module]
 
     def module_rows(self, module: str) -> int:
@@ -271,6 +277,8 @@ class ModelConfig:
             return "lm_head"
         if module in EXPERT_MODULES:
             return f"model.layers.{layer}.mlp.experts"
+        if module == ROUTER_MODULE:
+            return f"model.layers.{layer}.mlp.gate"
         group = "self_attn" if module in ATTN_MODULES else "mlp"
         return f"model.layers.{layer}.{group}.{module}"
 
@@ -372,7 +380,7 @@ class PoolConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         _check_positive(self, ("max_lora_rank",))
-        known = LINEAR_MODULES + EXPERT_MODULES
+        known = LINEAR_MODULES + MOE_MODULES
         unknown = set(self.target_modules) - set(known)
         if unknown or not self.target_modules:
             raise ConfigError(
@@ -454,8 +462,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # model-level LoRA targets to size pool memory for (EXTRA_TARGETS); mirrors pool.extra_targets
     lora_extra_targets: tuple[str, ...] = ()
-    # pool memory for LoRA on a MoE model's experts (EXPERT_MODULES: each slot then holds one
-    # rank-r A and B per expert and layer); mirrors EXPERT_MODULES in pool.target_modules
+    # pool memory for LoRA on a MoE model's experts and routers (MOE_MODULES: each slot then
+    # holds one rank-r A and B per expert and layer); mirrors MOE_MODULES in pool.target_modules
     lora_experts: bool = False
     # "fp8": a dense checkpoint's linear weights rounded to FP8 per output channel at load
     # (vLLM's --quantization fp8); a quantized checkpoint keeps its own scheme
@@ -471,11 +479,12 @@ class EngineConfig:
         object.__setattr__(self, "lora_extra_targets", extra)
         if extra != self.pool.extra_targets:
             object.__setattr__(self, "pool", replace(self.pool, extra_targets=extra))
-        experts = self.lora_experts or any(m in EXPERT_MODULES for m in self.pool.target_modules)
+        experts = self.lora_experts or any(m in MOE_MODULES for m in self.pool.target_modules)
         object.__setattr__(self, "lora_experts", experts)
-        if experts and not all(m in self.pool.target_modules for m in EXPERT_MODULES):
+        missing = tuple(m for m in MOE_MODULES if m not in self.pool.target_modules)
+        if experts and missing:
             object.__setattr__(self, "pool", replace(
-                self.pool, target_modules=self.pool.target_modules + EXPERT_MODULES))
+                self.pool, target_modules=self.pool.target_modules + missing))
         if self.quantization not in (None, "fp8"):
             raise ConfigError(f"quantization {self.quantization!r}: only 'fp8' is served")
         _check_positive(self, ("max_model_len", "block_size", "max_num_seqs",

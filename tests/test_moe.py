@@ -154,20 +154,25 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 @pytest.fixture(scope="module")
 def expert_adapters(family):
     """PEFT's expert LoRA (target_parameters on the stacked experts): both parameters beside
-    the attention, the down projection alone."""
+    the attention, the down projection alone; LoRA on the router's weight."""
     arch, root, base, adapters = family
     specs = {"both": dict(target_modules=ATTENTION, target_parameters=EXPERTS),
-             "down": dict(target_modules=["q_proj"], target_parameters=EXPERTS[1:])}
+             "down": dict(target_modules=["q_proj"], target_parameters=EXPERTS[1:]),
+             "router": dict(target_modules=[], target_parameters=["mlp.gate.weight"])}
     made = {name: (make_adapter(base, root / f"e_{name}", seed=seed, r=4, lora_alpha=8, **spec),
                    root / f"e_{name}") for seed, (name, spec) in enumerate(specs.items(), 20)}
     return {**made, "x": adapters["x"]}
 
 
 def test_expert_lora_equals_transformers_peft(family, expert_adapters):
-    """Expert adapters of both shapes and an attention one, three through two slots in one
-    batch, equal transformers + PEFT (ParamWrapper) greedy tokens."""
+    """Expert adapters of both shapes, a router one and an attention one, four through two
+    slots in one batch, equal transformers + PEFT (ParamWrapper) greedy tokens."""
     _, root, base, _ = family
-    llm = assert_mixed_batch_matches(root / "model", base, expert_adapters, prompts(15, 3), GEN,
+    ps = prompts(15, 3)
+    router = expert_adapters["router"][0]
+    assert any(hf_greedy(router, p, GEN)[0] != hf_greedy(base, p, GEN)[0] for p in ps), \
+        "the router adapter must move some answer, or the test shows nothing"
+    llm = assert_mixed_batch_matches(root / "model", base, expert_adapters, ps, GEN,
                                      max_loras=2, lora_experts=True)
     assert "experts_gate_up" in llm.engine.runner.pool.layout.pool.target_modules
 
@@ -207,8 +212,8 @@ def test_a_peer_asking_for_an_expert_adapter_is_refused_and_the_slot_let_go(fami
 def test_expert_adapters_are_refused_naming_the_target(family, expert_adapters, tmp_path):
     """A per-expert tensor (transformers 4 PEFT: experts.E.gate_proj) of the wrong shape is
     refused naming it; target_parameters without pool memory for experts naming
-    --lora-experts; on the router naming it; nothing is registered, the pool's bytes and
-    slot identities stay."""
+    --lora-experts; on a router parameter not served naming it; nothing is registered, the
+    pool's bytes and slot identities stay."""
     arch, root, _, adapters = family
     src = adapters["y"][1]
     cfg = json.loads((src / "adapter_config.json").read_text())
@@ -226,12 +231,12 @@ def test_expert_adapters_are_refused_naming_the_target(family, expert_adapters, 
     router = tmp_path / "router"
     shutil.copytree(src, router)
     (router / "adapter_config.json").write_text(json.dumps(
-        {**cfg, "target_parameters": ["mlp.gate.weight"]}))
+        {**cfg, "target_parameters": ["mlp.gate.bias"]}))  # the weight is served, no bias
     kw = dict(max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4, num_kv_blocks=64)
     without = LLM(root / "model", **kw)
     llm = LLM(root / "model", lora_experts=True, **kw)
     refusals = [(without, expert_adapters["both"][1], "--lora-experts"),
-                (llm, per_expert, name), (llm, router, "router")]
+                (llm, per_expert, name), (llm, router, "mlp.gate.bias")]
     for engine_llm in (without, llm):  # a slot already serving an adapter: it must stay so
         engine_llm.engine.swap_lora_slot_from_disk(adapters["x"][1], "x", 0)
     for engine_llm, bad, message in refusals:

@@ -1,6 +1,7 @@
 """Expert LoRA in transformers 4's per-expert layout (PEFT wrapping each expert's own Linears:
-mlp.experts.3.gate_proj.lora_A, Mixtral's block_sparse_moe.experts.3.w1) on the four MoE
-families, some experts and parts left out: greedy tokens equal transformers + PEFT.
+mlp.experts.3.gate_proj.lora_A, Mixtral's block_sparse_moe.experts.3.w1) and its router
+Linear (mlp.gate) on the four MoE families, some experts and parts left out: greedy tokens
+equal transformers + PEFT.
 
 PEFT on transformers 5 has no per-expert Linears, so the reference is the same LoRA written
 in PEFT's other layout (target_parameters on the stacked experts, ParamWrapper): each
@@ -46,12 +47,12 @@ def _left_out(layer: int, expert: int, part: str) -> bool:
 def per_expert_adapter(arch: str, base, path, seed: int):
     """(PEFT reference model, directory of the per-expert adapter) with the same LoRA."""
     ref = make_adapter(base, path.with_name(path.name + "_ref"), seed=seed, r=R, lora_alpha=8,
-                       target_modules=["q_proj"], target_parameters=EXPERTS)
+                       target_modules=["q_proj"], target_parameters=[*EXPERTS, "mlp.gate.weight"])
     cfg = base.config
     n_exp = cfg.num_local_experts if arch == "mixtral" else cfg.num_experts
     g = torch.Generator().manual_seed(seed)
     block, names = _names(arch)
-    tensors, targets = {}, ["q_proj"]
+    tensors, targets = {}, []
     with torch.no_grad():
         for name, module in ref.named_modules():
             if not hasattr(module, "lora_A") or "default" not in module.lora_A:
@@ -59,10 +60,13 @@ def per_expert_adapter(arch: str, base, path, seed: int):
             a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
             layer = name.split(".layers.")[1].split(".")[0]
             prefix = f"base_model.model.model.layers.{layer}."
-            if name.endswith("q_proj"):  # rank 2 of the reference's 4
+            # q_proj and the router (transformers 4: a Linear): rank 2 of the reference's 4
+            own = {"q_proj": "self_attn.q_proj", "gate": f"{block}.gate"}.get(name.rsplit(".")[-1])
+            if own is not None:
                 a[R_PART:], b[:, R_PART:] = 0, 0
-                tensors[prefix + "self_attn.q_proj.lora_A.weight"] = a[:R_PART].clone()
-                tensors[prefix + "self_attn.q_proj.lora_B.weight"] = b[:, :R_PART].clone()
+                tensors[prefix + own + ".lora_A.weight"] = a[:R_PART].clone()
+                tensors[prefix + own + ".lora_B.weight"] = b[:, :R_PART].clone()
+                targets.append(f"layers.{layer}.{own}")
                 continue
             a.zero_()
             b.zero_()
@@ -151,8 +155,9 @@ def test_the_landing_kernel_places_expert_blocks_as_the_torch_path(family):
 def test_per_expert_refusals_leave_the_engine_serving(tmp_path):
     """A rank the pool cannot hold once gate and up sit side by side names the rank to
     start with; scales that differ between an expert's parts are refused as such; a
-    per-expert adapter without --lora-experts names the flag; a router LoRA tensor (what
-    transformers 4's all-linear adds) names the router. The engine serves after."""
+    per-expert adapter without --lora-experts names the flag; a shared-expert LoRA tensor
+    (what transformers 4's all-linear adds) names the shared expert. The engine serves
+    after."""
     base = make_model("qwen3_moe", seed=7)
     save_model(base, tmp_path / "model")
     ref, pe = per_expert_adapter("qwen3_moe", base, tmp_path / "pe", seed=50)
@@ -165,15 +170,15 @@ def test_per_expert_refusals_leave_the_engine_serving(tmp_path):
         no_experts.register_adapter("pe", pe)
     from safetensors.torch import load_file
     tensors = load_file(pe / "adapter_model.safetensors")
-    router = tmp_path / "router"  # transformers 4's all-linear wraps the router's Linear too
-    router.mkdir()
-    (router / "adapter_config.json").write_text((pe / "adapter_config.json").read_text())
-    save_file({**tensors, "base_model.model.model.layers.0.mlp.gate.lora_A.weight":
-               torch.randn(2, 64), "base_model.model.model.layers.0.mlp.gate.lora_B.weight":
-               torch.randn(4, 2)}, router / "adapter_model.safetensors")
+    shared = tmp_path / "shared"  # transformers 4's all-linear wraps shared experts too
+    shared.mkdir()
+    (shared / "adapter_config.json").write_text((pe / "adapter_config.json").read_text())
+    key = "base_model.model.model.layers.0.mlp.shared_expert.gate_proj"
+    save_file({**tensors, f"{key}.lora_A.weight": torch.randn(2, 64),
+               f"{key}.lora_B.weight": torch.randn(80, 2)}, shared / "adapter_model.safetensors")
     llm = LLM(tmp_path / "model", max_lora_rank=R, lora_experts=True, **kw)
-    with pytest.raises(UnsupportedAdapterError, match="router"):
-        llm.engine.swap_lora_slot_from_disk(router, "router", 0)
+    with pytest.raises(UnsupportedAdapterError, match="shared expert"):
+        llm.engine.swap_lora_slot_from_disk(shared, "shared", 0)
     cfg = json.loads((pe / "adapter_config.json").read_text())
     cfg["alpha_pattern"] = {"layers.0.mlp.experts.0.up_proj": 8}
     (pe / "adapter_config.json").write_text(json.dumps(cfg))

@@ -16,7 +16,9 @@ from metrale.adapters.peft_config import ALL_LINEAR, PeftAdapterConfig
 from metrale.adapters.safetensors_file import TensorEntry, read_header
 from metrale.config import (
     EXPERT_MODULES,
-    EXPERT_PARAMS,
+    MOE_MODULES,
+    MOE_PARAMS,
+    ROUTER_MODULE,
     EXTRA_TARGETS,
     EXTRA_TARGETS_FLAG,
     LINEAR_MODULES,
@@ -54,7 +56,7 @@ _EXPERT_LINEARS = {"gate_proj": ("experts_gate_up", 0), "up_proj": ("experts_gat
 _MIXTRAL_EXPERT_LINEARS = {"w1": ("experts_gate_up", 0), "w3": ("experts_gate_up", 1),
                            "w2": ("experts_down", 0)}
 _PER_EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.")
-_ROUTER_OR_SHARED = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|shared_expert\w*)(\.|$)")
+_SHARED_EXPERT = re.compile(r"\.mlp\.shared_expert\w*(\.|$)")
 
 
 @dataclass(frozen=True)
@@ -162,12 +164,16 @@ def _resolve(peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig,
     # (path, layer, module) of everything PEFT could target, model-level ones at layer 0;
     # target_parameters name the experts' stacked parameters (module path + parameter)
     universe = [(model.peft_path(i, m), i, m) for i in range(model.num_layers)
-                for m in model.layer_modules(i) if m not in EXPERT_MODULES]
+                for m in model.layer_modules(i) if m not in MOE_MODULES]
     universe += [(model.module_path(0, m), 0, m) for m in EXTRA_TARGETS]
-    experts = [(f"{model.module_path(i, m)}.{EXPERT_PARAMS[m]}", i, m)
+    experts = [(f"{model.module_path(i, m)}.{MOE_PARAMS[m]}", i, m)
                for i in range(model.num_layers) for m in model.layer_modules(i)
-               if m in EXPERT_MODULES]
+               if m in MOE_MODULES]
     linears = _expert_linears(model) if per_expert else {}
+    # transformers 4's routers are Linears too (all-linear wraps them): plain LoRA on logits
+    routers = {f"model.layers.{i}.{_moe_block(model)}.gate": i
+               for i in model.moe.layers} if linears else {}
+    universe += [(path, i, ROUTER_MODULE) for path, i in routers.items()]
     _refuse_unknown_parameters(peft.target_parameters, experts, model)
     budget = MatchBudget()
     if isinstance(peft.target_modules, str) and peft.target_modules.lower() == ALL_LINEAR:
@@ -178,11 +184,12 @@ def _resolve(peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig,
         _refuse_unknown_names(peft.target_modules,
                               universe + [(p, i, m) for p, (i, m, _, _) in linears.items()], model)
     targets = []
-    for path, layer, module in universe + experts:
-        if module in EXPERT_MODULES:
-            if not any(path == t or path.endswith("." + t) for t in peft.target_parameters):
-                continue
-        elif not peft.targets(path, budget):
+    named = [(path, layer, module, True) for path, layer, module in universe]
+    for path, layer, module, by_module in named + [(*e, False) for e in experts]:
+        if by_module and not peft.targets(path, budget):
+            continue
+        if not by_module and not any(path == t or path.endswith("." + t)
+                                     for t in peft.target_parameters):
             continue
         _check_pool_serves(path, module, pool)
         rank = peft.rank_for(path, budget)
@@ -190,10 +197,10 @@ def _resolve(peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig,
         targets.append(ModuleTarget(layer, module, rank, peft.scaling_for(path, budget),
                                     model.module_rows(module)))
     stacked, parts = _stack_expert_linears(peft, model, pool, linears, budget)
-    if stacked and any(t.module in EXPERT_MODULES for t in targets):
-        raise AdapterMismatchError("the adapter holds per-expert tensors and target_parameters "
-                                   "on the stacked experts at once; it does not match its config")
     targets += stacked
+    if len({(t.layer, t.module) for t in targets}) < len(targets):
+        raise AdapterMismatchError("the adapter holds per-expert tensors and target_parameters "
+                                   "on the same experts or router; it does not match its config")
     if not targets:
         raise AdapterMismatchError(
             f"target_modules {brief(peft.target_modules)} matches no module of this "
@@ -202,14 +209,18 @@ def _resolve(peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig,
     return tuple(targets), parts
 
 
+def _moe_block(model: ModelConfig) -> str:
+    """A transformers 4 MoE layer's MLP module name."""
+    return "block_sparse_moe" if model.model_type == "mixtral" else "mlp"
+
+
 def _expert_linears(model: ModelConfig) -> dict[str, tuple[int, str, int, int]]:
     """path -> (layer, stacked module, part, expert) of every expert Linear of a
     transformers 4 MoE model."""
     if model.moe is None:
         return {}
-    mixtral = model.model_type == "mixtral"
-    names = _MIXTRAL_EXPERT_LINEARS if mixtral else _EXPERT_LINEARS
-    block = "block_sparse_moe" if mixtral else "mlp"
+    names = _MIXTRAL_EXPERT_LINEARS if model.model_type == "mixtral" else _EXPERT_LINEARS
+    block = _moe_block(model)
     return {f"model.layers.{layer}.{block}.experts.{e}.{name}": (layer, module, part, e)
             for layer in model.moe.layers for e in range(model.moe.num_experts)
             for name, (module, part) in names.items()}
@@ -255,7 +266,7 @@ def _check_pool_serves(path: str, module: str, pool: PoolConfig) -> None:
             f"{module}: start it with {EXTRA_TARGETS_FLAG} {module}"
         )
     if module not in pool.target_modules and module not in EXTRA_TARGETS:
-        hint = ("--lora-experts (pool memory for expert LoRA)" if module in EXPERT_MODULES
+        hint = ("--lora-experts (pool memory for expert and router LoRA)" if module in MOE_MODULES
                 else f"{module} in its LoRA target modules")
         raise AdapterMismatchError(
             f"the adapter targets {path} but the pool serves only "
@@ -272,14 +283,14 @@ def _check_rank(path: str, rank: int, pool: PoolConfig, needed: int) -> None:
 
 
 def _refuse_unknown_parameters(names, experts, model: ModelConfig) -> None:
-    """target_parameters may name the experts' stacked gate_up_proj / down_proj only."""
+    """target_parameters may name the experts' stacked gate_up_proj / down_proj and the
+    routers' weight only."""
     for name in names:
         if not any(p == name or p.endswith("." + name) for p, _, _ in experts):
-            what = "router" if name.endswith("gate.weight") else "parameter"
             raise AdapterMismatchError(
-                f"target_parameters entry {brief(name)} names no {what} metrale serves LoRA on "
-                f"in a {model.model_type} model (mlp.experts.gate_up_proj and "
-                "mlp.experts.down_proj of its expert layers)")
+                f"target_parameters entry {brief(name)} names no parameter metrale serves LoRA "
+                f"on in a {model.model_type} model (mlp.experts.gate_up_proj, "
+                "mlp.experts.down_proj and mlp.gate.weight of its expert layers)")
 
 
 def _refuse_unknown_names(names, universe, model: ModelConfig) -> None:
@@ -351,9 +362,12 @@ def _match_tensors(
     model: ModelConfig, dora: bool = False, expert_parts: dict[str, ExpertPart] | None = None,
 ) -> tuple[TensorLanding, ...]:
     expert_parts = expert_parts or {}
+    t4_block = _moe_block(model) if expert_parts else "mlp"  # where a per-expert file's router is
     by_path: dict[str, list[ModuleTarget]] = {}  # a fused Linear (Phi-3) has several parts
     for t in targets:
-        if t.module not in EXPERT_MODULES:
+        if t.module == ROUTER_MODULE:
+            by_path[f"model.layers.{t.layer}.{t4_block}.gate"] = [t]
+        elif t.module not in EXPERT_MODULES:
             by_path.setdefault(model.peft_path(t.layer, t.module), []).append(t)
     stacked = {(p.target.layer, p.target.module) for p in expert_parts.values()}
     by_path.update(_expert_paths([t for t in targets if (t.layer, t.module) not in stacked], model))
@@ -377,10 +391,10 @@ def _match_tensors(
             seen.add((m["module"], kind))
             continue
         parts = by_path.get(m["module"])
-        if parts is None and _ROUTER_OR_SHARED.search(m["module"]):
+        if parts is None and _SHARED_EXPERT.search(m["module"]):
             raise UnsupportedAdapterError(
-                f"{source}: tensor {brief(entry.name)} is LoRA on a MoE router or shared "
-                "expert, which metrale does not serve (attention and the routed experts only)")
+                f"{source}: tensor {brief(entry.name)} is LoRA on a MoE shared expert, which "
+                "metrale does not serve (attention, the routed experts and the router)")
         if parts is None:
             raise AdapterMismatchError(
                 f"{source}: tensor {brief(entry.name)} is for a module the adapter config "

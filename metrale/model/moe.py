@@ -11,8 +11,9 @@ graphs.
 LoRA on the experts (pool memory with --lora-experts): each slot holds PEFT's
 target_parameters factors, A [r * E, in] with expert e's rows at e * r, and B transposed
 [r * E, out] with expert e's at ri * E + e (ParamWrapper's layout; per-expert adapters land
-there too, metrale.adapters.plan), added to the expert's outputs per token and slot. No
-LoRA on the router or the shared expert.
+there too, metrale.adapters.plan), added to the expert's outputs per token and slot; the
+router's plain A [r, H] and B^T [r, E] added to its logits before the softmax. No LoRA on
+the shared expert.
 """
 
 from __future__ import annotations
@@ -45,16 +46,18 @@ class MoeMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
+        lora = get_context().lora
+        if lora is not None and "experts_gate_up" not in lora.pool.layout.pool.target_modules:
+            lora = None  # no pool memory for expert and router LoRA
         logits = F.linear(x, self.router)  # [T, E]
+        if lora is not None:
+            logits = logits + self._router_lora(lora, x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.fp32_weights:
             weights = weights.to(logits.dtype)
-        lora = get_context().lora
-        if lora is not None and "experts_gate_up" not in lora.pool.layout.pool.target_modules:
-            lora = None  # no pool memory for expert LoRA
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():  # ascending, as transformers visits them
             pos, tok = torch.where(experts.T == e)  # by top-k position, then token
@@ -72,6 +75,24 @@ class MoeMLP(nn.Module):
             shared = F.linear(F.silu(gate) * up, self.shared_down)
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
         return out
+
+    def _router_lora(self, lora, x: torch.Tensor) -> torch.Tensor:
+        """The router's LoRA delta on every token's logits -> [T, E]: scale * (x A^T) B,
+        by each token's slot (PEFT's ParamWrapper on mlp.gate.weight, or transformers 4's
+        router Linear)."""
+        pool, layer = lora.pool, self.layer
+        m = pool.layout.module_index("router")
+        delta = torch.zeros(x.shape[0], self.router.shape[0], dtype=torch.float32,
+                            device=x.device)
+        for s in torch.unique(lora.slot_ids).tolist():
+            rank = int(pool.ranks[s, layer, m]) if s >= 0 else 0
+            if rank == 0:
+                continue
+            rows = lora.slot_ids == s
+            a = pool.lora_a(layer, "router")[s, :rank].float()  # [r, H]
+            bt = pool.lora_bt(layer, "router")[s, :rank].float()  # [r, E]
+            delta[rows] = (x[rows].float() @ a.T) @ bt * float(pool.scales[s, layer, m])
+        return delta.to(x.dtype)
 
     def _lora(self, lora, module: str, e: int, tok: torch.Tensor,
               x: torch.Tensor) -> torch.Tensor:

@@ -303,8 +303,8 @@ class AdapterExporter:
             if r == 0:
                 continue
             if module not in wire.MODULES:
-                raise UnsupportedAdapterError(f"{name!r} has LoRA on a MoE model's experts, "
-                                              "which peers do not carry yet")
+                raise UnsupportedAdapterError(f"{name!r} has LoRA on a MoE model's experts or "
+                                              "router, which peers do not carry yet")
             parts = [(0, self.pool.lora_a(layer, module)[slot, :r]),  # [r, in], contiguous
                      (1, self.pool.lora_bt(layer, module)[slot, :r])]  # [r, out]
             if int(doras[layer, m]):

@@ -212,11 +212,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "embed_tokens, lm_head (lm_head costs max-lora-rank x vocab per slot); "
                         "adapters with LoRA on them are refused without it (default: none)")
     p.add_argument("--lora-experts", action="store_true",
-                   help="a MoE base: reserve slot memory for LoRA on its experts (PEFT's "
-                        "target_parameters on mlp.experts.gate_up_proj / down_proj, or "
-                        "per-expert modules mlp.experts.E.gate_proj; each slot then holds a "
-                        "rank-r factor per expert and layer); adapters with expert LoRA are "
-                        "refused without it")
+                   help="a MoE base: reserve slot memory for LoRA on its experts and "
+                        "routers (PEFT's target_parameters on mlp.experts.gate_up_proj / "
+                        "down_proj and mlp.gate.weight, or per-expert modules "
+                        "mlp.experts.E.gate_proj; each slot then holds a rank-r factor per "
+                        "expert and layer); adapters with such LoRA are refused without it")
     add_engine_arguments(p)
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV-cache blocks of 16 tokens to allocate (default: room for "
