@@ -187,3 +187,20 @@ def test_per_expert_refusals_leave_the_engine_serving(tmp_path):
     assert llm.engine.registry.names() == []
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert list(out[0].token_ids) == hf_greedy(base, [5, 6, 7], 3)[0]
+
+
+def test_promotions_through_the_host_tier_keep_expert_slots_right(family):
+    """One slot and a host tier: per-expert, stacked and attention adapters take turns, each
+    turn a promotion (the second round from the tier's staged bytes), each served equal to
+    PEFT. (On CUDA the tier lands through the recipe: the landing-kernel test above.)"""
+    _, root, _, adapters = family
+    llm = LLM(root / "model", max_loras=1, max_lora_rank=R, max_model_len=64, block_size=4,
+              num_kv_blocks=64, lora_experts=True, host_tier_bytes=1 << 24)
+    for name, (_, path) in adapters.items():
+        llm.register_adapter(name, path)
+    params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+    for turn, name in enumerate(["pe", "stacked", "x", "pe", "stacked", "x"]):
+        p = prompts(80 + turn, 1)[0]
+        out = llm.generate([p], params, name)[0]
+        assert list(out.token_ids) == hf_greedy(adapters[name][0], p, GEN)[0], (turn, name)
+    assert llm.engine.lora.host_tier.hits >= 3
