@@ -26,6 +26,7 @@ import triton
 
 from bench.common import copy_bandwidth, graph_us, merge_results, results_path, table
 from metrale.ops import fp8_linear as f
+from metrale.ops.split_k import tile_counters
 
 SHAPES = {  # (N, K) of the fused projections the model runs
     "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -48,7 +49,7 @@ def run(ms: list[int], sweep: bool) -> dict:
         for proj, (n, k) in shapes.items():
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             q, scale = f.quantize_rows(w)
-            counters = f.tile_counters(n, w.device)
+            counters = tile_counters(n, w.device)
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 floor = (n * k + n * 4 + m * k * 2 + m * n * 2) / bw * 1e6

@@ -26,6 +26,7 @@ import triton
 from bench.common import INT4, copy_bandwidth, graph_us, merge_results, results_path, table
 from bench.fp8_gemm import SHAPES
 from metrale.ops import int4_linear as f
+from metrale.ops.split_k import tile_counters
 
 SWEEP = [dict(block_n=bn, split_k=s, num_warps=w, num_stages=st)
          for bn, s, w, st in itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,), (2, 3))]
@@ -70,7 +71,7 @@ def run(ms: list[int], formats: list[str], sweep: bool, models: list[str]) -> di
             tiny = _tinygemm(w) if "awq" in formats else None
             for fmt in formats:
                 packed, scale, zero, book, group = _weights(fmt, n, k)
-                counters = f.tile_counters(n, w.device)
+                counters = tile_counters(n, w.device)
                 meta = scale.numel() * scale.element_size() + (zero.numel() if zero is not None else 0)
                 for m in ms:
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

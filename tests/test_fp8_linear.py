@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from metrale.ops import fp8_linear as f
+from metrale.ops.split_k import tile_counters
 from tests.helpers.kernels import KERNELS
 
 pytestmark = pytest.mark.skipif(not KERNELS, reason="needs Triton (compiled or interpreted)")
@@ -42,7 +43,7 @@ def test_gemm_equals_reference(t, n, k, block, split, bias):
     q, scale, x = q.to(DEVICE), scale.to(DEVICE), x.to(DEVICE)
     b = b.to(DEVICE) if b is not None else None
     want = f.fp8_linear_ref(x, q, scale, blk, b)
-    counters = f.tile_counters(n, x.device)
+    counters = tile_counters(n, x.device)
     forced = [f.GemmConfig(16, 16, 32, split, swap=swap) for swap in (False, True)]
     for cfg in (*forced, None):  # a forced split, both GEMM forms, then the chosen config
         for _ in range(2):  # a second launch reuses the counters the first reset
@@ -64,7 +65,7 @@ def test_a_wrong_scale_changes_the_answer():
     q, scale, blk = _weights(32, 64, (16, 32), seed=1)
     x = torch.randn(4, 64).to(DEVICE)
     q, scale = q.to(DEVICE), scale.to(DEVICE)
-    counters = f.tile_counters(32, x.device)
+    counters = tile_counters(32, x.device)
     base = f.fp8_linear(x, q, scale, blk, None, counters, f.GemmConfig(16, 16, 32, 2))
     scale[1, 1] *= 2
     moved = f.fp8_linear(x, q, scale, blk, None, counters, f.GemmConfig(16, 16, 32, 2))
@@ -76,7 +77,7 @@ def test_chosen_configs_split_only_skinny_gemms_and_fit_the_counters():
     sms = 132
     for m in (1, 8, 32, 64):
         for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
-            counters = f.tile_counters(n, torch.device("cpu")).numel()
+            counters = tile_counters(n, torch.device("cpu")).numel()
             cfg = f.choose_config(m, n, k, 128, sms, counters)
             tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
             assert cfg.block_m >= m or cfg.block_m == 64
@@ -89,7 +90,7 @@ def test_inputs_it_cannot_tile_are_refused():
     x = torch.randn(2, 40)
     assert not f.fits(x, (16, 20))
     with pytest.raises(ValueError, match="K blocks"):
-        f.fp8_linear(x, q, scale, (16, 20), None, f.tile_counters(32, x.device))
+        f.fp8_linear(x, q, scale, (16, 20), None, tile_counters(32, x.device))
 
 
 @pytest.mark.gpu
@@ -100,7 +101,7 @@ def test_gpu_gemm_at_model_shapes_replays_in_a_graph(n, k):
     counters reset by the kernel itself) equal the eager result bitwise."""
     q, scale, blk = _weights(n, k, None, seed=n)
     q, scale = q.cuda(), scale.cuda()
-    counters = f.tile_counters(n, q.device)
+    counters = tile_counters(n, q.device)
     for t in (1, 7, 32, 64, 200, 300):
         x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
         want = f.fp8_linear_ref(x.float(), q, scale, blk)  # fp32 math on the same weights

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from metrale.ops import int4_linear as f
+from metrale.ops.split_k import tile_counters
 from tests.helpers.kernels import KERNELS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,7 +67,7 @@ def test_gemm_equals_reference(t, n, k, group, codes, split, bias):
     x = torch.randn(t, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
     b = torch.randn(n).to(DEVICE) if bias else None
     want = f.int4_linear_ref(x, packed, scale, zero, book, group, b)
-    counters = f.tile_counters(n, x.device)
+    counters = tile_counters(n, x.device)
     forced = f.GemmConfig(16, 16, f.CHUNK, split, swap=True)
     for cfg in (forced, None):
         for _ in range(2):  # a second launch reuses the counters the first reset
@@ -79,7 +80,7 @@ def test_gemm_equals_reference(t, n, k, group, codes, split, bias):
 def test_a_wrong_group_scale_moves_exactly_its_rows():
     q, scale, zero, _ = _weights(32, 256, 64, codes=False, seed=5)
     packed, x = f.pack(q).to(DEVICE), torch.randn(2, 256).to(DEVICE)
-    counters = f.tile_counters(32, x.device)
+    counters = tile_counters(32, x.device)
     cfg = f.GemmConfig(16, 16, f.CHUNK, 2, swap=True)
     base = f.int4_linear(x, packed, scale.to(DEVICE), zero.to(DEVICE), None, 64, None, counters, cfg)
     scale[7, 2] *= 2
@@ -103,4 +104,4 @@ def test_groups_that_straddle_a_32_column_slice_are_refused():
     x = torch.zeros(1, 128)
     with pytest.raises(ValueError, match="multiple of 32"):
         f.int4_linear(x, f.pack(torch.zeros(4, 128, dtype=torch.int32)), torch.ones(4, 3), None,
-                      None, 48, None, f.tile_counters(4, x.device))
+                      None, 48, None, tile_counters(4, x.device))

@@ -16,12 +16,12 @@ from metrale.adapters.peft_config import ALL_LINEAR, PeftAdapterConfig
 from metrale.adapters.safetensors_file import TensorEntry, read_header
 from metrale.config import (
     EXPERT_MODULES,
-    MOE_MODULES,
-    MOE_PARAMS,
-    ROUTER_MODULE,
     EXTRA_TARGETS,
     EXTRA_TARGETS_FLAG,
     LINEAR_MODULES,
+    MOE_MODULES,
+    MOE_PARAMS,
+    ROUTER_MODULE,
     ModelConfig,
     PoolConfig,
 )

@@ -17,6 +17,7 @@ from metrale.ops import int4_linear as int4
 from metrale.ops import lora as lora_ops
 from metrale.ops.attention import store_kv
 from metrale.ops.lora import lora_linear
+from metrale.ops.split_k import tile_counters
 
 
 class RMSNorm(nn.Module):
@@ -183,7 +184,7 @@ class LoraProjection(nn.Module):
         self.scale_block = block
         self.weight_scale = torch.empty(-(-n // block[0]), -(-k // block[1]),
                                         dtype=torch.float32, device=device)
-        self.tile_counters = fp8.tile_counters(n, device)
+        self.tile_counters = tile_counters(n, device)
         self.quant = "fp8"
 
     def use_int4(self, layout: int4.Int4Layout) -> None:
@@ -202,7 +203,7 @@ class LoraProjection(nn.Module):
             self.codebook = torch.empty(16, dtype=torch.float32, device=device)
         if layout.act_order:
             self.input_perm = torch.empty(k, dtype=torch.int64, device=device)
-        self.tile_counters = int4.tile_counters(n, device)
+        self.tile_counters = tile_counters(n, device)
         self.int4_layout, self.quant = layout, "int4"
 
     def build(self) -> None:

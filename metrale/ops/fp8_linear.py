@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale.ops.split_k import GemmConfig, finish_split, num_sms, tile_counters
+from metrale.ops.split_k import GemmConfig, finish_split, num_sms
 from metrale.ops.triton_utils import jit_kernel, next_pow2, require_triton, tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -167,7 +167,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tup
                bias: torch.Tensor | None, counters: torch.Tensor,
                config: GemmConfig | None = None) -> torch.Tensor:
     """fp8_linear_ref's result through the Triton GEMM. x: [T, K] (unit last stride); q:
-    [N, K] contiguous; counters: from tile_counters(N); config: None for chosen_config's."""
+    [N, K] contiguous; counters: split_k.tile_counters(N); config: None for chosen_config's."""
     require_triton()
     (t, k), n = x.shape, q.shape[0]
     if not fits(x, block):

@@ -17,8 +17,8 @@ K (metrale.ops.split_k). Tried on the H200 (bench/int4_gemm.py, 8B shapes at 1-3
 and not kept, each slower: a GEMV form without MMA (products summed in float32, 1.2-2.9x
 the time at 1 and 8 tokens); one MMA per 256-column chunk, its 8 slices joined (1.5x) or
 unpacked by broadcasting to [BN, 8, 32] (1.6x); MMAs on the bare codes with the scale and
-zero applied to each product tile after (1.6x). From DENSE_MIN_M tokens on the weight is dequantized to a scratch
-copy for cuBLAS.
+zero applied to each product tile after (1.6x). From DENSE_MIN_M tokens on the weight is
+dequantized to a scratch copy for cuBLAS.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from metrale.ops.split_k import GemmConfig, finish_split, num_sms, tile_counters  # noqa: F401
+from metrale.ops.split_k import GemmConfig, finish_split, num_sms
 from metrale.ops.triton_utils import device_function, jit_kernel, next_pow2, require_triton, tl, triton
 
 CHUNK = 256  # columns per packed chunk: 32 int32 words of 8 nibbles
@@ -123,7 +123,7 @@ def chosen_config(t: int, packed: torch.Tensor, counters: torch.Tensor) -> GemmC
 @device_function
 def _codes(words, j: tl.constexpr, c_ptr, HAS_CODES: tl.constexpr):
     """Nibble j of each word as float32: the codebook's value, or the code itself (OR-ed into
-    the mantissa of 2^23, then 2^23 subtracted: exact, and cheaper than an int conversion)."""
+    the mantissa of 2^23, then 2^23 subtracted: exact, no int-to-float conversion)."""
     q = (words >> (4 * j)) & 0xF
     if HAS_CODES:
         v = tl.load(c_ptr + q)
@@ -220,7 +220,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None, counters: torch.Tensor,
                 config: GemmConfig | None = None) -> torch.Tensor:
     """int4_linear_ref's result through the Triton GEMM. x: [T, K] float (unit last stride);
-    packed: pack's layout; counters: tile_counters(N); config: None for chosen_config's."""
+    packed: pack's layout; counters: split_k.tile_counters(N); config: None for chosen_config's."""
     require_triton()
     (t, k), n = x.shape, packed.shape[0]
     if x.dim() != 2 or packed.shape[1] * 8 != padded_k(k):
