@@ -213,7 +213,8 @@ class ModelConfig:
         return bool(self.sliding_layers) and self.sliding_window < max_len
 
     def reference_attention_only(self, max_len: int) -> bool:
-        """Soft-capping, and windows that mask something, run in the torch reference only."""
+        """Soft-capping, or a window that masks something: attention the kernels take
+        (interpreter-tested) but no GPU run has checked yet, so CUDA engines refuse it."""
         return self.attn_softcap is not None or self.window_masks(max_len)
 
     def __post_init__(self) -> None:

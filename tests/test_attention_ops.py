@@ -54,8 +54,9 @@ def make_case(ctx_lens, new_lens, H, KV, D, bs, dtype, device=DEV, seed=0, spare
     return q, k, v, meta
 
 
-def dense_oracle(q, k, v, meta, scale):
-    """float64, one query row at a time, straight from the definitions."""
+def dense_oracle(q, k, v, meta, scale, softcap=None, window=None):
+    """float64, one query row at a time, straight from the definitions (Gemma's: scores
+    capped at softcap * tanh(s / softcap); a query at p sees keys p - window < t <= p)."""
     bs = k.shape[1]
     G = q.shape[1] // k.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
@@ -68,9 +69,13 @@ def dense_oracle(q, k, v, meta, scale):
         for j in range(n):
             pos = ctx - n + j
             qj = q[cu[i] + j].cpu().double()  # [H, D]
-            kk = ki[:pos + 1].repeat_interleave(G, dim=1)  # [pos+1, H, D]
-            vv = vi[:pos + 1].repeat_interleave(G, dim=1)
-            w = torch.softmax(torch.einsum("hd,thd->ht", qj, kk) * scale, dim=-1)
+            lo = 0 if window is None else max(0, pos - window + 1)
+            kk = ki[lo:pos + 1].repeat_interleave(G, dim=1)  # [keys, H, D]
+            vv = vi[lo:pos + 1].repeat_interleave(G, dim=1)
+            scores = torch.einsum("hd,thd->ht", qj, kk) * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            w = torch.softmax(scores, dim=-1)
             out[cu[i] + j] = torch.einsum("ht,thd->hd", w, vv)
     return out
 
@@ -161,6 +166,34 @@ def test_mixed_step_chunks_decodes_and_empty_rows(dtype, split_keys, block_m):
                            split_keys=split_keys, block_m=block_m)
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
     ref = paged_attention_ref(q.float(), k.float(), v.float(), meta, 0.25)
+    assert rel_err(ref, want) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("softcap, window", [(2.0, None), (None, 5), (1.5, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_and_window_match_the_oracle(softcap, window, dtype):
+    """Gemma's attention in the kernels: decode (forced splits, some before the window) and
+    a mixed varlen step (split keys, prefix hits), against the oracle; the torch
+    per-sequence reference too."""
+    from metrale.ops.attention import paged_attention_per_sequence
+
+    q, k, v, meta = make_case([1, 5, 37, 70], [1] * 4, 4, 2, 16, 4, dtype, seed=21)
+    want = dense_oracle(q, k, v, meta, 0.5, softcap, window)
+    for splits in (1, 4):
+        got = at.paged_decode(q, k, v, meta.block_tables, meta.context_lens, 0.5,
+                              num_splits=splits, softcap=softcap, window=window)
+        assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2), splits
+    ctx, new = [40, 1, 23, 200], [7, 1, 23, 70]
+    q, k, v, meta = make_case(ctx, new, 4, 2, 16, 4, dtype, seed=22)
+    want = dense_oracle(q, k, v, meta, 0.5, softcap, window)
+    for split_keys, block_m in ((None, 64), (64, 16)):
+        got = at.paged_prefill(q, k, v, meta.block_tables, meta.context_lens, meta.cu_query,
+                               meta.max_query_len, 0.5, split_keys=split_keys, block_m=block_m,
+                               softcap=softcap, window=window)
+        assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2), split_keys
+    ref = paged_attention_per_sequence(q.float(), k.float(), v.float(), meta, 0.5, softcap,
+                                       window)
     assert rel_err(ref, want) < 1e-5
 
 

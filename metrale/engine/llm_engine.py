@@ -68,9 +68,9 @@ class LLMEngine:
                 self.model_config.gemma_norms
                 or self.model_config.reference_attention_only(cfg.max_model_len)):
             raise ConfigError(
-                f"{self.model_config.model_type} serves on the CPU for now: its attention "
-                "(soft-capping, or a sliding window shorter than max_model_len "
-                f"{cfg.max_model_len}) has no GPU kernel yet")
+                f"{self.model_config.model_type} serves on the CPU for now: its GPU path "
+                "(soft-capped or sliding-window attention, a window shorter than "
+                f"max_model_len {cfg.max_model_len}) has not been run on a GPU yet")
         if self.model_config.gemma_norms and "embed_tokens" in cfg.pool.extra_targets:
             raise ConfigError("embed_tokens LoRA is not served on gemma2 yet (its embeddings "
                               "are scaled)")

@@ -25,18 +25,21 @@ def paged_attention(
     softcap: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] -> [T, H, D], causal within each sequence; positions: [T] (the varlen
-    split merge reads them). softcap and window (Gemma 2): the torch reference only (an
-    engine refuses them on CUDA)."""
-    if softcap is not None or window is not None:
-        return paged_attention_per_sequence(q, k_cache, v_cache, meta, scale, softcap, window)
+    split merge reads them). softcap and window (Gemma 2 / 3): scores capped, keys before
+    the window hidden (the kernels take both; an engine still refuses Gemma on CUDA until
+    its GPU path has been run)."""
     if not q.is_cuda:
+        if softcap is not None or window is not None:
+            return paged_attention_per_sequence(q, k_cache, v_cache, meta, scale, softcap,
+                                                window)
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
     if meta.is_prefill:
         return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                              meta.cu_query, meta.max_query_len, scale, meta.prefill_tiles,
-                             positions)
+                             positions, softcap=softcap, window=window)
     # a decode step has one query per sequence (cu_query is 0..B)
-    return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                        softcap=softcap, window=window)
 
 
 def paged_attention_ref(

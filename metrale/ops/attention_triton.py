@@ -41,10 +41,12 @@ MAX_PREFILL_SPLITS = 16
 @device_function
 def _attend_tile(
     q, k_ptr, v_ptr, tab_row, t, t_ok, visible, head_off, c_sb, c_st, d, d_ok, scale,
-    m_i, l_i, acc, BLOCK_SIZE: tl.constexpr, F32_DOT: tl.constexpr,
+    softcap, m_i, l_i, acc, BLOCK_SIZE: tl.constexpr, F32_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Keys t ([BN], t_ok those in the split) of block table row tab_row into the online
-    softmax of the query rows q ([rows, D_PAD]); visible: [rows, BN] or [1, BN]."""
+    softmax of the query rows q ([rows, D_PAD]); visible: [rows, BN] or [1, BN]. SOFTCAP:
+    scores become softcap * tanh(scores / softcap) (Gemma 2), tanh from exp."""
     blk = tl.load(tab_row + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
     row = blk * c_sb + (t % BLOCK_SIZE).to(tl.int64) * c_st + head_off  # [BN]
     kv_mask = t_ok[:, None] & d_ok[None, :]
@@ -54,7 +56,10 @@ def _attend_tile(
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))  # [rows, BN] fp32 accumulate
-    s = tl.where(visible, s * scale, float("-inf"))
+    s = s * scale
+    if SOFTCAP:
+        s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
+    s = tl.where(visible, s, float("-inf"))
     # a row may see no key of this tile (or of this whole split, past its position):
     # keep its max finite so the weights below stay 0, not NaN
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -71,10 +76,10 @@ def _attend_tile(
 
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, o_ptr, ml_ptr, acc_ptr,
-    scale, num_splits, q_st, q_sh, c_sb, c_st, c_sh, tab_st, o_st, o_sh,
+    scale, softcap, window, num_splits, q_st, q_sh, c_sb, c_st, c_sh, tab_st, o_st, o_sh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
 ):
     b, kvh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
@@ -96,12 +101,17 @@ def _decode_kernel(
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D_PAD), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
+    if WINDOW:  # the query (at ctx - 1) sees keys from ctx - window on
+        start = tl.maximum(start, tl.maximum(ctx - window, 0) // BLOCK_N * BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         t = n0 + offs_n  # [BN] key positions
         t_ok = t < end
+        visible = t_ok
+        if WINDOW:
+            visible = t_ok & (t >= ctx - window)
         m_i, l_i, acc = _attend_tile(
-            q, k_ptr, v_ptr, tab_ptr + b64 * tab_st, t, t_ok, t_ok[None, :], kvh * c_sh,
-            c_sb, c_st, d, d_ok, scale, m_i, l_i, acc, BLOCK_SIZE, F32_DOT)
+            q, k_ptr, v_ptr, tab_ptr + b64 * tab_st, t, t_ok, visible[None, :], kvh * c_sh,
+            c_sb, c_st, d, d_ok, scale, softcap, m_i, l_i, acc, BLOCK_SIZE, F32_DOT, SOFTCAP)
     if SPLIT:  # partials for the merge kernel: ml [B, H, S, 2], acc [B, H, S, D_PAD]
         S = num_splits
         base = (b64 * (S * G * tl.num_programs(1)) + heads.to(tl.int64) * S + sp)  # [G_PAD]
@@ -143,10 +153,11 @@ def _merge_kernel(
 
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, cu_ptr, tile_ptr, o_ptr, ml_ptr, acc_ptr,
-    scale, num_splits, q_st, q_sh, c_sb, c_st, c_sh, tab_st, o_st, o_sh,
+    scale, softcap, window, num_splits, q_st, q_sh, c_sb, c_st, c_sh, tab_st, o_st, o_sh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KEYS: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
 ):
     # a program: BLOCK_M queries x the G query heads of one KV head (GQA: each K/V tile is
     # read once for the group), over one split of the keys
@@ -181,13 +192,19 @@ def _prefill_kernel(
     acc = tl.zeros((BLOCK_M * G_PAD, D_PAD), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     b64 = b.to(tl.int64)
-    for n0 in range(lo, end, BLOCK_N):
+    start = lo
+    if WINDOW:  # tiles before the tile's first query's window: skipped
+        first = ctx - n + mb * BLOCK_M - window + 1
+        start = tl.maximum(lo, tl.maximum(first, 0) // BLOCK_N * BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
         t = n0 + offs_n  # [BN]
         t_ok = t < end
         visible = t_ok[None, :] & (t[None, :] <= q_pos[:, None])  # [R, BN]
+        if WINDOW:
+            visible &= t[None, :] > q_pos[:, None] - window
         m_i, l_i, acc = _attend_tile(
             q, k_ptr, v_ptr, tab_ptr + b64 * tab_st, t, t_ok, visible, kvh * c_sh, c_sb, c_st,
-            d, d_ok, scale, m_i, l_i, acc, BLOCK_SIZE, F32_DOT)
+            d, d_ok, scale, softcap, m_i, l_i, acc, BLOCK_SIZE, F32_DOT, SOFTCAP)
     if SPLIT:  # partials for the merge kernel: ml [T, H, S, 2], acc [T, H, S, D_PAD]
         H = tl.num_programs(1) * G
         base = (tok * H + h) * num_splits + sp  # [R]
@@ -229,9 +246,12 @@ def _cache_strides(k_cache: torch.Tensor):
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+    softcap: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D] (one query per sequence, at position context_lens - 1) -> [B, H, D];
-    caches: [num_blocks, block_size, KV, D]; block_tables: [B, W]; context_lens: [B] >= 1."""
+    caches: [num_blocks, block_size, KV, D]; block_tables: [B, W]; context_lens: [B] >= 1.
+    softcap: scores capped by softcap * tanh(. / softcap); window: a query at p sees keys
+    p - window < k <= p (Gemma's sliding layers)."""
     require_triton()
     B, H, D = q.shape
     _, bs, KV, _ = k_cache.shape
@@ -251,10 +271,11 @@ def paged_decode(
         ml = acc = out  # unused
     kernel[(B, KV, S)](
         q, k_cache, v_cache, block_tables, context_lens, out, ml, acc,
-        scale, S, q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        scale, softcap or 0.0, window or 0, S, q.stride(0), q.stride(1),
+        *_cache_strides(k_cache), block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_SIZE=bs, BLOCK_N=DECODE_BLOCK_N,
-        SPLIT=S > 1, F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
+        SPLIT=S > 1, F32_DOT=_f32_dot(kernel, k_cache.dtype), SOFTCAP=softcap is not None,
+        WINDOW=window is not None, num_warps=4,
     )
     if S > 1:
         merge = jit_kernel(_merge_kernel, q.device)
@@ -301,9 +322,11 @@ def paged_prefill(
     context_lens: torch.Tensor, cu_query: torch.Tensor, max_query_len: int, scale: float,
     tiles: torch.Tensor | None = None, positions: torch.Tensor | None = None,
     split_keys: int | None = None, block_m: int | None = None,
+    softcap: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D], sequence i's queries rows cu_query[i]:cu_query[i+1], the last at
-    position context_lens[i] - 1; causal over its cached context -> [T, H, D].
+    position context_lens[i] - 1; causal over its cached context (softcap and window as
+    paged_decode's) -> [T, H, D].
     tiles (prefill_tiles with block_m) and positions ([T], read by the split merge): None
     derives them on the host (a sync: not under graph capture)."""
     require_triton()
@@ -331,11 +354,12 @@ def paged_prefill(
     kernel = jit_kernel(_prefill_kernel, q.device)
     kernel[(tiles.shape[0], KV, S)](
         q, k_cache, v_cache, block_tables, context_lens, cu_query, tiles, out, ml, acc,
-        scale, S, q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        scale, softcap or 0.0, window or 0, S, q.stride(0), q.stride(1),
+        *_cache_strides(k_cache), block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, G_PAD=next_pow2(G), D=D, D_PAD=D_PAD, BLOCK_SIZE=bs, BLOCK_M=block_m,
         BLOCK_N=PREFILL_BLOCK_N, SPLIT_KEYS=split_keys, SPLIT=S > 1,
-        F32_DOT=_f32_dot(kernel, k_cache.dtype), num_warps=4,
+        F32_DOT=_f32_dot(kernel, k_cache.dtype), SOFTCAP=softcap is not None,
+        WINDOW=window is not None, num_warps=4,
     )
     if S > 1:
         if positions is None:
