@@ -306,3 +306,31 @@ def test_a_4bit_base_holds_its_projections_in_an_eighth_of_the_float32_bytes(tmp
                                                            proj.weight_zero))
         # codes padded to 256 columns, fp16 scales and uint8 zeros per 32 columns
         assert held == n * (-(-k // 256) * 256) // 2 + n * (k // GROUP) * 3
+
+
+def test_embedding_and_head_lora_swaps_and_prefix_hits_on_a_4bit_base(tmp_path):
+    """A 4-bit base keeps the rest of the engine's reach: an adapter with LoRA on
+    embed_tokens and lm_head beside the projections, a slot swapped between two adapters,
+    and a second request reusing the first's cached prefix, each equal to PEFT."""
+    from metrale import SamplingParams
+    from tests.helpers.reference import hf_greedy
+
+    base = make_model("llama", seed=13, intermediate_size=128)
+    ref = copy.deepcopy(base)
+    ref.load_state_dict(int4_checkpoint(base, tmp_path / "q", "awq"))
+    emb = make_adapter(ref, tmp_path / "emb", seed=5, r=4, lora_alpha=8,
+                       target_modules=["embed_tokens", "lm_head", "q_proj", "down_proj"])
+    plain = make_adapter(ref, tmp_path / "plain", seed=6, r=4, lora_alpha=8,
+                         target_modules="all-linear")
+    llm = LLM(tmp_path / "q", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
+              num_kv_blocks=64, lora_extra_targets=("embed_tokens", "lm_head"))
+    params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+    prefix = [7, 19, 23, 5, 88, 41, 9, 3]  # two whole KV blocks
+    for i, (name, model) in enumerate([("emb", emb), ("plain", plain), ("emb", emb)]):
+        llm.engine.swap_lora_slot_from_disk(tmp_path / name, f"{name}{i}", 0)
+        for tail in ([11, 12], [200, 3, 4]):  # the second finds the first's blocks cached
+            p = prefix + tail
+            out = llm.generate([p], params, f"{name}{i}")[0]
+            assert list(out.token_ids) == hf_greedy(model, p, GEN)[0], (name, tail)
+    assert llm.engine.runner.model.layers[0].mlp.down_proj.quant == "int4"
+    assert llm.engine.blocks.hits > 0
