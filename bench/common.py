@@ -12,6 +12,7 @@ loader does, so the two compute the same function.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -273,6 +274,24 @@ def graph_us(fn, reps: int = 20) -> float:
         for _ in range(reps):
             fn()
     return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / reps
+
+
+def sweep_configs(gemm, configs) -> dict:
+    """Time gemm(config=c) (common.graph_us) for each config c the device can hold;
+    {best_us, best_config} of the fastest, the top few printed."""
+    import dataclasses
+
+    import triton
+
+    timed = []
+    for c in configs:
+        try:
+            timed.append((graph_us(functools.partial(gemm, config=c)), dataclasses.astuple(c)))
+        except triton.runtime.errors.OutOfResources:
+            continue
+    timed.sort()
+    print("  top:", [(round(us, 1), c) for us, c in timed[:5]], flush=True)
+    return {"best_us": timed[0][0], "best_config": str(timed[0][1])}
 
 
 def h2d_ms(nbytes: int, device: str) -> float:

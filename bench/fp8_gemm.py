@@ -22,9 +22,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from bench.common import copy_bandwidth, graph_us, merge_results, results_path, table
+from bench.common import copy_bandwidth, graph_us, merge_results, results_path, sweep_configs, table
 from metrale.ops import fp8_linear as f
 from metrale.ops.split_k import tile_counters
 
@@ -61,22 +60,14 @@ def run(ms: list[int], sweep: bool) -> dict:
                     "config": str(dataclasses.astuple(cfg)),
                 }
                 if sweep:
-                    timed = []
                     decode = m <= f.SPLIT_MAX_M
-                    for c in SWEEP if decode else SWEEP_PREFILL:
-                        bm = max(16, 1 << (m - 1).bit_length()) if decode else min(m, 128)
-                        c = f.GemmConfig(block_m=bm, **c)
-                        if -(-m // c.block_m) * -(-n // c.block_n) > counters.numel():
-                            continue
-                        try:
-                            us = graph_us(functools.partial(fp8, config=c))
-                        except triton.runtime.errors.OutOfResources:
-                            continue
-                        timed.append((us, dataclasses.astuple(c)))
-                    timed.sort()
-                    print("  top:", [(round(us, 1), c) for us, c in timed[:6]], flush=True)
-                    row["best_us"], row["best_config"] = timed[0][0], str(timed[0][1])
-                    row["best_over_floor"] = timed[0][0] / floor
+                    bm = max(16, 1 << (m - 1).bit_length()) if decode else min(m, 128)
+                    configs = [f.GemmConfig(block_m=bm, **c)
+                               for c in (SWEEP if decode else SWEEP_PREFILL)]
+                    row.update(sweep_configs(fp8, [
+                        c for c in configs
+                        if -(-m // c.block_m) * -(-n // c.block_n) <= counters.numel()]))
+                    row["best_over_floor"] = row["best_us"] / floor
                 row["fp8_over_floor"] = row["fp8_us"] / floor
                 row["bf16_over_fp8"] = row["bf16_us"] / row["fp8_us"]
                 out[f"{model} {proj} m{m}"] = row

@@ -21,9 +21,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from bench.common import INT4, copy_bandwidth, graph_us, merge_results, results_path, table
+from bench.common import INT4, copy_bandwidth, graph_us, merge_results, results_path, sweep_configs, table
 from bench.fp8_gemm import SHAPES
 from metrale.ops import int4_linear as f
 from metrale.ops.split_k import tile_counters
@@ -85,22 +84,12 @@ def run(ms: list[int], formats: list[str], sweep: bool, models: list[str]) -> di
                     if tiny is not None and fmt == "awq":
                         row["tinygemm_us"] = graph_us(functools.partial(tiny, x))
                     if sweep and m <= f.SPLIT_MAX_M:
-                        timed = []
-                        for c in SWEEP:
-                            c = f.GemmConfig(block_m=max(16, f.next_pow2(m)), block_k=f.CHUNK,
-                                             swap=True, **c)
-                            if (c.split_k > packed.shape[1] // f.WORDS
-                                    or -(-m // c.block_m) * -(-n // c.block_n) > counters.numel()):
-                                continue
-                            try:
-                                us = graph_us(functools.partial(gemm, config=c))
-                            except triton.runtime.errors.OutOfResources:
-                                continue
-                            timed.append((us, dataclasses.astuple(c)))
-                        timed.sort()
-                        print("  top:", [(round(us, 1), c) for us, c in timed[:5]], flush=True)
-                        row["best_us"], row["best_config"] = timed[0][0], str(timed[0][1])
-                        row["best_over_floor"] = timed[0][0] / floor
+                        configs = [f.GemmConfig(block_m=max(16, f.next_pow2(m)), block_k=f.CHUNK,
+                                                swap=True, **c) for c in SWEEP]
+                        row.update(sweep_configs(gemm, [
+                            c for c in configs if c.split_k <= packed.shape[1] // f.WORDS
+                            and -(-m // c.block_m) * -(-n // c.block_n) <= counters.numel()]))
+                        row["best_over_floor"] = row["best_us"] / floor
                     row["int4_over_floor"] = row["int4_us"] / floor
                     row["bf16_over_int4"] = row["bf16_us"] / row["int4_us"]
                     out[f"{fmt} {model} {proj} m{m}"] = row
