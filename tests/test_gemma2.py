@@ -87,6 +87,25 @@ def test_gemma2_refusals(tmp_path):
 
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gpu_gemma_through_the_kernels_and_graphs_equals_peft(tmp_path, arch, monkeypatch):
+    """The check that would lift the CUDA refusal: fp32 on CUDA (exact-fp32 dots), the
+    Triton attention with its soft-cap and sliding windows under CUDA graphs, plain
+    adapters beside the base, against transformers (eager) + PEFT on the CPU."""
+    from metrale.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "refuse_unverified_on_gpu", lambda *args: None)
+    base = gemma2() if arch == "gemma2" else gemma3()
+    save_model(base, tmp_path / "model")
+    adapters = {name: (make_adapter(base, tmp_path / name, seed=seed, r=4, lora_alpha=8,
+                                    target_modules="all-linear"), tmp_path / name)
+                for name, seed in (("x", 3), ("y", 4))}
+    llm = assert_mixed_batch_matches(tmp_path / "model", base, adapters, PROMPTS, GEN,
+                                     device="cuda", dtype="float32")
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0
+
+
 def test_gemma3_equals_transformers_peft(tmp_path):
     base = gemma3()
     save_model(base, tmp_path / "model")
