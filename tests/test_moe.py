@@ -192,21 +192,34 @@ def test_swaps_between_expert_and_attention_adapters_keep_each_slot_right(family
             assert list(out.token_ids) == hf_greedy(expert_adapters[name][0], p, GEN)[0], name
 
 
-def test_a_peer_asking_for_an_expert_adapter_is_refused_and_the_slot_let_go(family,
-                                                                           expert_adapters):
-    """Peer manifests carry no expert modules yet: a lease of an expert adapter is a typed
-    refusal, and the slot it pinned for the export is released."""
-    from metrale.errors import UnsupportedAdapterError
-    from metrale.peer.exporter import AdapterExporter
+def test_expert_and_router_adapters_travel_between_peers(family, expert_adapters):
+    """An engine holding expert, router and attention adapters exports them (the slot's
+    stacked layout as target_parameters); another engine registers them by peer:// and
+    serves each equal to transformers + PEFT; an engine without --lora-experts refuses
+    them naming the flag, and every lease lets its slot go."""
+    from tests.helpers.peers import serve_engine_slots
 
     _, root, _, _ = family
-    llm = LLM(root / "model", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
-              num_kv_blocks=64, lora_experts=True)
-    llm.engine.swap_lora_slot_from_disk(expert_adapters["both"][1], "both", 0)
-    exporter = AdapterExporter(llm.engine.lora, llm.engine.registry)
-    with pytest.raises(UnsupportedAdapterError, match="experts"):
-        exporter.lease("both")
-    assert llm.engine.lora.table.ref_count(0) == 0
+    kw = dict(max_model_len=64, block_size=4, num_kv_blocks=64, max_lora_rank=4)
+    names = ["both", "down", "router", "x"]
+    source = LLM(root / "model", max_loras=len(names), lora_experts=True, **kw)
+    for slot, name in enumerate(names):
+        source.engine.swap_lora_slot_from_disk(expert_adapters[name][1], name, slot)
+    with serve_engine_slots(source.engine) as url:
+        llm = LLM(root / "model", max_loras=2, lora_experts=True, **kw)
+        for name in names:
+            llm.register_adapter(f"p{name}", f"peer://{url}/{name}")
+        params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+        ps = prompts(40, 2)
+        outs = llm.generate([p for p in ps for _ in names], params,
+                            [f"p{n}" for _ in ps for n in names])
+        for i, out in enumerate(outs):
+            name, p = names[i % len(names)], ps[i // len(names)]
+            assert list(out.token_ids) == hf_greedy(expert_adapters[name][0], p, GEN)[0], name
+        without = LLM(root / "model", max_loras=1, **kw)
+        with pytest.raises(AdapterMismatchError, match="--lora-experts"):
+            without.engine.swap_lora_slot_from_peer(url, "both", "pboth", 0)
+    assert all(source.engine.lora.table.ref_count(s) == 0 for s in range(len(names)))
 
 
 def test_expert_adapters_are_refused_naming_the_target(family, expert_adapters, tmp_path):

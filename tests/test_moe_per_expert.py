@@ -204,3 +204,24 @@ def test_promotions_through_the_host_tier_keep_expert_slots_right(family):
         out = llm.generate([p], params, name)[0]
         assert list(out.token_ids) == hf_greedy(adapters[name][0], p, GEN)[0], (turn, name)
     assert llm.engine.lora.host_tier.hits >= 3
+
+
+def test_a_per_expert_adapter_travels_between_peers_as_its_slot_holds_it(family):
+    """Exported from a slot, a per-expert adapter goes as the stacked layout it landed in
+    (target_parameters at its side-by-side rank, alpha giving back its scale); the engine
+    that registers it by peer:// serves it equal to PEFT."""
+    from tests.helpers.peers import serve_engine_slots
+
+    _, root, _, adapters = family
+    kw = dict(max_lora_rank=R, max_model_len=64, block_size=4, num_kv_blocks=64,
+              lora_experts=True)
+    source = LLM(root / "model", max_loras=1, **kw)
+    source.engine.swap_lora_slot_from_disk(adapters["pe"][1], "pe", 0)
+    with serve_engine_slots(source.engine) as url:
+        llm = LLM(root / "model", max_loras=1, **kw)
+        llm.register_adapter("ppe", f"peer://{url}/pe")
+        params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+        for p in prompts(90, 2):
+            out = llm.generate([p], params, "ppe")[0]
+            assert list(out.token_ids) == hf_greedy(adapters["pe"][0], p, GEN)[0]
+    assert torch.equal(llm.engine.lora.pool.slot_region(0), source.engine.lora.pool.slot_region(0))

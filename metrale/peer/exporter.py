@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
-from metrale.errors import UnknownAdapterError, UnsupportedAdapterError
+from metrale.config import MOE_MODULES, MOE_PARAMS
+from metrale.errors import UnknownAdapterError
 from metrale.names import is_valid_name
 from metrale.peer import wire
 from metrale.peer.errors import (
@@ -279,8 +280,12 @@ class AdapterExporter:
         if cached is not None and cached.uid == info.uid:
             return cached
         peft = self._peft_for(name)
-        peft_raw = json.dumps(peft.to_dict() if peft is not None else peft_from_tables(
-            self.pool.layout, *tables)).encode()
+        moe = any(int(tables[0][layer, self.pool.layout.module_index(m)])
+                  for layer, m in self.pool.layout.module_keys if m in MOE_MODULES)
+        # an adapter with expert or router LoRA goes as the slot holds it (target_parameters
+        # on the stacked experts, whatever layout its file had)
+        peft_raw = json.dumps(peft.to_dict() if peft is not None and not moe else
+                              peft_from_tables(self.pool.layout, *tables)).encode()
         if last is not None and all(map(torch.equal, last.tables, tables)):
             # a new landing of the same shapes in this slot (a publisher's next version):
             # the same views, addresses and table (~450 rows of Python on an 8B)
@@ -299,12 +304,9 @@ class AdapterExporter:
         layout, itemsize = self.pool.layout, self.pool.layout.itemsize
         for layer, module in layout.module_keys:
             m = layout.module_index(module)
-            r = int(ranks[layer, m])
+            r = int(ranks[layer, m]) * layout.model.module_rows(module)  # experts: r per expert
             if r == 0:
                 continue
-            if module not in wire.MODULES:
-                raise UnsupportedAdapterError(f"{name!r} has LoRA on a MoE model's experts or "
-                                              "router, which peers do not carry yet")
             parts = [(0, self.pool.lora_a(layer, module)[slot, :r]),  # [r, in], contiguous
                      (1, self.pool.lora_bt(layer, module)[slot, :r])]  # [r, out]
             if int(doras[layer, m]):
@@ -465,18 +467,22 @@ def peft_from_tables(layout, ranks: torch.Tensor, scales: torch.Tensor,
     """A PEFT config that reproduces a landed slot exactly: every targeted module by
     full path, with its rank and an alpha that gives back the table's scale (and
     use_dora when the slot's modules carry DoRA: PEFT's use_dora is all or nothing)."""
-    targets, rank_pattern, alpha_pattern, dora = [], {}, {}, False
+    targets, parameters, rank_pattern, alpha_pattern, dora = [], [], {}, {}, False
     for layer, module in layout.module_keys:
         m = layout.module_index(module)
         r = int(ranks[layer, m])
         if r:
             path = layout.model.module_path(layer, module)
-            targets.append(path)
+            if module in MOE_MODULES:  # a stacked parameter: by its full name
+                path = f"{path}.{MOE_PARAMS[module]}"
+                parameters.append(path)
+            else:
+                targets.append(path)
             rank_pattern[re.escape(path)] = r
             # scale is float32; scale * r is exact in float64, so alpha / r gives it back
             alpha_pattern[re.escape(path)] = float(scales[layer, m]) * r
             dora = dora or (doras is not None and bool(doras[layer, m]))
     top = max(rank_pattern.values(), default=1)
     return {"peft_type": "LORA", "r": top, "lora_alpha": float(top), "target_modules": targets,
-            "use_rslora": False, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
-            "bias": "none", "use_dora": dora}
+            "target_parameters": parameters, "use_rslora": False, "rank_pattern": rank_pattern,
+            "alpha_pattern": alpha_pattern, "bias": "none", "use_dora": dora}

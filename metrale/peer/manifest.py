@@ -20,7 +20,14 @@ import torch
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import AdapterPlan, plan_from_tensors
 from metrale.adapters.safetensors_file import FLOAT_DTYPES, check_entries
-from metrale.config import EXTRA_TARGETS, EXTRA_TARGETS_FLAG, LINEAR_MODULES, ModelConfig, PoolConfig
+from metrale.config import (
+    EXTRA_TARGETS,
+    EXTRA_TARGETS_FLAG,
+    LINEAR_MODULES,
+    MOE_MODULES,
+    ModelConfig,
+    PoolConfig,
+)
 from metrale.errors import AdapterMismatchError, ExtraTargetsRequiredError, MetraleError
 from metrale.peer.client import strict_json
 from metrale.peer.errors import ManifestVersionError, PeerManifestError
@@ -216,7 +223,7 @@ def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: st
     refuse(module >= len(MODULES), AdapterMismatchError, lambda i: (
         f"module index {int(module[i])} is not a projection of this model (known: "
         f"{', '.join(MODULES)})"))
-    extra = module >= len(LINEAR_MODULES)
+    extra = np.isin(module, [MODULES.index(m) for m in EXTRA_TARGETS])
     served = np.array([m in layout.pool.extra_targets for m in MODULES], dtype=bool)
     refuse(extra & ~served[module], ExtraTargetsRequiredError, lambda i: (
         f"the adapter has LoRA on {MODULES[module[i]]}, and this engine has no pool memory "
@@ -229,15 +236,23 @@ def check_table(table: np.ndarray, layout: SlotLayout, itemsize: int, source: st
     refuse(~offered[layer, module], AdapterMismatchError, lambda i: (
         f"layer {int(layer[i])} of this {model.model_type} model has no "
         f"{MODULES[module[i]]} (its MLP is a mixture of experts)"))
+    pooled = np.array([m in layout.pool.target_modules or m in EXTRA_TARGETS for m in MODULES])
+    refuse(~pooled[module], AdapterMismatchError, lambda i: (
+        f"the adapter has LoRA on {MODULES[module[i]]} but the pool serves only "
+        f"{', '.join(layout.pool.target_modules)}; start the engine with "
+        + ("--lora-experts (pool memory for expert and router LoRA)"
+           if MODULES[module[i]] in MOE_MODULES else f"{MODULES[module[i]]} in its targets")))
     refuse(kind >= len(KINDS), PeerManifestError, lambda i: f"kind {int(kind[i])} is not A, B or M")
     refuse((rows == 0) | (cols == 0), PeerManifestError,
            lambda i: f"shape [{int(rows[i])}, {int(cols[i])}] is not [rank, dim]")
     refuse((kind == 2) & (rows != 1), PeerManifestError,
            lambda i: f"a DoRA magnitude is [1, out], not [{int(rows[i])}, {int(cols[i])}]")
-    refuse(rows > layout.max_rank, AdapterMismatchError, lambda i: (
-        f"rank {int(rows[i])} > --max-lora-rank {layout.max_rank}; start the engine with "
-        f"--max-lora-rank {int(rows[i])} or more"))
-    expected = np.array([model.linear_shape(m) for m in MODULES], dtype=np.int64)  # [module, A | B,M]
+    per_rank = np.array([model.module_rows(m) if model.moe is not None else 1
+                         for m in MODULES])[module]  # an expert module: a rank's rows per expert
+    refuse((kind < 2) & (rows > layout.max_rank * per_rank), AdapterMismatchError, lambda i: (
+        f"rank {-(-int(rows[i]) // int(per_rank[i]))} > --max-lora-rank {layout.max_rank}; "
+        f"start the engine with --max-lora-rank {-(-int(rows[i]) // int(per_rank[i]))} or more"))
+    expected = np.array([_linear_shape(model, m) for m in MODULES], dtype=np.int64)  # [module, A | B,M]
     want = expected[module, np.minimum(kind, 1)]
     refuse(cols != want, AdapterMismatchError, lambda i: (
         f"is [{int(rows[i])}, {int(cols[i])}], expected [{int(rows[i])}, {int(want[i])}] for "
@@ -417,9 +432,20 @@ def _nixl(doc: object, table: np.ndarray, source: str) -> NixlInfo | None:
     return NixlInfo(metadata, mem, device, addrs)
 
 
-def tensor_name(model: ModelConfig, layer: int, module: str, kind: str) -> str:
-    """The PEFT name of a manifest tensor (what plan_from_tensors matches)."""
-    path = f"base_model.model.{model.module_path(layer, module)}"
+def _linear_shape(model: ModelConfig, module: str) -> tuple[int, int]:
+    """(in, out) of a module, (0, 0) for one this model lacks (its records were refused)."""
+    try:
+        return model.linear_shape(module)
+    except KeyError:
+        return 0, 0
+
+
+def tensor_name(model: ModelConfig, layer: int, module: str, kind: str,
+                inner: bool = False) -> str:
+    """The PEFT name of a manifest tensor (what plan_from_tensors matches). inner: a layer's
+    stacked gate_up when its down is targeted too (PEFT nests the second wrapper over the
+    first, gate_up's, at mlp.experts.base_layer)."""
+    path = f"base_model.model.{model.module_path(layer, module)}" + (".base_layer" if inner else "")
     if kind == "M":
         return f"{path}.lora_magnitude_vector"
     if module == "embed_tokens":
@@ -434,10 +460,13 @@ def manifest_plan(manifest: Manifest, name: str, peft: PeftAdapterConfig, model:
     shape here even though its bytes arrive transposed (see canonical_views)."""
     with refusing_malformed(source, "manifest or PEFT config"):
         specs, cursor = {}, 0
-        for layer, m, k, rows, cols, _, nbytes, _ in manifest.table.tolist():
-            kind = KINDS[k]
+        records = manifest.table.tolist()
+        downs = {layer for layer, m, *_ in records if MODULES[m] == "experts_down"}
+        for layer, m, k, rows, cols, _, nbytes, _ in records:
+            kind, module = KINDS[k], MODULES[m]
             shape = {"A": [rows, cols], "B": [cols, rows], "M": [cols]}[kind]
-            specs[tensor_name(model, layer, MODULES[m], kind)] = {
+            inner = module == "experts_gate_up" and layer in downs
+            specs[tensor_name(model, layer, module, kind, inner)] = {
                 "dtype": manifest.dtype, "shape": shape, "data_offsets": [cursor, cursor + nbytes]}
             cursor += nbytes
         entries = check_entries(source, specs, manifest.data_bytes)

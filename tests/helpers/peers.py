@@ -8,6 +8,7 @@ whatever a test wants). Pool snapshots are tests.helpers.pool's.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -271,3 +272,17 @@ class FakePeer:
         stop = offset + int(query["length"]) if "length" in query else len(self.data)
         mode = self.mode.get(offset, "full") if isinstance(self.mode, dict) else self.mode
         return self.data[offset:stop], mode
+
+
+@contextlib.contextmanager
+def serve_engine_slots(engine):
+    """An in-process peer HTTP endpoint exporting what engine's slots hold, by its
+    registry's names: yields its host:port."""
+    from metrale.peer.exporter import AdapterExporter
+    from metrale.peer.http_server import PeerHTTPServer
+
+    server = PeerHTTPServer(AdapterExporter(engine.lora, engine.registry)).start()
+    try:
+        yield server.url.removeprefix("http://")
+    finally:
+        server.close()
