@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from metrale.config import LINEAR_MODULES, ModelConfig
+from metrale.config import MOE_MODULES, MOE_PARAMS, ModelConfig
 from metrale.model.layers import LoraProjection
 from metrale.model.llama import LlamaForCausalLM
 from metrale.model.loader import build_computed, copy_weight, param_name
@@ -43,12 +43,34 @@ CONFIGS = {
                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                         head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5,
                         max_position_embeddings=8192, tie_word_embeddings=True),
+    # built only (random weights, no transformers twin): 61 GB in bf16; experts read as routed
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                          max_position_embeddings=8192, tie_word_embeddings=False),
     # CPU smoke runs of the benchmark code itself
+    "tiny-moe": dict(arch="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
+                     moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                     norm_topk_prob=True, max_position_embeddings=2048, tie_word_embeddings=False),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                  tie_word_embeddings=False),
 }
 LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
+BUILT_ONLY = ("llama3-70b", "qwen3-30b-a3b", "tiny-moe")  # no transformers twin
+
+
+def hf_config(name: str):
+    """The transformers config of a CONFIGS entry (Llama unless it names its arch)."""
+    import transformers
+
+    kw = dict(CONFIGS[name])
+    arch = kw.pop("arch", "llama")
+    cls = {"llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
+    return cls(**kw)
 
 
 @dataclass
@@ -74,8 +96,10 @@ def build_any(name: str, device: str, workdir: Path) -> Pair:
     (--quantization fp8's rounding), or, for a shape that does not fit in bf16, built FP8
     with random weights and no transformers twin (build_random_quant); "<name>-awq",
     "-gptq" (act order), "-nf4": 4-bit projections with random codes (build_random_quant)."""
+    if name in BUILT_ONLY:
+        return build_random_quant(name, None, device, workdir)
     base, _, quant = name.rpartition("-")
-    if quant in INT4 or (quant == "fp8" and base == "llama3-70b"):
+    if quant in INT4 or (quant == "fp8" and base in BUILT_ONLY):
         return build_random_quant(base, quant, device, workdir)
     if quant != "fp8":
         return build_pair(name, device, workdir)
@@ -90,22 +114,20 @@ def build_any(name: str, device: str, workdir: Path) -> Pair:
     return Pair(name, pair.model_dir, pair.config, pair.ours, pair.hf)
 
 
-def build_random_quant(name: str, quant: str, device: str, workdir: Path,
+def build_random_quant(name: str, quant: str | None, device: str, workdir: Path,
                        max_positions: int = 16384) -> Pair:
-    """Our model alone, projections quantized from the start (never a bf16 copy in memory),
-    weights about N(0, 0.02) (transformers' init std): FP8 codes of N(0, 1) scaled by 0.02
-    per row; 4-bit: uniform codes, zero points 8 and scales 0.005, or NF4 codes under an
-    absmax of 0.05; GPTQ act order a random column permutation. Embeddings N(0, 0.02),
-    norms 1."""
-    import transformers
-
-    model_dir = workdir / f"{name}-{quant}"
-    transformers.LlamaConfig(**CONFIGS[name]).save_pretrained(model_dir)
+    """Our model alone, projections quantized from the start when quant is given (never a
+    bf16 copy in memory), weights about N(0, 0.02) (transformers' init std): FP8 codes of
+    N(0, 1) scaled by 0.02 per row; 4-bit: uniform codes, zero points 8 and scales 0.005,
+    or NF4 codes under an absmax of 0.05; GPTQ act order a random column permutation.
+    Embeddings and the rest N(0, 0.02), norms 1."""
+    model_dir = workdir / (f"{name}-{quant}" if quant else name)
+    hf_config(name).save_pretrained(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         ours = LlamaForCausalLM(cfg, max_positions)
     for m in ours.modules():
-        if isinstance(m, LoraProjection):
+        if isinstance(m, LoraProjection) and quant is not None:
             if quant == "fp8":
                 m.use_fp8((1, m.in_features))
             else:
@@ -127,7 +149,7 @@ def build_random_quant(name: str, quant: str, device: str, workdir: Path,
             else:
                 p.data = (torch.randn_like(p) * 0.02).to(dtype)
         for m in ours.modules():
-            if isinstance(m, LoraProjection):
+            if isinstance(m, LoraProjection) and quant is not None:
                 m.weight_scale.fill_(0.02 if quant == "fp8" else 0.05 if quant == "nf4" else 0.005)
                 if m.weight_zero is not None:
                     m.weight_zero.fill_(8)
@@ -137,7 +159,7 @@ def build_random_quant(name: str, quant: str, device: str, workdir: Path,
                     m.input_perm.copy_(torch.randperm(m.in_features, device=device))
     ours.eval()
     build_computed(ours)
-    return Pair(f"{name}-{quant}", model_dir, cfg, ours, None)
+    return Pair(model_dir.name, model_dir, cfg, ours, None)
 
 
 def write_random_adapters(pair: Pair, n: int, out_dir: Path, dtype=torch.bfloat16) -> None:
@@ -148,19 +170,27 @@ def write_random_adapters(pair: Pair, n: int, out_dir: Path, dtype=torch.bfloat1
 
     cfg, r = pair.config, LORA["r"]
     torch.manual_seed(1)
-    tensors = {}
+    tensors, modules, parameters = {}, set(), set()
     for layer in range(cfg.num_layers):
-        for module in LINEAR_MODULES:
+        for module in cfg.layer_modules(layer):  # a MoE layer: attention, experts, router
             d_in, d_out = cfg.linear_shape(module)
-            key = f"base_model.model.{cfg.module_path(layer, module)}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(r, d_in) / d_in ** 0.5).to(dtype)
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(d_out, r) * 0.01).to(dtype)
+            rows = r * cfg.module_rows(module)
+            path = cfg.module_path(layer, module)
+            if module in MOE_MODULES:  # PEFT nests gate_up's wrapper inside down's
+                parameters.add(f"mlp.{'gate' if module == 'router' else 'experts'}."
+                               f"{MOE_PARAMS[module]}")
+                path += ".base_layer" if module == "experts_gate_up" else ""
+            else:
+                modules.add(module)
+            key = f"base_model.model.{path}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rows, d_in) / d_in ** 0.5).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(d_out, rows) * 0.01).to(dtype)
     a0 = adapter_dir(out_dir, 0)
     a0.mkdir(parents=True)
     save_file(tensors, a0 / "adapter_model.safetensors")
     (a0 / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": LORA["lora_alpha"],
-        "target_modules": list(LINEAR_MODULES)}))
+        "target_modules": sorted(modules), "target_parameters": sorted(parameters)}))
     for i in range(1, n):
         adapter_dir(out_dir, i).symlink_to(a0, target_is_directory=True)
 
@@ -170,7 +200,7 @@ def build_pair(name: str, device: str, workdir: Path, dtype=None,
     import transformers
 
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    hf_cfg = transformers.LlamaConfig(**CONFIGS[name])
+    hf_cfg = hf_config(name)
     model_dir = workdir / name
     hf_cfg.save_pretrained(model_dir)  # config.json: what the engine reads
     torch.manual_seed(0)

@@ -9,7 +9,11 @@ FP8 from the start with random weights and random adapters, no PEFT baseline); i
 roofline counts the FP8 bytes and the scales. --model NAME-awq / -gptq / -nf4 (llama3-8b,
 llama3-70b): 4-bit projections with random codes built that way (metrale.ops.int4_linear:
 AWQ group 128 with zero points, GPTQ the same plus act order, NF4 blocks of 64 with float32
-absmax); the roofline counts the packed codes, scales and zero points.
+absmax); the roofline counts the packed codes, scales and zero points. --model
+qwen3-30b-a3b (tiny-moe on the CPU): a MoE shape built with random weights, adapters on
+attention, experts and routers (target_parameters), engines with --lora-experts; its
+roofline counts of each MoE layer's experts the mean number a decode step routes to
+(experts_routed_per_layer, counted during the base run).
 
 JSON `decode[<model>]`: per batch size base_tok_s, lora1_tok_s, lora32_tok_s,
 peft_mixed32_tok_s (batch 32 only), hbm_roofline_tok_s, and the inputs of the roofline;
@@ -59,6 +63,7 @@ from bench.common import (
 from metrale.config import EngineConfig, PoolConfig, SchedulerConfig
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import SamplingParams
+from metrale.model.moe import MoeMLP
 from metrale.ops import lora_launch
 
 PROMPT, GEN = 128, 64
@@ -71,7 +76,7 @@ def make_engine(pair, device: str, max_loras: int, max_num_seqs: int = 64, max_m
                 lora_extra_targets: tuple[str, ...] = ()) -> LLMEngine:
     blocks = max_num_seqs * max_model_len // 16
     cfg = EngineConfig(
-        lora_extra_targets=lora_extra_targets,
+        lora_extra_targets=lora_extra_targets, lora_experts=pair.config.moe is not None,
         pool=PoolConfig(max_loras, 16, host_tier_bytes=host_tier_bytes), device=device,
         dtype="bfloat16" if device.startswith("cuda") else "float32",
         max_model_len=max_model_len, block_size=16, num_kv_blocks=blocks,
@@ -149,12 +154,40 @@ def peft_mixed_tok_s(peft, batch: int, n_adapters: int, vocab: int, device: str,
     return batch * new_tokens / max(tn - t1, 1e-9)
 
 
-def roofline_tok_s(pair, batch: int, ctx: float, bw: float) -> tuple[float, float]:
+class RoutedExperts:
+    """The mean number of experts a MoE layer reads in a decode step of `batch` rows,
+    counted from MoeMLP.experts_routed while installed (a forward hook per MoE layer)."""
+
+    def __init__(self, model, batch: int) -> None:
+        self.total = self.calls = 0
+        self.hooks = [m.register_forward_hook(self._seen) for m in model.modules()
+                      if isinstance(m, MoeMLP)]
+        self.batch = batch
+
+    def _seen(self, module, args, out) -> None:
+        if args[0].shape[0] == self.batch:  # decode steps only, not prefill chunks
+            self.total += module.experts_routed
+            self.calls += 1
+
+    def close(self) -> float:
+        for h in self.hooks:
+            h.remove()
+        return self.total / max(self.calls, 1)
+
+
+def roofline_tok_s(pair, batch: int, ctx: float, bw: float,
+                   routed: float | None = None) -> tuple[float, float]:
     """(tok/s, bytes per step): every weight read once per step (the embedding table only
-    where it doubles as lm_head) plus each sequence's K/V at mean context ctx."""
+    where it doubles as lm_head; of a MoE layer's experts the `routed` a step reads, on
+    average) plus each sequence's K/V at mean context ctx."""
     cfg, m = pair.config, pair.ours
     weights = sum(p.numel() * p.element_size() for n, p in m.named_parameters()
-                  if cfg.tie_word_embeddings or not n.startswith("embed_tokens"))
+                  if (cfg.tie_word_embeddings or not n.startswith("embed_tokens"))
+                  and ".experts_" not in n)
+    if cfg.moe is not None:
+        per_expert = sum(p[0].numel() * p.element_size() for n, p in m.named_parameters()
+                         if ".experts_" in n) // len(cfg.moe.layers)
+        weights += (cfg.moe.num_experts if routed is None else routed) * per_expert * len(cfg.moe.layers)
     weights += sum(b.numel() * b.element_size() for n, b in m.named_buffers()
                    if n.endswith(("weight_scale", "weight_zero")))  # a quantized base's scales
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * ctx * batch
@@ -179,7 +212,12 @@ def run(pair, adapters_root: Path, peft, device: str, batches=(32, 64), n_adapte
                            (f"lora{n_adapters}", [f"a{i % n_adapters}" for i in range(b)])):
             graphs = engine.runner.graphs
             before = graphs.num_replays if graphs is not None else 0
+            routed = RoutedExperts(pair.ours, b) if key == "base" else None
             row[f"{key}_tok_s"], row[f"{key}_step_ms"] = decode_run(engine, names, device, gen)
+            if routed is not None and pair.config.moe is not None:
+                row["experts_routed_per_layer"] = routed.close()
+            elif routed is not None:
+                routed.close()
             if device.startswith("cuda"):
                 row[f"{key}_graph_ms"] = graph_replay_ms(engine, before)
                 row[f"{key}_graph"] = str(graphs.last_key if graphs is not None else None)
@@ -188,7 +226,8 @@ def run(pair, adapters_root: Path, peft, device: str, batches=(32, 64), n_adapte
                 row[f"{key}_sync_tok_s"], row[f"{key}_sync_step_ms"] = decode_run(
                     engine, names, device, gen)
                 engine.async_scheduling = True
-        tok_s, step_bytes = roofline_tok_s(pair, b, PROMPT + gen / 2, bw)
+        tok_s, step_bytes = roofline_tok_s(pair, b, PROMPT + gen / 2, bw,
+                                           row.get("experts_routed_per_layer"))
         row.update(hbm_roofline_tok_s=tok_s, step_bytes=step_bytes)
         # the byte bound of a LoRA batch: base speed scaled by the step's bytes over the
         # step's bytes plus the adapters' (every slot a batch touches is read once a step)

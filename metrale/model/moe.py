@@ -33,6 +33,7 @@ class MoeMLP(nn.Module):
         moe = cfg.moe
         e, h, i = moe.num_experts, cfg.hidden_size, moe.expert_size
         self.top_k, self.norm_topk, self.fp32_weights = moe.top_k, moe.norm_topk_prob, moe.fp32_weights
+        self.experts_routed = 0
         self.router = nn.Parameter(torch.empty(e, h))  # [E, H]
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))  # [E, 2I, H]: gate, up
         self.experts_down = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
@@ -59,7 +60,9 @@ class MoeMLP(nn.Module):
         if not self.fp32_weights:
             weights = weights.to(logits.dtype)
         out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():  # ascending, as transformers visits them
+        hit = torch.unique(experts).tolist()
+        self.experts_routed = len(hit)  # the experts this forward read (bench/decode.py's roofline)
+        for e in hit:  # ascending, as transformers visits them
             pos, tok = torch.where(experts.T == e)  # by top-k position, then token
             gate_up = F.linear(x[tok], self.experts_gate_up[e])  # [n, 2I]
             if lora is not None:
