@@ -51,8 +51,8 @@ class MoeMLP(nn.Module):
         if lora is not None and "experts_gate_up" not in lora.pool.layout.pool.target_modules:
             lora = None  # no pool memory for expert and router LoRA
         logits = F.linear(x, self.router)  # [T, E]
-        if lora is not None:
-            logits = logits + self._router_lora(lora, x)
+        if lora is not None:  # the router's: PEFT's ParamWrapper on mlp.gate.weight
+            logits = logits + self._lora(lora, "router", x, lora.slot_ids)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk:
@@ -66,12 +66,13 @@ class MoeMLP(nn.Module):
             pos, tok = torch.where(experts.T == e)  # by top-k position, then token
             gate_up = F.linear(x[tok], self.experts_gate_up[e])  # [n, 2I]
             if lora is not None:
-                gate_up = gate_up + self._lora(lora, "experts_gate_up", e, tok, x[tok])
+                gate_up = gate_up + self._lora(lora, "experts_gate_up", x[tok],
+                                               lora.slot_ids[tok], e)
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.silu(gate) * up  # [n, I]
             y = F.linear(h, self.experts_down[e])
             if lora is not None:
-                y = y + self._lora(lora, "experts_down", e, tok, h)
+                y = y + self._lora(lora, "experts_down", h, lora.slot_ids[tok], e)
             out.index_add_(0, tok, (y * weights[tok, pos, None]).to(out.dtype))
         if self.shared_gate_up is not None:
             gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
@@ -79,41 +80,28 @@ class MoeMLP(nn.Module):
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
         return out
 
-    def _router_lora(self, lora, x: torch.Tensor) -> torch.Tensor:
-        """The router's LoRA delta on every token's logits -> [T, E]: scale * (x A^T) B,
-        by each token's slot (PEFT's ParamWrapper on mlp.gate.weight, or transformers 4's
-        router Linear)."""
+    def _lora(self, lora, module: str, x: torch.Tensor, slots: torch.Tensor,
+              expert: int | None = None) -> torch.Tensor | int:
+        """The LoRA delta of module on the rows x [n, in] -> [n, out]: scale * (x A^T) B by
+        each row's slot (slots [n]); an expert module's A and B are expert `expert`'s rows
+        of the stacked factors. 0 where no row's slot has the module."""
         pool, layer = lora.pool, self.layer
-        m = pool.layout.module_index("router")
-        delta = torch.zeros(x.shape[0], self.router.shape[0], dtype=torch.float32,
-                            device=x.device)
-        for s in torch.unique(lora.slot_ids).tolist():
-            rank = int(pool.ranks[s, layer, m]) if s >= 0 else 0
-            if rank == 0:
-                continue
-            rows = lora.slot_ids == s
-            a = pool.lora_a(layer, "router")[s, :rank].float()  # [r, H]
-            bt = pool.lora_bt(layer, "router")[s, :rank].float()  # [r, E]
-            delta[rows] = (x[rows].float() @ a.T) @ bt * float(pool.scales[s, layer, m])
-        return delta.to(x.dtype)
-
-    def _lora(self, lora, module: str, e: int, tok: torch.Tensor,
-              x: torch.Tensor) -> torch.Tensor:
-        """Expert e's LoRA delta for its tokens tok (x: their inputs [n, in]) -> [n, out]:
-        scale * (x A_e^T) B_e per token, by each token's slot."""
-        pool, layer = lora.pool, self.layer
-        m, n_experts = pool.layout.module_index(module), self.experts_gate_up.shape[0]
-        slots = lora.slot_ids[tok]  # [n]
+        m = pool.layout.module_index(module)
         delta = None
         for s in torch.unique(slots).tolist():
             rank = int(pool.ranks[s, layer, m]) if s >= 0 else 0
             if rank == 0:
                 continue
+            a, bt = pool.lora_a(layer, module)[s], pool.lora_bt(layer, module)[s]
+            if expert is None:
+                a, bt = a[:rank], bt[:rank]  # [r, in], [r, out]
+            else:
+                n_experts = self.experts_gate_up.shape[0]
+                a = a[:rank * n_experts].view(n_experts, rank, -1)[expert]  # [r, in]
+                bt = bt[:rank * n_experts].view(rank, n_experts, -1)[:, expert]  # [r, out]
             rows = slots == s
-            a = pool.lora_a(layer, module)[s, :rank * n_experts].view(n_experts, rank, -1)[e]
-            bt = pool.lora_bt(layer, module)[s, :rank * n_experts].view(rank, n_experts, -1)
             h = x[rows].float() @ a.float().T  # [n_s, r]
-            d = (h @ bt[:, e].float()) * float(pool.scales[s, layer, m])  # [n_s, out]
+            d = (h @ bt.float()) * float(pool.scales[s, layer, m])  # [n_s, out]
             if delta is None:
                 delta = torch.zeros(x.shape[0], d.shape[1], dtype=torch.float32, device=x.device)
             delta[rows] = d
