@@ -17,6 +17,7 @@ import torch
 
 from metrale.config import ConfigError
 from metrale.ops.fp8_linear import dequantize
+from metrale.ops.int4_linear import dequantize_codes
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -135,10 +136,7 @@ class Int4Codes:
     group_of: torch.Tensor  # int64 [in]
 
     def dequantize(self) -> torch.Tensor:
-        v = self.codebook[self.q.long()] if self.codebook is not None else self.q.to(torch.float32)
-        if self.zero is not None:
-            v = v - self.zero.to(torch.float32)[:, self.group_of]
-        return v * self.scale.to(torch.float32)[:, self.group_of]
+        return dequantize_codes(self.q, self.scale, self.zero, self.codebook, self.group_of)
 
 
 @dataclass

@@ -81,16 +81,22 @@ def check_group(group: int, k: int) -> None:
                          f"got {group}")
 
 
+def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                     codebook: torch.Tensor | None, group_of: torch.Tensor) -> torch.Tensor:
+    """float32 W [N, K] = (v(q) - zero[:, g]) * scale[:, g], g = group_of [K], v the code or
+    codebook[code]. q [N, K] codes; scale [N, G] (float); zero [N, G] (uint8) or None;
+    codebook float32 [16] or None."""
+    v = codebook[q.long()] if codebook is not None else q.to(torch.float32)  # [N, K]
+    if zero is not None:
+        v = v - zero.to(torch.float32)[:, group_of]
+    return v * scale.to(torch.float32)[:, group_of]
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                codebook: torch.Tensor | None, group: int, k: int) -> torch.Tensor:
-    """float32 W [N, k]. scale [N, G] (float), zero [N, G] (uint8) or None, codebook
-    float32 [16] or None."""
-    q = unpack(packed, k)
-    v = codebook[q.long()] if codebook is not None else q.to(torch.float32)  # [N, k]
-    g = torch.arange(k, device=packed.device) // group
-    if zero is not None:
-        v = v - zero.to(torch.float32)[:, g]
-    return v * scale.to(torch.float32)[:, g]
+    """float32 W [N, k] of pack's layout, groups of `group` columns."""
+    return dequantize_codes(unpack(packed, k), scale, zero, codebook,
+                            torch.arange(k, device=packed.device) // group)
 
 
 def int4_linear_ref(x: torch.Tensor, packed, scale, zero, codebook, group: int,
