@@ -214,8 +214,7 @@ def copy_int4(proj: LoraProjection, codes: Int4Codes | None, target: str, shard:
               cfg: ModelConfig) -> None:
     """One checkpoint part's 4-bit codes into a 4-bit projection (its columns sorted by
     group under GPTQ act order)."""
-    rows = proj.weight.shape[0] if shard is None else _shard_sizes(target, cfg)[shard]
-    start = 0 if shard is None else sum(_shard_sizes(target, cfg)[:shard])
+    start, rows = _part_rows(proj, target, shard, cfg)
     if codes is None or codes.q.shape != (rows, proj.in_features) or \
             codes.scale.shape[1] != proj.weight_scale.shape[1]:
         got = None if codes is None else tuple(codes.q.shape)
@@ -234,6 +233,15 @@ def copy_int4(proj: LoraProjection, codes: Int4Codes | None, target: str, shard:
             proj.weight_zero.narrow(0, start, rows).copy_(codes.zero)
         if proj.codebook is not None:
             proj.codebook.copy_(codes.codebook)
+
+
+def _part_rows(proj: LoraProjection, target: str, shard: int | None,
+               cfg: ModelConfig) -> tuple[int, int]:
+    """(first row, rows) of proj's output rows that checkpoint part `shard` fills."""
+    if shard is None:
+        return 0, proj.weight.shape[0]
+    sizes = _shard_sizes(target, cfg)
+    return sum(sizes[:shard]), sizes[shard]
 
 
 def _shard_sizes(target: str, cfg: ModelConfig) -> list[int]:
@@ -260,8 +268,7 @@ def copy_fp8(proj: LoraProjection, q: torch.Tensor, scale: torch.Tensor,
              block: tuple[int, int], target: str, shard: int | None, cfg: ModelConfig) -> None:
     """One checkpoint part (q [rows, K] float8, its scale grid over (so, si) blocks) into an
     FP8 projection, re-spreading the scales when the projection uses per-row blocks."""
-    rows = proj.weight.shape[0] if shard is None else _shard_sizes(target, cfg)[shard]
-    start = 0 if shard is None else sum(_shard_sizes(target, cfg)[:shard])
+    start, rows = _part_rows(proj, target, shard, cfg)
     if q.shape != (rows, proj.weight.shape[1]):
         raise ConfigError(f"weight {target} has shape {tuple(q.shape)}, expected "
                           f"{(rows, proj.weight.shape[1])}: the checkpoint does not match its config.json")
