@@ -383,52 +383,15 @@ def _match_tensors(
                 f"{source}: tensor {brief(entry.name)} is not a LoRA A/B, embedding or DoRA "
                 "magnitude weight metrale serves (biases and full-weight overlays are refused)"
             )
-        if m["module"] in expert_parts:
-            kind = _KINDS[m["kind"]]
-            landings.append(_expert_landing(source, entry, kind, expert_parts[m["module"]], model))
-            if (m["module"], kind) in seen:
-                raise AdapterFileError(f"{source}: two tensors for {m['module']} {m['kind']}")
-            seen.add((m["module"], kind))
-            continue
-        parts = by_path.get(m["module"])
-        if parts is None and _SHARED_EXPERT.search(m["module"]):
-            raise UnsupportedAdapterError(
-                f"{source}: tensor {brief(entry.name)} is LoRA on a MoE shared expert, which "
-                "metrale does not serve (attention, the routed experts and the router)")
-        if parts is None:
-            raise AdapterMismatchError(
-                f"{source}: tensor {brief(entry.name)} is for a module the adapter config "
-                "does not target in this model (or a module this model does not have)"
-            )
         kind = _KINDS[m["kind"]]
-        target = parts[0] if parts[0].module not in EXPERT_MODULES else \
-            _expert_target(m["module"], kind, entry, parts, chosen, model)
-        if (target.module == "embed_tokens") != m["kind"].startswith("lora_embedding") \
-                and kind != "M":
-            raise AdapterMismatchError(
-                f"{source}: tensor {brief(entry.name)}: PEFT stores an embedding's LoRA as "
-                "lora_embedding_A/B and a linear's as lora_A/B.weight; this one is neither"
-            )
-        if kind == "M" and not dora:
-            raise AdapterMismatchError(
-                f"{source}: tensor {brief(entry.name)} is a DoRA magnitude, but the adapter "
-                "config does not set use_dora=true"
-            )
-        expected = _expected(target, kind, model)
-        if entry.shape != expected:
-            raise AdapterMismatchError(
-                f"{source}: {entry.name} has shape {list(entry.shape)}, expected "
-                f"{list(expected)} for this base model at rank {target.rank}; the adapter "
-                "was trained for another model or its rank_pattern disagrees"
-            )
+        if m["module"] in expert_parts:
+            new = [_expert_landing(source, entry, kind, expert_parts[m["module"]], model)]
+        else:
+            new = _module_landings(source, entry, m, kind, by_path, chosen, model, dora)
         if (m["module"], kind) in seen:
             raise AdapterFileError(f"{source}: two tensors for {m['module']} {m['kind']}")
         seen.add((m["module"], kind))
-        if target.module in EXPERT_MODULES:  # the candidates are alternatives, not parts
-            parts = [target]
-        for part in parts:  # A is shared; B's and M's rows are split across the parts
-            part_entry = entry if kind == "A" else _rows(entry, *model.fused_rows(part.module)[:2])
-            landings.append(TensorLanding(part, kind, part_entry))
+        landings += new
     if len(set(chosen.values())) < len(chosen):
         raise AdapterMismatchError(f"{source}: two nested expert wrappers hold tensors of the "
                                    "same parameter; the file does not match its config")
@@ -443,6 +406,48 @@ def _match_tensors(
             + (" (a DoRA adapter needs every module's lora_magnitude_vector)" if dora else "")
         )
     return tuple(landings)
+
+
+def _module_landings(source: str, entry: TensorEntry, m: re.Match, kind: str, by_path: dict,
+                     chosen: dict, model: ModelConfig, dora: bool) -> list[TensorLanding]:
+    """The landings of a tensor of a module PEFT wrapped as a whole (a fused Linear's B and
+    M split across its parts), after checking it is one the config targets, of its kind and
+    shape."""
+    parts = by_path.get(m["module"])
+    if parts is None and _SHARED_EXPERT.search(m["module"]):
+        raise UnsupportedAdapterError(
+            f"{source}: tensor {brief(entry.name)} is LoRA on a MoE shared expert, which "
+            "metrale does not serve (attention, the routed experts and the router)")
+    if parts is None:
+        raise AdapterMismatchError(
+            f"{source}: tensor {brief(entry.name)} is for a module the adapter config "
+            "does not target in this model (or a module this model does not have)"
+        )
+    target = parts[0] if parts[0].module not in EXPERT_MODULES else \
+        _expert_target(m["module"], kind, entry, parts, chosen, model)
+    if (target.module == "embed_tokens") != m["kind"].startswith("lora_embedding") \
+            and kind != "M":
+        raise AdapterMismatchError(
+            f"{source}: tensor {brief(entry.name)}: PEFT stores an embedding's LoRA as "
+            "lora_embedding_A/B and a linear's as lora_A/B.weight; this one is neither"
+        )
+    if kind == "M" and not dora:
+        raise AdapterMismatchError(
+            f"{source}: tensor {brief(entry.name)} is a DoRA magnitude, but the adapter "
+            "config does not set use_dora=true"
+        )
+    expected = _expected(target, kind, model)
+    if entry.shape != expected:
+        raise AdapterMismatchError(
+            f"{source}: {entry.name} has shape {list(entry.shape)}, expected "
+            f"{list(expected)} for this base model at rank {target.rank}; the adapter "
+            "was trained for another model or its rank_pattern disagrees"
+        )
+    if target.module in EXPERT_MODULES:  # the candidates are alternatives, not parts
+        parts = [target]
+    # A is shared; B's and M's rows are split across the parts
+    return [TensorLanding(part, kind, entry if kind == "A" else
+                          _rows(entry, *model.fused_rows(part.module)[:2])) for part in parts]
 
 
 def _expert_landing(source: str, entry: TensorEntry, kind: str, part: ExpertPart,
