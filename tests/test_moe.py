@@ -24,7 +24,13 @@ from metrale.config import ConfigError
 from metrale.errors import AdapterMismatchError
 from metrale.model import moe
 from tests.helpers.pool import snapshot
-from tests.helpers.reference import assert_mixed_batch_matches, check, hf_greedy, prompts
+from tests.helpers.reference import (
+    assert_mixed_batch_matches,
+    assert_slot_swaps_match,
+    check,
+    hf_greedy,
+    prompts,
+)
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
@@ -184,12 +190,7 @@ def test_swaps_between_expert_and_attention_adapters_keep_each_slot_right(family
     _, root, base, _ = family
     llm = LLM(root / "model", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
               num_kv_blocks=64, lora_experts=True)
-    params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
-    for i, name in enumerate(["x", "both", "x", "down"]):
-        llm.engine.swap_lora_slot_from_disk(expert_adapters[name][1], f"s{i}", 0)
-        for p in prompts(30 + i, 2):
-            out = llm.generate([p], params, f"s{i}")[0]
-            assert list(out.token_ids) == hf_greedy(expert_adapters[name][0], p, GEN)[0], name
+    assert_slot_swaps_match(llm, expert_adapters, ["x", "both", "x", "down"], 30, GEN)
 
 
 def test_expert_and_router_adapters_travel_between_peers(family, expert_adapters):

@@ -23,7 +23,12 @@ from metrale.errors import AdapterMismatchError, UnsupportedAdapterError
 from metrale.ops.landing_triton import land_rows
 from metrale.pool.recipe import build_recipe
 from tests.helpers.kernels import KERNELS
-from tests.helpers.reference import assert_mixed_batch_matches, hf_greedy, prompts
+from tests.helpers.reference import (
+    assert_mixed_batch_matches,
+    assert_slot_swaps_match,
+    hf_greedy,
+    prompts,
+)
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
@@ -125,12 +130,7 @@ def test_swaps_between_per_expert_stacked_and_attention_adapters(family):
     _, root, _, adapters = family
     llm = LLM(root / "model", max_loras=1, max_lora_rank=R, max_model_len=64, block_size=4,
               num_kv_blocks=64, lora_experts=True)
-    params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
-    for i, name in enumerate(["pe", "stacked", "x", "pe"]):
-        llm.engine.swap_lora_slot_from_disk(adapters[name][1], f"s{i}", 0)
-        for p in prompts(70 + i, 2):
-            out = llm.generate([p], params, f"s{i}")[0]
-            assert list(out.token_ids) == hf_greedy(adapters[name][0], p, GEN)[0], name
+    assert_slot_swaps_match(llm, adapters, ["pe", "stacked", "x", "pe"], 70, GEN)
 
 
 @pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")

@@ -59,3 +59,18 @@ def assert_mixed_batch_matches(model_dir, base, adapters: dict, prompt_list: lis
         compared += upto
     assert compared >= 0.75 * n * len(requests), f"only {compared} tokens outside ties"
     return llm
+
+
+def assert_slot_swaps_match(llm, adapters: dict, order: list[str], seed: int, n: int,
+                            slot: int = 0) -> None:
+    """Each adapter of `order` ({name: (PEFT model, its directory)}) swapped into `slot` in
+    turn, under a new name each time, then serving two prompts: greedy tokens equal its
+    PEFT model's (what a slot held before leaves nothing behind)."""
+    from metrale import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    for i, name in enumerate(order):
+        llm.engine.swap_lora_slot_from_disk(adapters[name][1], f"s{i}", slot)
+        for p in prompts(seed + i, 2):
+            out = llm.generate([p], params, f"s{i}")[0]
+            assert list(out.token_ids) == hf_greedy(adapters[name][0], p, n)[0], name
