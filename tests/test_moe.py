@@ -197,7 +197,8 @@ def test_expert_and_router_adapters_travel_between_peers(family, expert_adapters
     """An engine holding expert, router and attention adapters exports them (the slot's
     stacked layout as target_parameters); another engine registers them by peer:// and
     serves each equal to transformers + PEFT; an engine without --lora-experts refuses
-    them naming the flag, and every lease lets its slot go."""
+    them naming the flag, its slot's bytes and identity untouched, and every lease lets its
+    slot go."""
     from tests.helpers.peers import serve_engine_slots
 
     _, root, _, _ = family
@@ -218,8 +219,11 @@ def test_expert_and_router_adapters_travel_between_peers(family, expert_adapters
             name, p = names[i % len(names)], ps[i // len(names)]
             assert list(out.token_ids) == hf_greedy(expert_adapters[name][0], p, GEN)[0], name
         without = LLM(root / "model", max_loras=1, **kw)
+        without.engine.swap_lora_slot_from_disk(expert_adapters["x"][1], "x", 0)
+        before = snapshot(without.engine.lora)
         with pytest.raises(AdapterMismatchError, match="--lora-experts"):
             without.engine.swap_lora_slot_from_peer(url, "both", "pboth", 0)
+        assert snapshot(without.engine.lora) == before
     assert all(source.engine.lora.table.ref_count(s) == 0 for s in range(len(names)))
 
 

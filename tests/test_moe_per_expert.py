@@ -13,6 +13,7 @@ metrale."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -156,19 +157,16 @@ def test_per_expert_refusals_leave_the_engine_serving(tmp_path):
     """A rank the pool cannot hold once gate and up sit side by side names the rank to
     start with; scales that differ between an expert's parts are refused as such; a
     per-expert adapter without --lora-experts names the flag; a shared-expert LoRA tensor
-    (what transformers 4's all-linear adds) names the shared expert. The engine serves
-    after."""
+    (what transformers 4's all-linear adds) names the shared expert. Each by registration
+    and by a swap into a slot already serving an adapter: the pool's bytes, tables and slot
+    identities do not change, and the engine serves that adapter after."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.pool import snapshot
+
     base = make_model("qwen3_moe", seed=7)
     save_model(base, tmp_path / "model")
     ref, pe = per_expert_adapter("qwen3_moe", base, tmp_path / "pe", seed=50)
-    kw = dict(max_loras=1, max_model_len=64, block_size=4, num_kv_blocks=64)
-    small = LLM(tmp_path / "model", max_lora_rank=3, lora_experts=True, **kw)
-    with pytest.raises(AdapterMismatchError, match="--max-lora-rank 4"):
-        small.register_adapter("pe", pe)
-    no_experts = LLM(tmp_path / "model", max_lora_rank=R, **kw)
-    with pytest.raises(AdapterMismatchError, match="--lora-experts"):
-        no_experts.register_adapter("pe", pe)
-    from safetensors.torch import load_file
     tensors = load_file(pe / "adapter_model.safetensors")
     shared = tmp_path / "shared"  # transformers 4's all-linear wraps shared experts too
     shared.mkdir()
@@ -176,17 +174,32 @@ def test_per_expert_refusals_leave_the_engine_serving(tmp_path):
     key = "base_model.model.model.layers.0.mlp.shared_expert.gate_proj"
     save_file({**tensors, f"{key}.lora_A.weight": torch.randn(2, 64),
                f"{key}.lora_B.weight": torch.randn(80, 2)}, shared / "adapter_model.safetensors")
-    llm = LLM(tmp_path / "model", max_lora_rank=R, lora_experts=True, **kw)
-    with pytest.raises(UnsupportedAdapterError, match="shared expert"):
-        llm.engine.swap_lora_slot_from_disk(shared, "shared", 0)
+    scales = tmp_path / "scales"  # one expert's up scaled apart from the rest
+    shutil.copytree(pe, scales)
     cfg = json.loads((pe / "adapter_config.json").read_text())
     cfg["alpha_pattern"] = {"layers.0.mlp.experts.0.up_proj": 8}
-    (pe / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedAdapterError, match="one scale per layer"):
-        llm.register_adapter("pe", pe)
-    assert llm.engine.registry.names() == []
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    assert list(out[0].token_ids) == hf_greedy(base, [5, 6, 7], 3)[0]
+    (scales / "adapter_config.json").write_text(json.dumps(cfg))
+
+    kw = dict(max_loras=1, max_model_len=64, block_size=4, num_kv_blocks=64)
+    small = LLM(tmp_path / "model", max_lora_rank=3, lora_experts=True, **kw)
+    no_experts = LLM(tmp_path / "model", max_lora_rank=R, **kw)
+    llm = LLM(tmp_path / "model", max_lora_rank=R, lora_experts=True, **kw)
+    llm.engine.swap_lora_slot_from_disk(pe, "pe", 0)  # a slot serving: it must stay so
+    refusals = [(small, pe, AdapterMismatchError, "--max-lora-rank 4"),
+                (no_experts, pe, AdapterMismatchError, "--lora-experts"),
+                (llm, shared, UnsupportedAdapterError, "shared expert"),
+                (llm, scales, UnsupportedAdapterError, "one scale per layer")]
+    for engine_llm, bad, error, message in refusals:
+        before = snapshot(engine_llm.engine.lora)
+        with pytest.raises(error, match=message):
+            engine_llm.register_adapter("bad", bad)
+        with pytest.raises(error, match=message):
+            engine_llm.engine.swap_lora_slot_from_disk(bad, "bad", 0)
+        assert snapshot(engine_llm.engine.lora) == before
+    assert llm.engine.registry.names() == ["pe"]
+    params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+    for p in prompts(95, 2):
+        assert list(llm.generate([p], params, "pe")[0].token_ids) == hf_greedy(ref, p, GEN)[0]
 
 
 def test_promotions_through_the_host_tier_keep_expert_slots_right(family):
