@@ -50,6 +50,11 @@ CONFIGS = {
                           num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                           rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                           max_position_embeddings=8192, tie_word_embeddings=False),
+    "gemma2-9b": dict(arch="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                      num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                      head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                      max_position_embeddings=8192, tie_word_embeddings=True),
     # CPU smoke runs of the benchmark code itself
     "tiny-moe": dict(arch="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
                      moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -69,7 +74,8 @@ def hf_config(name: str):
 
     kw = dict(CONFIGS[name])
     arch = kw.pop("arch", "llama")
-    cls = {"llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
+    cls = {"llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+           "gemma2": transformers.Gemma2Config}[arch]
     return cls(**kw)
 
 

@@ -212,11 +212,6 @@ class ModelConfig:
         seen from q iff k > q - window): never once the window covers the whole context."""
         return bool(self.sliding_layers) and self.sliding_window < max_len
 
-    def reference_attention_only(self, max_len: int) -> bool:
-        """Soft-capping, or a window that masks something: attention the kernels take
-        (interpreter-tested) but no GPU run has checked yet, so CUDA engines refuse it."""
-        return self.attn_softcap is not None or self.window_masks(max_len)
-
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(

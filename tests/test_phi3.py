@@ -120,7 +120,7 @@ def test_a_window_shorter_than_the_context_masks_and_a_longer_one_is_dropped(tmp
         assert list(out.token_ids) == hf_greedy(base, p, n)[0]
         assert llm.engine.runner.model.layers[0].self_attn.window == window
         cfg = llm.engine.model_config
-        assert cfg.reference_attention_only(max_len) == (window is not None)
+        assert cfg.window_masks(max_len) == (window is not None)
 
 
 @pytest.mark.gpu

@@ -45,17 +45,6 @@ from metrale.pool.swap import LoraSlots, Prepared
 log = logging.getLogger("metrale.engine")
 
 
-def refuse_unverified_on_gpu(model: ModelConfig, max_model_len: int) -> None:
-    """Gemma's GPU path (its norms, soft-capped or windowed attention in the kernels) has
-    not been run on a GPU yet: refused there until a GPU run checks it
-    (tests/test_gemma2.py's gpu test lifts this to do so)."""
-    if model.gemma_norms or model.reference_attention_only(max_model_len):
-        raise ConfigError(
-            f"{model.model_type} serves on the CPU for now: its GPU path (soft-capped or "
-            f"sliding-window attention, a window shorter than max_model_len {max_model_len}) "
-            "has not been run on a GPU yet")
-
-
 @dataclass(frozen=True)
 class _InFlight:
     """A launched step whose tokens the host has not processed yet."""
@@ -75,8 +64,6 @@ class LLMEngine:
             # kernels launch on the current device: make it this engine's (e.g. cuda:1)
             torch.cuda.set_device(self.device)
         self.dtype = parse_dtype(cfg.dtype)
-        if self.device.type == "cuda":
-            refuse_unverified_on_gpu(self.model_config, cfg.max_model_len)
         if self.model_config.gemma_norms and "embed_tokens" in cfg.pool.extra_targets:
             raise ConfigError("embed_tokens LoRA is not served on gemma2 yet (its embeddings "
                               "are scaled)")

@@ -25,9 +25,8 @@ def paged_attention(
     softcap: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] -> [T, H, D], causal within each sequence; positions: [T] (the varlen
-    split merge reads them). softcap and window (Gemma 2 / 3): scores capped, keys before
-    the window hidden (the kernels take both; an engine still refuses Gemma on CUDA until
-    its GPU path has been run)."""
+    split merge reads them). softcap and window (Gemma 2 / 3, a windowed Phi-3): scores
+    capped, keys before the window hidden."""
     if not q.is_cuda:
         if softcap is not None or window is not None:
             return paged_attention_per_sequence(q, k_cache, v_cache, meta, scale, softcap,
