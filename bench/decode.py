@@ -12,8 +12,9 @@ AWQ group 128 with zero points, GPTQ the same plus act order, NF4 blocks of 64 w
 absmax); the roofline counts the packed codes, scales and zero points. --model
 qwen3-30b-a3b (tiny-moe on the CPU): a MoE shape built with random weights, adapters on
 attention, experts and routers (target_parameters), engines with --lora-experts; its
-roofline counts of each MoE layer's experts the mean number a decode step routes to
-(experts_routed_per_layer, counted during the base run).
+roofline counts of each MoE layer's experts the mean number the base run's last decode
+step routed to (base_experts_routed_per_layer; lora1_ and lora32_ the same for those runs),
+and the adapter bytes of an expert module only the (slot, expert) slices routed.
 
 JSON `decode[<model>]`: per batch size base_tok_s, lora1_tok_s, lora32_tok_s,
 peft_mixed32_tok_s (batch 32 only), hbm_roofline_tok_s, and the inputs of the roofline;
@@ -21,7 +22,7 @@ per mode (base, lora1, lora32) the median step wall time (*_step_ms) and on CUDA
 step's graph replayed alone (*_graph_ms; batches over 64 run eagerly: nan), so
 base_host_share is the host's part of a step and base_graph_over_roofline the GPU's own
 distance from the HBM floor; for lora1/lora32 the adapter bytes a step reads
-(*_lora_bytes_per_step: every slot the batch touches), the ratio to the byte bound
+(*_lora_bytes_per_step: every slot the batch touches, an expert module's routed slices), the ratio to the byte bound
 base_tok_s * step_bytes / (step_bytes + lora bytes) (*_over_byte_bound) and the share of
 a step that is LoRA (*_lora_share). --kernels adds kernel_table: bench/lora_kernels.py's
 rows for this model's groups at 1, 32, 64 and 256 tokens.
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import random
 import tempfile
 import time
@@ -60,7 +62,7 @@ from bench.common import (
     table,
     write_random_adapters,
 )
-from metrale.config import EngineConfig, PoolConfig, SchedulerConfig
+from metrale.config import EXPERT_MODULES, EngineConfig, PoolConfig, SchedulerConfig
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import SamplingParams
 from metrale.model.moe import MoeMLP
@@ -154,25 +156,26 @@ def peft_mixed_tok_s(peft, batch: int, n_adapters: int, vocab: int, device: str,
     return batch * new_tokens / max(tn - t1, 1e-9)
 
 
-class RoutedExperts:
-    """The mean number of experts a MoE layer reads in a decode step of `batch` rows,
-    counted from MoeMLP.experts_routed while installed (a forward hook per MoE layer)."""
+def routed_experts(model) -> float:
+    """The mean number of experts a MoE layer read in the model's last forward (each
+    MoeMLP counts its routed pairs per expert, inside CUDA graphs too): read right after a
+    decode run, the last decode step's."""
+    layers = [m for m in model.modules() if isinstance(m, MoeMLP)]
+    return sum(int((m.expert_counts > 0).sum()) for m in layers) / len(layers)
 
-    def __init__(self, model, batch: int) -> None:
-        self.total = self.calls = 0
-        self.hooks = [m.register_forward_hook(self._seen) for m in model.modules()
-                      if isinstance(m, MoeMLP)]
-        self.batch = batch
 
-    def _seen(self, module, args, out) -> None:
-        if args[0].shape[0] == self.batch:  # decode steps only, not prefill chunks
-            self.total += module.experts_routed
-            self.calls += 1
-
-    def close(self) -> float:
-        for h in self.hooks:
-            h.remove()
-        return self.total / max(self.calls, 1)
+def lora_step_bytes(layout, used_slots: int, expert_slices: float) -> float:
+    """Adapter bytes a decode step reads: every used slot's regions, except that of a
+    stacked expert module only the (slot, expert) slices the step routes to count
+    (expert_slices per MoE layer)."""
+    total = 0.0
+    for (_, module, _), region in layout.regions.items():
+        nbytes = region.rows * region.cols * layout.dtype.itemsize
+        if module in EXPERT_MODULES:
+            total += nbytes / layout.model.moe.num_experts * expert_slices
+        else:
+            total += nbytes * used_slots
+    return total
 
 
 def roofline_tok_s(pair, batch: int, ctx: float, bw: float,
@@ -205,19 +208,16 @@ def run(pair, adapters_root: Path, peft, device: str, batches=(32, 64), n_adapte
     engine_tok_s(engine, [None] * 2, device, gen=4)  # warm-up: prefill kernels compile
     out = {"copy_bw_GBs": bw / 1e9, "prompt": PROMPT, "gen": gen,
            "graphs": engine.runner.graphs is not None}
-    slot_bytes = engine.runner.pool.layout.slot_bytes
+    layout = engine.runner.pool.layout
     for b in batches:
         row = {}
         for key, names in (("base", [None] * b), ("lora1", ["a0"] * b),
                            (f"lora{n_adapters}", [f"a{i % n_adapters}" for i in range(b)])):
             graphs = engine.runner.graphs
             before = graphs.num_replays if graphs is not None else 0
-            routed = RoutedExperts(pair.ours, b) if key == "base" else None
             row[f"{key}_tok_s"], row[f"{key}_step_ms"] = decode_run(engine, names, device, gen)
-            if routed is not None and pair.config.moe is not None:
-                row["experts_routed_per_layer"] = routed.close()
-            elif routed is not None:
-                routed.close()
+            if pair.config.moe is not None:
+                row[f"{key}_experts_routed_per_layer"] = routed_experts(pair.ours)
             if device.startswith("cuda"):
                 row[f"{key}_graph_ms"] = graph_replay_ms(engine, before)
                 row[f"{key}_graph"] = str(graphs.last_key if graphs is not None else None)
@@ -227,12 +227,17 @@ def run(pair, adapters_root: Path, peft, device: str, batches=(32, 64), n_adapte
                     engine, names, device, gen)
                 engine.async_scheduling = True
         tok_s, step_bytes = roofline_tok_s(pair, b, PROMPT + gen / 2, bw,
-                                           row.get("experts_routed_per_layer"))
+                                           row.get("base_experts_routed_per_layer"))
         row.update(hbm_roofline_tok_s=tok_s, step_bytes=step_bytes)
         # the byte bound of a LoRA batch: base speed scaled by the step's bytes over the
-        # step's bytes plus the adapters' (every slot a batch touches is read once a step)
+        # step's bytes plus the adapters' (every slot a batch touches is read once a step;
+        # of an expert module, the (slot, expert) slices routed: with one adapter the
+        # experts the run routed to, with a distinct adapter per row each row's top_k)
+        top_k = pair.config.moe.top_k if pair.config.moe is not None else 0
         for key, used in (("lora1", 1), (f"lora{n_adapters}", min(b, n_adapters))):
-            lora_bytes = used * slot_bytes
+            slices = (row.get("lora1_experts_routed_per_layer", 0.0) if used == 1
+                      else b * top_k if b <= n_adapters else math.nan)
+            lora_bytes = lora_step_bytes(layout, used, slices)
             bound = row["base_tok_s"] * step_bytes / (step_bytes + lora_bytes)
             row[f"{key}_lora_bytes_per_step"] = lora_bytes
             row[f"{key}_over_byte_bound"] = row[f"{key}_tok_s"] / bound

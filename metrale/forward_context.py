@@ -49,6 +49,10 @@ class LoraViews(Protocol):
         """(As, Bts, out_slices, scales, ranks, doras, gains) of the served modules, or None."""
         ...
 
+    def expert_views(self, layer: int, module: str):
+        """(A, B^T, ranks, scales) of a stacked expert module, or None if not served."""
+        ...
+
 
 @dataclass
 class LoraBatch:

@@ -267,14 +267,28 @@ def test_expert_adapters_are_refused_naming_the_target(family, expert_adapters, 
     assert llm.engine.registry.names() == without.engine.registry.names() == ["x"]
 
 
+def test_expert_lora_through_the_kernels_and_graph_buffers_equals_peft(
+        family, expert_adapters, monkeypatch):
+    """The CUDA path in Triton's interpreter: routing sorted into expert blocks, grouped
+    GEMMs and per-pair expert LoRA (metrale.ops.moe_triton) inside the graphs' static
+    buffers (no host sync), expert, router and attention adapters through two slots."""
+    from metrale.ops import lora as lora_ops
+
+    monkeypatch.setattr(lora_ops, "TRITON_ON_CPU", True)
+    _, root, base, _ = family
+    llm = assert_mixed_batch_matches(root / "model", base, expert_adapters, prompts(15, 2),
+                                     GEN, max_loras=2, lora_experts=True, static_graphs=True)
+    assert llm.engine.runner.graphs.num_replays > 0
+
+
 @pytest.mark.gpu
-def test_gpu_moe_serves_eagerly_with_adapters(family):
-    """fp32 on CUDA: the routing's host sync keeps a MoE model off CUDA graphs; the
-    attention adapters run through the Triton LoRA kernels."""
-    _, root, base, adapters = family
-    llm = assert_mixed_batch_matches(root / "model", base, adapters, prompts(11, 3), GEN,
-                                     max_loras=2, device="cuda", dtype="float32")
-    assert llm.engine.runner.graphs is None
+def test_gpu_moe_through_graphs_with_expert_adapters(family, expert_adapters):
+    """fp32 on CUDA: the routed experts and every adapter kind inside captured graphs."""
+    _, root, base, _ = family
+    llm = assert_mixed_batch_matches(root / "model", base, expert_adapters, prompts(15, 3),
+                                     GEN, max_loras=2, lora_experts=True, device="cuda",
+                                     dtype="float32")
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0
 
 
 def test_dora_on_expert_parameters_is_refused():

@@ -38,8 +38,7 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.graphs: StepGraphs | None = None
-        # MoE routing lists the experts hit on the host: no graph can hold that step
-        if device.type == "cuda" and not cfg.enforce_eager and model_cfg.moe is None:
+        if device.type == "cuda" and not cfg.enforce_eager:
             self.enable_graphs(capture=True)
 
     def enable_graphs(self, capture: bool = True) -> StepGraphs:

@@ -4,16 +4,19 @@ float32, top-k, optional renormalisation, the weights cast back unless the famil
 them in float32; experts in ascending order, each adding its tokens by top-k position),
 plus Qwen2-MoE's sigmoid-gated shared expert.
 
-The reference path on every backend: each routed expert is a gather, two matmuls and an
-index_add, with a host sync to list the experts hit, so a MoE model runs without CUDA
-graphs.
+On CUDA (and in Triton's interpreter when tests ask) the routed experts run through
+metrale.ops.moe_triton without a host sync, so a MoE step fits in a CUDA graph: the pairs
+sorted into single-expert blocks, one grouped GEMM per projection, per-pair expert LoRA,
+the k outputs of a token summed in float32 (transformers adds them one expert at a time in
+the activation dtype: equal to its rounding). The reference path (the CPU's) is each
+routed expert's gather, two matmuls and index_add, with a host sync to list the experts.
 
 LoRA on the experts (pool memory with --lora-experts): each slot holds PEFT's
 target_parameters factors, A [r * E, in] with expert e's rows at e * r, and B transposed
 [r * E, out] with expert e's at ri * E + e (ParamWrapper's layout; per-expert adapters land
 there too, metrale.adapters.plan), added to the expert's outputs per token and slot; the
-router's plain A [r, H] and B^T [r, E] added to its logits before the softmax. No LoRA on
-the shared expert.
+router's plain A [r, H] and B^T [r, E] added to its logits before the softmax, as any
+projection's (metrale.ops.lora). No LoRA on the shared expert.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.config import ModelConfig
-from metrale.forward_context import get_context
+from metrale.config import ROUTER_MODULE, ModelConfig
+from metrale.forward_context import LoraBatch, get_context
+from metrale.ops import fused_triton as fused
+from metrale.ops import lora as lora_ops
+from metrale.ops import moe_triton
 
 
 class MoeMLP(nn.Module):
@@ -33,7 +39,9 @@ class MoeMLP(nn.Module):
         moe = cfg.moe
         e, h, i = moe.num_experts, cfg.hidden_size, moe.expert_size
         self.top_k, self.norm_topk, self.fp32_weights = moe.top_k, moe.norm_topk_prob, moe.fp32_weights
-        self.experts_routed = 0
+        # [E] pairs routed to each expert by the last forward (bench/decode.py's roofline
+        # reads how many experts a step touched; written inside CUDA graphs too)
+        self.register_buffer("expert_counts", torch.zeros(e, dtype=torch.int32), persistent=False)
         self.router = nn.Parameter(torch.empty(e, h))  # [E, H]
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))  # [E, 2I, H]: gate, up
         self.experts_down = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
@@ -52,17 +60,53 @@ class MoeMLP(nn.Module):
             lora = None  # no pool memory for expert and router LoRA
         logits = F.linear(x, self.router)  # [T, E]
         if lora is not None:  # the router's: PEFT's ParamWrapper on mlp.gate.weight
-            logits = logits + self._lora(lora, "router", x, lora.slot_ids)
+            lora_ops.lora_apply(logits, x, lora, self.layer, (ROUTER_MODULE,),
+                                (slice(0, logits.shape[1]),))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.fp32_weights:
             weights = weights.to(logits.dtype)
+        if x.is_cuda or lora_ops.TRITON_ON_CPU:
+            out = self._routed_fused(x, weights, experts, lora)
+        else:
+            out = self._routed_reference(x, weights, experts, lora)
+        if self.shared_gate_up is not None:
+            gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
+            shared = F.linear(F.silu(gate) * up, self.shared_down)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+        return out
+
+    def _routed_fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                      lora: LoraBatch | None) -> torch.Tensor:
+        """x [T, H], weights and experts [T, k] -> the routed experts' sum [T, H]."""
+        T, k = experts.shape
+        blocks = moe_triton.route_blocks(experts, self.experts_gate_up.shape[0],
+                                         self.expert_counts)
+        gate_up = moe_triton.grouped_gemm(x, self.experts_gate_up, blocks, rows_div=k)  # [P, 2I]
+        self._expert_lora(lora, "experts_gate_up", gate_up, x, blocks, rows_div=k)
+        h = fused.silu_mul(gate_up) if fused.usable(gate_up) else fused.silu_mul_ref(gate_up)
+        y = moe_triton.grouped_gemm(h, self.experts_down, blocks, rows_div=1)  # [P, H]
+        self._expert_lora(lora, "experts_down", y, h, blocks, rows_div=1)
+        return (y.view(T, k, -1) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+    def _expert_lora(self, lora: LoraBatch | None, module: str, y: torch.Tensor,
+                     x: torch.Tensor, blocks: moe_triton.ExpertBlocks, rows_div: int) -> None:
+        views = lora.pool.expert_views(self.layer, module) if lora is not None else None
+        if views is None:
+            return
+        a, bt, ranks, scales = views
+        n_experts = self.experts_gate_up.shape[0]
+        moe_triton.expert_lora(y, x, lora.slot_ids, blocks.experts, moe_triton.ExpertLora(
+            a, bt, ranks, scales, n_experts, a.shape[1] // n_experts), rows_div)
+
+    def _routed_reference(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                          lora: LoraBatch | None) -> torch.Tensor:
+        flat = experts.reshape(-1)
+        self.expert_counts.zero_().scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         out = torch.zeros_like(x)
-        hit = torch.unique(experts).tolist()
-        self.experts_routed = len(hit)  # the experts this forward read (bench/decode.py's roofline)
-        for e in hit:  # ascending, as transformers visits them
+        for e in torch.unique(experts).tolist():  # ascending, as transformers visits them
             pos, tok = torch.where(experts.T == e)  # by top-k position, then token
             gate_up = F.linear(x[tok], self.experts_gate_up[e])  # [n, 2I]
             if lora is not None:
@@ -74,34 +118,27 @@ class MoeMLP(nn.Module):
             if lora is not None:
                 y = y + self._lora(lora, "experts_down", h, lora.slot_ids[tok], e)
             out.index_add_(0, tok, (y * weights[tok, pos, None]).to(out.dtype))
-        if self.shared_gate_up is not None:
-            gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
-            shared = F.linear(F.silu(gate) * up, self.shared_down)
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
         return out
 
-    def _lora(self, lora, module: str, x: torch.Tensor, slots: torch.Tensor,
-              expert: int | None = None) -> torch.Tensor | int:
-        """The LoRA delta of module on the rows x [n, in] -> [n, out]: scale * (x A^T) B by
-        each row's slot (slots [n]); an expert module's A and B are expert `expert`'s rows
-        of the stacked factors. 0 where no row's slot has the module."""
-        pool, layer = lora.pool, self.layer
-        m = pool.layout.module_index(module)
+    def _lora(self, lora: LoraBatch, module: str, x: torch.Tensor, slots: torch.Tensor,
+              expert: int) -> torch.Tensor | int:
+        """The LoRA delta of expert `expert`'s module on the rows x [n, in] -> [n, out]:
+        scale * (x A^T) B by each row's slot (slots [n]); 0 where no row's slot has it."""
+        views = lora.pool.expert_views(self.layer, module)
+        if views is None:
+            return 0
+        a_all, bt_all, ranks, scales = views
+        n_experts = self.experts_gate_up.shape[0]
         delta = None
         for s in torch.unique(slots).tolist():
-            rank = int(pool.ranks[s, layer, m]) if s >= 0 else 0
+            rank = int(ranks[s]) if s >= 0 else 0
             if rank == 0:
                 continue
-            a, bt = pool.lora_a(layer, module)[s], pool.lora_bt(layer, module)[s]
-            if expert is None:
-                a, bt = a[:rank], bt[:rank]  # [r, in], [r, out]
-            else:
-                n_experts = self.experts_gate_up.shape[0]
-                a = a[:rank * n_experts].view(n_experts, rank, -1)[expert]  # [r, in]
-                bt = bt[:rank * n_experts].view(rank, n_experts, -1)[:, expert]  # [r, out]
+            a = a_all[s, :rank * n_experts].view(n_experts, rank, -1)[expert]  # [r, in]
+            bt = bt_all[s, :rank * n_experts].view(rank, n_experts, -1)[:, expert]  # [r, out]
             rows = slots == s
             h = x[rows].float() @ a.float().T  # [n_s, r]
-            d = (h @ bt.float()) * float(pool.scales[s, layer, m])  # [n_s, out]
+            d = (h @ bt.float()) * float(scales[s])  # [n_s, out]
             if delta is None:
                 delta = torch.zeros(x.shape[0], d.shape[1], dtype=torch.float32, device=x.device)
             delta[rows] = d

@@ -109,6 +109,15 @@ class AdapterPool:
             ) if picked else None
         return self._fused[key]
 
+    def expert_views(self, layer: int, module: str):
+        """(A [S, R * E, in], B^T [S, R * E, out], ranks [S], scales [S]) of a stacked expert
+        module (metrale.ops.moe_triton.ExpertLora's layout), or None if not in the pool."""
+        if (layer, module) not in self.layout.gain_offsets:
+            return None
+        m = self.layout.module_index(module)
+        return (self.lora_a(layer, module), self.lora_bt(layer, module),
+                self.ranks[:, layer, m], self.scales[:, layer, m])
+
     def slot_region(self, slot: int) -> torch.Tensor:
         n = self.layout.slot_elems
         return self.buffer[slot * n:(slot + 1) * n]

@@ -31,18 +31,22 @@ def prompts(seed: int, n: int, shared_prefix: int = 0) -> list[list[int]]:
 
 
 def assert_mixed_batch_matches(model_dir, base, adapters: dict, prompt_list: list[list[int]],
-                               n: int, tie_gap: float = 0.0, **llm_kw):
+                               n: int, tie_gap: float = 0.0, static_graphs: bool = False,
+                               **llm_kw):
     """An LLM on model_dir, with `adapters` ({name: (PEFT model, its directory)})
     registered, serves every prompt with the base and with each adapter, all in one
     batch, with greedy tokens equal to transformers + PEFT's. tie_gap: a sequence is
     compared up to the first step where the reference's top two log-probabilities are
     closer than that (a tie either side may break), and 3 in 4 of all tokens must be
-    compared. Returns the LLM."""
+    compared. static_graphs: steps through the CUDA graphs' static buffers, run eagerly
+    (the graph path off the GPU). Returns the LLM."""
     from metrale import LLM, SamplingParams  # metrale: after conftest's triton switch
 
     kw = dict(max_loras=max(1, len(adapters)), max_lora_rank=4, max_model_len=64, block_size=4,
               num_kv_blocks=64)
     llm = LLM(model_dir, **{**kw, **llm_kw})
+    if static_graphs:
+        llm.engine.runner.enable_graphs(capture=False)
     for name, (_, path) in adapters.items():
         llm.register_adapter(name, path)
     requests = [(p, a) for p in prompt_list for a in (None, *adapters)]

@@ -1,0 +1,233 @@
+"""Routed experts without a host sync, so a MoE step fits in a CUDA graph: the (token,
+top-k) pairs sorted by expert into blocks of BLOCK_M rows (torch ops on the device), one
+grouped GEMM launch per projection reading each routed expert's weights once per block,
+and per-pair expert LoRA (each pair's slot and expert pick its A and B rows).
+
+A pair p is token p // top_k's k-th pick (p = token * top_k + k), so per-pair outputs
+[P, N] view as [T, top_k, N]. The *_ref functions beside each kernel are their oracles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, tl, triton
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """The pairs of one routing sorted into single-expert blocks of block_m rows."""
+
+    pairs: torch.Tensor  # [n_blocks * block_m] int32: pair ids, n_pairs where padding
+    block_expert: torch.Tensor  # [n_blocks] int32: each block's expert
+    used_rows: torch.Tensor  # [1] int32: rows of `pairs` in blocks that hold pairs
+    experts: torch.Tensor  # [P] int32: each pair's expert
+    n_pairs: int
+    block_m: int
+
+
+@dataclass(frozen=True)
+class MoeGemmConfig:
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+
+
+def block_m_for(n_pairs: int) -> int:
+    """Rows per block: 16 (tl.dot's least) while few pairs share an expert, 64 past that."""
+    return 16 if n_pairs <= 1024 else 64
+
+
+def route_blocks(experts: torch.Tensor, num_experts: int,
+                 counts: torch.Tensor | None = None) -> ExpertBlocks:
+    """experts: [T, top_k] each token's picks -> their pairs in expert order, padded per
+    expert to whole blocks. Every size is fixed by T, top_k and num_experts (no host sync):
+    at most cdiv(P, block_m) + min(E, P) blocks hold pairs, the rest are skipped by the
+    kernels. counts: an [E] int32 buffer to count each expert's pairs into (else a new one)."""
+    flat = experts.reshape(-1)  # [P]
+    P, E = flat.numel(), num_experts
+    bm = block_m_for(P)
+    n_blocks = -(-P // bm) + min(E, P)
+    if counts is None:
+        counts = torch.zeros(E, dtype=torch.int32, device=flat.device)
+    else:
+        counts.zero_()
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    padded = (counts + bm - 1) // bm * bm  # [E]
+    ends = torch.cumsum(padded, 0, dtype=torch.int32)  # [E] block-row end of each expert
+    order = torch.argsort(flat, stable=True)  # [P] pairs by expert, in pair order within one
+    by_expert = flat[order]
+    first = torch.cumsum(counts, 0, dtype=torch.int32) - counts  # [E] expert's first sorted index
+    rank = torch.arange(P, device=flat.device, dtype=torch.int32) - first[by_expert]
+    dest = (ends - padded)[by_expert] + rank  # [P] row of each sorted pair
+    pairs = torch.full((n_blocks * bm,), P, dtype=torch.int32, device=flat.device)
+    pairs[dest] = order.to(torch.int32)
+    starts = torch.arange(n_blocks, device=flat.device, dtype=torch.int32) * bm
+    block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=E - 1).to(torch.int32)
+    return ExpertBlocks(pairs, block_expert, ends[-1:], flat.to(torch.int32), P, bm)
+
+
+def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor,
+                     rows_div: int) -> torch.Tensor:
+    """out[p] = x[p // rows_div] @ w[experts[p]]^T in fp32, rounded to x's dtype.
+    x: [R, K], w: [E, N, K], experts: [P] -> [P, N]."""
+    out = torch.empty(experts.numel(), w.shape[1], dtype=x.dtype, device=x.device)
+    rows = torch.arange(experts.numel(), device=x.device) // rows_div
+    for e in torch.unique(experts).tolist():
+        hit = experts == e
+        out[hit] = (x[rows[hit]].float() @ w[e].float().T).to(x.dtype)
+    return out
+
+
+def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, used_ptr,
+                         N, K, n_pairs, x_st, w_st_e, w_st_n, out_st,
+                         ROWS_DIV: tl.constexpr, F32_DOT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(used_ptr):
+        return  # a block past the routed pairs
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    valid = pairs < n_pairs
+    rows = (pairs // ROWS_DIV).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + rows[:, None] * x_st + k[None, :],
+                    mask=valid[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
+        b = tl.load(w_ptr + e * w_st_e + n[None, :].to(tl.int64) * w_st_n + k[:, None],
+                    mask=(n < N)[None, :] & (k < K)[:, None], other=0.0)  # [BK, BN]
+        if F32_DOT:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(out_ptr + pairs[:, None].to(tl.int64) * out_st + n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :])
+
+
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, rows_div: int,
+                 config: MoeGemmConfig | None = None) -> torch.Tensor:
+    """grouped_gemm_ref's out through one launch: x [R, K] (row p // rows_div per pair),
+    w [E, N, K] -> [P, N]; each block of pairs reads its expert's weights once."""
+    E, N, K = w.shape
+    if x.stride(1) != 1 or w.stride(2) != 1:
+        raise ValueError("grouped_gemm needs unit-stride rows in x and w")
+    out = torch.empty(blocks.n_pairs, N, dtype=x.dtype, device=x.device)
+    kernel = jit_kernel(_grouped_gemm_kernel, x.device)
+    f32_dot = x.dtype == torch.float32 or is_interpreted(kernel)
+    c = config or (MoeGemmConfig(block_k=32) if f32_dot else MoeGemmConfig())
+    grid = (blocks.block_expert.numel(), triton.cdiv(N, c.block_n))
+    kernel[grid](x, w, out, blocks.pairs, blocks.block_expert, blocks.used_rows, N, K,
+                 blocks.n_pairs, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+                 ROWS_DIV=rows_div, F32_DOT=f32_dot, BLOCK_M=blocks.block_m,
+                 BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
+                 num_stages=c.num_stages)
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertLora:
+    """One expert module's LoRA for a layer, as the pool holds it: slot s's rank r_s factors
+    stacked per expert (PEFT's ParamWrapper layout), A [S, R * E, in] with expert e's rows
+    at e * r_s, B^T [S, R * E, out] with rank row j of expert e at j * E + e."""
+
+    a: torch.Tensor  # [S, R * E, in]
+    bt: torch.Tensor  # [S, R * E, out]
+    ranks: torch.Tensor  # [S] int32 (0: no LoRA on this module)
+    scales: torch.Tensor  # [S] float32
+    num_experts: int
+    max_rank: int
+
+
+def expert_lora_ref(y: torch.Tensor, x: torch.Tensor, slot_ids: torch.Tensor,
+                    experts: torch.Tensor, lora: ExpertLora, rows_div: int) -> None:
+    """y[p] += scale_s * (x[p // rows_div] A_{s,e}^T) B_{s,e} in fp32 for each pair p of
+    y [P, out], with s = slot_ids[p // top_k] (slot_ids [T], -1: none), e = experts[p]."""
+    E, top_k = lora.num_experts, experts.numel() // slot_ids.numel()
+    for p in range(y.shape[0]):
+        s, e = int(slot_ids[p // top_k]), int(experts[p])
+        r = int(lora.ranks[s]) if s >= 0 else 0
+        if r == 0:
+            continue
+        a = lora.a[s, e * r:(e + 1) * r].float()  # [r, in]
+        bt = lora.bt[s, torch.arange(r, device=y.device) * E + e].float()  # [r, out]
+        d = (x[p // rows_div].float() @ a.T) @ bt * float(lora.scales[s])
+        y[p] = (y[p].float() + d).to(y.dtype)
+
+
+def _expert_shrink_kernel(x_ptr, a_ptr, h_ptr, slot_ptr, expert_ptr, rank_ptr, K, x_st, a_st_s,
+                          a_st_r, h_st, rank_st, TOP_K: tl.constexpr, ROWS_DIV: tl.constexpr,
+                          R: tl.constexpr, BLOCK_K: tl.constexpr):
+    p = tl.program_id(0)
+    s = tl.load(slot_ptr + p // TOP_K).to(tl.int32)
+    r = tl.load(rank_ptr + tl.maximum(s, 0) * rank_st)
+    if (s < 0) | (r == 0):
+        return  # the expand skips this pair too
+    e = tl.load(expert_ptr + p)
+    j = tl.arange(0, R)
+    a_rows = a_ptr + s.to(tl.int64) * a_st_s + (e * r + j).to(tl.int64)[:, None] * a_st_r
+    x_row = x_ptr + (p // ROWS_DIV).to(tl.int64) * x_st
+    acc = tl.zeros((R,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)  # [BK]
+        a = tl.load(a_rows + k[None, :], mask=(j < r)[:, None] & (k < K)[None, :],
+                    other=0.0).to(tl.float32)  # [R, BK]
+        acc += tl.sum(a * xk[None, :], axis=1)
+    tl.store(h_ptr + p.to(tl.int64) * h_st + j, acc)
+
+
+def _expert_expand_kernel(y_ptr, h_ptr, bt_ptr, slot_ptr, expert_ptr, rank_ptr, scale_ptr, N, E,
+                          y_st, h_st, b_st_s, b_st_r, rank_st, scale_st, TOP_K: tl.constexpr,
+                          R: tl.constexpr, BLOCK_N: tl.constexpr):
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    s = tl.load(slot_ptr + p // TOP_K).to(tl.int32)
+    r = tl.load(rank_ptr + tl.maximum(s, 0) * rank_st)
+    if (s < 0) | (r == 0):
+        return
+    e = tl.load(expert_ptr + p)
+    j = tl.arange(0, R)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.load(h_ptr + p.to(tl.int64) * h_st + j, mask=j < r, other=0.0)  # [R]
+    bt = tl.load(bt_ptr + s.to(tl.int64) * b_st_s + (j * E + e).to(tl.int64)[:, None] * b_st_r
+                 + n[None, :], mask=(j < r)[:, None] & (n < N)[None, :], other=0.0)  # [R, BN]
+    d = tl.sum(h[:, None] * bt.to(tl.float32), axis=0) * tl.load(scale_ptr + s * scale_st)
+    y = y_ptr + p.to(tl.int64) * y_st + n
+    old = tl.load(y, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(y, (old + d).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+def expert_lora(y: torch.Tensor, x: torch.Tensor, slot_ids: torch.Tensor,
+                experts: torch.Tensor, lora: ExpertLora, rows_div: int) -> None:
+    """expert_lora_ref in two launches (a pair per program; the expand split over columns)."""
+    P, N = y.shape
+    K, top_k = x.shape[1], P // slot_ids.numel()
+    if not P:
+        return
+    for t, name in ((x, "x"), (y, "y"), (lora.a, "A"), (lora.bt, "B")):
+        if t.stride(-1) != 1:
+            raise ValueError(f"expert_lora needs unit-stride rows in {name}")
+    R = next_pow2(lora.max_rank)
+    h = torch.empty(P, R, dtype=torch.float32, device=y.device)
+    shrink = jit_kernel(_expert_shrink_kernel, y.device)
+    shrink[(P,)](x, lora.a, h, slot_ids, experts, lora.ranks, K, x.stride(0), lora.a.stride(0),
+                 lora.a.stride(1), h.stride(0), lora.ranks.stride(0), TOP_K=top_k,
+                 ROWS_DIV=rows_div, R=R,
+                 BLOCK_K=min(256, next_pow2(K)), num_warps=4)
+    bn = min(256, next_pow2(N))
+    expand = jit_kernel(_expert_expand_kernel, y.device)
+    expand[(P, triton.cdiv(N, bn))](y, h, lora.bt, slot_ids, experts, lora.ranks, lora.scales,
+                                    N, lora.num_experts, y.stride(0), h.stride(0),
+                                    lora.bt.stride(0), lora.bt.stride(1), lora.ranks.stride(0),
+                                    lora.scales.stride(0), TOP_K=top_k, R=R, BLOCK_N=bn,
+                                    num_warps=4)
