@@ -19,11 +19,19 @@ def _routing(T: int, k: int, E: int, seed: int) -> torch.Tensor:
     return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
 
 
-@pytest.mark.parametrize("T,k,E", [(1, 1, 4), (5, 2, 8), (40, 4, 6), (300, 4, 16)])
+@pytest.mark.parametrize("T,k,E", [(1, 1, 4), (5, 2, 8), (40, 4, 6), (300, 4, 16), (64, 8, 128)])
 def test_route_blocks_puts_every_pair_once_in_a_block_of_its_expert(T, k, E):
+    """The torch oracle by its invariants; the one-launch kernel gives its arrays exactly."""
     experts = _routing(T, k, E, seed=T)
     counts = torch.full((E,), 99, dtype=torch.int32, device=DEVICE)  # stale counts must not leak in
-    b = moe_triton.route_blocks(experts, E, counts)
+    b = moe_triton.route_blocks_ref(experts, E, counts)
+    if KERNELS:
+        kernel_counts = torch.full((E,), 99, dtype=torch.int32, device=DEVICE)
+        got = moe_triton.route_blocks(experts, E, kernel_counts)
+        for name in ("pairs", "block_expert", "used_rows", "experts"):
+            assert torch.equal(getattr(got, name), getattr(b, name)), name
+        assert torch.equal(kernel_counts, counts)
+        assert (got.n_pairs, got.block_m) == (b.n_pairs, b.block_m)
     P, bm = T * k, b.block_m
     assert b.n_pairs == P and torch.equal(b.experts, experts.reshape(-1).to(torch.int32))
     assert torch.equal(counts, torch.bincount(experts.reshape(-1), minlength=E).to(torch.int32))

@@ -30,10 +30,12 @@ class ExpertBlocks:
 
 @dataclass(frozen=True)
 class MoeGemmConfig:
-    block_n: int = 64
-    block_k: int = 64
+    # bench/moe_gemm.py --sweep (H200, Qwen3-30B-A3B shapes): in the top five at 32 and
+    # 256 tokens for both projections, the best at 1 token for gate_up
+    block_n: int = 128
+    block_k: int = 128
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -47,21 +49,18 @@ def block_m_for(n_pairs: int) -> int:
     return 16 if n_pairs <= 1024 else 64
 
 
-def route_blocks(experts: torch.Tensor, num_experts: int,
-                 counts: torch.Tensor | None = None) -> ExpertBlocks:
-    """experts: [T, top_k] each token's picks -> their pairs in expert order, padded per
-    expert to whole blocks. Every size is fixed by T, top_k and num_experts (no host sync):
-    at most cdiv(P, block_m) + min(E, P) blocks hold pairs, the rest are skipped by the
-    kernels. counts: an [E] int32 buffer to count each expert's pairs into (else a new one)."""
+def route_blocks_ref(experts: torch.Tensor, num_experts: int,
+                     counts: torch.Tensor | None = None) -> ExpertBlocks:
+    """experts: [T, top_k] each token's picks -> their pairs in expert order (pair order
+    within an expert), padded per expert to whole blocks. Every size is fixed by T, top_k
+    and num_experts: at most cdiv(P, block_m) + min(E, P) blocks hold pairs, the rest are
+    skipped by the kernels. counts: an [E] int32 buffer to count each expert's pairs into
+    (else a new one). Torch ops on the device, ~15 launches: route_blocks's oracle."""
     flat = experts.reshape(-1)  # [P]
     P, E = flat.numel(), num_experts
     bm = block_m_for(P)
-    n_blocks = -(-P // bm) + min(E, P)
-    if counts is None:
-        counts = torch.zeros(E, dtype=torch.int32, device=flat.device)
-    else:
-        counts.zero_()
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    counts = _counts_buffer(counts, E, flat.device)
+    counts.zero_().scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     padded = (counts + bm - 1) // bm * bm  # [E]
     ends = torch.cumsum(padded, 0, dtype=torch.int32)  # [E] block-row end of each expert
     order = torch.argsort(flat, stable=True)  # [P] pairs by expert, in pair order within one
@@ -69,11 +68,82 @@ def route_blocks(experts: torch.Tensor, num_experts: int,
     first = torch.cumsum(counts, 0, dtype=torch.int32) - counts  # [E] expert's first sorted index
     rank = torch.arange(P, device=flat.device, dtype=torch.int32) - first[by_expert]
     dest = (ends - padded)[by_expert] + rank  # [P] row of each sorted pair
-    pairs = torch.full((n_blocks * bm,), P, dtype=torch.int32, device=flat.device)
+    pairs = torch.full((_n_blocks(P, E, bm) * bm,), P, dtype=torch.int32, device=flat.device)
     pairs[dest] = order.to(torch.int32)
-    starts = torch.arange(n_blocks, device=flat.device, dtype=torch.int32) * bm
+    starts = torch.arange(_n_blocks(P, E, bm), device=flat.device, dtype=torch.int32) * bm
     block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=E - 1).to(torch.int32)
     return ExpertBlocks(pairs, block_expert, ends[-1:], flat.to(torch.int32), P, bm)
+
+
+def _n_blocks(n_pairs: int, num_experts: int, block_m: int) -> int:
+    return -(-n_pairs // block_m) + min(num_experts, n_pairs)
+
+
+def _counts_buffer(counts: torch.Tensor | None, num_experts: int, device) -> torch.Tensor:
+    if counts is None:
+        return torch.zeros(num_experts, dtype=torch.int32, device=device)
+    if counts.shape != (num_experts,) or counts.dtype != torch.int32:
+        raise ValueError(f"counts must be [{num_experts}] int32, got {tuple(counts.shape)} {counts.dtype}")
+    return counts
+
+
+def _route_kernel(experts_ptr, experts32_ptr, counts_ptr, pairs_ptr, block_expert_ptr, used_ptr,
+                  P, E, n_rows, n_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
+    """One program: count the pairs per expert, place each pair at its expert's block rows
+    plus the pairs of that expert before it (a running one-hot prefix sum over chunks)."""
+    lanes = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        ex = tl.load(experts_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        tl.store(experts32_ptr + p, ex, mask=p < P)
+        counts += tl.sum((ex[:, None] == lanes[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BE]
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(counts_ptr + lanes, counts, mask=lanes < E)
+    tl.store(used_ptr, tl.sum(padded, axis=0))
+    for r0 in range(0, n_rows, BLOCK_P):
+        r = r0 + tl.arange(0, BLOCK_P)
+        tl.store(pairs_ptr + r, P, mask=r < n_rows)  # padding, overwritten below where a pair lands
+    tl.debug_barrier()  # the padding stores land before the pairs'
+    seen = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        ex = tl.load(experts_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        hot = (ex[:, None] == lanes[None, :]).to(tl.int32)  # [BP, BE]
+        before = tl.cumsum(hot, axis=0) - hot + seen[None, :]  # same-expert pairs before p
+        dest = tl.sum(hot * (before + starts[None, :]), axis=1)  # [BP]
+        tl.store(pairs_ptr + dest, p, mask=p < P)
+        seen += tl.sum(hot, axis=0)
+    for b0 in range(0, n_blocks, BLOCK_P):
+        b = b0 + tl.arange(0, BLOCK_P)
+        past = (ends[None, :] <= (b * BLOCK_M)[:, None]) & (lanes < E)[None, :]  # [BP, BE]
+        expert = tl.minimum(tl.sum(past.to(tl.int32), axis=1), E - 1)
+        tl.store(block_expert_ptr + b, expert, mask=b < n_blocks)
+
+
+def route_blocks(experts: torch.Tensor, num_experts: int,
+                 counts: torch.Tensor | None = None) -> ExpertBlocks:
+    """route_blocks_ref's blocks in one launch (a single program: P is a batch's pairs)."""
+    flat = experts.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    P, E = flat.numel(), num_experts
+    bm = block_m_for(P)
+    n_blocks = _n_blocks(P, E, bm)
+    counts = _counts_buffer(counts, E, flat.device)
+    experts32 = torch.empty(P, dtype=torch.int32, device=flat.device)
+    pairs = torch.empty(n_blocks * bm, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=flat.device)
+    used = torch.empty(1, dtype=torch.int32, device=flat.device)
+    block_e = max(16, next_pow2(E))
+    kernel = jit_kernel(_route_kernel, flat.device)
+    kernel[(1,)](flat, experts32, counts, pairs, block_expert, used, P, E, n_blocks * bm,
+                 n_blocks, BLOCK_M=bm, BLOCK_E=block_e, BLOCK_P=max(16, min(256, 8192 // block_e)),
+                 num_warps=8)
+    return ExpertBlocks(pairs, block_expert, used, experts32, P, bm)
 
 
 def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor,
@@ -125,7 +195,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, rows_di
     out = torch.empty(blocks.n_pairs, N, dtype=x.dtype, device=x.device)
     kernel = jit_kernel(_grouped_gemm_kernel, x.device)
     f32_dot = x.dtype == torch.float32 or is_interpreted(kernel)
-    c = config or (MoeGemmConfig(block_k=32) if f32_dot else MoeGemmConfig())
+    c = config or (MoeGemmConfig(64, 32, 4, 3) if f32_dot else MoeGemmConfig())
     grid = (blocks.block_expert.numel(), triton.cdiv(N, c.block_n))
     kernel[grid](x, w, out, blocks.pairs, blocks.block_expert, blocks.used_rows, N, K,
                  blocks.n_pairs, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
@@ -222,8 +292,8 @@ def expert_lora(y: torch.Tensor, x: torch.Tensor, slot_ids: torch.Tensor,
     shrink = jit_kernel(_expert_shrink_kernel, y.device)
     shrink[(P,)](x, lora.a, h, slot_ids, experts, lora.ranks, K, x.stride(0), lora.a.stride(0),
                  lora.a.stride(1), h.stride(0), lora.ranks.stride(0), TOP_K=top_k,
-                 ROWS_DIV=rows_div, R=R,
-                 BLOCK_K=min(256, next_pow2(K)), num_warps=4)
+                 ROWS_DIV=rows_div, R=R,  # a pair's whole A slice in one load, ~32K elements
+                 BLOCK_K=min(next_pow2(K), max(64, 32768 // R)), num_warps=8)
     bn = min(256, next_pow2(N))
     expand = jit_kernel(_expert_expand_kernel, y.device)
     expand[(P, triton.cdiv(N, bn))](y, h, lora.bt, slot_ids, experts, lora.ranks, lora.scales,
