@@ -1,14 +1,17 @@
 """The routed experts of one MoE layer (metrale.ops.moe_triton) at the Qwen3-30B-A3B shape
 against their byte floor: random top-k routing of T tokens, the grouped GEMM of each
 projection alone (a config sweep with --sweep), and the whole routed MLP as the model runs
-it (routing into blocks, gate_up GEMM, SiLU-mul, down GEMM, the weighted sum).
+it (routing into blocks, gate_up GEMM, SiLU-mul, down GEMM, the weighted sum); and the
+per-pair expert LoRA (r=16) of each projection with 1 adapter or one per token.
 
-    PYTHONPATH=. python bench/moe_gemm.py [--tokens 1 32 256] [--sweep]
+    PYTHONPATH=. python bench/moe_gemm.py [--tokens 1 32 256] [--sweep] [--sweep-lora]
 
 JSON `moe_gemm[qwen3-30b-a3b <proj|mlp> t<T>]`: us (CUDA graph of the op, median per call),
 floor_us (the weights of the experts the routing hits, plus activations, at the copy
 bandwidth of the same run), over_floor = floor_us / us (the share of the copy speed
-reached), experts_hit, config; with --sweep best_us / best_config.
+reached), experts_hit, config; with --sweep best_us / best_config. `moe_gemm[qwen3-30b-a3b
+lora_<proj> t<T> a<adapters>]`: the same for moe_triton.expert_lora, its floor the A and B
+slices of the (adapter, expert) pairs routed plus the activations read and written.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from metrale.ops import moe_triton as mt
 
 SWEEP = [mt.MoeGemmConfig(bn, bk, w, st) for bn, bk, w, st in
          itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4))]
+LORA_SWEEP = [mt.ExpertLoraConfig(sk, 0, sw, bn, 4) for sk, sw, bn in
+              itertools.product((1, 2, 4, 8), (4, 8), (128, 256))]
+RANK, SLOTS = 16, 33
 
 
 def routed_mlp(x, weights, experts, gate_up_w, down_w, counts):
@@ -37,7 +43,16 @@ def routed_mlp(x, weights, experts, gate_up_w, down_w, counts):
     return (y.view(T, k, -1) * weights.unsqueeze(-1)).sum(1)
 
 
-def run(tokens: list[int], sweep: bool, model: str = "qwen3-30b-a3b") -> dict:
+def _expert_lora(E: int, n_in: int, n_out: int) -> mt.ExpertLora:
+    """SLOTS slots of rank-RANK expert factors in the pool's stacked layout."""
+    a = torch.randn(SLOTS, RANK * E, n_in, device="cuda", dtype=torch.bfloat16) * 0.02
+    bt = torch.randn(SLOTS, RANK * E, n_out, device="cuda", dtype=torch.bfloat16) * 0.02
+    ranks = torch.full((SLOTS,), RANK, dtype=torch.int32, device="cuda")
+    scales = torch.full((SLOTS,), 2.0, device="cuda")
+    return mt.ExpertLora(a, bt, ranks, scales, E, RANK)
+
+
+def run(tokens: list[int], sweep: bool, sweep_lora: bool, model: str = "qwen3-30b-a3b") -> dict:
     c = CONFIGS[model]
     E, k, H, I = c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
     bw = copy_bandwidth("cuda")
@@ -70,6 +85,26 @@ def run(tokens: list[int], sweep: bool, model: str = "qwen3-30b-a3b") -> dict:
         for key in (f"{model} gate_up t{T}", f"{model} down t{T}", f"{model} mlp t{T}"):
             print(key, {a: (round(b, 3) if isinstance(b, float) else b)
                         for a, b in out[key].items()}, flush=True)
+        for n_adapters in sorted({1, min(T, 32)}):
+            slot_ids = torch.arange(T, device="cuda") % n_adapters
+            slices = len({(int(s), int(e)) for s, row in zip(slot_ids.tolist(), experts.tolist())
+                          for e in row})
+            for proj, inp, n, rows_div in (("gate_up", x, 2 * I, k), ("down", h, H, 1)):
+                lora = _expert_lora(E, inp.shape[1], n)
+                y = torch.randn(T * k, n, device="cuda", dtype=torch.bfloat16)
+                floor = (slices * RANK * (inp.shape[1] + n) * 2 + inp.numel() * 2
+                         + 2 * y.numel() * 2) / bw * 1e6
+                run_lora = functools.partial(mt.expert_lora, y, inp, slot_ids, blocks.experts,
+                                             lora, rows_div)
+                row = {"us": graph_us(run_lora), "floor_us": floor, "slices": slices,
+                       "config": str(dataclasses.astuple(mt.ExpertLoraConfig()))}
+                if sweep_lora:
+                    row.update(sweep_configs(run_lora, LORA_SWEEP))
+                row["over_floor"] = floor / row["us"]
+                key = f"{model} lora_{proj} t{T} a{n_adapters}"
+                out[key] = row
+                print(key, {a: (round(b, 3) if isinstance(b, float) else b)
+                            for a, b in row.items()}, flush=True)
     out["copy_bw_GBs"] = bw / 1e9
     return out
 
@@ -78,14 +113,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 256])
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's configs per shape")
+    ap.add_argument("--sweep-lora", action="store_true", help="also time LORA_SWEEP's configs")
     args = ap.parse_args()
-    res = run(args.tokens, args.sweep)
+    res = run(args.tokens, args.sweep, args.sweep_lora)
     for key, row in res.items():
         if isinstance(row, dict):
             merge_results(results_path("cuda"), "moe_gemm", key, row)
     rows = [{"shape": k, **v} for k, v in res.items() if isinstance(v, dict)]
-    print(table(rows, ["shape", "us", "floor_us", "over_floor", "experts_hit", "config",
-                       "best_us", "best_config"]))
+    print(table(rows, ["shape", "us", "floor_us", "over_floor", "experts_hit", "slices",
+                       "config", "best_us", "best_config"]))
 
 
 if __name__ == "__main__":

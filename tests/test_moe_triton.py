@@ -87,7 +87,9 @@ def _expert_lora(S: int, E: int, R: int, ranks: list[int], n_in: int, n_out: int
 
 @kernels
 @pytest.mark.parametrize("rows_div", [1, 2])
-def test_expert_lora_equals_the_per_pair_reference(rows_div):
+@pytest.mark.parametrize("config", [None, moe_triton.ExpertLoraConfig(4, 16, 4, 16, 4)],
+                         ids=["default", "split"])
+def test_expert_lora_equals_the_per_pair_reference(rows_div, config):
     torch.manual_seed(2)
     T, k, E, n_in, n_out = 6, 2, 4, 24, 40
     lora = _expert_lora(S=3, E=E, R=4, ranks=[2, 0, 4], n_in=n_in, n_out=n_out)
@@ -96,7 +98,7 @@ def test_expert_lora_equals_the_per_pair_reference(rows_div):
     x = torch.randn(T * k // rows_div, n_in).to(DEVICE)
     y0 = torch.randn(T * k, n_out).to(DEVICE)
     got, want = y0.clone(), y0.clone()
-    moe_triton.expert_lora(got, x, slot_ids, experts, lora, rows_div)
+    moe_triton.expert_lora(got, x, slot_ids, experts, lora, rows_div, config)
     moe_triton.expert_lora_ref(want, x, slot_ids, experts, lora, rows_div)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     untouched = (slot_ids < 0) | (slot_ids == 1)

@@ -235,10 +235,11 @@ def expert_lora_ref(y: torch.Tensor, x: torch.Tensor, slot_ids: torch.Tensor,
         y[p] = (y[p].float() + d).to(y.dtype)
 
 
-def _expert_shrink_kernel(x_ptr, a_ptr, h_ptr, slot_ptr, expert_ptr, rank_ptr, K, x_st, a_st_s,
-                          a_st_r, h_st, rank_st, TOP_K: tl.constexpr, ROWS_DIV: tl.constexpr,
-                          R: tl.constexpr, BLOCK_K: tl.constexpr):
-    p = tl.program_id(0)
+def _expert_shrink_kernel(x_ptr, a_ptr, h_ptr, slot_ptr, expert_ptr, rank_ptr, K, K_PER, x_st,
+                          a_st_s, a_st_r, h_st_k, h_st, rank_st, TOP_K: tl.constexpr,
+                          ROWS_DIV: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[ks, p] = x[p // ROWS_DIV] A_{s,e}^T over split ks's K_PER columns."""
+    p, ks = tl.program_id(0), tl.program_id(1)
     s = tl.load(slot_ptr + p // TOP_K).to(tl.int32)
     r = tl.load(rank_ptr + tl.maximum(s, 0) * rank_st)
     if (s < 0) | (r == 0):
@@ -248,18 +249,19 @@ def _expert_shrink_kernel(x_ptr, a_ptr, h_ptr, slot_ptr, expert_ptr, rank_ptr, K
     a_rows = a_ptr + s.to(tl.int64) * a_st_s + (e * r + j).to(tl.int64)[:, None] * a_st_r
     x_row = x_ptr + (p // ROWS_DIV).to(tl.int64) * x_st
     acc = tl.zeros((R,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(ks * K_PER, tl.minimum(K, (ks + 1) * K_PER), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xk = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)  # [BK]
         a = tl.load(a_rows + k[None, :], mask=(j < r)[:, None] & (k < K)[None, :],
                     other=0.0).to(tl.float32)  # [R, BK]
         acc += tl.sum(a * xk[None, :], axis=1)
-    tl.store(h_ptr + p.to(tl.int64) * h_st + j, acc)
+    tl.store(h_ptr + ks * h_st_k + p.to(tl.int64) * h_st + j, acc)
 
 
 def _expert_expand_kernel(y_ptr, h_ptr, bt_ptr, slot_ptr, expert_ptr, rank_ptr, scale_ptr, N, E,
-                          y_st, h_st, b_st_s, b_st_r, rank_st, scale_st, TOP_K: tl.constexpr,
-                          R: tl.constexpr, BLOCK_N: tl.constexpr):
+                          y_st, h_st_k, h_st, b_st_s, b_st_r, rank_st, scale_st,
+                          TOP_K: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
     p, pid_n = tl.program_id(0), tl.program_id(1)
     s = tl.load(slot_ptr + p // TOP_K).to(tl.int32)
     r = tl.load(rank_ptr + tl.maximum(s, 0) * rank_st)
@@ -268,7 +270,9 @@ def _expert_expand_kernel(y_ptr, h_ptr, bt_ptr, slot_ptr, expert_ptr, rank_ptr, 
     e = tl.load(expert_ptr + p)
     j = tl.arange(0, R)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    h = tl.load(h_ptr + p.to(tl.int64) * h_st + j, mask=j < r, other=0.0)  # [R]
+    ks = tl.arange(0, SPLIT)
+    h = tl.sum(tl.load(h_ptr + ks[:, None] * h_st_k + p.to(tl.int64) * h_st + j[None, :],
+                       mask=(j < r)[None, :], other=0.0), axis=0)  # [R]: the splits' partials
     bt = tl.load(bt_ptr + s.to(tl.int64) * b_st_s + (j * E + e).to(tl.int64)[:, None] * b_st_r
                  + n[None, :], mask=(j < r)[:, None] & (n < N)[None, :], other=0.0)  # [R, BN]
     d = tl.sum(h[:, None] * bt.to(tl.float32), axis=0) * tl.load(scale_ptr + s * scale_st)
@@ -277,9 +281,28 @@ def _expert_expand_kernel(y_ptr, h_ptr, bt_ptr, slot_ptr, expert_ptr, rank_ptr, 
     tl.store(y, (old + d).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
+@dataclass(frozen=True)
+class ExpertLoraConfig:
+    split_k: int = 0  # K splits of the shrink (a power of two); 0: enough for ~512 programs
+    shrink_block_k: int = 0  # 0: a split's columns in one load, up to 32K elements of A
+    shrink_warps: int = 8
+    expand_block_n: int = 256
+    expand_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("split_k", "shrink_block_k"):
+            v = getattr(self, name)
+            if v < 0 or v & (v - 1):
+                raise ValueError(f"{name} must be 0 or a power of two, got {v}")
+        if self.expand_block_n < 16 or self.expand_block_n & (self.expand_block_n - 1):
+            raise ValueError(f"expand_block_n must be a power of two >= 16, got {self.expand_block_n}")
+
+
 def expert_lora(y: torch.Tensor, x: torch.Tensor, slot_ids: torch.Tensor,
-                experts: torch.Tensor, lora: ExpertLora, rows_div: int) -> None:
-    """expert_lora_ref in two launches (a pair per program; the expand split over columns)."""
+                experts: torch.Tensor, lora: ExpertLora, rows_div: int,
+                config: ExpertLoraConfig | None = None) -> None:
+    """expert_lora_ref in two launches: the shrink a program per pair and K split (partial
+    sums per split, no atomics), the expand a program per pair and column tile."""
     P, N = y.shape
     K, top_k = x.shape[1], P // slot_ids.numel()
     if not P:
@@ -287,17 +310,21 @@ def expert_lora(y: torch.Tensor, x: torch.Tensor, slot_ids: torch.Tensor,
     for t, name in ((x, "x"), (y, "y"), (lora.a, "A"), (lora.bt, "B")):
         if t.stride(-1) != 1:
             raise ValueError(f"expert_lora needs unit-stride rows in {name}")
+    c = config or ExpertLoraConfig()
     R = next_pow2(lora.max_rank)
-    h = torch.empty(P, R, dtype=torch.float32, device=y.device)
+    split = c.split_k or min(next_pow2(-(-512 // P)), max(1, next_pow2(K) // 256))
+    block_k = c.shrink_block_k or min(next_pow2(-(-K // split)), max(64, 32768 // R))
+    k_per = -(-(-(-K // split)) // block_k) * block_k
+    h = torch.empty(split, P, R, dtype=torch.float32, device=y.device)
     shrink = jit_kernel(_expert_shrink_kernel, y.device)
-    shrink[(P,)](x, lora.a, h, slot_ids, experts, lora.ranks, K, x.stride(0), lora.a.stride(0),
-                 lora.a.stride(1), h.stride(0), lora.ranks.stride(0), TOP_K=top_k,
-                 ROWS_DIV=rows_div, R=R,  # a pair's whole A slice in one load, ~32K elements
-                 BLOCK_K=min(next_pow2(K), max(64, 32768 // R)), num_warps=8)
-    bn = min(256, next_pow2(N))
+    shrink[(P, split)](x, lora.a, h, slot_ids, experts, lora.ranks, K, k_per, x.stride(0),
+                       lora.a.stride(0), lora.a.stride(1), h.stride(0), h.stride(1),
+                       lora.ranks.stride(0), TOP_K=top_k, ROWS_DIV=rows_div, R=R,
+                       BLOCK_K=block_k, num_warps=c.shrink_warps)
+    bn = min(c.expand_block_n, next_pow2(N))
     expand = jit_kernel(_expert_expand_kernel, y.device)
     expand[(P, triton.cdiv(N, bn))](y, h, lora.bt, slot_ids, experts, lora.ranks, lora.scales,
-                                    N, lora.num_experts, y.stride(0), h.stride(0),
+                                    N, lora.num_experts, y.stride(0), h.stride(0), h.stride(1),
                                     lora.bt.stride(0), lora.bt.stride(1), lora.ranks.stride(0),
-                                    lora.scales.stride(0), TOP_K=top_k, R=R, BLOCK_N=bn,
-                                    num_warps=4)
+                                    lora.scales.stride(0), TOP_K=top_k, R=R, SPLIT=split,
+                                    BLOCK_N=bn, num_warps=c.expand_warps)
