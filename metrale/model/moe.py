@@ -7,8 +7,8 @@ plus Qwen2-MoE's sigmoid-gated shared expert.
 On CUDA (and in Triton's interpreter when tests ask) the routed experts run through
 metrale.ops.moe_triton without a host sync, so a MoE step fits in a CUDA graph: the pairs
 sorted into single-expert blocks, one grouped GEMM per projection, per-pair expert LoRA,
-the k outputs of a token summed in float32 (transformers adds them one expert at a time in
-the activation dtype: equal to its rounding). The reference path (the CPU's) is each
+each output weighted in the activation dtype as transformers does, a token's k summed in
+float32 and rounded once (transformers adds them one expert at a time in that dtype). The reference path (the CPU's) is each
 routed expert's gather, two matmuls and index_add, with a host sync to list the experts.
 
 LoRA on the experts (pool memory with --lora-experts): each slot holds PEFT's
@@ -55,9 +55,7 @@ class MoeMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
-        lora = get_context().lora
-        if lora is not None and "experts_gate_up" not in lora.pool.layout.pool.target_modules:
-            lora = None  # no pool memory for expert and router LoRA
+        lora = get_context().lora  # modules without pool memory (no --lora-experts) add nothing
         logits = F.linear(x, self.router)  # [T, E]
         if lora is not None:  # the router's: PEFT's ParamWrapper on mlp.gate.weight
             lora_ops.lora_apply(logits, x, lora, self.layer, (ROUTER_MODULE,),
