@@ -22,10 +22,11 @@ per mode (base, lora1, lora32) the median step wall time (*_step_ms) and on CUDA
 step's graph replayed alone (*_graph_ms; batches over 64 run eagerly: nan), so
 base_host_share is the host's part of a step and base_graph_over_roofline the GPU's own
 distance from the HBM floor; for lora1/lora32 the adapter bytes a step reads
-(*_lora_bytes_per_step: every slot the batch touches, an expert module's routed slices), the ratio to the byte bound
-base_tok_s * step_bytes / (step_bytes + lora bytes) (*_over_byte_bound) and the share of
-a step that is LoRA (*_lora_share). --kernels adds kernel_table: bench/lora_kernels.py's
-rows for this model's groups at 1, 32, 64 and 256 tokens.
+(*_lora_bytes_per_step: every slot the batch touches, an expert module's routed
+slices), the ratio to the byte bound base_tok_s * step_bytes / (step_bytes + lora bytes)
+(*_over_byte_bound) and the share of a step that is LoRA (*_lora_share). --kernels adds
+kernel_table: bench/lora_kernels.py's rows for this model's groups at 1, 32, 64 and 256
+tokens.
 
 --mixed adds JSON `decode_mixed[<model>]`: adapter kinds mixed per token in one batch of 32
 distinct adapters, on one engine started with --lora-extra-targets embed_tokens,lm_head:

@@ -28,6 +28,10 @@ EXPERT_MODULES = ("experts_gate_up", "experts_down")
 # its router (target_parameters on mlp.gate.weight): a plain A [r, hidden], B [E, r]
 ROUTER_MODULE = "router"
 MOE_MODULES = (*EXPERT_MODULES, ROUTER_MODULE)  # pool memory with --lora-experts
+# Qwen2-MoE's shared expert, a dense gated MLP beside the routed ones, and its sigmoid gate
+# (a Linear to one output): plain Linears PEFT wraps (all-linear too), pool memory by default
+SHARED_EXPERT_MODULES = ("shared_gate_proj", "shared_up_proj", "shared_down_proj",
+                         "shared_expert_gate")
 # the parameter PEFT's target_parameters names, under the module's path
 MOE_PARAMS = {"experts_gate_up": "gate_up_proj", "experts_down": "down_proj",
               ROUTER_MODULE: "weight"}
@@ -202,9 +206,10 @@ class ModelConfig:
 
     def layer_modules(self, layer: int) -> tuple[str, ...]:
         """The LoRA-targetable modules of a decoder layer: an expert layer offers attention,
-        its stacked experts and its router (shared-expert LoRA is not served)."""
+        its shared expert's Linears (Qwen2-MoE), its stacked experts and its router."""
         if self.moe is not None and layer in self.moe.layers:
-            return ATTN_MODULES + MOE_MODULES
+            shared = SHARED_EXPERT_MODULES if self.moe.shared_expert_size else ()
+            return ATTN_MODULES + shared + MOE_MODULES
         return LINEAR_MODULES
 
     def window_masks(self, max_len: int) -> bool:
@@ -255,9 +260,11 @@ class ModelConfig:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
         }
         if self.moe is not None:
-            e = self.moe.expert_size
+            e, s = self.moe.expert_size, self.moe.shared_expert_size
             shapes.update(experts_gate_up=(h, 2 * e), experts_down=(e, h),
-                          router=(h, self.moe.num_experts))
+                          router=(h, self.moe.num_experts), shared_gate_proj=(h, s),
+                          shared_up_proj=(h, s), shared_down_proj=(s, h),
+                          shared_expert_gate=(h, 1))
         return shapes[module]
 
     def module_rows(self, module: str) -> int:
@@ -275,6 +282,10 @@ class ModelConfig:
             return f"model.layers.{layer}.mlp.experts"
         if module == ROUTER_MODULE:
             return f"model.layers.{layer}.mlp.gate"
+        if module == "shared_expert_gate":
+            return f"model.layers.{layer}.mlp.shared_expert_gate"
+        if module in SHARED_EXPERT_MODULES:  # shared_gate_proj -> mlp.shared_expert.gate_proj
+            return f"model.layers.{layer}.mlp.shared_expert.{module.removeprefix('shared_')}"
         group = "self_attn" if module in ATTN_MODULES else "mlp"
         return f"model.layers.{layer}.{group}.{module}"
 
@@ -359,7 +370,7 @@ class PoolConfig:
 
     max_loras: int = 4
     max_lora_rank: int = 16
-    target_modules: tuple[str, ...] = LINEAR_MODULES
+    target_modules: tuple[str, ...] = LINEAR_MODULES + SHARED_EXPERT_MODULES
     allow_runtime_swaps: bool = True
     # Pinned host memory for recently landed adapters as slot images (0 = no host tier);
     # a re-promotion from it is one H2D copy. Each entry takes one slot's bytes.
@@ -376,7 +387,7 @@ class PoolConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         _check_positive(self, ("max_lora_rank",))
-        known = LINEAR_MODULES + MOE_MODULES
+        known = LINEAR_MODULES + SHARED_EXPERT_MODULES + MOE_MODULES
         unknown = set(self.target_modules) - set(known)
         if unknown or not self.target_modules:
             raise ConfigError(

@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -154,19 +155,56 @@ def test_qwen2_moe_shared_expert_is_served(tmp_path):
     assert not _matches(llm, base, ps)
 
 
+@pytest.mark.parametrize("path", ["reference", "kernels"])
+def test_qwen2_moe_all_linear_adapters_reach_the_shared_expert(tmp_path, monkeypatch, path):
+    """PEFT's all-linear on Qwen2-MoE wraps the shared expert's gate/up/down and its sigmoid
+    gate (a Linear to one output): such adapters, plain and DoRA, with an attention-only
+    one, three through two slots in one batch, equal transformers + PEFT (on the kernels'
+    path through the graphs' static buffers too); dropping the shared expert's LoRA from the
+    served model changes the answer."""
+    from metrale.ops import lora as lora_ops
+
+    if path == "kernels":
+        monkeypatch.setattr(lora_ops, "TRITON_ON_CPU", True)
+    base = make_model("qwen2_moe", seed=7)
+    save_model(base, tmp_path / "model")
+    specs = {"all": dict(target_modules="all-linear"),
+             "dora": dict(target_modules="all-linear", use_dora=True),
+             "attn": dict(target_modules=ATTENTION)}
+    adapters = {name: (make_adapter(base, tmp_path / name, seed=seed, r=4, lora_alpha=8, **spec),
+                       tmp_path / name) for seed, (name, spec) in enumerate(specs.items(), 40)}
+    with safe_open(tmp_path / "all" / "adapter_model.safetensors", "pt") as f:
+        assert any(".mlp.shared_expert_gate.lora_A" in k for k in f.keys())
+    ps = prompts(16, 2)
+    llm = assert_mixed_batch_matches(tmp_path / "model", base, adapters, ps, GEN, max_loras=2,
+                                     static_graphs=path == "kernels")
+    if path == "kernels":
+        return
+    monkeypatch.setattr(moe.MoeMLP, "_linear", lambda self, x, w, *lora: F.linear(x, w))
+    params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+    got = [list(o.token_ids) for o in llm.generate(ps, params, ["all"] * len(ps))]
+    assert got != [hf_greedy(adapters["all"][0], p, GEN)[0] for p in ps]
+
+
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 @pytest.fixture(scope="module")
 def expert_adapters(family):
     """PEFT's expert LoRA (target_parameters on the stacked experts): both parameters beside
-    the attention, the down projection alone; LoRA on the router's weight."""
+    the attention, the down projection alone; LoRA on the router's weight; all of it with
+    all-linear."""
     arch, root, base, adapters = family
     specs = {"both": dict(target_modules=ATTENTION, target_parameters=EXPERTS),
              "down": dict(target_modules=["q_proj"], target_parameters=EXPERTS[1:]),
-             "router": dict(target_modules=[], target_parameters=["mlp.gate.weight"])}
-    made = {name: (make_adapter(base, root / f"e_{name}", seed=seed, r=4, lora_alpha=8, **spec),
-                   root / f"e_{name}") for seed, (name, spec) in enumerate(specs.items(), 20)}
+             "router": dict(target_modules=[], target_parameters=["mlp.gate.weight"]),
+             # PEFT 0.21 on transformers 5: attention (Qwen2-MoE: its shared expert too) and,
+             # as target_parameters it adds itself, the experts and the router, gate_up at
+             # twice the rank (its rank_pattern): r=2 fits the pools' rank 4
+             "all": dict(target_modules="all-linear", r=2, lora_alpha=4)}
+    made = {name: (make_adapter(base, root / f"e_{name}", seed=seed,
+                                **(dict(r=4, lora_alpha=8) | spec)), root / f"e_{name}")
+            for seed, (name, spec) in enumerate(specs.items(), 20)}
     return {**made, "x": adapters["x"]}
 
 
@@ -185,12 +223,13 @@ def test_expert_lora_equals_transformers_peft(family, expert_adapters):
 
 def test_swaps_between_expert_and_attention_adapters_keep_each_slot_right(family,
                                                                           expert_adapters):
-    """One slot: attention -> experts -> attention -> experts only-down; each served equal
-    to PEFT (a zeroed slot's expert rows and ranks leave nothing behind)."""
+    """One slot: attention -> experts -> everything (all-linear + experts + router) ->
+    experts only-down; each served equal to PEFT (a zeroed slot's rows and ranks leave
+    nothing behind)."""
     _, root, base, _ = family
     llm = LLM(root / "model", max_loras=1, max_lora_rank=4, max_model_len=64, block_size=4,
               num_kv_blocks=64, lora_experts=True)
-    assert_slot_swaps_match(llm, expert_adapters, ["x", "both", "x", "down"], 30, GEN)
+    assert_slot_swaps_match(llm, expert_adapters, ["x", "both", "all", "down"], 30, GEN)
 
 
 def test_expert_and_router_adapters_travel_between_peers(family, expert_adapters):
@@ -203,7 +242,7 @@ def test_expert_and_router_adapters_travel_between_peers(family, expert_adapters
 
     _, root, _, _ = family
     kw = dict(max_model_len=64, block_size=4, num_kv_blocks=64, max_lora_rank=4)
-    names = ["both", "down", "router", "x"]
+    names = ["both", "down", "router", "all", "x"]
     source = LLM(root / "model", max_loras=len(names), lora_experts=True, **kw)
     for slot, name in enumerate(names):
         source.engine.swap_lora_slot_from_disk(expert_adapters[name][1], name, slot)
@@ -225,6 +264,18 @@ def test_expert_and_router_adapters_travel_between_peers(family, expert_adapters
             without.engine.swap_lora_slot_from_peer(url, "both", "pboth", 0)
         assert snapshot(without.engine.lora) == before
     assert all(source.engine.lora.table.ref_count(s) == 0 for s in range(len(names)))
+
+
+def test_a_peer_store_serves_expert_adapters(family, expert_adapters, tmp_path):
+    """`metrale peer serve` over a directory of expert, router, all-linear and attention
+    adapters sizes its pool for what they target (expert memory because they ask for it);
+    an engine registers each by peer:// and serves it equal to transformers + PEFT."""
+    from tests.helpers.peers import assert_store_serves
+
+    _, root, _, _ = family
+    store = assert_store_serves(root / "model", expert_adapters, ["both", "router", "all", "x"],
+                                tmp_path / "store", prompts(41, 2), GEN, max_lora_rank=4)
+    assert {"experts_gate_up", "experts_down", "router"} <= set(store.slots.pool_config.target_modules)
 
 
 def test_expert_adapters_are_refused_naming_the_target(family, expert_adapters, tmp_path):

@@ -134,6 +134,16 @@ def test_swaps_between_per_expert_stacked_and_attention_adapters(family):
     assert_slot_swaps_match(llm, adapters, ["pe", "stacked", "x", "pe"], 70, GEN)
 
 
+def test_a_peer_store_serves_per_expert_adapters(family, tmp_path):
+    """A peer store sizes expert memory for a per-expert file (known only from its tensor
+    names) and exports it as the stacked layout it landed in; engines serve it as PEFT."""
+    from tests.helpers.peers import assert_store_serves
+
+    _, root, _, adapters = family
+    assert_store_serves(root / "model", adapters, ["pe", "x"], tmp_path / "store",
+                        prompts(62, 2), GEN, max_lora_rank=R)
+
+
 @pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
 def test_the_landing_kernel_places_expert_blocks_as_the_torch_path(family):
     """The one-launch landing (rows E apart, columns from an offset) writes the slot the
@@ -156,8 +166,8 @@ def test_the_landing_kernel_places_expert_blocks_as_the_torch_path(family):
 def test_per_expert_refusals_leave_the_engine_serving(tmp_path):
     """A rank the pool cannot hold once gate and up sit side by side names the rank to
     start with; scales that differ between an expert's parts are refused as such; a
-    per-expert adapter without --lora-experts names the flag; a shared-expert LoRA tensor
-    (what transformers 4's all-linear adds) names the shared expert. Each by registration
+    per-expert adapter without --lora-experts names the flag; a shared-expert LoRA tensor on
+    a model without a shared expert is a mismatch. Each by registration
     and by a swap into a slot already serving an adapter: the pool's bytes, tables and slot
     identities do not change, and the engine serves that adapter after."""
     from safetensors.torch import load_file
@@ -187,7 +197,7 @@ def test_per_expert_refusals_leave_the_engine_serving(tmp_path):
     llm.engine.swap_lora_slot_from_disk(pe, "pe", 0)  # a slot serving: it must stay so
     refusals = [(small, pe, AdapterMismatchError, "--max-lora-rank 4"),
                 (no_experts, pe, AdapterMismatchError, "--lora-experts"),
-                (llm, shared, UnsupportedAdapterError, "shared expert"),
+                (llm, shared, AdapterMismatchError, "does not target"),  # none here
                 (llm, scales, UnsupportedAdapterError, "one scale per layer")]
     for engine_llm, bad, error, message in refusals:
         before = snapshot(engine_llm.engine.lora)

@@ -56,7 +56,6 @@ _EXPERT_LINEARS = {"gate_proj": ("experts_gate_up", 0), "up_proj": ("experts_gat
 _MIXTRAL_EXPERT_LINEARS = {"w1": ("experts_gate_up", 0), "w3": ("experts_gate_up", 1),
                            "w2": ("experts_down", 0)}
 _PER_EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.")
-_SHARED_EXPERT = re.compile(r"\.mlp\.shared_expert\w*(\.|$)")
 
 
 @dataclass(frozen=True)
@@ -414,10 +413,6 @@ def _module_landings(source: str, entry: TensorEntry, m: re.Match, kind: str, by
     M split across its parts), after checking it is one the config targets, of its kind and
     shape."""
     parts = by_path.get(m["module"])
-    if parts is None and _SHARED_EXPERT.search(m["module"]):
-        raise UnsupportedAdapterError(
-            f"{source}: tensor {brief(entry.name)} is LoRA on a MoE shared expert, which "
-            "metrale does not serve (attention, the routed experts and the router)")
     if parts is None:
         raise AdapterMismatchError(
             f"{source}: tensor {brief(entry.name)} is for a module the adapter config "

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.config import ModelConfig
+from metrale.config import SHARED_EXPERT_MODULES, ModelConfig
 from metrale.forward_context import get_context
 from metrale.model.layers import LoraProjection, RMSNorm, RotaryEmbedding
 from metrale.model.moe import MoeMLP
@@ -194,6 +194,8 @@ class BaseWeights:
             return model.embed_tokens.weight.T  # [hidden, vocab]
         if module == "lm_head":
             return (model.embed_tokens if model.lm_head is None else model.lm_head).weight
+        if module in SHARED_EXPERT_MODULES:
+            return model.layers[layer].mlp.shared_weight(module)
         part, name, i = self._PROJ[module]
         proj = getattr(getattr(model.layers[layer], part), name)
         dense = proj.dense_weight(model.embed_tokens.weight.dtype)  # an FP8 one dequantized

@@ -8,15 +8,17 @@ On CUDA (and in Triton's interpreter when tests ask) the routed experts run thro
 metrale.ops.moe_triton without a host sync, so a MoE step fits in a CUDA graph: the pairs
 sorted into single-expert blocks, one grouped GEMM per projection, per-pair expert LoRA,
 each output weighted in the activation dtype as transformers does, a token's k summed in
-float32 and rounded once (transformers adds them one expert at a time in that dtype). The reference path (the CPU's) is each
-routed expert's gather, two matmuls and index_add, with a host sync to list the experts.
+float32 and rounded once (transformers adds them one expert at a time in that dtype). The
+reference path (the CPU's) is each routed expert's gather, two matmuls and index_add, with
+a host sync to list the experts.
 
 LoRA on the experts (pool memory with --lora-experts): each slot holds PEFT's
 target_parameters factors, A [r * E, in] with expert e's rows at e * r, and B transposed
 [r * E, out] with expert e's at ri * E + e (ParamWrapper's layout; per-expert adapters land
 there too, metrale.adapters.plan), added to the expert's outputs per token and slot; the
 router's plain A [r, H] and B^T [r, E] added to its logits before the softmax, as any
-projection's (metrale.ops.lora). No LoRA on the shared expert.
+projection's (metrale.ops.lora). The shared expert's four Linears take plain LoRA (and
+DoRA) the same way, in the default pool memory.
 """
 
 from __future__ import annotations
@@ -71,10 +73,33 @@ class MoeMLP(nn.Module):
         else:
             out = self._routed_reference(x, weights, experts, lora)
         if self.shared_gate_up is not None:
-            gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
-            shared = F.linear(F.silu(gate) * up, self.shared_down)
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+            out = out + self._shared_expert(x, lora)
         return out
+
+    def _shared_expert(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        """Qwen2-MoE's sigmoid(gate(x)) * down(silu(gate_proj(x)) * up_proj(x)), each
+        Linear with its LoRA as PEFT wraps it. x: [T, H] -> [T, H]."""
+        s, h = self.shared_down.shape[1], self.shared_down.shape[0]
+        gate, up = self._linear(x, self.shared_gate_up, lora, ("shared_gate_proj", "shared_up_proj"),
+                                (slice(0, s), slice(s, 2 * s))).chunk(2, dim=-1)
+        shared = self._linear(F.silu(gate) * up, self.shared_down, lora, ("shared_down_proj",),
+                              (slice(0, h),))
+        g = self._linear(x, self.shared_expert_gate, lora, ("shared_expert_gate",), (slice(0, 1),))
+        return torch.sigmoid(g) * shared
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, lora: LoraBatch | None,
+                modules: tuple[str, ...], out_slices: tuple[slice, ...]) -> torch.Tensor:
+        if lora is None:
+            return F.linear(x, w)
+        return lora_ops.lora_linear(x, lambda t: F.linear(t, w), None, lora, self.layer, modules,
+                                    out_slices)
+
+    def shared_weight(self, module: str) -> torch.Tensor:
+        """The base weight W [out, in] a shared-expert module's LoRA adds to (DoRA's norms)."""
+        s = self.shared_down.shape[1]
+        return {"shared_gate_proj": self.shared_gate_up[:s], "shared_up_proj": self.shared_gate_up[s:],
+                "shared_down_proj": self.shared_down,
+                "shared_expert_gate": self.shared_expert_gate}[module]
 
     def _routed_fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                       lora: LoraBatch | None) -> torch.Tensor:

@@ -314,7 +314,8 @@ def expert_lora(y: torch.Tensor, x: torch.Tensor, slot_ids: torch.Tensor,
     R = next_pow2(lora.max_rank)
     split = c.split_k or min(next_pow2(-(-512 // P)), max(1, next_pow2(K) // 256))
     block_k = c.shrink_block_k or min(next_pow2(-(-K // split)), max(64, 32768 // R))
-    k_per = -(-(-(-K // split)) // block_k) * block_k
+    per_split = -(-K // split)
+    k_per = -(-per_split // block_k) * block_k  # whole BLOCK_K tiles per split
     h = torch.empty(split, P, R, dtype=torch.float32, device=y.device)
     shrink = jit_kernel(_expert_shrink_kernel, y.device)
     shrink[(P, split)](x, lora.a, h, slot_ids, experts, lora.ranks, K, k_per, x.stride(0),

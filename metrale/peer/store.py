@@ -15,8 +15,15 @@ from pathlib import Path
 import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
-from metrale.adapters.plan import ModuleTarget, resolve_targets
-from metrale.config import EXTRA_TARGETS, LINEAR_MODULES, ModelConfig, PoolConfig
+from metrale.adapters.plan import ModuleTarget, plan_adapter
+from metrale.config import (
+    EXTRA_TARGETS,
+    LINEAR_MODULES,
+    MOE_MODULES,
+    SHARED_EXPERT_MODULES,
+    ModelConfig,
+    PoolConfig,
+)
 from metrale.errors import AdapterConfigError, AdapterError
 from metrale.names import validate_adapter_name
 from metrale.peer.errors import NixlUnavailableError
@@ -69,9 +76,10 @@ class AdapterStore:
         targets = []
         probe = probe_pool(max_lora_rank)
         for name, path in self.paths.items():
-            with _naming(path):
-                self.configs[name] = PeftAdapterConfig.from_dir(path)
-                targets += resolve_targets(self.configs[name], model, probe)
+            with _naming(path):  # the file too: a per-expert layout shows in tensor names
+                plan = plan_adapter(path, name, model, probe)
+                self.configs[name] = plan.config
+                targets += plan.targets
         self.slots = LoraSlots(model, fitted_pool(targets, len(self.paths), max_lora_rank), device, dtype)
         self.names = StoreNames()
         for slot, (name, path) in enumerate(self.paths.items()):
@@ -88,17 +96,20 @@ class AdapterStore:
                                transports=transports)
 
 
+_MODULES = LINEAR_MODULES + SHARED_EXPERT_MODULES + MOE_MODULES
+
+
 def probe_pool(max_rank: int | None = None) -> PoolConfig:
     """A pool config that serves every target, only to resolve configs before sizing."""
-    return PoolConfig(1, max_rank or _UNBOUNDED_RANK, LINEAR_MODULES, extra_targets=EXTRA_TARGETS)
+    return PoolConfig(1, max_rank or _UNBOUNDED_RANK, _MODULES, extra_targets=EXTRA_TARGETS)
 
 
 def fitted_pool(targets: list[ModuleTarget], slots: int, max_rank: int | None = None) -> PoolConfig:
     """The pool the targets need (the manifest lists tensors, so engines never depend on
-    its max rank or module set)."""
+    its max rank or module set): expert memory only for a store holding expert LoRA."""
     modules = {t.module for t in targets}
     return PoolConfig(slots, max_rank or max((t.rank for t in targets), default=1),
-                      tuple(m for m in LINEAR_MODULES if m in modules) or LINEAR_MODULES[:1],
+                      tuple(m for m in _MODULES if m in modules) or LINEAR_MODULES[:1],
                       extra_targets=tuple(m for m in EXTRA_TARGETS if m in modules))
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metrale.config import EXTRA_TARGETS, LINEAR_MODULES, MOE_MODULES
+from metrale.config import EXTRA_TARGETS, LINEAR_MODULES, MOE_MODULES, SHARED_EXPERT_MODULES
 from metrale.peer.errors import ManifestVersionError, PeerManifestError
 
 WIRE_VERSION = 3
@@ -40,9 +40,10 @@ MAX_WIRE_TENSORS = 1 << 16
 RECORD = np.dtype([("layer", "<u2"), ("module", "u1"), ("kind", "u1"), ("rows", "<u4"),
                    ("cols", "<u4"), ("pad", "<u4"), ("nbytes", "<u8"), ("addr", "<u8")])
 SHAPE_BYTES = 24
-# a record's module is an index into this; MoE experts and routers came later, appended so
-# that the earlier indices keep their meaning (an engine without them refuses their records)
-MODULES = LINEAR_MODULES + EXTRA_TARGETS + MOE_MODULES
+# a record's module is an index into this; MoE experts and routers, then shared experts,
+# came later, appended so that the earlier indices keep their meaning (an older engine
+# refuses their records)
+MODULES = LINEAR_MODULES + EXTRA_TARGETS + MOE_MODULES + SHARED_EXPERT_MODULES
 KINDS = ("A", "B", "M")
 assert RECORD.itemsize == 32
 

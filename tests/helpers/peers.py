@@ -102,14 +102,15 @@ def assert_matches_disk(slots: LoraSlots, slot: int, name: str) -> None:
     assert torch.equal(slots.pool.scales[slot], ref.pool.scales[slot])
     model, deltas = slots.model_config, peer_root()[1][name]
     tol = 1e-5 if slots.pool.layout.dtype == torch.float32 else 3e-2
-    for layer in range(model.num_layers):
-        for module in slots.pool_config.target_modules:
-            got = slots.pool.delta(slot, layer, module).cpu()
-            want = deltas.get(model.module_path(layer, module))
-            if want is None:
-                assert not got.any(), f"{name}: {layer} {module} should be untouched"
-            else:
-                torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    for layer, module in slots.pool.layout.module_keys:
+        if module not in model.layer_modules(layer):  # a model-level target, at layer 0
+            continue
+        got = slots.pool.delta(slot, layer, module).cpu()
+        want = deltas.get(model.module_path(layer, module))
+        if want is None:
+            assert not got.any(), f"{name}: {layer} {module} should be untouched"
+        else:
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 # --- a real peer store in a subprocess -------------------------------------------------
@@ -272,6 +273,37 @@ class FakePeer:
         stop = offset + int(query["length"]) if "length" in query else len(self.data)
         mode = self.mode.get(offset, "full") if isinstance(self.mode, dict) else self.mode
         return self.data[offset:stop], mode
+
+
+def assert_store_serves(model_dir, adapters: dict, names: list[str], store_dir, prompt_list,
+                        n: int, **llm_kw):
+    """A peer store (`metrale peer serve`) over copies of `names`' directories ({name: (PEFT
+    model, its directory)}); an engine with two slots and --lora-experts registers each by
+    peer:// and serves every prompt with each equal to its PEFT model. Returns the store."""
+    from metrale import LLM, SamplingParams
+    from metrale.peer.http_server import PeerHTTPServer
+    from metrale.peer.store import AdapterStore
+    from tests.helpers.reference import hf_greedy
+
+    for name in names:
+        shutil.copytree(adapters[name][1], Path(store_dir) / name)
+    store = AdapterStore(store_dir, ModelConfig.from_dir(model_dir))
+    server = PeerHTTPServer(store.exporter()).start()
+    try:
+        url = server.url.removeprefix("http://")
+        llm = LLM(model_dir, max_loras=2, lora_experts=True, max_model_len=64, block_size=4,
+                  num_kv_blocks=64, **llm_kw)
+        for name in names:
+            llm.register_adapter(f"p{name}", f"peer://{url}/{name}")
+        outs = llm.generate([p for p in prompt_list for _ in names],
+                            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                            [f"p{name}" for _ in prompt_list for name in names])
+        for i, out in enumerate(outs):
+            name, p = names[i % len(names)], prompt_list[i // len(names)]
+            assert list(out.token_ids) == hf_greedy(adapters[name][0], p, n)[0], name
+    finally:
+        server.close()
+    return store
 
 
 @contextlib.contextmanager
