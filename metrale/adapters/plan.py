@@ -13,11 +13,25 @@ from pathlib import Path
 from metrale.adapters.input_limits import brief, probe
 from metrale.adapters.patterns import MatchBudget
 from metrale.adapters.peft_config import ALL_LINEAR, PeftAdapterConfig
+from metrale.adapters.per_expert import (
+    PER_EXPERT_TENSOR,
+    ExpertPart,
+    expert_landing,
+    expert_linears,
+    moe_block,
+    stack_expert_linears,
+)
 from metrale.adapters.safetensors_file import TensorEntry, read_header
+from metrale.adapters.targets import (
+    ModuleTarget,
+    TensorLanding,
+    check_pool_serves,
+    check_rank,
+    expected_shape,
+)
 from metrale.config import (
     EXPERT_MODULES,
     EXTRA_TARGETS,
-    EXTRA_TARGETS_FLAG,
     LINEAR_MODULES,
     MOE_MODULES,
     MOE_PARAMS,
@@ -29,7 +43,6 @@ from metrale.errors import (
     AdapterConfigError,
     AdapterFileError,
     AdapterMismatchError,
-    ExtraTargetsRequiredError,
     UnsupportedAdapterError,
 )
 
@@ -49,66 +62,6 @@ _BASE_RE = re.compile(r"^base_model\.model\.(?P<module>model\.embed_tokens|lm_he
                       r"\.base_layer\.weight$")
 _KINDS = {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding_B": "B",
           "lora_magnitude_vector": "M"}
-# PEFT on transformers 4's MoE layers wraps each expert's own Linears (mlp.experts.7.gate_proj;
-# Mixtral's block_sparse_moe.experts.7.w1 / w3 / w2): name -> (our stacked module, part)
-_EXPERT_LINEARS = {"gate_proj": ("experts_gate_up", 0), "up_proj": ("experts_gate_up", 1),
-                   "down_proj": ("experts_down", 0)}
-_MIXTRAL_EXPERT_LINEARS = {"w1": ("experts_gate_up", 0), "w3": ("experts_gate_up", 1),
-                           "w2": ("experts_down", 0)}
-_PER_EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.")
-
-
-@dataclass(frozen=True)
-class ModuleTarget:
-    layer: int
-    module: str
-    rank: int
-    scale: float
-    experts: int = 1  # an expert module's A and B stack a rank-r factor per expert
-
-
-@dataclass(frozen=True)
-class ExpertPart:
-    """One expert's own Linear in a per-expert adapter, and its block of the layer's
-    stacked target: gate and up sit side by side (A rows [gate r | up r] per expert, Bt
-    columns [gate | up]), so the stacked rank is their sum."""
-
-    target: ModuleTarget
-    expert: int
-    rank: int
-    rank_offset: int  # first of its rank rows within the expert's block
-    col0: int  # first output column (up's: the expert size)
-    out: int  # output columns
-
-
-@dataclass(frozen=True)
-class TensorLanding:
-    """One file tensor and where it goes: A -> A[slot, :rank, :], B -> Bt[slot, :rank, :],
-    M (DoRA magnitude, [out]) -> the module's M region. One expert's part in a per-expert
-    adapter (expert_part) fills a block of its stacked region instead: `n_rows` rows from
-    `row0`, `row_step` apart, `cols` columns from `col0`."""
-
-    target: ModuleTarget
-    kind: str  # "A" | "B" | "M"
-    entry: TensorEntry
-    part: str = ""  # the per-expert module it came from (its A and B pair by this)
-    n_rows: int = 0  # 0: the target's rank rows (per expert for a stacked one)
-    row0: int = 0
-    row_step: int = 1
-    col0: int = 0
-    cols: int = 0  # 0: the region's
-
-    @property
-    def rows(self) -> int:  # of its region it fills
-        if self.kind == "M":
-            return 1
-        return self.n_rows or self.target.rank * self.target.experts
-
-    def placement(self, region) -> tuple[int, int, int]:
-        """(first element offset, columns, destination row stride) within the slot, for
-        a metrale.pool.layout Region of [rows, region.cols]."""
-        return (region.offset + self.row0 * region.cols + self.col0, self.cols or region.cols,
-                self.row_step * region.cols)
 
 
 @dataclass(frozen=True)
@@ -168,9 +121,9 @@ def _resolve(peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig,
     experts = [(f"{model.module_path(i, m)}.{MOE_PARAMS[m]}", i, m)
                for i in range(model.num_layers) for m in model.layer_modules(i)
                if m in MOE_MODULES]
-    linears = _expert_linears(model) if per_expert else {}
+    linears = expert_linears(model) if per_expert else {}
     # transformers 4's routers are Linears too (all-linear wraps them): plain LoRA on logits
-    routers = {f"model.layers.{i}.{_moe_block(model)}.gate": i
+    routers = {f"model.layers.{i}.{moe_block(model)}.gate": i
                for i in model.moe.layers} if linears else {}
     universe += [(path, i, ROUTER_MODULE) for path, i in routers.items()]
     _refuse_unknown_parameters(peft.target_parameters, experts, model)
@@ -190,12 +143,12 @@ def _resolve(peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig,
         if not by_module and not any(path == t or path.endswith("." + t)
                                      for t in peft.target_parameters):
             continue
-        _check_pool_serves(path, module, pool)
+        check_pool_serves(path, module, pool)
         rank = peft.rank_for(path, budget)
-        _check_rank(path, rank, pool, peft.max_rank())
+        check_rank(path, rank, pool, peft.max_rank())
         targets.append(ModuleTarget(layer, module, rank, peft.scaling_for(path, budget),
                                     model.module_rows(module)))
-    stacked, parts = _stack_expert_linears(peft, model, pool, linears, budget)
+    stacked, parts = stack_expert_linears(peft, model, pool, linears, budget)
     targets += stacked
     if len({(t.layer, t.module) for t in targets}) < len(targets):
         raise AdapterMismatchError("the adapter holds per-expert tensors and target_parameters "
@@ -206,79 +159,6 @@ def _resolve(peft: PeftAdapterConfig, model: ModelConfig, pool: PoolConfig,
             f"{model.model_type} model"
         )
     return tuple(targets), parts
-
-
-def _moe_block(model: ModelConfig) -> str:
-    """A transformers 4 MoE layer's MLP module name."""
-    return "block_sparse_moe" if model.model_type == "mixtral" else "mlp"
-
-
-def _expert_linears(model: ModelConfig) -> dict[str, tuple[int, str, int, int]]:
-    """path -> (layer, stacked module, part, expert) of every expert Linear of a
-    transformers 4 MoE model."""
-    if model.moe is None:
-        return {}
-    names = _MIXTRAL_EXPERT_LINEARS if model.model_type == "mixtral" else _EXPERT_LINEARS
-    block = _moe_block(model)
-    return {f"model.layers.{layer}.{block}.experts.{e}.{name}": (layer, module, part, e)
-            for layer in model.moe.layers for e in range(model.moe.num_experts)
-            for name, (module, part) in names.items()}
-
-
-def _stack_expert_linears(peft, model: ModelConfig, pool: PoolConfig, linears: dict,
-                          budget: MatchBudget):
-    """The stacked targets the wrapped expert Linears land in, and each Linear's ExpertPart:
-    per (layer, module) a rank of the parts' largest ranks side by side, one scale."""
-    wrapped: dict[tuple[int, str], list] = {}
-    for path, (layer, module, part, expert) in linears.items():
-        if peft.targets(path, budget):
-            _check_pool_serves(path, module, pool)
-            wrapped.setdefault((layer, module), []).append(
-                (path, part, expert, peft.rank_for(path, budget), peft.scaling_for(path, budget)))
-    targets, parts = [], {}
-    for (layer, module), found in wrapped.items():
-        scales = {scale for *_, scale in found}
-        if len(scales) > 1:
-            raise UnsupportedAdapterError(
-                f"experts of layer {layer} have LoRA scales {sorted(scales)} (rank or alpha "
-                "patterns that differ between an expert's gate, up or down, or between "
-                "experts); the stacked expert LoRA holds one scale per layer")
-        part_rank = {}
-        for _, part, _, rank, _ in found:
-            part_rank[part] = max(part_rank.get(part, 0), rank)
-        offsets = {part: sum(r for p, r in part_rank.items() if p < part) for part in part_rank}
-        total = sum(part_rank.values())
-        _check_rank(f"model.layers.{layer} experts ({module}: their gate and up LoRA side by "
-                    "side)", total, pool, total)
-        target = ModuleTarget(layer, module, total, scales.pop(), model.module_rows(module))
-        targets.append(target)
-        size = model.linear_shape(module)[1] // (2 if module == "experts_gate_up" else 1)
-        for path, part, expert, rank, _ in found:
-            parts[path] = ExpertPart(target, expert, rank, offsets[part], part * size, size)
-    return targets, parts
-
-
-def _check_pool_serves(path: str, module: str, pool: PoolConfig) -> None:
-    if module in EXTRA_TARGETS and module not in pool.extra_targets:
-        raise ExtraTargetsRequiredError(
-            f"the adapter has LoRA on {path}, and this engine has no pool memory for "
-            f"{module}: start it with {EXTRA_TARGETS_FLAG} {module}"
-        )
-    if module not in pool.target_modules and module not in EXTRA_TARGETS:
-        hint = ("--lora-experts (pool memory for expert and router LoRA)" if module in MOE_MODULES
-                else f"{module} in its LoRA target modules")
-        raise AdapterMismatchError(
-            f"the adapter targets {path} but the pool serves only "
-            f"{', '.join(pool.target_modules)}; start the engine with {hint}"
-        )
-
-
-def _check_rank(path: str, rank: int, pool: PoolConfig, needed: int) -> None:
-    if rank > pool.max_lora_rank:
-        raise AdapterMismatchError(
-            f"{path} has rank {rank} > --max-lora-rank {pool.max_lora_rank}; "
-            f"start the engine with --max-lora-rank {needed} or more"
-        )
 
 
 def _refuse_unknown_parameters(names, experts, model: ModelConfig) -> None:
@@ -336,7 +216,7 @@ def plan_from_tensors(
 ) -> AdapterPlan:
     """Match already size-checked tensors to PEFT's targets (disk and peers alike)."""
     entries = list(entries)
-    per_expert = any(_PER_EXPERT_TENSOR.search(e.name) for e in entries)
+    per_expert = any(PER_EXPERT_TENSOR.search(e.name) for e in entries)
     if per_expert and peft.use_dora:
         raise UnsupportedAdapterError(f"{source}: DoRA on experts (use_dora with per-expert "
                                       "LoRA) is not served")
@@ -361,7 +241,7 @@ def _match_tensors(
     model: ModelConfig, dora: bool = False, expert_parts: dict[str, ExpertPart] | None = None,
 ) -> tuple[TensorLanding, ...]:
     expert_parts = expert_parts or {}
-    t4_block = _moe_block(model) if expert_parts else "mlp"  # where a per-expert file's router is
+    t4_block = moe_block(model) if expert_parts else "mlp"  # where a per-expert file's router is
     by_path: dict[str, list[ModuleTarget]] = {}  # a fused Linear (Phi-3) has several parts
     for t in targets:
         if t.module == ROUTER_MODULE:
@@ -384,7 +264,7 @@ def _match_tensors(
             )
         kind = _KINDS[m["kind"]]
         if m["module"] in expert_parts:
-            new = [_expert_landing(source, entry, kind, expert_parts[m["module"]], model)]
+            new = [expert_landing(source, entry, kind, expert_parts[m["module"]], model)]
         else:
             new = _module_landings(source, entry, m, kind, by_path, chosen, model, dora)
         if (m["module"], kind) in seen:
@@ -431,7 +311,7 @@ def _module_landings(source: str, entry: TensorEntry, m: re.Match, kind: str, by
             f"{source}: tensor {brief(entry.name)} is a DoRA magnitude, but the adapter "
             "config does not set use_dora=true"
         )
-    expected = _expected(target, kind, model)
+    expected = expected_shape(target, kind, model)
     if entry.shape != expected:
         raise AdapterMismatchError(
             f"{source}: {entry.name} has shape {list(entry.shape)}, expected "
@@ -443,26 +323,6 @@ def _module_landings(source: str, entry: TensorEntry, m: re.Match, kind: str, by
     # A is shared; B's and M's rows are split across the parts
     return [TensorLanding(part, kind, entry if kind == "A" else
                           _rows(entry, *model.fused_rows(part.module)[:2])) for part in parts]
-
-
-def _expert_landing(source: str, entry: TensorEntry, kind: str, part: ExpertPart,
-                    model: ModelConfig) -> TensorLanding:
-    """One expert Linear's A [r, in] or B [out, r] into its block of the stacked region:
-    A rows e * R + offset (the expert's block of R rows), Bt rows (offset + i) * E + e
-    (the stacked layout is rank-major: PEFT's ParamWrapper's) from column col0."""
-    t = part.target
-    d_in = model.linear_shape(t.module)[0]
-    expected = (part.rank, d_in) if kind == "A" else (part.out, part.rank)
-    if kind not in ("A", "B") or entry.shape != expected:
-        raise AdapterMismatchError(
-            f"{source}: {entry.name} has shape {list(entry.shape)}, expected "
-            f"{list(expected)} for this base model at rank {part.rank}")
-    if kind == "A":
-        return TensorLanding(t, "A", entry, part=entry.name.rsplit(".lora_", 1)[0],
-                             n_rows=part.rank, row0=part.expert * t.rank + part.rank_offset)
-    return TensorLanding(t, "B", entry, part=entry.name.rsplit(".lora_", 1)[0], n_rows=part.rank,
-                         row0=part.rank_offset * t.experts + part.expert, row_step=t.experts,
-                         col0=part.col0, cols=part.out)
 
 
 def _expert_paths(targets, model: ModelConfig) -> dict:
@@ -486,18 +346,12 @@ def _expert_target(path: str, kind: str, entry: TensorEntry, parts, chosen: dict
     in (gate_up inner)."""
     if path in chosen:
         return chosen[path]
-    fits = [t for t in parts if entry.shape == _expected(t, kind, model)]
+    fits = [t for t in parts if entry.shape == expected_shape(t, kind, model)]
     if len(fits) > 1:  # both fit: PEFT wraps gate_up first, so it is the inner one
         inner = path.endswith(".base_layer")
         fits = [t for t in fits if (t.module == "experts_gate_up") == inner]
     chosen[path] = fits[0] if fits else parts[0]  # none fits: the shape check says so
     return chosen[path]
-
-
-def _expected(target: ModuleTarget, kind: str, model: ModelConfig) -> tuple[int, ...]:
-    d_in, d_out = model.linear_shape(target.module)[0], model.fused_rows(target.module)[2]
-    rows = target.rank * target.experts
-    return {"A": (rows, d_in), "B": (d_out, rows), "M": (d_out,)}[kind]
 
 
 def _rows(entry: TensorEntry, first: int, rows: int) -> TensorEntry:

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from metrale.adapters.input_limits import brief, open_regular
-from metrale.adapters.plan import AdapterPlan, TensorLanding
+from metrale.adapters.plan import AdapterPlan
+from metrale.adapters.targets import TensorLanding
 from metrale.errors import AdapterFileError, NonFiniteWeightsError
 
 CHUNK_BYTES = 4 << 20  # bytes read and checked at a time: memory stays flat

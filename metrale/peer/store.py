@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
-from metrale.adapters.plan import ModuleTarget, plan_adapter
+from metrale.adapters.plan import plan_adapter
+from metrale.adapters.targets import ModuleTarget
 from metrale.config import (
     EXTRA_TARGETS,
     LINEAR_MODULES,
