@@ -1,5 +1,5 @@
 """Routed experts without a host sync, so a MoE step fits in a CUDA graph: the (token,
-top-k) pairs sorted by expert into blocks of BLOCK_M rows (torch ops on the device), one
+top-k) pairs sorted by expert into blocks of BLOCK_M rows (one single-program launch), one
 grouped GEMM launch per projection reading each routed expert's weights once per block,
 and per-pair expert LoRA (each pair's slot and expert pick its A and B rows).
 
@@ -68,9 +68,10 @@ def route_blocks_ref(experts: torch.Tensor, num_experts: int,
     first = torch.cumsum(counts, 0, dtype=torch.int32) - counts  # [E] expert's first sorted index
     rank = torch.arange(P, device=flat.device, dtype=torch.int32) - first[by_expert]
     dest = (ends - padded)[by_expert] + rank  # [P] row of each sorted pair
-    pairs = torch.full((_n_blocks(P, E, bm) * bm,), P, dtype=torch.int32, device=flat.device)
+    n_blocks = _n_blocks(P, E, bm)
+    pairs = torch.full((n_blocks * bm,), P, dtype=torch.int32, device=flat.device)
     pairs[dest] = order.to(torch.int32)
-    starts = torch.arange(_n_blocks(P, E, bm), device=flat.device, dtype=torch.int32) * bm
+    starts = torch.arange(n_blocks, device=flat.device, dtype=torch.int32) * bm
     block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=E - 1).to(torch.int32)
     return ExpertBlocks(pairs, block_expert, ends[-1:], flat.to(torch.int32), P, bm)
 
@@ -313,8 +314,8 @@ def expert_lora(y: torch.Tensor, x: torch.Tensor, slot_ids: torch.Tensor,
     c = config or ExpertLoraConfig()
     R = next_pow2(lora.max_rank)
     split = c.split_k or min(next_pow2(-(-512 // P)), max(1, next_pow2(K) // 256))
-    block_k = c.shrink_block_k or min(next_pow2(-(-K // split)), max(64, 32768 // R))
     per_split = -(-K // split)
+    block_k = c.shrink_block_k or min(next_pow2(per_split), max(64, 32768 // R))
     k_per = -(-per_split // block_k) * block_k  # whole BLOCK_K tiles per split
     h = torch.empty(split, P, R, dtype=torch.float32, device=y.device)
     shrink = jit_kernel(_expert_shrink_kernel, y.device)
