@@ -38,10 +38,16 @@ class MoeGemmConfig:
     num_stages: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        _check_powers_of_two(self, ("block_n", "block_k"), least=16)
+
+
+def _check_powers_of_two(config, names: tuple[str, ...], least: int) -> None:
+    """Each named field of config a power of two >= least; least 0 also allows 0 (auto)."""
+    for name in names:
+        v = getattr(config, name)
+        if not (least == 0 and v == 0) and (v < max(least, 1) or v & (v - 1)):
+            rule = "0 or a power of two" if least == 0 else f"a power of two >= {least}"
+            raise ValueError(f"{name} must be {rule}, got {v}")
 
 
 def block_m_for(n_pairs: int) -> int:
@@ -291,12 +297,8 @@ class ExpertLoraConfig:
     expand_warps: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("split_k", "shrink_block_k"):
-            v = getattr(self, name)
-            if v < 0 or v & (v - 1):
-                raise ValueError(f"{name} must be 0 or a power of two, got {v}")
-        if self.expand_block_n < 16 or self.expand_block_n & (self.expand_block_n - 1):
-            raise ValueError(f"expand_block_n must be a power of two >= 16, got {self.expand_block_n}")
+        _check_powers_of_two(self, ("split_k", "shrink_block_k"), least=0)
+        _check_powers_of_two(self, ("expand_block_n",), least=16)
 
 
 def expert_lora(y: torch.Tensor, x: torch.Tensor, slot_ids: torch.Tensor,
