@@ -50,7 +50,7 @@ class LoraViews(Protocol):
         ...
 
     def expert_views(self, layer: int, module: str):
-        """(A, B^T, ranks, scales) of a stacked expert module, or None if not served."""
+        """A stacked expert module's metrale.ops.moe_triton.ExpertLora, or None if not served."""
         ...
 
 

@@ -117,12 +117,8 @@ class MoeMLP(nn.Module):
     def _expert_lora(self, lora: LoraBatch | None, module: str, y: torch.Tensor,
                      x: torch.Tensor, blocks: moe_triton.ExpertBlocks, rows_div: int) -> None:
         views = lora.pool.expert_views(self.layer, module) if lora is not None else None
-        if views is None:
-            return
-        a, bt, ranks, scales = views
-        n_experts = self.experts_gate_up.shape[0]
-        moe_triton.expert_lora(y, x, lora.slot_ids, blocks.experts, moe_triton.ExpertLora(
-            a, bt, ranks, scales, n_experts, a.shape[1] // n_experts), rows_div)
+        if views is not None:
+            moe_triton.expert_lora(y, x, lora.slot_ids, blocks.experts, views, rows_div)
 
     def _routed_reference(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                           lora: LoraBatch | None) -> torch.Tensor:
@@ -150,18 +146,17 @@ class MoeMLP(nn.Module):
         views = lora.pool.expert_views(self.layer, module)
         if views is None:
             return 0
-        a_all, bt_all, ranks, scales = views
-        n_experts = self.experts_gate_up.shape[0]
+        n_experts = views.num_experts
         delta = None
         for s in torch.unique(slots).tolist():
-            rank = int(ranks[s]) if s >= 0 else 0
+            rank = int(views.ranks[s]) if s >= 0 else 0
             if rank == 0:
                 continue
-            a = a_all[s, :rank * n_experts].view(n_experts, rank, -1)[expert]  # [r, in]
-            bt = bt_all[s, :rank * n_experts].view(rank, n_experts, -1)[:, expert]  # [r, out]
+            a = views.a[s, :rank * n_experts].view(n_experts, rank, -1)[expert]  # [r, in]
+            bt = views.bt[s, :rank * n_experts].view(rank, n_experts, -1)[:, expert]  # [r, out]
             rows = slots == s
             h = x[rows].float() @ a.float().T  # [n_s, r]
-            d = (h @ bt.float()) * float(scales[s])  # [n_s, out]
+            d = (h @ bt.float()) * float(views.scales[s])  # [n_s, out]
             if delta is None:
                 delta = torch.zeros(x.shape[0], d.shape[1], dtype=torch.float32, device=x.device)
             delta[rows] = d

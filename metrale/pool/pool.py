@@ -17,6 +17,7 @@ from metrale.adapters.plan import AdapterPlan
 from metrale.adapters.weights_check import all_finite
 from metrale.errors import NonFiniteWeightsError
 from metrale.ops.landing_triton import base_of, land_rows, land_views
+from metrale.ops.moe_triton import ExpertLora
 from metrale.pool.layout import SlotLayout
 from metrale.pool.recipe import LandingRecipe, build_recipe
 
@@ -109,14 +110,15 @@ class AdapterPool:
             ) if picked else None
         return self._fused[key]
 
-    def expert_views(self, layer: int, module: str):
-        """(A [S, R * E, in], B^T [S, R * E, out], ranks [S], scales [S]) of a stacked expert
-        module (metrale.ops.moe_triton.ExpertLora's layout), or None if not in the pool."""
+    def expert_views(self, layer: int, module: str) -> ExpertLora | None:
+        """A stacked expert module's factors, ranks and scales in every slot, or None if it
+        has no pool memory."""
         if (layer, module) not in self.layout.gain_offsets:
             return None
         m = self.layout.module_index(module)
-        return (self.lora_a(layer, module), self.lora_bt(layer, module),
-                self.ranks[:, layer, m], self.scales[:, layer, m])
+        return ExpertLora(self.lora_a(layer, module), self.lora_bt(layer, module),
+                          self.ranks[:, layer, m], self.scales[:, layer, m],
+                          self.layout.model.moe.num_experts, self.layout.max_rank)
 
     def slot_region(self, slot: int) -> torch.Tensor:
         n = self.layout.slot_elems
