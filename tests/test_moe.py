@@ -24,7 +24,7 @@ from metrale import LLM, SamplingParams
 from metrale.config import ConfigError
 from metrale.errors import AdapterMismatchError
 from metrale.model import moe
-from tests.helpers.pool import snapshot
+from tests.helpers.pool import assert_refused_untouched, snapshot
 from tests.helpers.reference import (
     assert_mixed_batch_matches,
     assert_slot_swaps_match,
@@ -301,12 +301,7 @@ def test_expert_adapters_are_refused_naming_the_target(family, expert_adapters, 
     for engine_llm in (without, llm):  # a slot already serving an adapter: it must stay so
         engine_llm.engine.swap_lora_slot_from_disk(adapters["x"][1], "x", 0)
     for engine_llm, bad, message in refusals:
-        before = snapshot(engine_llm.engine.lora)
-        with pytest.raises(AdapterMismatchError, match=message):
-            engine_llm.register_adapter("bad", bad)
-        with pytest.raises(AdapterMismatchError, match=message):
-            engine_llm.engine.swap_lora_slot_from_disk(bad, "bad", 0)
-        assert snapshot(engine_llm.engine.lora) == before
+        assert_refused_untouched(engine_llm, bad, AdapterMismatchError, message)
     assert llm.engine.registry.names() == without.engine.registry.names() == ["x"]
 
 

@@ -172,7 +172,7 @@ def test_per_expert_refusals_leave_the_engine_serving(tmp_path):
     identities do not change, and the engine serves that adapter after."""
     from safetensors.torch import load_file
 
-    from tests.helpers.pool import snapshot
+    from tests.helpers.pool import assert_refused_untouched
 
     base = make_model("qwen3_moe", seed=7)
     save_model(base, tmp_path / "model")
@@ -200,12 +200,7 @@ def test_per_expert_refusals_leave_the_engine_serving(tmp_path):
                 (llm, shared, AdapterMismatchError, "does not target"),  # none here
                 (llm, scales, UnsupportedAdapterError, "one scale per layer")]
     for engine_llm, bad, error, message in refusals:
-        before = snapshot(engine_llm.engine.lora)
-        with pytest.raises(error, match=message):
-            engine_llm.register_adapter("bad", bad)
-        with pytest.raises(error, match=message):
-            engine_llm.engine.swap_lora_slot_from_disk(bad, "bad", 0)
-        assert snapshot(engine_llm.engine.lora) == before
+        assert_refused_untouched(engine_llm, bad, error, message)
     assert llm.engine.registry.names() == ["pe"]
     params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
     for p in prompts(95, 2):

@@ -23,6 +23,19 @@ def snapshot(slots: LoraSlots) -> tuple:
     return digest.hexdigest(), slots.table.infos()
 
 
+def assert_refused_untouched(llm, adapter_dir, error: type[Exception], message: str) -> None:
+    """Registering adapter_dir and swapping it into slot 0 each raise `error` matching
+    `message`, and llm's pool bytes, tables and slot identities stay as they were."""
+    import pytest
+
+    before = snapshot(llm.engine.lora)
+    with pytest.raises(error, match=message):
+        llm.register_adapter("bad", adapter_dir)
+    with pytest.raises(error, match=message):
+        llm.engine.swap_lora_slot_from_disk(adapter_dir, "bad", 0)
+    assert snapshot(llm.engine.lora) == before
+
+
 _versions = itertools.count(10_000)  # bare pools in tests number their own versions
 
 
