@@ -1,4 +1,4 @@
-"""Fused RMSNorm (with and without the residual add), SiLU-and-multiply and rotary kernels
+"""Fused RMSNorm (with and without the residual add), SiLU/GeLU-and-multiply and rotary kernels
 (CUDA path of metrale.model) against the torch code they replace: the residual sum bitwise;
 the norm exact in float32 up to summation order, within an ulp in bf16; silu_mul in bf16
 and fp16 bitwise but where the kernel's exp, not torch's, tips a rounding. Interpreted on
@@ -77,22 +77,28 @@ def test_add_rmsnorm_matches_torch(dtype, T, N):
     torch.testing.assert_close(r_dev.cpu(), residual, **EXACT)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,I", [(1, 96), (37, 100), (4, 3000)])
-def test_silu_mul_matches_torch(dtype, T, I):
+def test_act_mul_matches_torch(act, dtype, T, I):
     g = torch.Generator().manual_seed(T * I)
     wide = (4 * torch.randn(T, 2 * I + 24, generator=g)).to(dtype)
     gate_up = wide[:, 8:8 + 2 * I]  # [T, 2I], row stride 2I + 24
-    want = fused.silu_mul_ref(gate_up)  # what MLP runs on CPU
-    got = fused.silu_mul(wide.to(DEV)[:, 8:8 + 2 * I])
+    want = getattr(fused, f"{act}_mul_ref")(gate_up)  # what MLP runs on CPU
+    got = getattr(fused, f"{act}_mul")(wide.to(DEV)[:, 8:8 + 2 * I])
     assert got.shape == (T, I) and got.dtype == dtype
+    if act == "gelu_tanh":  # where 1 + tanh(u) cancels, both are its fp32 rounding error
+        gate = gate_up[:, :I].float()
+        cancels = 1 + torch.tanh(0.7978845608 * (gate + 0.044715 * gate ** 3)) < 2 ** -10
+        torch.testing.assert_close(got.cpu()[cancels], want[cancels], rtol=0, atol=1e-5)
+        got, want = got.cpu()[~cancels], want[~cancels]
     _check_silu_mul(got.cpu(), want)
 
 
 def _check_silu_mul(got: torch.Tensor, want: torch.Tensor) -> None:
     if want.dtype == torch.float32:
-        # silu's exp is Triton's (numpy's in the interpreter, an approximation compiled),
-        # torch's is its own: some ulps apart
+        # the exp is Triton's (numpy's in the interpreter, an approximation compiled), and
+        # GeLU's x * sigmoid(2u) is torch's tanh form rearranged: some ulps apart
         torch.testing.assert_close(got, want, **TOL[want.dtype])
         return
     # ... which the rounding to 8 or 11 bits hides but where the fp32 silu sits at a
@@ -104,13 +110,16 @@ def _check_silu_mul(got: torch.Tensor, want: torch.Tensor) -> None:
         f"{(ulps > 0).sum()} of {ulps.numel()} differ, by up to {ulps.max()} ulps"
 
 
-def test_model_fused_path_matches_transformers(tmp_path, monkeypatch):
-    """The model's wiring of the fused ops ((h, residual) through the layers, the last add
-    in the final norm, silu_mul in the MLP): with the fused path let onto CPU tensors, the
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_model_fused_path_matches_transformers(tmp_path, monkeypatch, arch):
+    """The model's wiring of the fused ops ((h, residual) through the layers, each add in
+    the next pre-norm (Gemma's two a layer after its post-norms), the last in the final
+    norm; the gated activation in the MLP): with the fused path let onto CPU tensors, the
     engine still decodes transformers' greedy tokens."""
-    base = make_model("llama", seed=3)
+    base = make_model(arch, seed=3)
     save_model(base, tmp_path / "model")
-    calls = {"add_rmsnorm": 0, "silu_mul": 0}
+    act_mul = "gelu_tanh_mul" if arch == "gemma2" else "silu_mul"
+    calls = {"add_rmsnorm": 0, act_mul: 0}
 
     def counted(name, op):
         def call(*args):
@@ -122,14 +131,14 @@ def test_model_fused_path_matches_transformers(tmp_path, monkeypatch):
         monkeypatch.setattr(fused, name, counted(name, getattr(fused, name)))
     monkeypatch.setattr(fused, "usable", lambda x: fused.ENABLED)  # CPU too: interpreted
     llm = LLM(tmp_path / "model", max_loras=1, block_size=4, max_model_len=64, num_kv_blocks=64,
-              max_num_seqs=4)
+              max_num_seqs=4, device=DEV, dtype="float32")  # compiled on a GPU
     ps = prompts(0, 2)
     outs = llm.generate(ps, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3))
     for p, out in zip(ps, outs):
         check(out, *hf_greedy(base, p, n=4))
     layers = base.config.num_hidden_layers
     assert calls["add_rmsnorm"] % (2 * layers) == 0 and calls["add_rmsnorm"] > 0
-    assert calls["silu_mul"] == calls["add_rmsnorm"] // 2
+    assert calls[act_mul] == calls["add_rmsnorm"] // 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import SHARED_EXPERT_MODULES, ModelConfig
@@ -75,12 +74,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]: gate, then up
-        if self.gelu:
-            gate, up = gate_up.split(self.inter, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if fused.rows_usable(gate_up):
-            return self.down_proj(fused.silu_mul(gate_up))  # one launch, not two
-        return self.down_proj(fused.silu_mul_ref(gate_up))
+        if fused.rows_usable(gate_up):  # one launch, not two
+            act_mul = fused.gelu_tanh_mul if self.gelu else fused.silu_mul
+        else:
+            act_mul = fused.gelu_tanh_mul_ref if self.gelu else fused.silu_mul_ref
+        return self.down_proj(act_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -108,7 +106,8 @@ class DecoderLayer(nn.Module):
 
 class SandwichDecoderLayer(nn.Module):
     """Gemma's layer: each sublayer's output is normed before it joins the stream, and the
-    MLP's input has a norm of its own; the residual adds are plain ones."""
+    MLP's input has a norm of its own. As in DecoderLayer, each residual add is done by the
+    next pre-norm in its launch (bitwise the plain adds)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -119,10 +118,15 @@ class SandwichDecoderLayer(nn.Module):
         self.mlp = MLP(cfg, layer)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        h = h + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(h)))
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        return h, None
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """DecoderLayer.forward's contract: h is the last sublayer's normed output."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, x))
+        x, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,5 +1,5 @@
 """Fused decoder kernels for CUDA, one launch each: RMSNorm (with the residual add before
-it), rotary embedding (with the K/V cache write), SiLU-and-multiply. In torch, RMSNorm is
+it), rotary embedding (with the K/V cache write), SiLU- or GeLU-and-multiply. In torch, RMSNorm is
 ~7 launches and rotary ~18 per layer: ~1300 per decode step of a 32-layer model, mostly
 launch gap.
 
@@ -50,17 +50,24 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, N, x_st, r_st, y_st, s_st
     tl.store(y_ptr + row * y_st + n, _round(out, dt, RNE_BITS), mask=ok)
 
 
-def _silu_mul_kernel(g_ptr, y_ptr, I, g_st, y_st, RNE_BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(g_ptr, y_ptr, I, g_st, y_st, GELU: tl.constexpr, RNE_BITS: tl.constexpr,
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < I
     dt = y_ptr.dtype.element_ty
     gate = tl.load(g_ptr + row * g_st + i, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(g_ptr + row * g_st + I + i, mask=ok, other=0.0).to(tl.float32)
-    # torch: silu as x / (1 + exp(-x)) in fp32 (an IEEE division, not Triton's approximate
-    # one), rounded to dt; then the product of the two dt values, rounded again
-    silu = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), dt, RNE_BITS)
-    tl.store(y_ptr + row * y_st + i, _round(silu.to(tl.float32) * up, dt, RNE_BITS), mask=ok)
+    if GELU:  # torch: 0.5 x (1 + tanh(u)) in fp32, tanh(u) as 2 / (1 + exp(-2u)) - 1 here
+        # (no tanh in the interpreter) so that 1 + tanh saturates to 0 where torch's does
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = tl.math.div_rn(2.0, 1.0 + tl.exp(-2.0 * u)) - 1.0
+        act = 0.5 * gate * (1.0 + tanh)
+    else:  # torch: silu as x / (1 + exp(-x)) in fp32 (an IEEE division, not Triton's
+        act = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))  # approximate one)
+    # rounded to dt as torch's activation is; then the product of the two dt values, rounded
+    act = _round(act, dt, RNE_BITS)
+    tl.store(y_ptr + row * y_st + i, _round(act.to(tl.float32) * up, dt, RNE_BITS), mask=ok)
 
 
 def _rotary_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
@@ -148,6 +155,11 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)  # each [T, I]
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
@@ -182,6 +194,17 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2I] (gate columns, then up) -> silu(gate) * up: [T, I]."""
+    return _act_mul(gate_up, gelu=False)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I] -> gelu_tanh(gate) * up: [T, I] (Gemma's GeGLU): gelu_tanh_mul_ref's
+    but where the two tanh's fp32 roundings tip a bf16 one, or where 1 + tanh cancels (there
+    both are within a few fp32 ulps of the gate)."""
+    return _act_mul(gate_up, gelu=True)
+
+
+def _act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     T, width = gate_up.shape
     if width % 2:
         raise ValueError(f"gate_up has {width} columns: gate and up need the same width")
@@ -190,9 +213,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
     if T and I:
         block = min(1024, next_pow2(I))
-        kernel = jit_kernel(_silu_mul_kernel, gate_up.device)
+        kernel = jit_kernel(_act_mul_kernel, gate_up.device)
         kernel[(T, triton.cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0),
-                                           RNE_BITS=is_interpreted(kernel), BLOCK=block, num_warps=4)
+                                           GELU=gelu, RNE_BITS=is_interpreted(kernel),
+                                           BLOCK=block, num_warps=4)
     return out
 
 
