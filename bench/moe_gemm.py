@@ -2,7 +2,7 @@
 against their byte floor: random top-k routing of T tokens, the grouped GEMM of each
 projection alone (a config sweep with --sweep), and the whole routed MLP as the model runs
 it (routing into blocks, gate_up GEMM, SiLU-mul, down GEMM, the weighted sum); and the
-per-pair expert LoRA (r=16) of each projection with 1 adapter or one per token.
+expert LoRA (r=16) of each projection with 1 adapter or one per token.
 
     PYTHONPATH=. python bench/moe_gemm.py [--tokens 1 32 256] [--sweep] [--sweep-lora]
 
@@ -10,8 +10,10 @@ JSON `moe_gemm[qwen3-30b-a3b <proj|mlp> t<T>]`: us (CUDA graph of the op, median
 floor_us (the weights of the experts the routing hits, plus activations, at the copy
 bandwidth of the same run), over_floor = floor_us / us (the share of the copy speed
 reached), experts_hit, config; with --sweep best_us / best_config. `moe_gemm[qwen3-30b-a3b
-lora_<proj> t<T> a<adapters>]`: the same for moe_triton.expert_lora, its floor the A and B
-slices of the (adapter, expert) pairs routed plus the activations read and written.
+lora_<proj> t<T> a<adapters>]`: what the expert LoRA adds to its projection (us: the shrink
+launch plus the GEMM with the LoRA epilogue, with_gemm_us, less the GEMM alone, gemm_us),
+its floor the A and B slices of the (adapter, expert) pairs routed plus the activations
+the shrink reads and writes.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ from metrale.ops import moe_triton as mt
 
 SWEEP = [mt.MoeGemmConfig(bn, bk, w, st) for bn, bk, w, st in
          itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4))]
-LORA_SWEEP = [mt.ExpertLoraConfig(sk, 0, sw, bn, 4) for sk, sw, bn in
-              itertools.product((1, 2, 4, 8), (4, 8), (128, 256))]
+LORA_SWEEP = [mt.ExpertLoraConfig(sk, 0, sw) for sk, sw in itertools.product((1, 2, 4, 8), (4, 8))]
 RANK, SLOTS = 16, 33
 
 
@@ -91,15 +92,23 @@ def run(tokens: list[int], sweep: bool, sweep_lora: bool, model: str = "qwen3-30
                           for e in row})
             for proj, inp, n, rows_div in (("gate_up", x, 2 * I, k), ("down", h, H, 1)):
                 lora = _expert_lora(E, inp.shape[1], n)
-                y = torch.randn(T * k, n, device="cuda", dtype=torch.bfloat16)
+                w = gate_up_w if proj == "gate_up" else down_w
+                # the A and B slices routed, x read by the shrink, its fp32 partials
                 floor = (slices * RANK * (inp.shape[1] + n) * 2 + inp.numel() * 2
-                         + 2 * y.numel() * 2) / bw * 1e6
-                run_lora = functools.partial(mt.expert_lora, y, inp, slot_ids, blocks.experts,
-                                             lora, rows_div)
-                row = {"us": graph_us(run_lora), "floor_us": floor, "slices": slices,
-                       "config": str(dataclasses.astuple(mt.ExpertLoraConfig()))}
+                         + T * k * RANK * 4) / bw * 1e6
+
+                def with_lora(config=None, inp=inp, w=w, lora=lora, rows_div=rows_div,
+                              slot_ids=slot_ids, blocks=blocks):
+                    delta = mt.expert_shrink(inp, slot_ids, blocks.experts, lora, rows_div, config)
+                    return mt.grouped_gemm(inp, w, blocks, rows_div, lora=delta)
+
+                gemm_us = out[f"{model} {proj} t{T}"]["us"]
+                row = {"with_gemm_us": graph_us(with_lora), "gemm_us": gemm_us, "floor_us": floor,
+                       "slices": slices, "config": str(dataclasses.astuple(mt.ExpertLoraConfig()))}
+                row["us"] = row["with_gemm_us"] - gemm_us  # what the LoRA adds to its GEMM
                 if sweep_lora:
-                    row.update(sweep_configs(run_lora, LORA_SWEEP))
+                    row.update(sweep_configs(with_lora, LORA_SWEEP))
+                    row["best_us"] -= gemm_us
                 row["over_floor"] = floor / row["us"]
                 key = f"{model} lora_{proj} t{T} a{n_adapters}"
                 out[key] = row

@@ -6,11 +6,12 @@ plus Qwen2-MoE's sigmoid-gated shared expert.
 
 On CUDA (and in Triton's interpreter when tests ask) the routed experts run through
 metrale.ops.moe_triton without a host sync, so a MoE step fits in a CUDA graph: the pairs
-sorted into single-expert blocks, one grouped GEMM per projection, per-pair expert LoRA,
-each output weighted in the activation dtype as transformers does, a token's k summed in
-float32 and rounded once (transformers adds them one expert at a time in that dtype). The
-reference path (the CPU's) is each routed expert's gather, two matmuls and index_add, with
-a host sync to list the experts.
+sorted into single-expert blocks, one grouped GEMM per projection with the expert LoRA's
+expand in its epilogue (after a per-pair shrink launch), each output weighted in the
+activation dtype as transformers does, a token's k summed in float32 and rounded once
+(transformers adds them one expert at a time in that dtype). The reference path (the
+CPU's) is each routed expert's gather, two matmuls and index_add, with a host sync to list
+the experts.
 
 LoRA on the experts (pool memory with --lora-experts): each slot holds PEFT's
 target_parameters factors, A [r * E, in] with expert e's rows at e * r, and B transposed
@@ -31,7 +32,7 @@ from metrale.config import ROUTER_MODULE, ModelConfig
 from metrale.forward_context import LoraBatch, get_context
 from metrale.ops import fused_triton as fused
 from metrale.ops import lora as lora_ops
-from metrale.ops import moe_triton
+from metrale.ops import lora_triton, moe_triton
 
 
 class MoeMLP(nn.Module):
@@ -58,10 +59,10 @@ class MoeMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
         lora = get_context().lora  # modules without pool memory (no --lora-experts) add nothing
-        logits = F.linear(x, self.router)  # [T, E]
-        if lora is not None:  # the router's: PEFT's ParamWrapper on mlp.gate.weight
-            lora_ops.lora_apply(logits, x, lora, self.layer, (ROUTER_MODULE,),
-                                (slice(0, logits.shape[1]),))
+        # [T, E], with the router's LoRA (PEFT's ParamWrapper on mlp.gate.weight): on CUDA
+        # its shrink overlaps the router GEMM
+        logits = self._linear(x, self.router, lora, (ROUTER_MODULE,),
+                              (slice(0, self.router.shape[0]),))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk:
@@ -105,20 +106,32 @@ class MoeMLP(nn.Module):
                       lora: LoraBatch | None) -> torch.Tensor:
         """x [T, H], weights and experts [T, k] -> the routed experts' sum [T, H]."""
         T, k = experts.shape
+        pair_experts = experts.reshape(-1)  # [P]
+        # the gate_up shrink reads only x and the picks: on CUDA it runs beside the routing
+        # kernel (a single program, leaving the other SMs idle)
+        side = lora_triton.side_stream(x.device) if x.is_cuda and lora_triton.OVERLAP else None
+        gate_up_lora = self._expert_lora(lora, "experts_gate_up", x, pair_experts, k, side)
         blocks = moe_triton.route_blocks(experts, self.experts_gate_up.shape[0],
                                          self.expert_counts)
-        gate_up = moe_triton.grouped_gemm(x, self.experts_gate_up, blocks, rows_div=k)  # [P, 2I]
-        self._expert_lora(lora, "experts_gate_up", gate_up, x, blocks, rows_div=k)
+        if gate_up_lora is not None and side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
+        gate_up = moe_triton.grouped_gemm(x, self.experts_gate_up, blocks, rows_div=k,
+                                          lora=gate_up_lora)  # [P, 2I]
         h = fused.silu_mul(gate_up) if fused.usable(gate_up) else fused.silu_mul_ref(gate_up)
-        y = moe_triton.grouped_gemm(h, self.experts_down, blocks, rows_div=1)  # [P, H]
-        self._expert_lora(lora, "experts_down", y, h, blocks, rows_div=1)
+        y = moe_triton.grouped_gemm(  # [P, H]
+            h, self.experts_down, blocks, rows_div=1,
+            lora=self._expert_lora(lora, "experts_down", h, pair_experts, 1, None))
         return (y.view(T, k, -1) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
-    def _expert_lora(self, lora: LoraBatch | None, module: str, y: torch.Tensor,
-                     x: torch.Tensor, blocks: moe_triton.ExpertBlocks, rows_div: int) -> None:
+    def _expert_lora(self, lora: LoraBatch | None, module: str, x: torch.Tensor,
+                     pair_experts: torch.Tensor, rows_div: int,
+                     stream: torch.cuda.Stream | None) -> moe_triton.ExpertLoraDelta | None:
+        """The shrink of a module's expert LoRA, for its grouped GEMM to expand and add."""
         views = lora.pool.expert_views(self.layer, module) if lora is not None else None
-        if views is not None:
-            moe_triton.expert_lora(y, x, lora.slot_ids, blocks.experts, views, rows_div)
+        if views is None:
+            return None
+        return moe_triton.expert_shrink(x, lora.slot_ids, pair_experts, views, rows_div,
+                                        stream=stream)
 
     def _routed_reference(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                           lora: LoraBatch | None) -> torch.Tensor:

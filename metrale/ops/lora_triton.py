@@ -104,7 +104,8 @@ def lora_apply_fused(
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream LoRA shrinks overlap the base work on (one per device)."""
     return torch.cuda.Stream(device)
 
 
@@ -129,7 +130,7 @@ def lora_linear(
     # allocated on the current stream and freed there after the expand, which runs after
     # the join: no other work can be handed this memory while the side stream writes it
     h = launch.workspace(x, As, order, partials=path == "split")
-    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    main, side = torch.cuda.current_stream(x.device), side_stream(x.device)
     side.wait_stream(main)  # x, slot_ids and order are written on the current stream
     with torch.cuda.stream(side):
         launch.shrink(x, As, slot_ids, ranks_list, order, h)

@@ -1,7 +1,8 @@
 """Routed experts without a host sync, so a MoE step fits in a CUDA graph: the (token,
 top-k) pairs sorted by expert into blocks of BLOCK_M rows (one single-program launch), one
-grouped GEMM launch per projection reading each routed expert's weights once per block,
-and per-pair expert LoRA (each pair's slot and expert pick its A and B rows).
+grouped GEMM launch per projection reading each routed expert's weights once per block, and
+expert LoRA as a per-pair shrink launch whose expand the grouped GEMM adds in its epilogue
+(one tl.dot where a block's pairs share an adapter, a rank-by-rank gather where they don't).
 
 A pair p is token p // top_k's k-th pick (p = token * top_k + k), so per-pair outputs
 [P, N] view as [T, top_k, N]. The *_ref functions beside each kernel are their oracles.
@@ -9,11 +10,12 @@ A pair p is token p // top_k's k-th pick (p = token * top_k + k), so per-pair ou
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from metrale.ops.triton_utils import is_interpreted, jit_kernel, next_pow2, tl, triton
+from metrale.ops.triton_utils import device_function, is_interpreted, jit_kernel, next_pow2, tl, triton
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,11 @@ def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor,
 
 
 def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, used_ptr,
-                         N, K, n_pairs, x_st, w_st_e, w_st_n, out_st,
-                         ROWS_DIV: tl.constexpr, F32_DOT: tl.constexpr,
+                         h_ptr, bt_ptr, slot_ptr, rank_ptr, scale_ptr,
+                         N, K, n_pairs, E, x_st, w_st_e, w_st_n, out_st,
+                         h_st_k, h_st, b_st_s, b_st_r, rank_st, scale_st,
+                         ROWS_DIV: tl.constexpr, TOP_K: tl.constexpr, F32_DOT: tl.constexpr,
+                         LORA: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(used_ptr):
@@ -188,14 +193,73 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, use
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    if LORA:
+        acc += _lora_expand(h_ptr, bt_ptr, slot_ptr, rank_ptr, scale_ptr, pairs, valid, e, n,
+                            N, E, h_st_k, h_st, b_st_s, b_st_r, rank_st, scale_st,
+                            TOP_K, F32_DOT, R, SPLIT, BLOCK_M, BLOCK_N)
     tl.store(out_ptr + pairs[:, None].to(tl.int64) * out_st + n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :])
 
 
+@device_function
+def _lora_expand(h_ptr, bt_ptr, slot_ptr, rank_ptr, scale_ptr, pairs, valid, e, n, N, E,
+                 h_st_k, h_st, b_st_s, b_st_r, rank_st, scale_st, TOP_K: tl.constexpr,
+                 F32_DOT: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BM, BN] fp32: scale_s * h_p B_{s,e} for the block's pairs p (expert e), h the shrink's
+    split partials summed; 0 for pairs without an adapter (slot -1 or rank 0). Per-pair
+    values are [BM, 1] columns: as [BM] vectors triton 3.6 gives them clashing layouts."""
+    RANKS_AT_ONCE: tl.constexpr = 4  # the gather's loads in flight: [BM, 4, BN] a step
+    rows = pairs[:, None]  # [BM, 1]
+    live = valid[:, None]
+    slots = tl.load(slot_ptr + rows // TOP_K, mask=live, other=-1).to(tl.int32)  # [BM, 1]
+    on = live & (slots >= 0)
+    safe = tl.maximum(slots, 0)
+    ranks = tl.load(rank_ptr + safe * rank_st, mask=on, other=0)
+    ranks = tl.where(on, ranks, 0)  # [BM, 1]: 0 where nothing is added
+    scales = tl.load(scale_ptr + safe * scale_st, mask=on, other=0.0)  # [BM, 1]
+    lo = tl.min(tl.where(live, slots, 1 << 30))
+    hi = tl.max(tl.where(live, slots, -1))
+    h_rows = h_ptr + rows.to(tl.int64) * h_st  # [BM, 1]
+    out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if lo == hi:  # one adapter (or none) for the whole block: one dot over its B_{s,e}
+        r = tl.max(ranks)
+        if r > 0:
+            j = tl.arange(0, R)
+            h = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+            for ks in tl.static_range(SPLIT):
+                h += tl.load(h_rows + ks * h_st_k + j[None, :], mask=j[None, :] < ranks,
+                             other=0.0)
+            bt = tl.load(bt_ptr + lo.to(tl.int64) * b_st_s
+                         + (j * E + e).to(tl.int64)[:, None] * b_st_r + n[None, :],
+                         mask=(j < r)[:, None] & (n < N)[None, :], other=0.0)  # [R, BN]
+            if F32_DOT:
+                out = tl.dot(h, bt.to(tl.float32), input_precision="ieee") * scales
+            else:
+                out = tl.dot(h, bt.to(tl.float32), input_precision="tf32") * scales
+    else:  # adapters differ by row: RANKS_AT_ONCE ranks a step, each row's B_{s,e} gathered
+        c = tl.arange(0, RANKS_AT_ONCE)[None, :, None]  # [1, RC, 1]
+        ranks3, h3 = ranks[:, :, None], h_rows[:, :, None]  # [BM, 1, 1]
+        b_rows = (bt_ptr + safe.to(tl.int64)[:, :, None] * b_st_s
+                  + n[None, None, :])  # [BM, 1, BN]
+        for j0 in range(0, tl.max(ranks), RANKS_AT_ONCE):
+            hot = j0 + c < ranks3  # [BM, RC, 1]
+            hc = tl.zeros((BLOCK_M, RANKS_AT_ONCE, 1), dtype=tl.float32)
+            for ks in tl.static_range(SPLIT):
+                hc += tl.load(h3 + ks * h_st_k + j0 + c, mask=hot, other=0.0)
+            btc = tl.load(b_rows + ((j0 + c) * E + e) * b_st_r,
+                          mask=hot & (n < N)[None, None, :], other=0.0)  # [BM, RC, BN]
+            out += tl.sum(hc * btc.to(tl.float32), axis=1)
+        out = out * scales
+    return out
+
+
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, rows_div: int,
-                 config: MoeGemmConfig | None = None) -> torch.Tensor:
+                 config: MoeGemmConfig | None = None,
+                 lora: ExpertLoraDelta | None = None) -> torch.Tensor:
     """grouped_gemm_ref's out through one launch: x [R, K] (row p // rows_div per pair),
-    w [E, N, K] -> [P, N]; each block of pairs reads its expert's weights once."""
+    w [E, N, K] -> [P, N]; each block of pairs reads its expert's weights once. With lora
+    (expert_shrink's), each pair's LoRA delta is added before the one rounding to x's dtype."""
     E, N, K = w.shape
     if x.stride(1) != 1 or w.stride(2) != 1:
         raise ValueError("grouped_gemm needs unit-stride rows in x and w")
@@ -204,11 +268,22 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, rows_di
     f32_dot = x.dtype == torch.float32 or is_interpreted(kernel)
     c = config or (MoeGemmConfig(64, 32, 4, 3) if f32_dot else MoeGemmConfig())
     grid = (blocks.block_expert.numel(), triton.cdiv(N, c.block_n))
-    kernel[grid](x, w, out, blocks.pairs, blocks.block_expert, blocks.used_rows, N, K,
-                 blocks.n_pairs, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                 ROWS_DIV=rows_div, F32_DOT=f32_dot, BLOCK_M=blocks.block_m,
-                 BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
-                 num_stages=c.num_stages)
+    if lora is not None:
+        m = lora.lora
+        if m.bt.shape[2] != N or m.num_experts != E or m.bt.stride(2) != 1:
+            raise ValueError(f"LoRA B^T {tuple(m.bt.shape)} does not fit {E} experts of {N} outputs")
+        tabs = (lora.h, m.bt, lora.slot_ids, m.ranks, m.scales)
+        strides = (lora.h.stride(0), lora.h.stride(1), m.bt.stride(0), m.bt.stride(1),
+                   m.ranks.stride(0), m.scales.stride(0))
+        shape = dict(TOP_K=max(1, blocks.n_pairs // max(1, lora.slot_ids.numel())), R=lora.h.shape[2],
+                     SPLIT=lora.h.shape[0])
+    else:  # unread: LORA is off
+        tabs, strides, shape = (out,) * 5, (0,) * 6, dict(TOP_K=1, R=16, SPLIT=1)
+    kernel[grid](x, w, out, blocks.pairs, blocks.block_expert, blocks.used_rows, *tabs, N, K,
+                 blocks.n_pairs, E, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+                 *strides, ROWS_DIV=rows_div, F32_DOT=f32_dot, LORA=lora is not None, **shape,
+                 BLOCK_M=blocks.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                 num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 
@@ -250,7 +325,7 @@ def _expert_shrink_kernel(x_ptr, a_ptr, h_ptr, slot_ptr, expert_ptr, rank_ptr, K
     s = tl.load(slot_ptr + p // TOP_K).to(tl.int32)
     r = tl.load(rank_ptr + tl.maximum(s, 0) * rank_st)
     if (s < 0) | (r == 0):
-        return  # the expand skips this pair too
+        return  # the GEMM's epilogue skips this pair too
     e = tl.load(expert_ptr + p)
     j = tl.arange(0, R)
     a_rows = a_ptr + s.to(tl.int64) * a_st_s + (e * r + j).to(tl.int64)[:, None] * a_st_r
@@ -262,30 +337,7 @@ def _expert_shrink_kernel(x_ptr, a_ptr, h_ptr, slot_ptr, expert_ptr, rank_ptr, K
         a = tl.load(a_rows + k[None, :], mask=(j < r)[:, None] & (k < K)[None, :],
                     other=0.0).to(tl.float32)  # [R, BK]
         acc += tl.sum(a * xk[None, :], axis=1)
-    tl.store(h_ptr + ks * h_st_k + p.to(tl.int64) * h_st + j, acc)
-
-
-def _expert_expand_kernel(y_ptr, h_ptr, bt_ptr, slot_ptr, expert_ptr, rank_ptr, scale_ptr, N, E,
-                          y_st, h_st_k, h_st, b_st_s, b_st_r, rank_st, scale_st,
-                          TOP_K: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-    p, pid_n = tl.program_id(0), tl.program_id(1)
-    s = tl.load(slot_ptr + p // TOP_K).to(tl.int32)
-    r = tl.load(rank_ptr + tl.maximum(s, 0) * rank_st)
-    if (s < 0) | (r == 0):
-        return
-    e = tl.load(expert_ptr + p)
-    j = tl.arange(0, R)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, SPLIT)
-    h = tl.sum(tl.load(h_ptr + ks[:, None] * h_st_k + p.to(tl.int64) * h_st + j[None, :],
-                       mask=(j < r)[None, :], other=0.0), axis=0)  # [R]: the splits' partials
-    bt = tl.load(bt_ptr + s.to(tl.int64) * b_st_s + (j * E + e).to(tl.int64)[:, None] * b_st_r
-                 + n[None, :], mask=(j < r)[:, None] & (n < N)[None, :], other=0.0)  # [R, BN]
-    d = tl.sum(h[:, None] * bt.to(tl.float32), axis=0) * tl.load(scale_ptr + s * scale_st)
-    y = y_ptr + p.to(tl.int64) * y_st + n
-    old = tl.load(y, mask=n < N, other=0.0).to(tl.float32)
-    tl.store(y, (old + d).to(y_ptr.dtype.element_ty), mask=n < N)
+    tl.store(h_ptr + ks * h_st_k + p.to(tl.int64) * h_st + j, acc)  # 0 past the rank
 
 
 @dataclass(frozen=True)
@@ -293,42 +345,49 @@ class ExpertLoraConfig:
     split_k: int = 0  # K splits of the shrink (a power of two); 0: enough for ~512 programs
     shrink_block_k: int = 0  # 0: a split's columns in one load, up to 32K elements of A
     shrink_warps: int = 8
-    expand_block_n: int = 256
-    expand_warps: int = 4
 
     def __post_init__(self) -> None:
         _check_powers_of_two(self, ("split_k", "shrink_block_k"), least=0)
-        _check_powers_of_two(self, ("expand_block_n",), least=16)
 
 
-def expert_lora(y: torch.Tensor, x: torch.Tensor, slot_ids: torch.Tensor,
-                experts: torch.Tensor, lora: ExpertLora, rows_div: int,
-                config: ExpertLoraConfig | None = None) -> None:
-    """expert_lora_ref in two launches: the shrink a program per pair and K split (partial
-    sums per split, no atomics), the expand a program per pair and column tile."""
-    P, N = y.shape
-    K, top_k = x.shape[1], P // slot_ids.numel()
-    if not P:
-        return
-    for t, name in ((x, "x"), (y, "y"), (lora.a, "A"), (lora.bt, "B")):
+@dataclass(frozen=True)
+class ExpertLoraDelta:
+    """An expert module's LoRA for grouped_gemm to add: the shrink's partial sums and the
+    factors it expands them through."""
+
+    h: torch.Tensor  # [splits, P, R] float32: x A_{s,e}^T by K split (R >= 16: tl.dot's least)
+    lora: ExpertLora
+    slot_ids: torch.Tensor  # [T]
+
+
+def expert_shrink(x: torch.Tensor, slot_ids: torch.Tensor, experts: torch.Tensor,
+                  lora: ExpertLora, rows_div: int, config: ExpertLoraConfig | None = None,
+                  stream: torch.cuda.Stream | None = None) -> ExpertLoraDelta:
+    """The first half of expert_lora_ref, a program per pair and K split (partial sums per
+    split, no atomics): x [rows, in], slot_ids [T] (-1: none), experts [P] (int32 or int64)
+    -> the delta grouped_gemm(..., lora=) adds to y [P, out]. stream: launch there, after
+    the current stream's work so far (its output allocated on the current stream, which
+    must wait for `stream` before reading it)."""
+    P, K = experts.numel(), x.shape[1]
+    top_k = P // max(1, slot_ids.numel())
+    for t, name in ((x, "x"), (lora.a, "A")):
         if t.stride(-1) != 1:
-            raise ValueError(f"expert_lora needs unit-stride rows in {name}")
+            raise ValueError(f"expert_shrink needs unit-stride rows in {name}")
     c = config or ExpertLoraConfig()
-    R = next_pow2(lora.max_rank)
-    split = c.split_k or min(next_pow2(-(-512 // P)), max(1, next_pow2(K) // 256))
+    R = max(16, next_pow2(lora.max_rank))
+    split = c.split_k or min(next_pow2(-(-512 // max(P, 1))), max(1, next_pow2(K) // 256))
     per_split = -(-K // split)
     block_k = c.shrink_block_k or min(next_pow2(per_split), max(64, 32768 // R))
     k_per = -(-per_split // block_k) * block_k  # whole BLOCK_K tiles per split
-    h = torch.empty(split, P, R, dtype=torch.float32, device=y.device)
-    shrink = jit_kernel(_expert_shrink_kernel, y.device)
-    shrink[(P, split)](x, lora.a, h, slot_ids, experts, lora.ranks, K, k_per, x.stride(0),
-                       lora.a.stride(0), lora.a.stride(1), h.stride(0), h.stride(1),
-                       lora.ranks.stride(0), TOP_K=top_k, ROWS_DIV=rows_div, R=R,
-                       BLOCK_K=block_k, num_warps=c.shrink_warps)
-    bn = min(c.expand_block_n, next_pow2(N))
-    expand = jit_kernel(_expert_expand_kernel, y.device)
-    expand[(P, triton.cdiv(N, bn))](y, h, lora.bt, slot_ids, experts, lora.ranks, lora.scales,
-                                    N, lora.num_experts, y.stride(0), h.stride(0), h.stride(1),
-                                    lora.bt.stride(0), lora.bt.stride(1), lora.ranks.stride(0),
-                                    lora.scales.stride(0), TOP_K=top_k, R=R, SPLIT=split,
-                                    BLOCK_N=bn, num_warps=c.expand_warps)
+    h = torch.empty(split, P, R, dtype=torch.float32, device=x.device)
+    if not P:
+        return ExpertLoraDelta(h, lora, slot_ids)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        shrink = jit_kernel(_expert_shrink_kernel, x.device)
+        shrink[(P, split)](x, lora.a, h, slot_ids, experts, lora.ranks, K, k_per, x.stride(0),
+                           lora.a.stride(0), lora.a.stride(1), h.stride(0), h.stride(1),
+                           lora.ranks.stride(0), TOP_K=top_k, ROWS_DIV=rows_div, R=R,
+                           BLOCK_K=block_k, num_warps=c.shrink_warps)
+    return ExpertLoraDelta(h, lora, slot_ids)
