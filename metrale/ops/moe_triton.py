@@ -183,6 +183,10 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, use
     rows = (pairs // ROWS_DIV).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if LORA:  # the LoRA's loads go out before the weight stream and are used after it
+        h, bt, scales, ranks, safe, h_rows, lo, hi = _lora_prefetch(
+            h_ptr, bt_ptr, slot_ptr, rank_ptr, scale_ptr, pairs, valid, e, n, N, E, h_st_k,
+            h_st, b_st_s, b_st_r, rank_st, scale_st, TOP_K, R, SPLIT, BLOCK_M)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rows[:, None] * x_st + k[None, :],
@@ -194,22 +198,20 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, use
         else:
             acc = tl.dot(a, b, acc)
     if LORA:
-        acc += _lora_expand(h_ptr, bt_ptr, slot_ptr, rank_ptr, scale_ptr, pairs, valid, e, n,
-                            N, E, h_st_k, h_st, b_st_s, b_st_r, rank_st, scale_st,
-                            TOP_K, F32_DOT, R, SPLIT, BLOCK_M, BLOCK_N)
+        acc += _lora_delta(h, bt, scales, ranks, safe, h_rows, lo, hi, bt_ptr, e, n, N, E,
+                           h_st_k, b_st_s, b_st_r, F32_DOT, SPLIT, BLOCK_M, BLOCK_N)
     tl.store(out_ptr + pairs[:, None].to(tl.int64) * out_st + n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :])
 
 
 @device_function
-def _lora_expand(h_ptr, bt_ptr, slot_ptr, rank_ptr, scale_ptr, pairs, valid, e, n, N, E,
-                 h_st_k, h_st, b_st_s, b_st_r, rank_st, scale_st, TOP_K: tl.constexpr,
-                 F32_DOT: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BM, BN] fp32: scale_s * h_p B_{s,e} for the block's pairs p (expert e), h the shrink's
-    split partials summed; 0 for pairs without an adapter (slot -1 or rank 0). Per-pair
-    values are [BM, 1] columns: as [BM] vectors triton 3.6 gives them clashing layouts."""
-    RANKS_AT_ONCE: tl.constexpr = 4  # the gather's loads in flight: [BM, 4, BN] a step
+def _lora_prefetch(h_ptr, bt_ptr, slot_ptr, rank_ptr, scale_ptr, pairs, valid, e, n, N, E,
+                   h_st_k, h_st, b_st_s, b_st_r, rank_st, scale_st, TOP_K: tl.constexpr,
+                   R: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The block's pairs' slots, ranks and scales, and where the block's pairs share one
+    adapter (lo == hi) its shrink partials summed, h [BM, R], and B_{s,e}^T [R, BN] (else
+    masked to zeros). Per-pair values are [BM, 1] columns: as [BM] vectors triton 3.6
+    gives them clashing layouts."""
     rows = pairs[:, None]  # [BM, 1]
     live = valid[:, None]
     slots = tl.load(slot_ptr + rows // TOP_K, mask=live, other=-1).to(tl.int32)  # [BM, 1]
@@ -220,19 +222,28 @@ def _lora_expand(h_ptr, bt_ptr, slot_ptr, rank_ptr, scale_ptr, pairs, valid, e, 
     scales = tl.load(scale_ptr + safe * scale_st, mask=on, other=0.0)  # [BM, 1]
     lo = tl.min(tl.where(live, slots, 1 << 30))
     hi = tl.max(tl.where(live, slots, -1))
+    shared = tl.where(lo == hi, tl.max(ranks), 0)  # the one adapter's rank, else 0
+    j = tl.arange(0, R)
     h_rows = h_ptr + rows.to(tl.int64) * h_st  # [BM, 1]
+    h = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+    for ks in tl.static_range(SPLIT):
+        h += tl.load(h_rows + ks * h_st_k + j[None, :], mask=j[None, :] < shared, other=0.0)
+    bt = tl.load(bt_ptr + tl.maximum(lo, 0).to(tl.int64) * b_st_s
+                 + (j * E + e).to(tl.int64)[:, None] * b_st_r + n[None, :],
+                 mask=(j < shared)[:, None] & (n < N)[None, :], other=0.0)  # [R, BN]
+    return h, bt, scales, ranks, safe, h_rows, lo, hi
+
+
+@device_function
+def _lora_delta(h, bt, scales, ranks, safe, h_rows, lo, hi, bt_ptr, e, n, N, E, h_st_k,
+                b_st_s, b_st_r, F32_DOT: tl.constexpr, SPLIT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BM, BN] fp32: scale_s * h_p B_{s,e} for the block's pairs p (expert e), from
+    _lora_prefetch's; 0 for pairs without an adapter (slot -1 or rank 0)."""
+    RANKS_AT_ONCE: tl.constexpr = 4  # the gather's loads in flight: [BM, 4, BN] a step
     out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if lo == hi:  # one adapter (or none) for the whole block: one dot over its B_{s,e}
-        r = tl.max(ranks)
-        if r > 0:
-            j = tl.arange(0, R)
-            h = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-            for ks in tl.static_range(SPLIT):
-                h += tl.load(h_rows + ks * h_st_k + j[None, :], mask=j[None, :] < ranks,
-                             other=0.0)
-            bt = tl.load(bt_ptr + lo.to(tl.int64) * b_st_s
-                         + (j * E + e).to(tl.int64)[:, None] * b_st_r + n[None, :],
-                         mask=(j < r)[:, None] & (n < N)[None, :], other=0.0)  # [R, BN]
+        if tl.max(ranks) > 0:
             if F32_DOT:
                 out = tl.dot(h, bt.to(tl.float32), input_precision="ieee") * scales
             else:
