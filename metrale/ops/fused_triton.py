@@ -1,7 +1,7 @@
 """Fused decoder kernels for CUDA, one launch each: RMSNorm (with the residual add before
-it), rotary embedding (with the K/V cache write), SiLU- or GeLU-and-multiply. In torch, RMSNorm is
-~7 launches and rotary ~18 per layer: ~1300 per decode step of a 32-layer model, mostly
-launch gap.
+it), rotary embedding (with the K/V cache write), SiLU- or GeLU-and-multiply. In torch,
+RMSNorm is ~7 launches and rotary ~18 per layer: ~1300 per decode step of a 32-layer model,
+mostly launch gap.
 
 The arithmetic is the torch path's (the *_ref functions below, rotary's in
 metrale.model.layers: the tests' oracle), bitwise equal except where fp32 math runs in

@@ -2,7 +2,8 @@
 top-k) pairs sorted by expert into blocks of BLOCK_M rows (one single-program launch), one
 grouped GEMM launch per projection reading each routed expert's weights once per block, and
 expert LoRA as a per-pair shrink launch whose expand the grouped GEMM adds in its epilogue
-(one tl.dot where a block's pairs share an adapter, a rank-by-rank gather where they don't).
+(one tl.dot where a block's pairs share an adapter, a gather of each pair's B rows where
+they don't).
 
 A pair p is token p // top_k's k-th pick (p = token * top_k + k), so per-pair outputs
 [P, N] view as [T, top_k, N]. The *_ref functions beside each kernel are their oracles.
