@@ -228,7 +228,8 @@ def _lora_prefetch(h_ptr, bt_ptr, slot_ptr, rank_ptr, scale_ptr, pairs, valid, e
     h_rows = h_ptr + rows.to(tl.int64) * h_st  # [BM, 1]
     h = tl.zeros((BLOCK_M, R), dtype=tl.float32)
     for ks in tl.static_range(SPLIT):
-        h += tl.load(h_rows + ks * h_st_k + j[None, :], mask=j[None, :] < shared, other=0.0)
+        h += tl.load(h_rows + ks * h_st_k + j[None, :],  # padding rows (rank 0) unread
+                     mask=j[None, :] < tl.minimum(ranks, shared), other=0.0)
     bt = tl.load(bt_ptr + tl.maximum(lo, 0).to(tl.int64) * b_st_s
                  + (j * E + e).to(tl.int64)[:, None] * b_st_r + n[None, :],
                  mask=(j < shared)[:, None] & (n < N)[None, :], other=0.0)  # [R, BN]
