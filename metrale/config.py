@@ -32,6 +32,8 @@ MOE_MODULES = (*EXPERT_MODULES, ROUTER_MODULE)  # pool memory with --lora-expert
 # (a Linear to one output): plain Linears PEFT wraps (all-linear too), pool memory by default
 SHARED_EXPERT_MODULES = ("shared_gate_proj", "shared_up_proj", "shared_down_proj",
                          "shared_expert_gate")
+# every decoder module a pool can hold LoRA memory for (EXTRA_TARGETS aside)
+POOL_MODULES = LINEAR_MODULES + SHARED_EXPERT_MODULES + MOE_MODULES
 # the parameter PEFT's target_parameters names, under the module's path
 MOE_PARAMS = {"experts_gate_up": "gate_up_proj", "experts_down": "down_proj",
               ROUTER_MODULE: "weight"}
@@ -387,15 +389,14 @@ class PoolConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         _check_positive(self, ("max_lora_rank",))
-        known = LINEAR_MODULES + SHARED_EXPERT_MODULES + MOE_MODULES
-        unknown = set(self.target_modules) - set(known)
+        unknown = set(self.target_modules) - set(POOL_MODULES)
         if unknown or not self.target_modules:
             raise ConfigError(
                 f"pool target_modules {sorted(unknown) or '()'} invalid; choose from "
-                f"{', '.join(known)}"
+                f"{', '.join(POOL_MODULES)}"
             )
         # Keep pool order canonical whatever order the caller gave.
-        ordered = tuple(m for m in known if m in self.target_modules)
+        ordered = tuple(m for m in POOL_MODULES if m in self.target_modules)
         object.__setattr__(self, "target_modules", ordered)
 
 

@@ -24,8 +24,8 @@ class ModuleTarget:
 class TensorLanding:
     """One file tensor and where it goes: A -> A[slot, :rank, :], B -> Bt[slot, :rank, :],
     M (DoRA magnitude, [out]) -> the module's M region. One expert's part in a per-expert
-    adapter (metrale.adapters.per_expert) fills a block of its stacked region instead: `n_rows` rows from
-    `row0`, `row_step` apart, `cols` columns from `col0`."""
+    adapter (metrale.adapters.per_expert) fills a block of its stacked region instead:
+    `n_rows` rows from `row0`, `row_step` apart, `cols` columns from `col0`."""
 
     target: ModuleTarget
     kind: str  # "A" | "B" | "M"
@@ -48,7 +48,6 @@ class TensorLanding:
         a metrale.pool.layout Region of [rows, region.cols]."""
         return (region.offset + self.row0 * region.cols + self.col0, self.cols or region.cols,
                 self.row_step * region.cols)
-
 
 
 def check_pool_serves(path: str, module: str, pool: PoolConfig) -> None:

@@ -17,14 +17,7 @@ import torch
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import plan_adapter
 from metrale.adapters.targets import ModuleTarget
-from metrale.config import (
-    EXTRA_TARGETS,
-    LINEAR_MODULES,
-    MOE_MODULES,
-    SHARED_EXPERT_MODULES,
-    ModelConfig,
-    PoolConfig,
-)
+from metrale.config import EXTRA_TARGETS, LINEAR_MODULES, POOL_MODULES, ModelConfig, PoolConfig
 from metrale.errors import AdapterConfigError, AdapterError
 from metrale.names import validate_adapter_name
 from metrale.peer.errors import NixlUnavailableError
@@ -97,12 +90,9 @@ class AdapterStore:
                                transports=transports)
 
 
-_MODULES = LINEAR_MODULES + SHARED_EXPERT_MODULES + MOE_MODULES
-
-
 def probe_pool(max_rank: int | None = None) -> PoolConfig:
     """A pool config that serves every target, only to resolve configs before sizing."""
-    return PoolConfig(1, max_rank or _UNBOUNDED_RANK, _MODULES, extra_targets=EXTRA_TARGETS)
+    return PoolConfig(1, max_rank or _UNBOUNDED_RANK, POOL_MODULES, extra_targets=EXTRA_TARGETS)
 
 
 def fitted_pool(targets: list[ModuleTarget], slots: int, max_rank: int | None = None) -> PoolConfig:
@@ -110,7 +100,7 @@ def fitted_pool(targets: list[ModuleTarget], slots: int, max_rank: int | None = 
     its max rank or module set): expert memory only for a store holding expert LoRA."""
     modules = {t.module for t in targets}
     return PoolConfig(slots, max_rank or max((t.rank for t in targets), default=1),
-                      tuple(m for m in _MODULES if m in modules) or LINEAR_MODULES[:1],
+                      tuple(m for m in POOL_MODULES if m in modules) or LINEAR_MODULES[:1],
                       extra_targets=tuple(m for m in EXTRA_TARGETS if m in modules))
 
 

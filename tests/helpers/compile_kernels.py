@@ -91,9 +91,9 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run without TRITON_INTERPRET=1: interpreted kernels do not compile")
         return 1
-    for kernel, pointers, constexprs, warps in cases():
+    for kernel, types, constexprs, warps in cases():
         try:
-            compile_sm90(kernel, pointers, constexprs, warps)
+            compile_sm90(kernel, types, constexprs, warps)
         except Exception as e:  # the compiler's message names the line
             print(f"{kernel.__name__} {constexprs}: {e}")
             return 1
