@@ -16,7 +16,7 @@ import time
 import pytest
 
 from metrale import errors
-from metrale.peer.client import RELEASE_TIMEOUT_S
+from metrale.peer.client import RELEASE_TIMEOUT_S, wait_for_releases
 from metrale.peer.errors import PeerManifestError, PeerTimeoutError
 from metrale.peer.wire import encode_doc
 from tests.helpers.peers import LEASE, assert_matches_disk, new_slots
@@ -250,6 +250,7 @@ def _bounded_refusal(engine, peer: RawPeer, error) -> float:
             land_peer(engine, peer.url, "a", 0, transport="http", timeout_s=TIMEOUT_S)
         elapsed = time.monotonic() - start
     finally:
+        wait_for_releases()  # releases go out on a background thread, to this peer
         peer.close()
     assert isinstance(info.value, errors.MetraleError) and str(info.value)
     assert snapshot(engine) == before

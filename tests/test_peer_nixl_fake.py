@@ -18,6 +18,7 @@ import torch
 
 from metrale import errors
 from metrale.peer import nixl_transport
+from metrale.peer.client import wait_for_releases
 from metrale.peer.errors import PeerTimeoutError, PeerTransferError
 from metrale.peer.http_server import PeerHTTPServer
 from metrale.peer.nixl_transport import coalesce
@@ -178,6 +179,7 @@ def test_peer_dead_or_stalled_mid_transfer_leaves_the_slot_empty(fake_nixl, mode
         assert now.version is None and now.state.value == "EMPTY" and now.uid != old.uid
         assert not slots.pool.slot_region(0).any()
         assert fake_nixl.calls["remove_remote_agent"] == 1  # reconnect next time
+        wait_for_releases()  # releases go out on a background thread
         assert exporter.open_leases == 0
         fake_nixl.mode = "ok"  # the engine goes on: the next landing reloads the peer
         land_peer(slots, addr, "a", 0, transport="nixl")
@@ -201,6 +203,7 @@ def test_cached_plan_is_replaced_when_the_peer_layout_changes(fake_nixl, transpo
         land_peer(slots, addr, "a", 0, name="x", transport=transport)
         assert (cache.hits, cache.misses) == (1, 1)
         old = cache.get(f"127.0.0.1:{server.server_address[1]}", "a").shape_bytes
+        wait_for_releases()  # the lease on the peer slot ends on a background thread
         source.unload_slot(0)  # the peer now serves b's weights under the id "a"
         land_disk(source, adapter_dir("b"), 0)
         stats = {}

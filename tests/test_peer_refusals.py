@@ -16,7 +16,7 @@ import torch
 from metrale import errors
 from metrale.peer import wire
 from metrale.peer.allow import resolve_peer
-from metrale.peer.client import DATA_SPAN, PeerClient
+from metrale.peer.client import DATA_SPAN, PeerClient, wait_for_releases
 from metrale.peer.deadline import Deadline
 from metrale.peer.errors import (
     ManifestVersionError,
@@ -145,6 +145,7 @@ def test_malicious_manifest_refused_untouched(case, op, genuine, engine):
         assert str(info.value)
         assert snapshot(engine) == before
         assert ("GET", f"/peer/v1/leases/{LEASE}/data") not in peer.requests  # no data was read
+        wait_for_releases()  # releases go out on a background thread
         assert ("DELETE", f"/peer/v1/leases/{LEASE}") in peer.requests  # the lease was released
     finally:
         peer.close()
@@ -197,6 +198,7 @@ def test_broken_stream_refused_within_timeout(mode, error, op, genuine, engine):
         with pytest.raises(error):
             _run(op, engine, peer, timeout_s=1.5)
     finally:
+        wait_for_releases()  # releases go out on a background thread, to this peer
         peer.close()
     assert time.monotonic() - start < 4.5
     assert snapshot(engine) == before
@@ -365,6 +367,7 @@ def test_lying_reply_bodies_refused_untouched(case, genuine, engine):
         assert snapshot(engine) == before
         assert ("GET", f"/peer/v1/leases/{LEASE}/data") not in peer.requests
         if lease_readable:
+            wait_for_releases()  # releases go out on a background thread
             assert ("DELETE", f"/peer/v1/leases/{LEASE}") in peer.requests
     finally:
         peer.close()

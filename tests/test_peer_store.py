@@ -16,6 +16,7 @@ import torch
 
 from metrale import errors
 from metrale.config import ModelConfig
+from metrale.peer.client import wait_for_releases
 from metrale.peer.errors import (
     NixlUnavailableError,
     PeerTimeoutError,
@@ -62,6 +63,7 @@ def test_promote_matches_disk_and_peft(store, transport, caplog):
         assert slot == i and slots.table.holds(slot, version)  # the never-filled slots in turn
         assert_matches_disk(slots, slot, name)
     slots.table.check_integrity()
+    wait_for_releases()  # releases go out on a background thread
     assert open_leases(store) == 0
 
 
@@ -115,6 +117,7 @@ def test_http_over_several_streams_matches_disk(store, several_streams):
     for spans, told in several_streams:
         assert len(spans) == 3
         assert told == sorted(set(told)) and told[-1] == spans[-1][1]  # monotone, to the end
+    wait_for_releases()  # releases go out on a background thread
     assert open_leases(store) == 0
 
 
@@ -221,6 +224,7 @@ def test_unknown_adapter_and_refusals_release_leases(store):
     with pytest.raises(errors.AdapterMismatchError, match="--max-lora-rank"):
         land_peer(small, store, "a", timeout_s=5)
     assert snapshot(slots) == before and snapshot(small) == small_before
+    wait_for_releases()  # releases go out on a background thread
     assert open_leases(store) == 0
 
 
@@ -273,6 +277,7 @@ def test_nixl_stalled_transfer_times_out_empty(store, monkeypatch):
     assert 1.0 < time.monotonic() - start < 6
     assert isinstance(info.value.__cause__, PeerTimeoutError)
     _assert_empty(slots, 2, old)
+    wait_for_releases()  # releases go out on a background thread
     assert open_leases(store) == 0
 
 

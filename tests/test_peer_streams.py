@@ -14,6 +14,7 @@ import pytest
 
 from metrale.peer import client
 from metrale.peer.allow import resolve_peer
+from metrale.peer.client import wait_for_releases
 from metrale.peer.deadline import Deadline
 from metrale.peer.errors import PeerTimeoutError, PeerTransferError
 from metrale.peer.streams import split
@@ -92,6 +93,7 @@ def test_a_peer_that_claims_ranges_but_ignores_them_is_refused(genuine, engine, 
         with pytest.raises(PeerTransferError, match="not the .* asked for"):
             land_peer(engine, peer.url, "a", 0, name="b", transport="http", timeout_s=10)
     finally:
+        wait_for_releases()  # releases go out on a background thread, to this peer
         peer.close()
     assert snapshot(engine) == before
     assert ("DELETE", f"/peer/v1/leases/{LEASE}") in peer.requests
@@ -113,6 +115,7 @@ def test_one_broken_part_fails_the_read_untouched(genuine, engine, several_strea
         with pytest.raises(error):
             land_peer(engine, peer.url, "a", 0, name="b", transport="http", timeout_s=1.5)
     finally:
+        wait_for_releases()  # releases go out on a background thread, to this peer
         peer.close()
     assert time.monotonic() - start < 4.5
     assert snapshot(engine) == before and not _stream_threads()

@@ -11,7 +11,9 @@ import http.client
 import json
 import logging
 import math
+import queue
 import socket
+import threading
 from collections.abc import Callable
 from urllib.parse import quote
 
@@ -47,6 +49,7 @@ DATA_SPAN = 8 << 20
 # moved ~2.9 GB/s on the H200 host, so an 8B slot (86.6 MB) took ~30 ms on one.
 DATA_STREAMS = 4
 SPLIT_BYTES = 8 << 20  # smaller reads use one stream: more connections would cost more
+MAX_IDLE_PER_PEER = 4  # kept control-plane connections per peer
 
 
 class PeerClient:
@@ -77,26 +80,32 @@ class PeerClient:
                            accept=CONTENT_TYPE)
 
     def release(self, lease_id: str) -> None:
+        """Queue the release for the background releaser and return at once: a landing
+        ends at its commit, not a round trip later (~0.8 ms of a warm 8B landing)."""
+        _RELEASER.submit(self, lease_id)
+
+    def release_now(self, lease_id: str) -> None:
         """Best effort, under its own short deadline; never raises."""
         what = f"release lease {lease_id[:16]!r}"
         path = f"/peer/v1/leases/{quote(lease_id, safe='')}"
         try:
-            conn, _ = self._request("DELETE", path, None, what, Deadline(RELEASE_TIMEOUT_S), 4096)
-            conn.close()  # the status line is the answer; the body is not worth waiting for
+            self._reply("DELETE", path, None, what, deadline=Deadline(RELEASE_TIMEOUT_S))
         except MetraleError as e:
             log.info("peer %s: releasing lease %s failed (%s); it will expire", self.addr,
                      lease_id[:16], e)
 
     def _reply(self, method: str, path: str, body: dict | None, what: str,
-               accept: str = "application/json") -> bytes:
-        """The body of one control-plane call, read under the manifest cap; a status other
-        than 200 raises its typed error."""
-        conn, resp = self._request(method, path, body, what, self.deadline, MAX_MANIFEST_BYTES,
-                                   accept)
+               accept: str = "application/json", deadline: Deadline | None = None) -> bytes:
+        """The body of one control-plane call, read under the manifest cap, over a kept
+        connection when one is idle; a status other than 200 raises its typed error."""
+        conn, resp = self._request(method, path, body, what, deadline or self.deadline,
+                                   MAX_MANIFEST_BYTES, accept, reuse=True)
         try:
             raw = self._read_capped(resp, MAX_MANIFEST_BYTES, what)
-        finally:
+        except BaseException:
             conn.close()
+            raise
+        _IDLE.give(self.addr, conn, resp)
         if resp.status != 200:
             self._refusal(resp.status, raw, what)
         return raw
@@ -174,10 +183,15 @@ class PeerClient:
 
     def _request(self, method: str, path: str, body: dict | None, what: str,
                  deadline: Deadline, body_cap: int, accept: str = "application/json",
-                 group: SocketGroup | None = None):
-        """Send the request and read the status line and headers, all under `deadline`."""
+                 group: SocketGroup | None = None, reuse: bool = False):
+        """Send the request and read the status line and headers, all under `deadline`.
+        reuse: over an idle kept connection if there is one (a peer may have closed it
+        meanwhile: then once more over a new one)."""
         label = f"peer {self.addr}: {what}"
-        conn = _PeerConnection(self.addr, deadline, label, body_cap + FRAMING_BYTES, group)
+        conn = _IDLE.take(self.addr, deadline, label, body_cap + FRAMING_BYTES) if reuse else None
+        if conn is None:
+            conn = _PeerConnection(self.addr, deadline, label, body_cap + FRAMING_BYTES, group)
+            reuse = False
         host = f"[{self.addr.host}]" if ":" in self.addr.host else self.addr.host
         headers = {"Host": f"{host}:{self.addr.port}", "Accept": accept}
         payload = None
@@ -192,6 +206,8 @@ class PeerClient:
             raise self._timeout(what) from None
         except (OSError, http.client.HTTPException) as e:
             conn.close()
+            if reuse and isinstance(e, _STALE):  # the peer closed the idle connection
+                return self._request(method, path, body, what, deadline, body_cap, accept, group)
             raise PeerConnectionError(
                 f"peer {self.addr}: {what}: unreachable ({type(e).__name__}: {str(e)[:200]})"
             ) from None
@@ -282,6 +298,101 @@ class _PeerConnection(http.client.HTTPConnection):
         self.sock = sock
         if self.group is not None:
             self.group.add(sock)  # raises when the read was cancelled meanwhile
+
+    def rearm(self, deadline: Deadline, label: str, max_bytes: int) -> None:
+        """A kept connection, for its next call: that call's deadline and byte cap."""
+        self.deadline, self.label, self.max_bytes = deadline, label, max_bytes
+        sock = self.sock
+        sock.deadline, sock.label, sock.max_bytes, sock.received = deadline, label, max_bytes, 0
+
+
+# What a kept connection that the peer closed while it sat idle fails with.
+_STALE = (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine)
+
+
+class _IdleConnections:
+    """Control-plane connections kept open between calls, per peer: a lease over one skips
+    the TCP handshake and the peer's start of a thread for a new connection. Only a
+    connection whose reply was read to its end and that the peer keeps open comes back."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, int], list[_PeerConnection]] = {}
+
+    def take(self, addr: PeerAddress, deadline: Deadline, label: str,
+             max_bytes: int) -> _PeerConnection | None:
+        with self._lock:
+            kept = self._idle.get((addr.ip, addr.port))
+            conn = kept.pop() if kept else None
+        if conn is not None:
+            conn.rearm(deadline, label, max_bytes)
+        return conn
+
+    def give(self, addr: PeerAddress, conn: _PeerConnection,
+             resp: http.client.HTTPResponse) -> None:
+        if conn.sock is None or resp.will_close or not resp.isclosed():
+            conn.close()
+            return
+        with self._lock:
+            kept = self._idle.setdefault((addr.ip, addr.port), [])
+            if len(kept) < MAX_IDLE_PER_PEER:
+                kept.append(conn)
+                return
+        conn.close()
+
+    def close_all(self) -> None:
+        with self._lock:
+            kept, self._idle = self._idle, {}
+        for conns in kept.values():
+            for conn in conns:
+                conn.close()
+
+
+class _Releaser:
+    """Sends lease releases on one background thread, in order. Best effort, as before:
+    a release that fails is logged and the lease expires on the peer."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, client: PeerClient, lease_id: str) -> None:
+        with self._idle:
+            self._pending += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="metrale-peer-release",
+                                                daemon=True)
+                self._thread.start()
+        self._queue.put((client, lease_id))
+
+    def wait(self, timeout_s: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            client, lease_id = self._queue.get()
+            try:
+                client.release_now(lease_id)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+
+_IDLE = _IdleConnections()
+_RELEASER = _Releaser()
+
+
+def wait_for_releases(timeout_s: float = 5.0) -> bool:
+    """Until every queued lease release was sent (tests, shutdown); False on timeout."""
+    return _RELEASER.wait(timeout_s)
+
+
+def close_idle_connections() -> None:
+    _IDLE.close_all()
 
 
 def strict_json(raw: bytes | str) -> object:
