@@ -265,7 +265,11 @@ def test_landed_bytes_get_the_bound_registration_applies(tmp_path, monkeypatch, 
         weights_check.check_gains(plan, [norms[(t.target.layer, t.target.module, t.kind)]
                                          for t in plan.landings], dtype)
 
-    for check in (weights_check.check_weights, check_landed):
+    def check_bound(plan, dtype):  # a peer's cached plan: the same bound, as arrays
+        bound = weights_check.GainBound.of(plan, pool.gain_norm_keys())
+        bound.check(plan, pool.gain_norm_values(1)[0], dtype)
+
+    for check in (weights_check.check_weights, check_landed, check_bound):
         if key is None:
             check(plan, torch.float32)
             continue

@@ -7,8 +7,10 @@ an F32 file into a bf16 pool), nor one finite but overflowing the first token th
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from metrale.adapters.input_limits import brief, open_regular
@@ -60,8 +62,7 @@ def check_gain(source: str, a: TensorLanding, b: TensorLanding, a_norm: float, b
     """Refuse one module whose LoRA could overflow `pool_dtype`: a_norm, b_norm are a, b above."""
     limit = torch.finfo(pool_dtype).max
     target = a.target
-    reach = 1.0 if _one_hot(a) else INPUT_RMS * math.sqrt(a.entry.shape[-1])  # max ||x||_2
-    h = a_norm * reach
+    h = a_norm * _reach(a)
     dy = max(1.0, target.scale) * b_norm * h
     if h <= limit and dy <= limit:  # False for NaN too; the messages cost more than the check
         return
@@ -80,15 +81,60 @@ def check_gain(source: str, a: TensorLanding, b: TensorLanding, a_norm: float, b
 
 def check_gains(plan: AdapterPlan, norms: list[float], pool_dtype: torch.dtype) -> None:
     """check_gain for each module; norms[i] is plan.landings[i]'s."""
+    for a, b in _module_pairs(plan):
+        check_gain(plan.source, plan.landings[a], plan.landings[b], norms[a], norms[b],
+                   pool_dtype)
+
+
+@dataclass(frozen=True)
+class GainBound:
+    """check_gains for one plan as array arithmetic over the pool's gain norms (in
+    AdapterPool.gain_norm_keys order, trailing 0 last): for landings that repeat a plan,
+    a peer's cached one (~1 ms of Python per 8B landing otherwise). at: each landing's
+    position in the norms; a_at / b_at: each module's A and B; reach: max ||x||_2 of its
+    input; amplify: max(1, scale)."""
+
+    at: np.ndarray
+    a_at: np.ndarray
+    b_at: np.ndarray
+    reach: np.ndarray
+    amplify: np.ndarray
+
+    @classmethod
+    def of(cls, plan: AdapterPlan, keys: dict[tuple[int, str, str], int]) -> GainBound:
+        at = np.array([keys.get((t.target.layer, t.target.module, t.kind), len(keys))
+                       for t in plan.landings], dtype=np.int64)
+        pairs = [(a, b) for a, b in _module_pairs(plan)]
+        a_at = np.array([at[a] for a, _ in pairs], dtype=np.int64)
+        b_at = np.array([at[b] for _, b in pairs], dtype=np.int64)
+        reach = np.array([_reach(plan.landings[a]) for a, _ in pairs], dtype=np.float64)
+        amplify = np.array([max(1.0, plan.landings[a].target.scale) for a, _ in pairs],
+                           dtype=np.float64)
+        return cls(at, a_at, b_at, reach, amplify)
+
+    def check(self, plan: AdapterPlan, norms: np.ndarray, pool_dtype: torch.dtype) -> None:
+        """check_gains(plan, ...) on the norms; its typed error, naming the module, if not."""
+        limit = torch.finfo(pool_dtype).max
+        h = norms[self.a_at] * self.reach
+        dy = self.amplify * norms[self.b_at] * h
+        if np.all(h <= limit) and np.all(dy <= limit):  # False for NaN too
+            return
+        check_gains(plan, norms[self.at].tolist(), pool_dtype)
+
+
+def _module_pairs(plan: AdapterPlan) -> list[tuple[int, int]]:
+    """(A's, B's) landing index per module that has both (plan_adapter gives every one)."""
     by_target: dict[tuple[int, str, str], dict[str, int]] = {}
     for i, landing in enumerate(plan.landings):
         by_target.setdefault((landing.target.layer, landing.target.module, landing.part),
                              {})[landing.kind] = i
-    for kinds in by_target.values():
-        if "A" in kinds and "B" in kinds:  # plan_adapter gives every module both
-            a, b = kinds["A"], kinds["B"]
-            check_gain(plan.source, plan.landings[a], plan.landings[b], norms[a], norms[b],
-                       pool_dtype)
+    return [(kinds["A"], kinds["B"]) for kinds in by_target.values()
+            if "A" in kinds and "B" in kinds]
+
+
+def _reach(a: TensorLanding) -> float:
+    """max ||x||_2 of the module's input (see INPUT_RMS)."""
+    return 1.0 if _one_hot(a) else INPUT_RMS * math.sqrt(a.entry.shape[-1])
 
 
 def _one_hot(landing: TensorLanding) -> bool:

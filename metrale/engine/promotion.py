@@ -205,6 +205,7 @@ class Promoter:
             event = p.written.result()
             if event is not None:
                 event.synchronize()  # complete already; raises a device error if any
+            p.landing.verify()  # a failed check failed the slot already
         except BaseException as e:
             self._fail(p, e)
             return

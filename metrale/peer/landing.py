@@ -17,7 +17,7 @@ import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
 from metrale.adapters.plan import AdapterPlan
-from metrale.adapters.weights_check import all_finite
+from metrale.adapters.weights_check import GainBound
 from metrale.errors import AdapterMismatchError, InvalidNameError, MetraleError
 from metrale.names import is_valid_name
 from metrale.peer.allow import AllowList, resolve_peer
@@ -78,8 +78,7 @@ def warm_up_nixl(lora_slots: LoraSlots) -> bool:
     except NixlUnavailableError as e:
         log.info("NIXL not warmed up: %s", e)
         return False
-    all_finite(pool.slot_region(0))  # reads only
-    pool.gain_norms(0)
+    pool.gain_norm_values(0, check_finite=True)  # a landing's verify; reads only
     scratch = torch.zeros(2, dtype=pool.buffer.dtype, device=pool.device)
     scratch.index_fill_(0, torch.ones(1, dtype=torch.int64, device=pool.device), 0)  # gaps' op
     return True
@@ -162,7 +161,8 @@ class _PeerFetch:
                             for t in plan.landings], dtype=np.int64) * layout.itemsize
         nbytes = manifest.table["nbytes"].astype(np.int64)
         return PeerPlan(manifest.shape_bytes, manifest.peft_raw, manifest.dtype, plan, offsets,
-                        nbytes, table_rows(plan, layout))
+                        nbytes, table_rows(plan, layout),
+                        GainBound.of(plan, slots.pool.gain_norm_keys()))
 
     # --- steps ---------------------------------------------------------------------------
 
@@ -249,7 +249,7 @@ class _PeerFetch:
 
         def write(landing: Landing) -> None:
             start = time.perf_counter()
-            slot = landing.slot_range(plan, entry.tables)
+            slot = landing.slot_range(plan, entry.tables, entry.bound)
             local = [(slot.addr + off, n, endpoint.device_id) for off, n in runs.local]
             remote = [(addr, n, nixl.device) for addr, n in runs.remote]
             try:
@@ -263,7 +263,7 @@ class _PeerFetch:
             stats["ucx_transport"] = transport.name if transport is not None else None
             if runs.gaps:
                 landing.zero_elements(runs.gap_elements(itemsize, self.slots.pool.device))
-            landing.check_written(plan)
+            landing.check_written(plan, at_verify=True)
             stats.update(transfer_ms=(mid - start) * 1e3, check_ms=(time.perf_counter() - mid) * 1e3,
                          runs=len(runs.local))
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from metrale.adapters.plan import AdapterPlan
+from metrale.adapters.weights_check import GainBound
 
 MAX_ENTRIES = 256
 
@@ -28,6 +29,7 @@ class PeerPlan:
     local_offsets: np.ndarray  # int64 bytes from the slot base of each tensor, table order
     nbytes: np.ndarray  # int64, table order
     tables: tuple  # the plan's table_rows (~0.7 ms of Python per 8B plan), for NIXL landings
+    bound: GainBound  # the plan's gain bound as arrays (~1 ms of Python per 8B landing)
     runs: dict = field(default_factory=dict)  # remote address bytes -> coalesced Runs (NIXL)
 
     def matches(self, shape_bytes: bytes, peft_raw: bytes, dtype: str) -> bool:

@@ -12,7 +12,7 @@ import time
 import torch
 
 from metrale.adapters.plan import AdapterPlan
-from metrale.adapters.weights_check import all_finite, check_gains
+from metrale.adapters.weights_check import GainBound, all_finite
 from metrale.errors import LandingError, NonFiniteWeightsError
 from metrale.pool.host_tier import HostTier, TierEntry
 from metrale.pool.pool import AdapterPool, ByteRange, StagedAdapter
@@ -33,6 +33,9 @@ class Landing:
         # a peer's bytes to bound at commit (check_gains); a disk file was bounded when it
         # was registered (check_weights): ~5 ms per 8B landing on the H200 is not paid twice
         self._plan: AdapterPlan | None = None
+        self._bound: GainBound | None = None  # the plan's bound as arrays, when kept
+        self._check_finite = False  # the NaN/Inf check, folded into verify's one host sync
+        self._verified = False
         self.start = time.perf_counter()
 
     # --- bytes in ----------------------------------------------------------------------
@@ -58,13 +61,15 @@ class Landing:
         self._host_tier.land(entry, self.slot)
         self._tables = None
 
-    def slot_range(self, plan: AdapterPlan, tables: tuple | None = None) -> ByteRange:
+    def slot_range(self, plan: AdapterPlan, tables: tuple | None = None,
+                   bound: GainBound | None = None) -> ByteRange:
         """The whole slot as one address range, for a transport that writes coalesced
         runs of the plan's tensors (NIXL); zero_elements the bytes between tensors that a
-        run carried, then check_written. tables: the plan's table_rows, when the caller
-        keeps them (~0.7 ms of Python per 8B plan)."""
+        run carried, then check_written(plan, at_verify=True). tables, bound: the plan's
+        table_rows and GainBound, when the caller keeps them (~0.7 and ~1 ms of Python per
+        8B plan)."""
         self._tables = tables if tables is not None else table_rows(plan, self._pool.layout)
-        self._plan = plan
+        self._plan, self._bound = plan, bound
         region = self._pool.slot_region(self.slot)
         return ByteRange(region.data_ptr(), self._pool.layout.slot_bytes)
 
@@ -72,23 +77,45 @@ class Landing:
         """index: offsets from the slot base."""
         self._pool.slot_region(self.slot).index_fill_(0, index, 0)
 
-    def check_written(self, plan: AdapterPlan) -> None:
-        """NaN/Inf check in place of bytes that skipped staging's (one pass: zeroed at begin)."""
+    def check_written(self, plan: AdapterPlan, at_verify: bool = False) -> None:
+        """NaN/Inf check in place of bytes that skipped staging's (one pass: zeroed at
+        begin); at_verify: in verify's host sync, with the gain bound, not one of its own."""
+        if at_verify:
+            self._check_finite = True
+            return
         if not all_finite(self._pool.slot_region(self.slot)):
-            raise NonFiniteWeightsError(
-                f"{plan.source}: the landed weights hold NaN or Inf in the pool's dtype "
-                f"({self._pool.layout.dtype})")
+            raise self._non_finite(plan)
+
+    def _non_finite(self, plan: AdapterPlan) -> NonFiniteWeightsError:
+        return NonFiniteWeightsError(
+            f"{plan.source}: the landed weights hold NaN or Inf in the pool's dtype "
+            f"({self._pool.layout.dtype})")
 
     # --- the end -----------------------------------------------------------------------
 
+    def verify(self) -> None:
+        """The checks that read the landed bytes (a peer's: the gain bound, and NaN/Inf
+        where check_written deferred it), in one host sync. A failure zeroes the slot
+        (EMPTY, fresh identity) and raises LandingError; commit runs this if nobody did."""
+        if self._verified or self._plan is None:
+            self._verified = True
+            return
+        try:
+            plan, pool = self._plan, self._pool
+            norms, finite = pool.gain_norm_values(self.slot, self._check_finite)
+            if not finite:
+                raise self._non_finite(plan)
+            bound = self._bound or GainBound.of(plan, pool.gain_norm_keys())
+            bound.check(plan, norms, pool.layout.dtype)
+        except BaseException as e:
+            raise self.fail(e) from e
+        self._verified = True
+
     def commit(self, version: int) -> None:
         """LOADING -> READY holding `version` (the bytes must have landed)."""
+        self.verify()
         self._close()
         try:
-            if self._plan is not None:
-                norms = self._pool.gain_norms(self.slot)
-                check_gains(self._plan, [norms.get((t.target.layer, t.target.module, t.kind), 0.0)
-                                         for t in self._plan.landings], self._pool.layout.dtype)
             if self._tables is not None:
                 self._pool.write_tables(self.slot, *self._tables)
         except BaseException as e:

@@ -313,8 +313,11 @@ def serve_engine_slots(engine):
     from metrale.peer.exporter import AdapterExporter
     from metrale.peer.http_server import PeerHTTPServer
 
+    from metrale.peer.client import wait_for_releases
+
     server = PeerHTTPServer(AdapterExporter(engine.lora, engine.registry)).start()
     try:
         yield server.url.removeprefix("http://")
     finally:
+        wait_for_releases()  # engines release leases on a background thread: to this server
         server.close()
