@@ -6,11 +6,13 @@
 
 Two processes on one device: the trainer (a subprocess holding the weights and the
 publisher) and the engine side (this process: an adapter pool, its NIXL endpoint warmed
-as an engine does at start). One push = the trainer's publish (its tensors into its own
-slot, checked) + the engine's landing of that version from the trainer (lease, manifest,
-plan reused, READ, checks, tables) until the slot holds it. Not included: the HTTP admin
-call a server gets (`/v1/load_lora_adapter`) and the next step that schedules a request
-on the slot. Recorded in swap -> <model>-peer-1gpu (one GPU) as push_ms.
+as an engine does at start). One push starts in the trainer once its optimizer step is
+done (the clock is CLOCK_MONOTONIC, one clock for both processes) and ends when the
+engine's slot holds that version: the trainer's publish (its tensors into its own slot,
+checked) + the message to the engine side (a pipe here) + the engine's landing from the
+trainer (lease, manifest, plan reused, READ, checks, tables). Not included: the HTTP
+admin call a server gets (`/v1/load_lora_adapter`) and the next step that schedules a
+request on the slot. Recorded in swap -> <model>-peer-1gpu (one GPU) as push_ms.
 """
 
 from __future__ import annotations
@@ -43,13 +45,16 @@ dtype = next(iter(tensors.values())).dtype
 pub = AdapterPublisher(model_dir, config, device=device, dtype=dtype)
 print("ready", pub.address, flush=True)
 for line in sys.stdin:
-    start = time.perf_counter()
     for t in tensors.values():  # an optimizer step, as far as serving can tell
         t.add_(1e-3)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.clock_gettime(time.CLOCK_MONOTONIC)  # the push starts: the step is done
     source = pub.publish(tensors)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    print(source, (time.perf_counter() - start) * 1e3, flush=True)
+    end = time.clock_gettime(time.CLOCK_MONOTONIC)
+    print(source, (end - start) * 1e3, start, flush=True)
 pub.close()
 """
 
@@ -79,16 +84,16 @@ def main() -> None:
             warm_up_nixl(slots)
         totals, publishes, stats_seen = [], [], []
         for _ in range(args.pushes):
-            start = time.perf_counter()
             trainer.stdin.write("push\n")
             trainer.stdin.flush()
-            source, publish_ms = trainer.stdout.readline().split()
+            source, publish_ms, start = trainer.stdout.readline().split()
             stats: dict = {}
             promote_from_peer(slots, addr, source.rsplit("/", 1)[1], "policy",
                               transport=args.transport, stats=stats)
             if gpu:
                 torch.cuda.synchronize()
-            totals.append((time.perf_counter() - start) * 1e3)
+            # CLOCK_MONOTONIC is one clock for both processes
+            totals.append((time.clock_gettime(time.CLOCK_MONOTONIC) - float(start)) * 1e3)
             publishes.append(float(publish_ms))
             stats_seen.append(stats)
     finally:

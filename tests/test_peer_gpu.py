@@ -36,3 +36,21 @@ def test_cuda_pool_from_store(store, transport, dtype, caplog):
         assert slots.table.holds(slot, version)
         assert_matches_disk(slots, slot, name)
     slots.table.check_integrity()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_warm_up_touches_no_slot_and_the_first_landing_reuses_it(store, transport):
+    """warm_up_peer on a CUDA pool (over NIXL: the peer's agent and a READ into the
+    endpoint's scratch) leaves every slot's bytes as they were; the landing after it
+    reuses its plan and lands the adapter exactly."""
+    from metrale.peer.landing import warm_up_peer
+
+    slots = new_slots(dtype=torch.float32, device="cuda")
+    before = slots.pool.buffer.clone()
+    assert warm_up_peer(slots, store, "a", transport=transport) == transport
+    torch.cuda.synchronize()
+    assert torch.equal(slots.pool.buffer, before)
+    stats: dict = {}
+    slot, _ = land_peer(slots, store, "a", transport=transport, timeout_s=30, stats=stats)
+    assert stats["plan_cached"]
+    assert_matches_disk(slots, slot, "a")

@@ -254,3 +254,33 @@ def test_coalesce_never_wraps_on_addresses_near_the_top():
     assert len(runs.local) == 2
     assert sum(n for _, n in runs.local) == 128
     assert torch.equal(runs.gap_elements(4, "cpu"), torch.empty(0, dtype=torch.int64))
+
+
+def test_warm_up_prepares_the_first_landing_and_touches_no_slot(fake_nixl):
+    """warm_up_peer leases, plans, loads the peer's agent and READs a few bytes into the
+    endpoint's scratch, then lets the lease go; the slots are as they were, and the first
+    landing after it reuses the plan, the agent and the runs."""
+    from metrale.peer.landing import warm_up_peer
+
+    source, exporter, server = _peer()
+    slots = new_slots()
+    land_disk(slots, adapter_dir("b"), 1)  # a slot serving something: never touched
+    before = (slots.pool.buffer.clone(), slots.table.infos())
+    cache = plan_cache_for(slots.pool)
+    try:
+        addr = server.url.removeprefix("http://")
+        peer = f"127.0.0.1:{server.server_address[1]}"
+        assert not cache.knows(peer)
+        assert warm_up_peer(slots, addr, "a", transport="nixl") == "nixl"
+        assert torch.equal(slots.pool.buffer, before[0]) and slots.table.infos() == before[1]
+        assert cache.knows(peer) and (cache.hits, cache.misses) == (0, 1)
+        assert fake_nixl.calls["add_remote_agent"] == 1 and fake_nixl.calls["descriptors"] == 1
+        wait_for_releases()
+        assert exporter.open_leases == 0
+        stats = {}
+        land_peer(slots, addr, "a", 0, name="x", transport="nixl", stats=stats)
+        assert stats["plan_cached"] and (cache.hits, cache.misses) == (1, 1)
+        assert fake_nixl.calls["add_remote_agent"] == 1
+        assert_matches_disk(slots, 0, "a")
+    finally:
+        _close(exporter, server)

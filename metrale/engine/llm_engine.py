@@ -37,8 +37,9 @@ from metrale.errors import MetraleError, UnknownAdapterError
 from metrale.model.llama import LlamaForCausalLM
 from metrale.model.loader import load_model
 from metrale.peer.allow import resolve_peer
-from metrale.peer.landing import warm_up_nixl
+from metrale.peer.landing import warm_up_nixl, warm_up_peer
 from metrale.peer.lookup import check_peer_holds
+from metrale.peer.plans import plan_cache_for
 from metrale.pool.slots import SlotInfo
 from metrale.pool.swap import LoraSlots, Prepared
 
@@ -254,7 +255,25 @@ class LLMEngine:
         else:  # a peer off the allow-list could never land: refuse it before contacting it
             addr = resolve_peer(source.peer.addr, self.cfg.peer_allow or None)
             check_peer_holds(addr, source.peer.adapter_id, self.cfg.peer_timeout_s)
+            self._warm_up_peer(name, source, f"{addr.ip}:{addr.port}")
         return source
+
+    def _warm_up_peer(self, name: str, source: AdapterSource, peer_key: str) -> None:
+        """On a GPU, the first adapter registered from a peer warms the path (warm_up_peer:
+        its plan, agent, runs and memory mapping), so that its first landing costs about a
+        warm one, not ~14x. Best effort: a landing reports what fails here."""
+        peer, pool = source.peer, self.lora.pool
+        if pool is None or not pool.buffer.is_cuda or source.peft is not None \
+                or self.cfg.peer_transport == "http" or plan_cache_for(pool).knows(peer_key):
+            return
+        try:
+            transport = warm_up_peer(self.lora, peer.addr, peer.adapter_id,
+                                     transport=self.cfg.peer_transport,
+                                     timeout_s=self.cfg.peer_timeout_s,
+                                     peer_allow=self.cfg.peer_allow or None)
+            log.info("peer %s warmed up for %r (%s)", peer.addr, name, transport)
+        except MetraleError as e:
+            log.info("peer %s not warmed up for %r: %s", peer.addr, name, e)
 
     def read_adapter(self, name: str, source: AdapterSource) -> Future:
         """Promoter.read (thread-safe)."""

@@ -32,7 +32,7 @@ from metrale.peer.manifest import (
     parse_manifest,
     read_reply,
 )
-from metrale.peer.nixl_transport import coalesce, endpoint_for
+from metrale.peer.nixl_transport import Runs, coalesce, endpoint_for
 from metrale.peer.plans import PeerPlan, plan_cache_for
 from metrale.pool.landing import Landing
 from metrale.pool.recipe import table_rows
@@ -84,6 +84,24 @@ def warm_up_nixl(lora_slots: LoraSlots) -> bool:
     return True
 
 
+def warm_up_peer(lora_slots: LoraSlots, peer_addr: str, adapter_id: str, *,
+                 transport: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 peer_allow: AllowList | Iterable[str] | None = None,
+                 stats: dict | None = None) -> str:
+    """Before the first landing from a peer: lease `adapter_id` once and do what that
+    landing would do before writing (plan the manifest into the plan cache; over NIXL
+    load the peer's agent, coalesce its runs, build the gap index and READ a few bytes, so
+    UCX connects and opens the peer's memory), then release. No slot is touched; later
+    landings of the same layout from this peer start warm. Returns the transport; raises
+    what a landing would (callers that only warm may log and go on)."""
+    fetch = _PeerFetch(lora_slots, peer_addr, adapter_id, adapter_id, None, transport,
+                       timeout_s, peer_allow, None, stats)
+    try:
+        return fetch.warm()
+    finally:
+        fetch.close()
+
+
 class _PeerFetch:
     def __init__(self, lora_slots: LoraSlots, peer_addr: str, adapter_id: str, name: str,
                  peft: PeftLike, transport: str, timeout_s: float, peer_allow,
@@ -104,6 +122,39 @@ class _PeerFetch:
             self._lease_id = None
 
     def prepare(self) -> Callable[[Landing], None]:
+        start = time.perf_counter()
+        manifest, entry, mode, deadline, peer = self._lease_and_plan()
+        t_plan = time.perf_counter()
+        if mode == "nixl":
+            write = self._nixl_writer(manifest, entry, deadline, peer)
+        else:
+            write = self._http_writer(self._client, manifest, entry.plan)
+        end = time.perf_counter()
+        self.stats["prepare_ms"] = (end - t_plan) * 1e3
+        log.info("%s: %d tensors, %d bytes, via %s, plan %s, ready in %.2f ms", self.source,
+                 len(manifest.table), manifest.data_bytes, mode,
+                 "cached" if self.stats["plan_cached"] else "built", (end - start) * 1e3)
+        return write
+
+    def warm(self) -> str:
+        """What a first landing from this peer would do before it writes (lease, plan and,
+        over NIXL, the peer's agent, the runs, a READ of a few bytes into the endpoint's
+        scratch); no slot is touched. Returns the transport."""
+        manifest, entry, mode, deadline, peer = self._lease_and_plan()
+        if mode == "nixl":
+            endpoint = endpoint_for(self.slots.pool, self.slots.pool.buffer)
+            runs = self._runs(entry, manifest)
+            if runs.gaps:
+                runs.gap_elements(self.slots.pool.layout.itemsize, self.slots.pool.device)
+            agent = endpoint.add_remote(manifest.nixl.agent_metadata)
+            if runs.remote:
+                addr, nbytes = runs.remote[0]
+                endpoint.warm_read(agent, (addr, nbytes, manifest.nixl.device),
+                                   manifest.nixl.mem_type, deadline)
+        return mode
+
+    def _lease_and_plan(self) -> tuple[Manifest, PeerPlan, str, Deadline, str]:
+        """Lease (one round trip), validate or match the cached plan, choose the transport."""
         if not is_valid_name(self.adapter_id):
             raise InvalidNameError(f"peer adapter id {self.adapter_id!r} is invalid")
         addr = resolve_peer(self.peer_addr, self.peer_allow)  # before any connection
@@ -135,19 +186,11 @@ class _PeerFetch:
                 cache.put(peer, self.adapter_id, entry)  # replaces an entry of another layout
         t_plan = time.perf_counter()
         mode = self._choose(manifest)
-        if mode == "nixl":
-            write = self._nixl_writer(manifest, entry, deadline, peer)
-        else:
-            write = self._http_writer(client, manifest, entry.plan)
-        end = time.perf_counter()
         self.stats.update(
             transport=mode, plan_cached=hit, tensors=len(manifest.table),
             manifest_bytes=len(raw), control_ms=(t_lease - start) * 1e3,
-            validate_ms=(t_plan - t_lease) * 1e3, prepare_ms=(end - t_plan) * 1e3)
-        log.info("%s: %d tensors, %d bytes, via %s, plan %s, ready in %.2f ms", self.source,
-                 len(manifest.table), manifest.data_bytes, mode, "cached" if hit else "built",
-                 (end - start) * 1e3)
-        return write
+            validate_ms=(t_plan - t_lease) * 1e3)
+        return manifest, entry, mode, deadline, peer
 
     def _plan(self, manifest: Manifest) -> PeerPlan:
         """Validate and plan a table this engine has not planned (from this peer) yet."""
@@ -230,6 +273,18 @@ class _PeerFetch:
         self.stats["transfer_ms"] = (time.perf_counter() - start) * 1e3
         return lambda landing: landing.write_views(plan, views)
 
+    @staticmethod
+    def _runs(entry: PeerPlan, manifest: Manifest) -> Runs:
+        """The plan's tensors coalesced for the peer's placement, kept with the plan."""
+        key = manifest.nixl.addrs.tobytes()
+        runs = entry.runs.get(key)
+        if runs is None:
+            runs = coalesce(entry.local_offsets, manifest.nixl.addrs, entry.nbytes)
+            while len(entry.runs) >= 4:  # a peer engine may export from another slot
+                entry.runs.pop(next(iter(entry.runs)))
+            entry.runs[key] = runs
+        return runs
+
     def _nixl_writer(self, manifest: Manifest, entry: PeerPlan, deadline: Deadline,
                      peer: str) -> Callable[[Landing], None]:
         """Local ranges come only from the local layout (the cached plan's offsets); the
@@ -237,13 +292,7 @@ class _PeerFetch:
         was). Runs and both descriptor lists are reused across landings."""
         endpoint = endpoint_for(self.slots.pool, self.slots.pool.buffer)
         nixl = manifest.nixl
-        key = nixl.addrs.tobytes()
-        runs = entry.runs.get(key)
-        if runs is None:
-            runs = coalesce(entry.local_offsets, nixl.addrs, entry.nbytes)
-            while len(entry.runs) >= 4:  # a peer engine may export from another slot
-                entry.runs.pop(next(iter(entry.runs)))
-            entry.runs[key] = runs
+        runs = self._runs(entry, manifest)
         agent = endpoint.add_remote(nixl.agent_metadata)
         plan, itemsize, stats = entry.plan, self.slots.pool.layout.itemsize, self.stats
 

@@ -38,6 +38,7 @@ _LOCAL = "NIXL_INIT_AGENT"  # prep_xfer_dlist's name for the local side
 # Most bytes between two tensors that a run carries rather than split there (the DoRA
 # magnitude region between one module's B and the next one's A: 28 KiB on an 8B model).
 MAX_BRIDGE_BYTES = 1 << 20
+WARM_BYTES = 4096  # what warm_read reads: enough to connect, open and time nothing
 
 _endpoints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _endpoints_lock = threading.Lock()
@@ -81,6 +82,7 @@ class NixlEndpoint:
         self._remotes: dict[bytes, str] = {}  # agent metadata -> loaded remote agent name
         self._prepped: dict = {}  # (agent name, mem type, descs) -> prepped dlist; LRU order
         self._transports: dict[str, Transport | None] = {}  # remote agent -> what UCX chose
+        self._scratch: torch.Tensor | None = None  # warm_read's destination, registered once
         try:
             # The progress thread lets peers READ from us over transports (UCX TCP)
             # that need the target side to make progress.
@@ -161,6 +163,35 @@ class NixlEndpoint:
                     f"NIXL refused the transfer ({type(e).__name__}: {e}); the peer's "
                     "descriptors do not match memory it registered, or it is gone"
                 ) from e
+            try:
+                self._run(handle, deadline)
+            finally:
+                self._release(handle)
+            if remote_agent not in self._transports:
+                self._transports[remote_agent] = self._report_transport(remote_agent)
+
+    def warm_read(self, remote_agent: str, remote: Desc, remote_mem: str,
+                  deadline: Deadline) -> None:
+        """READ up to WARM_BYTES of `remote` into the endpoint's own scratch memory (never
+        a slot): UCX connects to the peer and opens its memory (a CUDA IPC handle, ~10 ms
+        on the H200) here rather than in a first landing; the transport gets recorded."""
+        nbytes = min(remote[1], WARM_BYTES)
+        with self._lock:
+            if self._scratch is None:
+                scratch = torch.empty(WARM_BYTES, dtype=torch.uint8, device=self.buffer.device)
+                try:
+                    self._scratch_reg = self._agent.register_memory(scratch)
+                except Exception as e:
+                    raise PeerTransferError(f"NIXL could not register scratch memory ({e})") from e
+                self._scratch = scratch
+            local = ((self._scratch.data_ptr(), nbytes, self.device_id),)
+            try:
+                local_h = self._prepped_dlist(_LOCAL, local, self.mem_type)
+                remote_h = self._prepped_dlist(remote_agent, ((remote[0], nbytes, remote[2]),),
+                                               remote_mem)
+                handle = self._agent.make_prepped_xfer("READ", local_h, [0], remote_h, [0])
+            except Exception as e:
+                raise PeerTransferError(f"NIXL refused the warm-up read ({type(e).__name__}: {e})") from e
             try:
                 self._run(handle, deadline)
             finally:

@@ -69,6 +69,11 @@ class PlanCache:
             while len(self._entries) > MAX_ENTRIES:
                 self._entries.popitem(last=False)
 
+    def knows(self, peer: str) -> bool:
+        """Whether a landing from this peer ("ip:port") was planned here: its path is warm."""
+        with self._lock:
+            return peer in self._newest
+
     def __len__(self) -> int:
         return len(self._entries)
 

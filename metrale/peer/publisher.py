@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import threading
 import time
 import urllib.request
@@ -54,7 +55,7 @@ class AdapterPublisher:
         self.ids, self._newest = StoreNames(), None
         self._lock = threading.Lock()  # the slot table: publishes here, leases on HTTP threads
         self._versions = itertools.count(1)
-        self._plans: dict[tuple, AdapterPlan] = {}  # tensor layout -> its plan (the last one)
+        self._sections: dict[tuple, tuple] = {}  # tensor layout -> _section (the last one)
         self.exporter = AdapterExporter(self.slots, self.ids, call=self._call,
                                         peft_for=lambda _: self.config,
                                         transports=resolve_transports(transport)).start()
@@ -81,27 +82,38 @@ class AdapterPublisher:
 
     def _prepare(self, tensors: Mapping[str, torch.Tensor]) -> Prepared:
         """The tensors as one data section on the pool's device, planned and checked."""
-        entries, parts, offset = [], [], 0
-        for key, tensor in tensors.items():
-            dtype = DTYPE_NAMES.get(tensor.dtype)
-            if dtype is None:
-                raise AdapterConfigError(f"tensor {key!r}: dtype {tensor.dtype} is not a float dtype")
-            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            entries.append(TensorEntry(key, dtype, tuple(tensor.shape), offset, offset + data.numel()))
-            parts.append(data.to(self.slots.pool.device, non_blocking=True))
-            offset += data.numel()
         pool = self.slots.pool
-        layout = tuple((e.name, e.dtype, e.shape) for e in entries)
-        plan = self._plans.get(layout)
-        if plan is None:  # a training loop pushes one layout: planned once (~10 ms on an 8B)
-            plan = plan_from_tensors("published", self.config, "publisher", entries, offset,
-                                     self.slots.model_config, self.slots.pool_config)
-            self._plans = {layout: plan}
-        data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=pool.device)
+        layout = tuple((key, t.dtype, t.shape) for key, t in tensors.items())
+        section = self._sections.get(layout)
+        if section is None:  # a training loop pushes one layout: planned once (~10 ms on an 8B)
+            section = self._section(layout)
+            self._sections = {layout: section}
+        plan, data, views = section
+        # one multi-tensor copy: per-tensor Python calls cost ~2 ms on an 8B adapter
+        torch._foreach_copy_(views, [t.detach() for t in tensors.values()])
         if plan.spans:  # keys that land nowhere (e.g. frozen copies) are not staged
             data = torch.cat([data[a:b] for a, b in plan.spans])
         staged = pool.stage(plan, data, pool.recipe(plan))  # raises on NaN/Inf, naming a tensor
         return Prepared(lambda landing: landing.write_staged(staged))
+
+    def _section(self, layout: tuple) -> tuple[AdapterPlan, torch.Tensor, list[torch.Tensor]]:
+        """(plan, data, views): the plan of this tensor layout and a data section on the
+        pool's device with a typed view per tensor to copy the next version into."""
+        entries, offset = [], 0
+        for key, dtype, shape in layout:
+            name = DTYPE_NAMES.get(dtype)
+            if name is None:
+                raise AdapterConfigError(f"tensor {key!r}: dtype {dtype} is not a float dtype")
+            offset = -(-offset // dtype.itemsize) * dtype.itemsize  # a typed view needs alignment
+            nbytes = math.prod(shape) * dtype.itemsize
+            entries.append(TensorEntry(key, name, tuple(shape), offset, offset + nbytes))
+            offset += nbytes
+        plan = plan_from_tensors("published", self.config, "publisher", entries, offset,
+                                 self.slots.model_config, self.slots.pool_config)
+        data = torch.zeros(offset, dtype=torch.uint8, device=self.slots.pool.device)  # pads stay 0
+        views = [data[e.begin:e.end].view(dtype).view(shape)
+                 for e, (_, dtype, shape) in zip(entries, layout)]
+        return plan, data, views
 
     def push(self, name: str, tensors: Mapping[str, torch.Tensor], *, server: str | None = None,
              llm=None, api_key: str | None = None, timeout_s: float = 30.0) -> str:
