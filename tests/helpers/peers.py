@@ -310,10 +310,9 @@ def assert_store_serves(model_dir, adapters: dict, names: list[str], store_dir, 
 def serve_engine_slots(engine):
     """An in-process peer HTTP endpoint exporting what engine's slots hold, by its
     registry's names: yields its host:port."""
+    from metrale.peer.client import wait_for_releases
     from metrale.peer.exporter import AdapterExporter
     from metrale.peer.http_server import PeerHTTPServer
-
-    from metrale.peer.client import wait_for_releases
 
     server = PeerHTTPServer(AdapterExporter(engine.lora, engine.registry)).start()
     try:
