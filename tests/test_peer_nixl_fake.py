@@ -284,3 +284,50 @@ def test_warm_up_prepares_the_first_landing_and_touches_no_slot(fake_nixl):
         assert_matches_disk(slots, 0, "a")
     finally:
         _close(exporter, server)
+
+
+@pytest.mark.parametrize("where,value", [("A", float("nan")), ("B", float("inf")),
+                                         ("A", float("-inf"))])
+def test_non_finite_bytes_read_over_nixl_fail_the_landing(fake_nixl, where, value):
+    """A peer whose slot was written after its own checks: the bytes READ into the slot
+    skip staging, and the commit's verify (the norms of every region) refuses them; the
+    slot is EMPTY with a new uid and the next landing serves."""
+    source, exporter, server = _peer()
+    slots = new_slots()
+    land_disk(slots, adapter_dir("c"), 0)
+    old = slots.table.info(0)
+    pool = source.pool
+    region = pool.lora_a(1, "v_proj") if where == "A" else pool.lora_bt(1, "v_proj")
+    region[0, 1, 2] = value
+    try:
+        addr = server.url.removeprefix("http://")
+        with pytest.raises(errors.LandingError, match="now EMPTY") as info:
+            land_peer(slots, addr, "a", 0, transport="nixl")
+        assert isinstance(info.value.__cause__, errors.NonFiniteWeightsError)
+        now = slots.table.info(0)
+        assert now.state.value == "EMPTY" and now.uid != old.uid
+        assert not slots.pool.slot_region(0).any()
+        region[0, 1, 2] = 0.5
+        land_peer(slots, addr, "a", 0, transport="nixl")
+        slots.table.check_integrity()
+    finally:
+        _close(exporter, server)
+
+
+def test_poison_between_a_peers_tensors_is_zeroed_not_served(fake_nixl):
+    """A run READs the peer's bytes between two tensors (a DoRA magnitude region the
+    adapter does not use, rows past its rank) along with them; those are zeroed after the
+    READ, so NaN or Inf there neither lands nor fails the landing."""
+    source, exporter, server = _peer()
+    slots = new_slots()
+    source.pool.magnitude(1, "q_proj")[0].fill_(float("nan"))
+    source.pool.lora_a(1, "q_proj")[0, 4:].fill_(float("inf"))  # rows past a's rank 4
+    try:
+        addr = server.url.removeprefix("http://")
+        stats = {}
+        land_peer(slots, addr, "a", 0, transport="nixl", stats=stats)
+        assert stats["runs"] == 1  # the poisoned region was inside the run
+        assert_matches_disk(slots, 0, "a")
+        assert not slots.pool.magnitude(1, "q_proj")[0].any()
+    finally:
+        _close(exporter, server)

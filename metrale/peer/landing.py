@@ -78,7 +78,7 @@ def warm_up_nixl(lora_slots: LoraSlots) -> bool:
     except NixlUnavailableError as e:
         log.info("NIXL not warmed up: %s", e)
         return False
-    pool.gain_norm_values(0, check_finite=True)  # a landing's verify; reads only
+    pool.gain_norm_values(0)  # a landing's verify; reads only
     scratch = torch.zeros(2, dtype=pool.buffer.dtype, device=pool.device)
     scratch.index_fill_(0, torch.ones(1, dtype=torch.int64, device=pool.device), 0)  # gaps' op
     return True
@@ -310,9 +310,9 @@ class _PeerFetch:
             mid = time.perf_counter()
             transport = endpoint.transport_of(agent)
             stats["ucx_transport"] = transport.name if transport is not None else None
-            if runs.gaps:
+            if runs.gaps:  # then every byte outside the plan's tensors is zero again, and
                 landing.zero_elements(runs.gap_elements(itemsize, self.slots.pool.device))
-            landing.check_written(plan, at_verify=True)
+            # the commit's verify sees NaN/Inf in the tensors through their norms
             stats.update(transfer_ms=(mid - start) * 1e3, check_ms=(time.perf_counter() - mid) * 1e3,
                          runs=len(runs.local))
 

@@ -34,7 +34,6 @@ class Landing:
         # was registered (check_weights): ~5 ms per 8B landing on the H200 is not paid twice
         self._plan: AdapterPlan | None = None
         self._bound: GainBound | None = None  # the plan's bound as arrays, when kept
-        self._check_finite = False  # the NaN/Inf check, folded into verify's one host sync
         self._verified = False
         self.start = time.perf_counter()
 
@@ -65,7 +64,7 @@ class Landing:
                    bound: GainBound | None = None) -> ByteRange:
         """The whole slot as one address range, for a transport that writes coalesced
         runs of the plan's tensors (NIXL); zero_elements the bytes between tensors that a
-        run carried, then check_written(plan, at_verify=True). tables, bound: the plan's
+        run carried (verify's norms then see any NaN/Inf). tables, bound: the plan's
         table_rows and GainBound, when the caller keeps them (~0.7 and ~1 ms of Python per
         8B plan)."""
         self._tables = tables if tables is not None else table_rows(plan, self._pool.layout)
@@ -77,12 +76,8 @@ class Landing:
         """index: offsets from the slot base."""
         self._pool.slot_region(self.slot).index_fill_(0, index, 0)
 
-    def check_written(self, plan: AdapterPlan, at_verify: bool = False) -> None:
-        """NaN/Inf check in place of bytes that skipped staging's (one pass: zeroed at
-        begin); at_verify: in verify's host sync, with the gain bound, not one of its own."""
-        if at_verify:
-            self._check_finite = True
-            return
+    def check_written(self, plan: AdapterPlan) -> None:
+        """NaN/Inf check in place of bytes that skipped staging's (one pass: zeroed at begin)."""
         if not all_finite(self._pool.slot_region(self.slot)):
             raise self._non_finite(plan)
 
@@ -94,15 +89,16 @@ class Landing:
     # --- the end -----------------------------------------------------------------------
 
     def verify(self) -> None:
-        """The checks that read the landed bytes (a peer's: the gain bound, and NaN/Inf
-        where check_written deferred it), in one host sync. A failure zeroes the slot
-        (EMPTY, fresh identity) and raises LandingError; commit runs this if nobody did."""
+        """The checks that read the landed bytes of a plan not bounded at registration (a
+        peer's): NaN/Inf in any region and the gain bound, from one set of norms and one
+        host sync. A failure zeroes the slot (EMPTY, fresh identity) and raises
+        LandingError; commit runs this if nobody did."""
         if self._verified or self._plan is None:
             self._verified = True
             return
         try:
             plan, pool = self._plan, self._pool
-            norms, finite = pool.gain_norm_values(self.slot, self._check_finite)
+            norms, finite = pool.gain_norm_values(self.slot)
             if not finite:
                 raise self._non_finite(plan)
             bound = self._bound or GainBound.of(plan, pool.gain_norm_keys())

@@ -138,26 +138,25 @@ class AdapterPool:
                 key for group_keys, _, _, _ in self._norm_groups_of(0) for key in group_keys)}
         return self._norm_keys
 
-    def gain_norm_values(self, slot: int, check_finite: bool = False) -> tuple[np.ndarray, bool]:
+    def gain_norm_values(self, slot: int) -> tuple[np.ndarray, bool]:
         """(norms, finite), one host sync. norms: float64 in gain_norm_keys order plus a
         trailing 0 (for targets the layout lacks): A's largest row 2-norm (an embedding's:
-        its largest |value|), B's largest row 1-norm (a column of Bt). A slot is zeroed
-        before it lands, so rows past a module's rank add nothing and each (module, kind)
-        reduces over all its layers at once: per tensor, the ~450 slicing calls of an 8B
-        slot cost ~5 ms on the H200. finite: no NaN/Inf anywhere in the slot (asked by
-        landings whose bytes skipped staging's check; True when not asked)."""
+        its largest |value|), B's largest row 1-norm (a column of Bt), M's largest |value|.
+        A slot is zeroed before it lands, so rows past a module's rank add nothing and each
+        (module, kind) reduces over all its layers at once: per tensor, the ~450 slicing
+        calls of an 8B slot cost ~5 ms on the H200. finite: no NaN/Inf in any region (NaN
+        and Inf reach every norm; padding between regions stays zero), so a landing that
+        zeroes the bytes it carried between tensors needs no pass of its own."""
         groups = self._norm_groups_of(slot)
         parts = [_norms(x, kind, one_hot, torch.float32) for _, x, kind, one_hot in groups]
-        if check_finite:
-            parts.append(self.slot_region(slot).isfinite().all().reshape(1).float())
         values = torch.cat(parts).tolist() if parts else []
-        finite = values.pop() == 1.0 if check_finite else True
         start = 0
         for group_keys, x, kind, one_hot in groups:  # float32 overflows past ~1e19
             end = start + len(group_keys)
             if not all(math.isfinite(v) for v in values[start:end]):
                 values[start:end] = _norms(x, kind, one_hot, torch.float64).tolist()
             start = end
+        finite = all(math.isfinite(v) for v in values)  # float64 norms of finite values are finite
         return np.array(values + [0.0], dtype=np.float64), finite
 
     def _norm_groups_of(self, slot: int) -> list:
@@ -168,11 +167,12 @@ class AdapterPool:
 
     def _group_regions(self, slot: int) -> list:
         """(keys, [layers, rows, cols] view, kind, one_hot) per evenly spaced run of a
-        (module, kind)'s regions: one run per module unless layers differ (MoE models)."""
+        (module, kind)'s regions: one run per module unless layers differ (MoE models).
+        Together they cover every region of the slot: all bytes but the zeroed padding."""
         base, out = slot * self.layout.slot_elems, []
         for module in dict.fromkeys(m for _, m in self.layout.module_keys):
             layers = [layer for layer, m in self.layout.module_keys if m == module]
-            for kind in ("A", "B"):
+            for kind in ("A", "B", "M"):
                 regions = [self.layout.region(layer, module, kind) for layer in layers]
                 for run in _even_runs(regions):
                     first = run[0]
@@ -335,10 +335,10 @@ class AdapterPool:
 
 
 def _norms(x: torch.Tensor, kind: str, one_hot: bool, dtype: torch.dtype) -> torch.Tensor:
-    """gain_norms of x [layers, max_rank, cols] (A, or B as Bt), accumulated in dtype."""
+    """gain_norms of x [layers, rows, cols] (A, B as Bt, or M), accumulated in dtype."""
     if kind == "B":
         return torch.linalg.vector_norm(x, 1, dim=1, dtype=dtype).amax(1)
-    if one_hot:
+    if one_hot or kind == "M":
         return torch.linalg.vector_norm(x, math.inf, dim=(1, 2), dtype=dtype)
     return torch.linalg.vector_norm(x, 2, dim=2, dtype=dtype).amax(1)
 
