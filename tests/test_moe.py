@@ -102,8 +102,9 @@ def test_norms_over_a_layout_whose_layers_differ(family):
     norms = pool.gain_norms(0)
     assert {k[:2] for k in norms} == set(pool.layout.module_keys)
     for (layer, module, kind), got in norms.items():
-        x = (pool.lora_a if kind == "A" else pool.lora_bt)(layer, module)[0].float()  # [R, cols]
-        want = x.norm(dim=1).amax() if kind == "A" else x.abs().sum(0).amax()
+        view = {"A": pool.lora_a, "B": pool.lora_bt, "M": pool.magnitude}[kind]
+        x = view(layer, module)[0].float()  # [R, cols], M: [1, out]
+        want = {"A": x.norm(dim=1).amax(), "B": x.abs().sum(0).amax(), "M": x.abs().amax()}[kind]
         assert got == pytest.approx(float(want), rel=1e-6), (layer, module, kind)
 
 

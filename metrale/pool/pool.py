@@ -149,15 +149,16 @@ class AdapterPool:
         zeroes the bytes it carried between tensors needs no pass of its own."""
         groups = self._norm_groups_of(slot)
         parts = [_norms(x, kind, one_hot, torch.float32) for _, x, kind, one_hot in groups]
-        values = torch.cat(parts).tolist() if parts else []
-        start = 0
-        for group_keys, x, kind, one_hot in groups:  # float32 overflows past ~1e19
-            end = start + len(group_keys)
-            if not all(math.isfinite(v) for v in values[start:end]):
-                values[start:end] = _norms(x, kind, one_hot, torch.float64).tolist()
-            start = end
-        finite = all(math.isfinite(v) for v in values)  # float64 norms of finite values are finite
-        return np.array(values + [0.0], dtype=np.float64), finite
+        parts.append(torch.zeros(1, dtype=torch.float32, device=self.device))  # the trailing 0
+        values = torch.cat(parts).cpu().numpy().astype(np.float64)
+        if not np.isfinite(values).all():  # float32 overflows past ~1e19: float64 decides
+            start = 0
+            for group_keys, x, kind, one_hot in groups:
+                end = start + len(group_keys)
+                if not np.isfinite(values[start:end]).all():
+                    values[start:end] = _norms(x, kind, one_hot, torch.float64).cpu().numpy()
+                start = end
+        return values, bool(np.isfinite(values).all())  # finite values: finite float64 norms
 
     def _norm_groups_of(self, slot: int) -> list:
         groups = self._norm_groups.get(slot)
