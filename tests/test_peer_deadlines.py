@@ -36,6 +36,7 @@ class RawPeer:
     def __init__(self, answer) -> None:
         self.answer, self.stop = answer, threading.Event()
         self.requests: list[tuple[str, str]] = []
+        self.connections = 0  # accepted
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.05)
         self.url = f"127.0.0.1:{self.listener.getsockname()[1]}"
@@ -54,6 +55,7 @@ class RawPeer:
                 conn, _ = self.listener.accept()
             except TimeoutError:
                 continue
+            self.connections += 1
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
             self.threads.append(t)
             t.start()
@@ -292,11 +294,16 @@ def test_a_stalling_release_costs_its_own_short_deadline(case, genuine, engine):
 
 
 def test_the_raw_peer_serves_a_good_adapter(genuine, engine):  # noqa: F811
-    """The control case: the same raw peer, honest, lands the adapter."""
+    """The control case: the same raw peer, honest, lands the adapter, three times; the
+    control calls (lease, release) after the first go over the connection kept open."""
     reply, data, _ = genuine
     peer = RawPeer(_good(reply, data))
     try:
-        land_peer(engine, peer.url, "a", 1, transport="http", timeout_s=TIMEOUT_S * 5)
+        for _ in range(3):
+            land_peer(engine, peer.url, "a", 1, transport="http", timeout_s=TIMEOUT_S * 5)
+            wait_for_releases()
     finally:
         peer.close()
+    assert peer.requests.count(("POST", "/peer/v1/adapters/a/lease")) == 3
+    assert peer.connections == 1 + 3  # one kept for control, one per data stream
     assert_matches_disk(engine, 1, "a")

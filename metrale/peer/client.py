@@ -331,9 +331,10 @@ class _IdleConnections:
 
     def give(self, addr: PeerAddress, conn: _PeerConnection,
              resp: http.client.HTTPResponse) -> None:
-        if conn.sock is None or resp.will_close or not resp.isclosed():
+        if conn.sock is None or resp.will_close or resp.length != 0:  # not read to its end
             conn.close()
             return
+        resp.close()  # its file object only: the connection keeps the socket
         with self._lock:
             kept = self._idle.setdefault((addr.ip, addr.port), [])
             if len(kept) < MAX_IDLE_PER_PEER:
