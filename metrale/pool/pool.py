@@ -19,6 +19,7 @@ from metrale.adapters.weights_check import all_finite
 from metrale.errors import NonFiniteWeightsError
 from metrale.ops.landing_triton import base_of, land_rows, land_views
 from metrale.ops.moe_triton import ExpertLora
+from metrale.ops.norms_triton import KIND_A, KIND_B, KIND_MAX, region_descriptors, region_norms
 from metrale.pool.layout import SlotLayout
 from metrale.pool.recipe import LandingRecipe, build_recipe
 
@@ -72,6 +73,7 @@ class AdapterPool:
         self._fused: dict = {}
         self._norm_groups: dict[int, list] = {}  # slot -> gain_norms' views of it
         self._norm_keys: dict | None = None
+        self._norm_desc: dict[int, torch.Tensor] = {}  # slot -> norm_descriptors
         # id(plan.landings) -> (landings, targets, recipe), oldest first
         self._recipes: dict[int, tuple] = {}
         self._recipes_lock = threading.Lock()
@@ -148,9 +150,12 @@ class AdapterPool:
         and Inf reach every norm; padding between regions stays zero), so a landing that
         zeroes the bytes it carried between tensors needs no pass of its own."""
         groups = self._norm_groups_of(slot)
-        parts = [_norms(x, kind, one_hot, torch.float32) for _, x, kind, one_hot in groups]
-        parts.append(torch.zeros(1, dtype=torch.float32, device=self.device))  # the trailing 0
-        values = torch.cat(parts).cpu().numpy().astype(np.float64)
+        if self.buffer.is_cuda:  # one launch (the torch ops below are its reference)
+            values = region_norms(self.buffer, self.norm_descriptors(slot))
+        else:
+            parts = [_norms(x, kind, one_hot, torch.float32) for _, x, kind, one_hot in groups]
+            values = torch.cat(parts + [torch.zeros(1, dtype=torch.float32)])  # trailing 0
+        values = values.cpu().numpy().astype(np.float64)
         if not np.isfinite(values).all():  # float32 overflows past ~1e19: float64 decides
             start = 0
             for group_keys, x, kind, one_hot in groups:
@@ -159,6 +164,19 @@ class AdapterPool:
                     values[start:end] = _norms(x, kind, one_hot, torch.float64).cpu().numpy()
                 start = end
         return values, bool(np.isfinite(values).all())  # finite values: finite float64 norms
+
+    def norm_descriptors(self, slot: int) -> torch.Tensor:
+        """norms_triton's [regions, 4] descriptors of `slot`, in gain_norm_keys order."""
+        desc = self._norm_desc.get(slot)
+        if desc is None:
+            base, rows = slot * self.layout.slot_elems, []
+            for keys, _, kind, one_hot in self._norm_groups_of(slot):
+                code = KIND_B if kind == "B" else KIND_A if kind == "A" and not one_hot else KIND_MAX
+                for key in keys:
+                    region = self.layout.region(*key)
+                    rows.append((base + region.offset, region.rows, region.cols, code))
+            desc = self._norm_desc[slot] = region_descriptors(rows, self.device)
+        return desc
 
     def _norm_groups_of(self, slot: int) -> list:
         groups = self._norm_groups.get(slot)

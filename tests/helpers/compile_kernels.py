@@ -12,7 +12,14 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from metrale.ops import attention_triton, fused_triton, landing_triton, lora_kernels, moe_triton  # noqa: E402
+from metrale.ops import (  # noqa: E402
+    attention_triton,
+    fused_triton,
+    landing_triton,
+    lora_kernels,
+    moe_triton,
+    norms_triton,
+)
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4,
@@ -85,6 +92,9 @@ def cases():
                 sin_ptr="*fp32"), dict(HALF=64, BLOCK_H=16, STORE=True), 4)
     yield (landing_triton._land_kernel, dict(src_ptr="*bf16", dst_ptr="*bf16", desc_ptr="*i64"),
            dict(BLOCK=landing_triton.BLOCK), 4)
+    yield (norms_triton._region_norms_kernel,
+           dict(buf_ptr="*bf16", desc_ptr="*i64", out_ptr="*fp32", n_regions="i32"),
+           dict(BLOCK_R=norms_triton.BLOCK_R, BLOCK_C=norms_triton.BLOCK_C), 4)
 
 
 def main() -> int:
