@@ -74,3 +74,43 @@ def test_peer_outside_allow_list_is_refused_at_registration(store):
     done = run_until_done(engine)
     assert done[ok].finish_reason == "length"
     assert all(i.state.value == "EMPTY" and i.uid == 0 for i in engine.slot_info())
+
+
+def test_the_first_adapter_from_a_peer_warms_its_path(store, monkeypatch, caplog):
+    """An engine that warms peers (a GPU engine; this CPU one is told to) plans the
+    peer's first adapter when it is registered, so its first landing reuses that plan; a
+    second adapter from the same peer warms nothing more; a warm-up that fails is logged
+    and the registration stands. Answers equal the disk adapters'."""
+    from metrale.engine import llm_engine
+    from metrale.peer.errors import PeerManifestError
+    from metrale.peer.plans import plan_cache_for
+
+    warmed, real = [], llm_engine.warm_up_peer
+    monkeypatch.setattr(llm_engine, "warms_peers", lambda pool: True)
+    monkeypatch.setattr(llm_engine, "warm_up_peer",
+                        lambda slots, addr, adapter_id, **kw: warmed.append(adapter_id)
+                        or real(slots, addr, adapter_id, **kw))
+    llm = _llm()
+    cache = plan_cache_for(llm.engine.lora.pool)
+    llm.register_adapter("pa", f"peer://{store}/a")
+    llm.register_adapter("pb", f"peer://{store}/b")
+    assert warmed == ["a"] and (cache.hits, cache.misses) == (0, 1)
+    outs = llm.generate([PROMPT] * 2, GREEDY, ["pa", "pb"])
+    assert cache.hits == 1 and cache.misses == 2  # a: the warmed plan; b: planned at landing
+    disk = _llm()
+    for name in "ab":
+        disk.register_adapter(name, adapter_dir(name))
+    assert [o.token_ids for o in outs] == [
+        o.token_ids for o in disk.generate([PROMPT] * 2, GREEDY, list("ab"))]
+
+    def failing(*args, **kw):
+        raise PeerManifestError("the peer lies")
+
+    monkeypatch.setattr(llm_engine, "warm_up_peer", failing)
+    other = _llm()
+    with caplog.at_level("INFO", logger="metrale.engine"):
+        other.register_adapter("pc", f"peer://{store}/c")
+    assert "not warmed up" in caplog.text and "the peer lies" in caplog.text
+    disk.register_adapter("c", adapter_dir("c"))
+    assert other.generate([PROMPT], GREEDY, "pc")[0].token_ids == disk.generate(
+        [PROMPT], GREEDY, "c")[0].token_ids

@@ -46,6 +46,12 @@ from metrale.pool.swap import LoraSlots, Prepared
 log = logging.getLogger("metrale.engine")
 
 
+def warms_peers(pool) -> bool:
+    """Whether registering an adapter from a new peer warms that path first: on a GPU,
+    where a cold first landing costs ~14x a warm one; a CPU engine lands at CPU speed."""
+    return pool is not None and pool.buffer.is_cuda
+
+
 @dataclass(frozen=True)
 class _InFlight:
     """A launched step whose tokens the host has not processed yet."""
@@ -263,7 +269,7 @@ class LLMEngine:
         its plan, agent, runs and memory mapping), so that its first landing costs about a
         warm one, not ~14x. Best effort: a landing reports what fails here."""
         peer, pool = source.peer, self.lora.pool
-        if pool is None or not pool.buffer.is_cuda or source.peft is not None \
+        if not warms_peers(pool) or source.peft is not None \
                 or self.cfg.peer_transport == "http" or plan_cache_for(pool).knows(peer_key):
             return
         try:
