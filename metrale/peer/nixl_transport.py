@@ -153,22 +153,7 @@ class NixlEndpoint:
             if not (self._inside(addr, nbytes) and lo <= addr and addr + nbytes <= lo + hi):
                 raise PeerTransferError("a local descriptor falls outside the target slot")
         with self._lock:
-            try:
-                local_h = self._prepped_dlist(_LOCAL, tuple(local), self.mem_type)
-                remote_h = self._prepped_dlist(remote_agent, tuple(remote), remote_mem)
-                idx = list(range(len(local)))
-                handle = self._agent.make_prepped_xfer("READ", local_h, idx, remote_h, idx)
-            except Exception as e:
-                raise PeerTransferError(
-                    f"NIXL refused the transfer ({type(e).__name__}: {e}); the peer's "
-                    "descriptors do not match memory it registered, or it is gone"
-                ) from e
-            try:
-                self._run(handle, deadline)
-            finally:
-                self._release(handle)
-            if remote_agent not in self._transports:
-                self._transports[remote_agent] = self._report_transport(remote_agent)
+            self._transfer(remote_agent, tuple(local), tuple(remote), remote_mem, deadline)
 
     def warm_read(self, remote_agent: str, remote: Desc, remote_mem: str,
                   deadline: Deadline) -> None:
@@ -184,20 +169,29 @@ class NixlEndpoint:
                 except Exception as e:
                     raise PeerTransferError(f"NIXL could not register scratch memory ({e})") from e
                 self._scratch = scratch
-            local = ((self._scratch.data_ptr(), nbytes, self.device_id),)
-            try:
-                local_h = self._prepped_dlist(_LOCAL, local, self.mem_type)
-                remote_h = self._prepped_dlist(remote_agent, ((remote[0], nbytes, remote[2]),),
-                                               remote_mem)
-                handle = self._agent.make_prepped_xfer("READ", local_h, [0], remote_h, [0])
-            except Exception as e:
-                raise PeerTransferError(f"NIXL refused the warm-up read ({type(e).__name__}: {e})") from e
-            try:
-                self._run(handle, deadline)
-            finally:
-                self._release(handle)
-            if remote_agent not in self._transports:
-                self._transports[remote_agent] = self._report_transport(remote_agent)
+            self._transfer(remote_agent, ((self._scratch.data_ptr(), nbytes, self.device_id),),
+                           ((remote[0], nbytes, remote[2]),), remote_mem, deadline)
+
+    def _transfer(self, remote_agent: str, local: tuple[Desc, ...], remote: tuple[Desc, ...],
+                  remote_mem: str, deadline: Deadline) -> None:
+        """One READ over prepared descriptor lists, under the lock; the peer's transport is
+        recorded after its first."""
+        try:
+            local_h = self._prepped_dlist(_LOCAL, local, self.mem_type)
+            remote_h = self._prepped_dlist(remote_agent, remote, remote_mem)
+            idx = list(range(len(local)))
+            handle = self._agent.make_prepped_xfer("READ", local_h, idx, remote_h, idx)
+        except Exception as e:
+            raise PeerTransferError(
+                f"NIXL refused the transfer ({type(e).__name__}: {e}); the peer's "
+                "descriptors do not match memory it registered, or it is gone"
+            ) from e
+        try:
+            self._run(handle, deadline)
+        finally:
+            self._release(handle)
+        if remote_agent not in self._transports:
+            self._transports[remote_agent] = self._report_transport(remote_agent)
 
     def transports(self) -> list[Transport | None]:
         # no lock: read() holds it for a whole transfer; copying a dict is atomic in CPython
