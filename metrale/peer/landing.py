@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
-from metrale.adapters.plan import AdapterPlan
 from metrale.adapters.weights_check import GainBound
 from metrale.errors import AdapterMismatchError, InvalidNameError, MetraleError
 from metrale.names import is_valid_name
@@ -128,7 +127,7 @@ class _PeerFetch:
         if mode == "nixl":
             write = self._nixl_writer(manifest, entry, deadline, peer)
         else:
-            write = self._http_writer(self._client, manifest, entry.plan)
+            write = self._http_writer(self._client, manifest, entry)
         end = time.perf_counter()
         self.stats["prepare_ms"] = (end - t_plan) * 1e3
         log.info("%s: %d tensors, %d bytes, via %s, plan %s, ready in %.2f ms", self.source,
@@ -255,10 +254,12 @@ class _PeerFetch:
         return "http"
 
     def _http_writer(self, client: PeerClient, manifest: Manifest,
-                     plan: AdapterPlan) -> Callable[[Landing], None]:
+                     entry: PeerPlan) -> Callable[[Landing], None]:
         """Stream the bytes into pinned staging, each chunk uploaded as the bytes before it
         are in, and run the disk path's NaN/Inf check before any slot is touched. On CUDA
-        the plan's recipe (B sent as Bt) lands it in one kernel; else typed views."""
+        the plan's recipe (B sent as Bt) lands it in one kernel; else typed views. Either
+        way the commit's verify bounds them (no registration did)."""
+        plan = entry.plan
         staging = self.staging or self.slots.staging
         pool = self.slots.pool
         start = time.perf_counter()
@@ -268,10 +269,10 @@ class _PeerFetch:
         if recipe is not None:
             staged = pool.stage(plan, data, recipe)  # raises, naming a tensor, on NaN/Inf
             self.stats["transfer_ms"] = (time.perf_counter() - start) * 1e3
-            return lambda landing: landing.write_staged(staged)
+            return lambda landing: landing.write_staged(staged, entry.bound)
         views = canonical_views(plan, pool.stage_views(plan, data))
         self.stats["transfer_ms"] = (time.perf_counter() - start) * 1e3
-        return lambda landing: landing.write_views(plan, views)
+        return lambda landing: landing.write_views(plan, views, entry.bound)
 
     @staticmethod
     def _runs(entry: PeerPlan, manifest: Manifest) -> Runs:

@@ -39,19 +39,24 @@ class Landing:
 
     # --- bytes in ----------------------------------------------------------------------
 
-    def write_views(self, plan: AdapterPlan, views: list[torch.Tensor]) -> None:
-        """Staged, checked tensors (on the pool's device) into the slot."""
+    def write_views(self, plan: AdapterPlan, views: list[torch.Tensor],
+                    bound: GainBound | None = None) -> None:
+        """A peer's staged, checked tensors (on the pool's device) into the slot; verify
+        bounds them (bound: the plan's, when the caller keeps it)."""
         self._pool.land(self.slot, plan, views)
         self._tables = table_rows(plan, self._pool.layout)
-        self._plan = plan
+        self._plan, self._bound = plan, bound
         if any(v.dtype != self._pool.layout.dtype for v in views):
             self.check_written(plan)  # finite in the file's dtype, maybe not in the pool's
 
-    def write_staged(self, staged: StagedAdapter) -> None:
-        """A staged, checked adapter into the slot."""
+    def write_staged(self, staged: StagedAdapter, bound: GainBound | None = None) -> None:
+        """A staged, checked adapter into the slot. bound: bytes no registration bounded
+        (a peer's), with their plan's GainBound: verify checks it."""
         self._pool.land_staged(self.slot, staged)
         self._tables = staged.recipe.tables if staged.recipe is not None \
             else table_rows(staged.plan, self._pool.layout)
+        if bound is not None:
+            self._plan, self._bound = staged.plan, bound
         if staged.dtype != self._pool.layout.dtype:
             self.check_written(staged.plan)  # finite in the file's dtype, maybe not in the pool's
 
