@@ -104,7 +104,7 @@ class GainBound:
     def of(cls, plan: AdapterPlan, keys: dict[tuple[int, str, str], int]) -> GainBound:
         at = np.array([keys.get((t.target.layer, t.target.module, t.kind), len(keys))
                        for t in plan.landings], dtype=np.int64)
-        pairs = [(a, b) for a, b in _module_pairs(plan)]
+        pairs = _module_pairs(plan)
         a_at = np.array([at[a] for a, _ in pairs], dtype=np.int64)
         b_at = np.array([at[b] for _, b in pairs], dtype=np.int64)
         reach = np.array([_reach(plan.landings[a]) for a, _ in pairs], dtype=np.float64)
