@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from metrale import errors
-from metrale.peer.client import wait_for_releases
 from metrale.peer.errors import LeaseNotFoundError, PeerConnectionError
 from metrale.peer.exporter import AdapterExporter
 from metrale.peer.http_server import PeerHTTPServer
@@ -108,7 +107,6 @@ def test_lease_expires(leased):
     with pytest.raises(LeaseNotFoundError):
         exporter.open_data(lease_id)  # expired even before the sweep
     exporter.expire()
-    wait_for_releases()  # releases go out on a background thread
     assert exporter.open_leases == 0
     engine.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)
 
@@ -173,7 +171,6 @@ def test_ranged_streams_are_parts_and_each_holds_the_lease(leased):
         got += _read(stream)
     assert got == want
     exporter.expire()
-    wait_for_releases()  # releases go out on a background thread
     assert exporter.open_leases == 0 and engine.lora.table.ref_count(0) == 0
 
 
@@ -205,7 +202,6 @@ def test_hostile_ranges_are_a_typed_400_and_hold_nothing(leased):
         server.close()
     clock.now += 60
     exporter.expire()  # no refused range kept a hold on the lease
-    wait_for_releases()  # releases go out on a background thread
     assert exporter.open_leases == 0 and engine.lora.table.ref_count(0) == 0
 
 
@@ -341,7 +337,6 @@ def test_client_outside_allow_list_refused():
             land_peer(engine, server.url, "a", timeout_s=5)
     finally:
         server.close()
-    wait_for_releases()  # releases go out on a background thread
     assert snapshot(engine) == before and exporter.open_leases == 0
 
 
