@@ -293,6 +293,29 @@ def test_a_stalling_release_costs_its_own_short_deadline(case, genuine, engine):
     assert_matches_disk(engine, 0, "a")
 
 
+def test_a_kept_connection_the_peer_closed_is_replaced(genuine, engine):  # noqa: F811
+    """A peer that hangs up after every answer (as a store does once a kept connection
+    sat idle past its socket timeout): each control call finds its kept connection
+    closed, goes again over a new one, and the landings go on."""
+    reply, data, _ = genuine
+    good = _good(reply, data)
+
+    def answer_then_hang_up(peer, conn, method, path):
+        good(peer, conn, method, path)
+        return False  # the raw peer closes this connection
+
+    peer = RawPeer(answer_then_hang_up)
+    try:
+        for _ in range(3):
+            land_peer(engine, peer.url, "a", 1, transport="http", timeout_s=TIMEOUT_S * 5)
+            wait_for_releases()
+    finally:
+        peer.close()
+    assert peer.requests.count(("POST", "/peer/v1/adapters/a/lease")) == 3
+    assert peer.requests.count(("DELETE", f"/peer/v1/leases/{LEASE}")) == 3
+    assert_matches_disk(engine, 1, "a")
+
+
 def test_the_raw_peer_serves_a_good_adapter(genuine, engine):  # noqa: F811
     """The control case: the same raw peer, honest, lands the adapter, three times; the
     control calls (lease, release) after the first go over the connection kept open."""
