@@ -37,6 +37,7 @@ IO_TIMEOUT_S = 10.0  # one blocking socket call, never more than the deadline's 
 # Releasing is best effort (the lease expires anyway), so it gets a short budget of
 # its own: the operation's deadline may be spent already when it runs.
 RELEASE_TIMEOUT_S = 1.0
+RELEASE_REPLY_BYTES = 4096  # a release's answer is a status and a small JSON object
 # Status line, headers and chunk framing on top of a reply's body; http.client's own
 # limits (100 headers of 64 KiB) would allow 6.5 MiB, and chunked trailers no limit.
 FRAMING_BYTES = 256 << 10
@@ -90,19 +91,21 @@ class PeerClient:
         what = f"release lease {lease_id[:16]!r}"
         path = f"/peer/v1/leases/{quote(lease_id, safe='')}"
         try:
-            self._reply("DELETE", path, None, what, deadline=Deadline(RELEASE_TIMEOUT_S))
+            self._reply("DELETE", path, None, what, deadline=Deadline(RELEASE_TIMEOUT_S),
+                        cap=RELEASE_REPLY_BYTES)
         except MetraleError as e:
             log.info("peer %s: releasing lease %s failed (%s); it will expire", self.addr,
                      lease_id[:16], e)
 
     def _reply(self, method: str, path: str, body: dict | None, what: str,
-               accept: str = "application/json", deadline: Deadline | None = None) -> bytes:
-        """The body of one control-plane call, read under the manifest cap, over a kept
+               accept: str = "application/json", deadline: Deadline | None = None,
+               cap: int = MAX_MANIFEST_BYTES) -> bytes:
+        """The body of one control-plane call, read under `cap` bytes, over a kept
         connection when one is idle; a status other than 200 raises its typed error."""
         conn, resp = self._request(method, path, body, what, deadline or self.deadline,
-                                   MAX_MANIFEST_BYTES, accept, reuse=True)
+                                   cap, accept, reuse=True)
         try:
-            raw = self._read_capped(resp, MAX_MANIFEST_BYTES, what)
+            raw = self._read_capped(resp, cap, what)
         except BaseException:
             conn.close()
             raise
@@ -307,8 +310,9 @@ class _PeerConnection(http.client.HTTPConnection):
         sock.deadline, sock.label, sock.max_bytes, sock.received = deadline, label, max_bytes, 0
 
 
-# What a kept connection that the peer closed while it sat idle fails with.
-_STALE = (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine)
+# What a kept connection that the peer closed while it sat idle fails with
+# (http.client.RemoteDisconnected is a ConnectionError).
+_STALE = (ConnectionError, http.client.BadStatusLine)
 
 
 class _IdleConnections:
@@ -341,13 +345,6 @@ class _IdleConnections:
                 kept.append(conn)
                 return
         conn.close()
-
-    def close_all(self) -> None:
-        with self._lock:
-            kept, self._idle = self._idle, {}
-        for conns in kept.values():
-            for conn in conns:
-                conn.close()
 
 
 class _Releaser:
@@ -391,10 +388,6 @@ _RELEASER = _Releaser()
 def wait_for_releases(timeout_s: float = 5.0) -> bool:
     """Until every queued lease release was sent (tests, shutdown); False on timeout."""
     return _RELEASER.wait(timeout_s)
-
-
-def close_idle_connections() -> None:
-    _IDLE.close_all()
 
 
 def strict_json(raw: bytes | str) -> object:
