@@ -16,10 +16,23 @@ from __future__ import annotations
 
 import torch
 
-from metrale.ops.triton_utils import jit_kernel, require_triton, tl
+from metrale.ops.triton_utils import device_function, jit_kernel, require_triton, tl
 
 KIND_A, KIND_B, KIND_MAX = 0, 1, 2
 BLOCK_R, BLOCK_C = 16, 256  # rows x columns a program reads at a time
+
+
+@device_function
+def _tile(buf_ptr, offset, rs, cs, rows, cols):
+    """x[rs, cs] of the row-major [rows, cols] region at offset, float32, 0 outside it."""
+    ok = (rs[:, None] < rows) & (cs[None, :] < cols)
+    return tl.load(buf_ptr + offset + rs[:, None] * cols + cs[None, :], mask=ok,
+                   other=0.0).to(tl.float32)
+
+
+@device_function
+def _non_finite(x):
+    return ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
 
 
 def _region_norms_kernel(buf_ptr, desc_ptr, out_ptr, n_regions,
@@ -38,11 +51,8 @@ def _region_norms_kernel(buf_ptr, desc_ptr, out_ptr, n_regions,
             cs = c0 + c_idx
             col_sum = tl.zeros([BLOCK_C], dtype=tl.float32)
             for r0 in range(0, rows, BLOCK_R):
-                rs = r0 + r_idx
-                ok = (rs[:, None] < rows) & (cs[None, :] < cols)
-                x = tl.load(buf_ptr + offset + rs[:, None] * cols + cs[None, :], mask=ok,
-                            other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_C]
-                bad += ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+                x = _tile(buf_ptr, offset, r0 + r_idx, cs, rows, cols)  # [BLOCK_R, BLOCK_C]
+                bad += _non_finite(x)
                 col_sum += tl.sum(tl.abs(x), axis=0)
             best = tl.maximum(best, col_sum)
         result = tl.max(best, axis=0)
@@ -53,11 +63,8 @@ def _region_norms_kernel(buf_ptr, desc_ptr, out_ptr, n_regions,
             squares = tl.zeros([BLOCK_R], dtype=tl.float32)
             peak = tl.zeros([BLOCK_R], dtype=tl.float32)
             for c0 in range(0, cols, BLOCK_C):
-                cs = c0 + c_idx
-                ok = (rs[:, None] < rows) & (cs[None, :] < cols)
-                x = tl.load(buf_ptr + offset + rs[:, None] * cols + cs[None, :], mask=ok,
-                            other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_C]
-                bad += ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+                x = _tile(buf_ptr, offset, rs, c0 + c_idx, rows, cols)  # [BLOCK_R, BLOCK_C]
+                bad += _non_finite(x)
                 squares += tl.sum(x * x, axis=1)
                 peak = tl.maximum(peak, tl.max(tl.abs(x), axis=1))
             row_best = tl.maximum(row_best, tl.where(kind == 0, squares, peak))
