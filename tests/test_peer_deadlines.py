@@ -293,6 +293,18 @@ def test_a_stalling_release_costs_its_own_short_deadline(case, genuine, engine):
     assert_matches_disk(engine, 0, "a")
 
 
+def _land_three_times(engine, peer: RawPeer) -> RawPeer:
+    """Land adapter "a" into slot 1 three times from `peer` (each lease released before
+    the next), then close it."""
+    try:
+        for _ in range(3):
+            land_peer(engine, peer.url, "a", 1, transport="http", timeout_s=TIMEOUT_S * 5)
+            wait_for_releases()
+    finally:
+        peer.close()
+    return peer
+
+
 def test_a_kept_connection_the_peer_closed_is_replaced(genuine, engine):  # noqa: F811
     """A peer that hangs up after every answer (as a store does once a kept connection
     sat idle past its socket timeout): each control call finds its kept connection
@@ -304,13 +316,7 @@ def test_a_kept_connection_the_peer_closed_is_replaced(genuine, engine):  # noqa
         good(peer, conn, method, path)
         return False  # the raw peer closes this connection
 
-    peer = RawPeer(answer_then_hang_up)
-    try:
-        for _ in range(3):
-            land_peer(engine, peer.url, "a", 1, transport="http", timeout_s=TIMEOUT_S * 5)
-            wait_for_releases()
-    finally:
-        peer.close()
+    peer = _land_three_times(engine, RawPeer(answer_then_hang_up))
     assert peer.requests.count(("POST", "/peer/v1/adapters/a/lease")) == 3
     assert peer.requests.count(("DELETE", f"/peer/v1/leases/{LEASE}")) == 3
     assert_matches_disk(engine, 1, "a")
@@ -320,13 +326,7 @@ def test_the_raw_peer_serves_a_good_adapter(genuine, engine):  # noqa: F811
     """The control case: the same raw peer, honest, lands the adapter, three times; the
     control calls (lease, release) after the first go over the connection kept open."""
     reply, data, _ = genuine
-    peer = RawPeer(_good(reply, data))
-    try:
-        for _ in range(3):
-            land_peer(engine, peer.url, "a", 1, transport="http", timeout_s=TIMEOUT_S * 5)
-            wait_for_releases()
-    finally:
-        peer.close()
+    peer = _land_three_times(engine, RawPeer(_good(reply, data)))
     assert peer.requests.count(("POST", "/peer/v1/adapters/a/lease")) == 3
     assert peer.connections == 1 + 3  # one kept for control, one per data stream
     assert_matches_disk(engine, 1, "a")
