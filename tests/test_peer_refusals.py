@@ -207,8 +207,8 @@ def test_broken_stream_refused_within_timeout(mode, error, op, genuine, engine):
 
 @pytest.mark.parametrize("mode", ["full", "half-close"])
 def test_large_streams_land_in_spans_and_truncation_is_caught(mode):
-    """Bodies of several read spans arrive whole, with progress reported in order; one
-    cut off mid-span is a transfer error that says how far it got."""
+    """Bodies of several read spans arrive whole, each piece told in order on one
+    stream; one cut off mid-span is a transfer error that says how far it got."""
     data = torch.randint(0, 256, (2 * DATA_SPAN + 12345,), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(0)).numpy().tobytes()
     peer = FakePeer(None, data, mode)
@@ -216,10 +216,12 @@ def test_large_streams_land_in_spans_and_truncation_is_caught(mode):
     client = PeerClient(resolve_peer(peer.url, None), Deadline(10))
     try:
         if mode == "full":
-            client.read_exact(f"/peer/v1/leases/{LEASE}/data", memoryview(out), seen.append)
+            client.read_exact(f"/peer/v1/leases/{LEASE}/data", memoryview(out),
+                              lambda a, b: seen.append(b))
         else:
             with pytest.raises(PeerTransferError, match=f"ended after {len(data) // 2} of"):
-                client.read_exact(f"/peer/v1/leases/{LEASE}/data", memoryview(out), seen.append)
+                client.read_exact(f"/peer/v1/leases/{LEASE}/data", memoryview(out),
+                                  lambda a, b: seen.append(b))
     finally:
         peer.close()
     assert seen == sorted(set(seen)) and all(b - a <= DATA_SPAN for a, b in zip([0, *seen], seen))

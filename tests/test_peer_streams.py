@@ -141,23 +141,25 @@ def test_the_first_error_ends_the_stalled_parts_at_once(genuine, engine, several
     assert snapshot(engine) == before and not _stream_threads()
 
 
-def test_progress_is_the_prefix_that_is_in(genuine, several_streams):
-    """Each progress(n) comes on the calling thread, n growing to the end, with the
-    first n bytes already in place."""
+def test_each_piece_is_told_once_on_the_calling_thread_when_it_is_in(genuine, several_streams):
+    """Each on_range(a, b) comes on the calling thread with out[a:b] already in place;
+    the pieces told cover the read exactly once."""
     data = genuine[1]
     peer = FakePeer(_reply(genuine, True), data, ranges=True)
     out, seen = bytearray(len(data)), []
     caller = threading.current_thread()
 
-    def progress(n: int) -> None:
+    def on_range(a: int, b: int) -> None:
         assert threading.current_thread() is caller
-        assert out[:n] == data[:n]
-        seen.append(n)
+        assert a < b and out[a:b] == data[a:b]
+        seen.append((a, b))
 
     reader = client.PeerClient(resolve_peer(peer.url, None), Deadline(10))
     try:
-        reader.read_exact(DATA, memoryview(out), progress, ranged=True)
+        reader.read_exact(DATA, memoryview(out), on_range, ranged=True)
     finally:
         peer.close()
     assert bytes(out) == data
-    assert seen == sorted(set(seen)) and seen[-1] == len(data)
+    covered = sorted(seen)
+    assert covered[0][0] == 0 and covered[-1][1] == len(data)
+    assert all(b == c for (_, b), (c, _) in zip(covered, covered[1:]))  # no gap, no overlap

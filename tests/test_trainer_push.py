@@ -1,7 +1,7 @@
 """A trainer pushes LoRA versions from its own memory (AdapterPublisher, no files) to an
 engine while requests are in flight: every finished request equals transformers + PEFT
-on the weights of the version it was bound to (the HTTP data plane here; NIXL on the
-device). Refusals: a config the publisher cannot serve, non-finite weights; a publisher
+on the weights of the version it was bound to (the HTTP data plane here; from the
+trainer's GPU over NIXL on the device). Refusals: a config the publisher cannot serve, non-finite weights; a publisher
 gone before the engine read its newest version fails those requests alone."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from metrale import LLM, SamplingParams
 from metrale.errors import MetraleError, NonFiniteWeightsError
+from metrale.peer.nixl_shim import nixl_available
 from metrale.peer.publisher import AdapterPublisher
 from tests.helpers.engine import step_until
 from tests.helpers.pool import snapshot
@@ -73,17 +74,25 @@ def bind_notes(engine, version_of: dict[str, int]):
     return note
 
 
-def publisher(model_dir, policy) -> AdapterPublisher:
-    return AdapterPublisher(model_dir, policy.peft_config["default"], device="cpu",
-                            dtype=torch.float32, transport="http")
+def publisher(model_dir, policy, device: str = "cpu", transport: str = "http") -> AdapterPublisher:
+    return AdapterPublisher(model_dir, policy.peft_config["default"], device=device,
+                            dtype=torch.float32, transport=transport)
 
 
-def test_every_request_matches_the_version_it_was_bound_to(world):
+# (device, transport): the trainer's GPU memory read over NIXL, one GPU, on the device
+WHERE = [("cpu", "http"), pytest.param(("cuda", "nixl"), marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not nixl_available(), reason="NIXL not installed (pip install nixl-cu12 / nixl-cu13)")])]
+
+
+@pytest.mark.parametrize("where", WHERE, ids=lambda w: "-".join(w))
+def test_every_request_matches_the_version_it_was_bound_to(world, where):
     model_dir, policy = world
+    device, transport = where
     llm = LLM(model_dir, max_loras=2, max_lora_rank=4, block_size=4, max_model_len=64,
-              num_kv_blocks=256, max_num_seqs=8, peer_transport="http")
+              num_kv_blocks=256, max_num_seqs=8, peer_transport=transport, device=device,
+              dtype="float32")
     engine, rng, gen = llm.engine, random.Random(3), torch.Generator().manual_seed(0)
-    pub = publisher(model_dir, policy)
+    pub = publisher(model_dir, policy, device, transport)
     refs: dict[tuple[int, int], tuple[list[int], int]] = {}
     version_of: dict[str, int] = {}  # request -> the push it was bound to
     prompt_of: dict[str, int] = {}
@@ -95,7 +104,7 @@ def test_every_request_matches_the_version_it_was_bound_to(world):
             train_step(policy, gen)
             for p, prompt in enumerate(PROMPTS):
                 refs[(push, p)] = reference(policy, prompt)
-            pub.push("policy", state(policy), llm=llm)
+            pub.push("policy", {k: v.to(device) for k, v in state(policy).items()}, llm=llm)
             current = push
             added = []
             for _ in range(rng.randrange(1, 3)):

@@ -28,7 +28,7 @@ from metrale.peer.errors import (
     PeerTransferError,
     UnknownPeerAdapterError,
 )
-from metrale.peer.streams import SocketGroup, read_spans, split
+from metrale.peer.streams import RangeSink, SocketGroup, as_progress, read_spans, split
 from metrale.peer.wire import CONTENT_TYPE, MAX_MANIFEST_BYTES, WIRE_VERSION
 
 log = logging.getLogger("metrale.peer")
@@ -43,9 +43,10 @@ RELEASE_REPLY_BYTES = 4096  # a release's answer is a status and a small JSON ob
 FRAMING_BYTES = 256 << 10
 MAX_REPLY_INT_DIGITS = 20  # JSON integers: 2**63 has 19 digits
 _CHUNK = 1 << 20
-# Bytes per readinto of the data stream, received straight into the caller's pinned
-# buffer: few Python calls per adapter, and each progress report starts a large upload.
-DATA_SPAN = 8 << 20
+# Bytes per readinto of a data stream, received straight into the caller's pinned buffer;
+# each piece goes on to the device as soon as it is in, so this is also the upload's grain:
+# small enough that the uploads overlap the streams, large enough for few Python calls.
+DATA_SPAN = 2 << 20
 # Streams of one data read from a peer that serves ranges: one stream through Python
 # moved ~2.9 GB/s on the H200 host, so an 8B slot (86.6 MB) took ~30 ms on one. Landings
 # of it there: 15.1 ms over 4 streams, 13.2 over 8, 15.6 over 12, 18.6 over 16 (16 cores).
@@ -132,17 +133,17 @@ class PeerClient:
 
     # --- data plane ---------------------------------------------------------------------
 
-    def read_exact(self, path: str, out: memoryview,
-                   progress: Callable[[int], None] | None = None, ranged: bool = False) -> None:
+    def read_exact(self, path: str, out: memoryview, on_range: RangeSink | None = None,
+                   ranged: bool = False) -> None:
         """Stream exactly len(out) bytes from `path` into `out`, over up to DATA_STREAMS
-        streams when the peer serves byte ranges (`ranged`); progress(n) is told, on this
-        thread, each time the first n bytes are in."""
+        streams when the peer serves byte ranges (`ranged`); on_range(a, b) is told, on
+        this thread, as each piece out[a:b] is in."""
         spans = split(len(out), DATA_STREAMS if ranged else 1, SPLIT_BYTES)
         if len(spans) == 1:
-            self._read_stream(path, out, progress)
+            self._read_stream(path, out, as_progress(on_range))
             return
         read_spans(spans, lambda a, b, on_progress, group: self._read_stream(
-            f"{path}?offset={a}&length={b - a}", out[a:b], on_progress, group), progress)
+            f"{path}?offset={a}&length={b - a}", out[a:b], on_progress, group), on_range)
 
     def _read_stream(self, path: str, out: memoryview, progress: Callable[[int], None] | None,
                      group: SocketGroup | None = None) -> None:

@@ -255,16 +255,16 @@ class _PeerFetch:
 
     def _http_writer(self, client: PeerClient, manifest: Manifest,
                      entry: PeerPlan) -> Callable[[Landing], None]:
-        """Stream the bytes into pinned staging, each chunk uploaded as the bytes before it
-        are in, and run the disk path's NaN/Inf check before any slot is touched. On CUDA
-        the plan's recipe (B sent as Bt) lands it in one kernel; else typed views. Either
-        way the commit's verify bounds them (no registration did)."""
+        """Stream the bytes into pinned staging, each piece uploaded as it is in, and run
+        the disk path's NaN/Inf check before any slot is touched. On CUDA the plan's recipe
+        (B sent as Bt) lands it in one kernel; else typed views. Either way the commit's
+        verify bounds them (no registration did)."""
         plan = entry.plan
         staging = self.staging or self.slots.staging
         pool = self.slots.pool
         start = time.perf_counter()
-        data = staging.stream(plan.data_bytes, lambda out, progress: client.read_exact(
-            manifest.http_path, out, progress, ranged=manifest.http_ranges))
+        data = staging.stream(plan.data_bytes, lambda out, on_range: client.read_exact(
+            manifest.http_path, out, on_range, ranged=manifest.http_ranges))
         recipe = pool.recipe(plan, staged_bt=True)
         if recipe is not None:
             staged = pool.stage(plan, data, recipe)  # raises, naming a tensor, on NaN/Inf

@@ -78,27 +78,11 @@ class StagingBuffers:
         return dev
 
     def stream(self, nbytes: int,
-               fill: Callable[[memoryview, Callable[[int], None] | None], None]) -> torch.Tensor:
-        """nbytes from a byte stream, on the device (the host buffer on a CPU engine).
-        fill(out, progress) fills `out` and calls progress(n), from the calling thread, as
-        the first n bytes are in; every complete CHUNK goes on to the device meanwhile."""
-
-        def fill_host(host: torch.Tensor, upload: Callable[[int, int], None] | None) -> None:
-            out = memoryview(host.numpy())
-            if upload is None:
-                fill(out, None)
-                return
-            sent = 0
-
-            def progress(got: int) -> None:
-                nonlocal sent
-                if got - sent >= CHUNK or (got == nbytes and got > sent):
-                    upload(sent, got)
-                    sent = got
-
-            fill(out, progress)
-
-        return self._staged(nbytes, fill_host)
+               fill: Callable[[memoryview, Callable[[int, int], None] | None], None]) -> torch.Tensor:
+        """nbytes from byte streams, on the device (the host buffer on a CPU engine).
+        fill(out, on_range) fills `out` and calls on_range(a, b), from the calling thread,
+        as each piece out[a:b] is in (in any order); each piece goes on to the device then."""
+        return self._staged(nbytes, lambda host, upload: fill(memoryview(host.numpy()), upload))
 
     def read_file(self, path: str, offset: int, nbytes: int) -> torch.Tensor:
         """nbytes of the file at offset, on the device (the host buffer on a CPU engine).
