@@ -13,6 +13,7 @@ import logging
 import math
 import queue
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from urllib.parse import quote
@@ -162,20 +163,13 @@ class PeerClient:
                 raise PeerTransferError(
                     f"peer {self.addr}: {what} announces {length[:40]!r} bytes, not the {n} asked for"
                 )
-            got = 0
-            while got < n:
-                self._check_deadline(what)
-                k = resp.readinto(out[got:got + DATA_SPAN])
-                if not k:
-                    raise PeerTransferError(
-                        f"peer {self.addr}: {what} ended after {got} of {n} bytes; the peer "
-                        "died or closed mid-transfer"
-                    )
-                got += k
+            if resp.chunked or resp.length != n or conn.data_sock is None or not n:
+                self._read_body(resp, out, progress, what)
+            else:  # the common case, a plain body of the announced length: past http.client
+                got = resp.readinto(out[:min(n, len(resp.fp.peek()))])  # read with the headers
                 if progress is not None:
                     progress(got)
-            if resp.read1(1):
-                raise PeerTransferError(f"peer {self.addr}: {what} is longer than the {n} bytes announced")
+                conn.data_sock.recv_all_into(out, got, progress)
         except TimeoutError:
             raise self._timeout(what) from None
         except (OSError, http.client.HTTPException) as e:
@@ -183,6 +177,21 @@ class PeerClient:
         finally:
             resp.close()  # a peer that asked to close leaves the socket to the response
             conn.close()
+
+    def _read_body(self, resp: http.client.HTTPResponse, out: memoryview,
+                   progress: Callable[[int], None] | None, what: str) -> None:
+        """out's bytes through http.client (chunked, or a length it did not announce)."""
+        n, got = len(out), 0
+        while got < n:
+            self._check_deadline(what)
+            k = resp.readinto(out[got:got + DATA_SPAN])
+            if not k:
+                raise _short(f"peer {self.addr}: {what}", got, n)
+            got += k
+            if progress is not None:
+                progress(got)
+        if resp.read1(1):
+            raise PeerTransferError(f"peer {self.addr}: {what} is longer than the {n} bytes announced")
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -287,12 +296,47 @@ class _DeadlineSocket(socket.socket):
         self._arm()  # sendall's timeout bounds the whole call, not each piece
         super().sendall(data, flags)
 
+    def recv_all_into(self, out: memoryview, got: int,
+                      progress: Callable[[int], None] | None) -> None:
+        """out[got:] straight from the kernel, DATA_SPAN at a time, each call waiting for
+        its whole piece (MSG_WAITALL; the deadline's rest as SO_RCVTIMEO). A timed socket
+        returns what loopback holds (~64 KB) per call, and the streams' threads then queue
+        for the GIL between calls: on the H200 host that, not the copies, set the pace."""
+        n = len(out)
+        if got < n:  # (http.client closed the socket if the headers brought it all)
+            self.settimeout(None)  # blocking: a timed socket ignores MSG_WAITALL
+        while got < n:
+            left = self.deadline.timeout(self.label, IO_TIMEOUT_S)
+            whole, frac = divmod(left, 1.0)
+            self.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                            _TIMEVAL.pack(int(whole), max(1, int(frac * 1e6))))
+            try:
+                k = super().recv_into(out[got:got + DATA_SPAN], 0, socket.MSG_WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO ran out with nothing in
+                raise TimeoutError from None
+            if not k:
+                raise _short(self.label, got, n)
+            got += self._count(k)
+            if progress is not None:
+                progress(got)
+
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval of SO_RCVTIMEO (Linux)
+
+
+def _short(label: str, got: int, n: int) -> PeerTransferError:
+    return PeerTransferError(f"{label} ended after {got} of {n} bytes; the peer died or "
+                             "closed mid-transfer")
+
 
 class _PeerConnection(http.client.HTTPConnection):
     def __init__(self, addr: PeerAddress, deadline: Deadline, label: str, max_bytes: int,
                  group: SocketGroup | None = None) -> None:
         super().__init__(addr.ip, addr.port, timeout=IO_TIMEOUT_S)  # connect() uses the deadline
         self.deadline, self.label, self.max_bytes, self.group = deadline, label, max_bytes, group
+        # the socket a data reply is read from: http.client drops self.sock when the
+        # reply will close the connection, and the reply's reader keeps it open
+        self.data_sock: _DeadlineSocket | None = None
 
     def connect(self) -> None:
         raw = socket.create_connection((self.host, self.port),
@@ -300,7 +344,7 @@ class _PeerConnection(http.client.HTTPConnection):
         sock = _DeadlineSocket(raw.family, raw.type, raw.proto, fileno=raw.detach())
         sock.deadline, sock.label, sock.max_bytes = self.deadline, self.label, self.max_bytes
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
+        self.sock = self.data_sock = sock
         if self.group is not None:
             self.group.add(sock)  # raises when the read was cancelled meanwhile
 
