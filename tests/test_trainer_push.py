@@ -1,8 +1,9 @@
 """A trainer pushes LoRA versions from its own memory (AdapterPublisher, no files) to an
 engine while requests are in flight: every finished request equals transformers + PEFT
 on the weights of the version it was bound to (the HTTP data plane here; from the
-trainer's GPU over NIXL on the device). Refusals: a config the publisher cannot serve, non-finite weights; a publisher
-gone before the engine read its newest version fails those requests alone."""
+trainer's GPU over NIXL on the device). Refusals: a config the publisher cannot serve,
+non-finite weights; a publisher gone before the engine read its newest version fails
+those requests alone."""
 
 from __future__ import annotations
 

@@ -13,13 +13,13 @@ import logging
 import math
 import queue
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from urllib.parse import quote
 
 from metrale.errors import MetraleError
 from metrale.peer.allow import PeerAddress
+from metrale.peer.blocking_io import recv_piece
 from metrale.peer.deadline import Deadline
 from metrale.peer.errors import (
     ManifestVersionError,
@@ -298,30 +298,17 @@ class _DeadlineSocket(socket.socket):
 
     def recv_all_into(self, out: memoryview, got: int,
                       progress: Callable[[int], None] | None) -> None:
-        """out[got:] straight from the kernel, DATA_SPAN at a time, each call waiting for
-        its whole piece (MSG_WAITALL; the deadline's rest as SO_RCVTIMEO). A timed socket
-        returns what loopback holds (~64 KB) per call, and the streams' threads then queue
-        for the GIL between calls: on the H200 host that, not the copies, set the pace."""
+        """out[got:] straight from the kernel, DATA_SPAN a call (blocking_io.recv_piece),
+        each call bounded by the deadline's rest."""
         n = len(out)
-        if got < n:  # (http.client closed the socket if the headers brought it all)
-            self.settimeout(None)  # blocking: a timed socket ignores MSG_WAITALL
-        while got < n:
-            left = self.deadline.timeout(self.label, IO_TIMEOUT_S)
-            whole, frac = divmod(left, 1.0)
-            self.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                            _TIMEVAL.pack(int(whole), max(1, int(frac * 1e6))))
-            try:
-                k = super().recv_into(out[got:got + DATA_SPAN], 0, socket.MSG_WAITALL)
-            except BlockingIOError:  # SO_RCVTIMEO ran out with nothing in
-                raise TimeoutError from None
+        while got < n:  # (none when http.client read it all with the headers: it closed us)
+            k = recv_piece(self, out[got:got + DATA_SPAN],
+                           self.deadline.timeout(self.label, IO_TIMEOUT_S))
             if not k:
                 raise _short(self.label, got, n)
             got += self._count(k)
             if progress is not None:
                 progress(got)
-
-
-_TIMEVAL = struct.Struct("@ll")  # struct timeval of SO_RCVTIMEO (Linux)
 
 
 def _short(label: str, got: int, n: int) -> PeerTransferError:

@@ -27,6 +27,7 @@ from urllib.parse import parse_qsl, unquote
 
 from metrale.errors import AdapterError, MetraleError, SlotBusyError, UnknownAdapterError
 from metrale.peer.allow import AllowList, as_allow_list
+from metrale.peer.blocking_io import send_all
 from metrale.peer.errors import DataRangeError, LeaseNotFoundError, TooManyLeasesError
 from metrale.peer.exporter import AdapterExporter, DataStream
 from metrale.peer.wire import CONTENT_TYPE
@@ -119,9 +120,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(nbytes))
         self.end_headers()
-        for chunk in chunks:
-            self.wfile.write(chunk)
-        self.wfile.flush()
+        try:
+            for chunk in chunks:  # each within SOCKET_TIMEOUT_S, as a timed sendall was
+                send_all(self.connection, memoryview(chunk), SOCKET_TIMEOUT_S)
+        finally:
+            self.connection.settimeout(self.timeout)  # the next request's reads are timed
 
 
 def _data_range(query: str) -> tuple[int, int | None]:
