@@ -15,7 +15,9 @@ their device-side NaN/Inf check: the store serves byte ranges, so the engine rea
 record that figure read one stream), check (NIXL: the in-slot NaN/Inf check) and the
 rest (NIXL: descriptor lookups; the gain bound and the NaN/Inf check in one host sync,
 the tables at commit, slot bookkeeping; the lease's release is queued, not waited for).
-On a GPU the bench first warms the peer as an engine does when the first adapter from it
+`tcp_floor_ms` is the HTTP fallback's floor in the same run: the same bytes between two
+processes over the same number of plain loopback TCP streams (blocking sockets, no HTTP,
+no H2D), connections included. On a GPU the bench first warms the peer as an engine does when the first adapter from it
 is registered (warm_up_peer: lease, plan, the peer's agent, a READ of a few bytes), so
 the first landing timed is the first one after start, not a cold plan.
 
@@ -33,6 +35,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,7 +44,7 @@ from safetensors.torch import save_file
 
 from bench.common import CONFIGS, gpu_tag, median, merge_results, results_path, table
 from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
-from metrale.peer.client import DATA_STREAMS
+from metrale.peer.client import DATA_SPAN, DATA_STREAMS
 from metrale.peer.landing import prepare_from_peer, warm_up_nixl, warm_up_peer
 from metrale.pool.swap import LoraSlots
 
@@ -66,6 +69,63 @@ def promote_from_peer(slots: LoraSlots, addr: str, adapter_id: str, name: str,
     finally:
         prepared.close()
     return slot
+
+
+def _tcp_sender(port_queue, nbytes: int, streams: int, reps: int) -> None:
+    """The floor's other process: per rep, `streams` connections, each sent the range it
+    asks for (16 bytes: start, stop) from one host buffer, blocking sends."""
+    import socket
+
+    data = memoryview(bytearray(nbytes))
+
+    def send(conn: socket.socket) -> None:
+        with conn:
+            head = conn.recv(16, socket.MSG_WAITALL)
+            conn.sendall(data[int.from_bytes(head[:8], "little"):int.from_bytes(head[8:], "little")])
+
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
+        port_queue.put(server.getsockname()[1])
+        for _ in range(reps * streams):
+            threading.Thread(target=send, args=(server.accept()[0],)).start()
+
+
+def tcp_floor_ms(nbytes: int, streams: int, reps: int = 7) -> float:
+    """What plain loopback TCP moves the slot's bytes in, between two processes over the
+    same number of streams as the HTTP fallback, connections included: blocking sockets,
+    whole-piece receives, no HTTP, no H2D. Median of reps."""
+    import multiprocessing
+    import socket
+
+    from metrale.peer.streams import split
+
+    ctx = multiprocessing.get_context("spawn")
+    port_queue = ctx.Queue()
+    sender = ctx.Process(target=_tcp_sender, args=(port_queue, nbytes, streams, reps), daemon=True)
+    sender.start()
+    port = port_queue.get(timeout=60)
+    out = memoryview(bytearray(nbytes))
+
+    def receive(a: int, b: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(a.to_bytes(8, "little") + b.to_bytes(8, "little"))
+            got = a
+            while got < b:
+                got += conn.recv_into(out[got:min(b, got + (8 << 20))], 0, socket.MSG_WAITALL)
+
+    times = []
+    try:
+        for _ in range(reps):
+            start = time.perf_counter()
+            threads = [threading.Thread(target=receive, args=span) for span in split(nbytes, streams, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            times.append((time.perf_counter() - start) * 1e3)
+    finally:
+        sender.join(timeout=10)
+        sender.kill()
+    return median(times)
 
 
 def write_model_and_adapter(root: Path, name: str) -> tuple[Path, Path]:
@@ -214,6 +274,7 @@ def main() -> None:
                 torch.cuda.synchronize(engine_dev)
             disk_cached.append((time.perf_counter() - start) * 1e3)
         floor = peer_copy_ms(nbytes, "cuda:0", engine_dev) if gpu else float("nan")
+        tcp_floor = tcp_floor_ms(nbytes, DATA_STREAMS)
     finally:
         proc.kill()
     by = {r["transport"]: r for r in rows}
@@ -225,7 +286,8 @@ def main() -> None:
               "peer_warm_up_transport": peer_warm_up,
               "peer_first_over_warm": nixl.get("first_promote_ms", float("nan")) / nixl["promote_ms"],
               "peer_http_ms": by["http"]["promote_ms"],
-              "http_streams": DATA_STREAMS,
+              "http_streams": DATA_STREAMS, "http_piece_bytes": DATA_SPAN,
+              "tcp_floor_ms": tcp_floor,
               "peer_floor_ms": floor,
               "disk_ms": median(disk), "landed_bytes_equal_disk": same,
               "disk_plan_cached_ms": median(disk_cached[1:]),

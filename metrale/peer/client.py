@@ -44,13 +44,14 @@ RELEASE_REPLY_BYTES = 4096  # a release's answer is a status and a small JSON ob
 FRAMING_BYTES = 256 << 10
 MAX_REPLY_INT_DIGITS = 20  # JSON integers: 2**63 has 19 digits
 _CHUNK = 1 << 20
-# Bytes per readinto of a data stream, received straight into the caller's pinned buffer;
-# each piece goes on to the device as soon as it is in, so this is also the upload's grain:
-# small enough that the uploads overlap the streams, large enough for few Python calls.
-DATA_SPAN = 2 << 20
+# Bytes per receive call of a data stream, straight into the caller's pinned buffer; each
+# piece goes on to the device as soon as it is in. 8B slot over 8 streams on the H200 host:
+# 13.8-15.8 ms with 8 MiB pieces, 15.4-20.2 with 2 MiB (more calls, more GIL hand-offs).
+DATA_SPAN = 8 << 20
 # Streams of one data read from a peer that serves ranges: one stream through Python
 # moved ~2.9 GB/s on the H200 host, so an 8B slot (86.6 MB) took ~30 ms on one. Landings
-# of it there: 15.1 ms over 4 streams, 13.2 over 8, 15.6 over 12, 18.6 over 16 (16 cores).
+# of it there: 15.1 ms over 4 streams, 13.2 over 8, 15.6 over 12, 18.6 over 16 (16 cores;
+# 2026-12-02 on another host, 4 MiB pieces: 15.4 / 13.1 / 16.0 / 20.2 over 4 / 6 / 12 / 16).
 DATA_STREAMS = 8
 SPLIT_BYTES = 8 << 20  # smaller reads use one stream: more connections would cost more
 MAX_IDLE_PER_PEER = 4  # kept control-plane connections per peer
