@@ -17,9 +17,10 @@ rest (NIXL: descriptor lookups; the gain bound and the NaN/Inf check in one host
 the tables at commit, slot bookkeeping; the lease's release is queued, not waited for).
 `tcp_floor_ms` is the HTTP fallback's floor in the same run: the same bytes between two
 processes over the same number of plain loopback TCP streams (blocking sockets, no HTTP,
-no H2D), connections included. On a GPU the bench first warms the peer as an engine does when the first adapter from it
-is registered (warm_up_peer: lease, plan, the peer's agent, a READ of a few bytes), so
-the first landing timed is the first one after start, not a cold plan.
+no H2D), connections included. On a GPU the bench first warms the peer as an engine
+does when the first adapter from it is registered (warm_up_peer: lease, plan, the peer's
+agent, a READ of a few bytes), so the first landing timed is the first one after start,
+not a cold plan.
 
 The adapter is Llama-3-8B shaped, r=16, all seven linear modules, bf16, written in
 PEFT's file format (adapter_config.json + adapter_model.safetensors) with random
