@@ -10,7 +10,7 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.config import SchedulerConfig
-from metrale.engine.scheduler import MIN_ATTENTION_CHUNK
+from metrale.engine.scheduler import MIN_ATTENTION_CHUNK, MIN_PROMPT_TOKENS_BESIDE_DECODES
 from tests.helpers.engine import step_until
 from tests.helpers.reference import check, hf_greedy, prompts
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
@@ -100,6 +100,43 @@ def test_a_long_prompt_never_stalls_running_decodes(setup):
     for i, (num_new, samples) in enumerate(steps[:11]):
         decodes = sum(1 for k in left if i < k)
         assert sorted(zip(num_new, samples)) == [(1, True)] * decodes + [(4, False)]
+
+
+@pytest.mark.parametrize("cap", [40, 4])
+def test_steps_with_decodes_take_prompt_tokens_up_to_the_cap(setup, cap):
+    """max_tokens_beside_decodes: a step that decodes takes prompt tokens up to the cap in
+    all (never under MIN_PROMPT_TOKENS_BESIDE_DECODES); a step without decodes takes the
+    whole budget; the tokens are still those of transformers + PEFT."""
+    root, base, peft = setup
+    llm = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
+              num_kv_blocks=256, max_num_seqs=6, max_num_batched_tokens=128,
+              scheduler=SchedulerConfig(max_tokens_beside_decodes=cap))
+    llm.register_adapter("a", root / "a")
+    llm.engine.swap_lora_slot_from_disk(root / "a", "a", 0)
+    long_steps = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    short = prompts(26, 2)
+    ids = [llm.engine.add_request(p, long_steps, a) for p, a in zip(short, ["a", None])]
+    seqs = [llm.engine.requests[i] for i in ids]
+    step_until(llm.engine, lambda: all(s.output_ids for s in seqs))
+    steps = _record_steps(llm)
+    rng = random.Random(27)
+    long_prompt = [rng.randrange(1, 250) for _ in range(110)]
+    out = llm.generate([long_prompt], GREEDY, ["a"])[0]
+    check(out, *hf_greedy(peft["a"], long_prompt))
+    prompt_steps = [(sum(n for n, smp in zip(*st) if smp and n == 1),
+                     sum(n for n, smp in zip(*st) if not (smp and n == 1))) for st in steps]
+    prompt_steps = [(d, p) for d, p in prompt_steps if p]
+    assert sum(p for _, p in prompt_steps) >= len(long_prompt) - 1
+    for decodes, prompt_tokens in prompt_steps:
+        if decodes:
+            assert prompt_tokens <= max(cap - decodes, MIN_PROMPT_TOKENS_BESIDE_DECODES)
+    assert any(d for d, _ in prompt_steps)  # the cap was in play
+    alone = LLM(root / "model", max_loras=2, max_lora_rank=8, block_size=4, max_model_len=128,
+                num_kv_blocks=256, max_num_seqs=6, max_num_batched_tokens=64,
+                scheduler=SchedulerConfig(max_tokens_beside_decodes=cap))
+    steps = _record_steps(alone)
+    alone.generate([long_prompt], GREEDY, [None])
+    assert steps[0][0] == [64]  # no decodes: the whole budget
 
 
 def test_a_sequence_hands_out_any_span_of_its_tokens():

@@ -20,6 +20,9 @@ from metrale.engine.sequence import SeqStatus, Sequence
 # A prompt chunk capped by SchedulerConfig.max_prefill_attention still takes this many
 # tokens a step, so a long prompt keeps advancing however long its context.
 MIN_ATTENTION_CHUNK = 16
+# Prompt tokens a step with decodes always takes, however many decodes it runs
+# (SchedulerConfig.max_tokens_beside_decodes), so prompts keep advancing.
+MIN_PROMPT_TOKENS_BESIDE_DECODES = 32
 
 
 @dataclass
@@ -69,7 +72,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.cfg.max_num_batched_tokens)
+        budget = self._schedule_running(batch, self.cfg.max_num_batched_tokens, decodes=True)
+        budget = self._beside_decodes(batch.num_tokens, budget)
+        budget = self._schedule_running(batch, budget, decodes=False)
         self._admit(batch, budget)
         return batch
 
@@ -90,10 +95,12 @@ class Scheduler:
         for seq in batch.seqs:
             self.blocks.publish(seq)
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        # decodes first (one token each, always within the budget: it is >= max_num_seqs),
-        # then partial prefills, each in admission order
-        for seq in sorted(self.running, key=lambda s: len(s) - s.num_computed > 1):
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, decodes: bool) -> int:
+        """The running decodes (one token each, always within the budget: it is >=
+        max_num_seqs) or partial prefills, in admission order."""
+        for seq in list(self.running):
+            if (len(seq) - seq.num_computed > 1) == decodes:
+                continue
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted below, for an older sequence's decode
             if seq.num_pending and len(seq) >= seq.max_len:
@@ -106,6 +113,13 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
         return budget
+
+    def _beside_decodes(self, decodes: int, budget: int) -> int:
+        """The prompt tokens a step with `decodes` decodes may take."""
+        cap = self.sched.max_tokens_beside_decodes
+        if not decodes or cap is None:
+            return budget
+        return min(budget, max(cap - decodes, MIN_PROMPT_TOKENS_BESIDE_DECODES))
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """seq's tokens this step: what is left, within the budget and the chunk caps."""

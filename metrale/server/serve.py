@@ -99,6 +99,7 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
               scheduler=SchedulerConfig(
                   max_prefill_chunk=args.max_prefill_chunk,
                   max_prefill_attention=args.max_prefill_attention,
+                  max_tokens_beside_decodes=args.max_tokens_beside_decodes or None,
                   max_admission_wait_s=args.max_admission_wait,
                   max_promotions_in_flight=args.max_promotions_in_flight),
               **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}))
@@ -252,6 +253,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help="most (query, key) pairs one prompt chunk attends to per step: a "
                             "long prompt's chunks shrink as its context grows, so the decodes "
                             "sharing its steps do not slow down (e.g. 262144; default: no cap)")
+    sched.add_argument("--max-tokens-beside-decodes", type=int, default=128, metavar="N",
+                       help="a step that runs decodes takes prompt tokens only up to N tokens in "
+                            "all, its decodes included (at least 32 prompt tokens), so a long "
+                            "prompt slows the running decodes by about one step at most; steps "
+                            "without decodes keep the whole budget (0: no cap; default: "
+                            "%(default)s)")
     sched.add_argument("--max-admission-wait", type=float, default=1.0, metavar="SECONDS",
                        help="a request waiting longer is admitted in arrival order, ahead of "
                             "adapters' round-robin turns (default: %(default)s)")
