@@ -190,7 +190,12 @@ class NameSet:
 
     def suffix_of(self, key: str) -> bool:
         """any(key.endswith(f".{n}") for n in names), in O(dots in key) set lookups."""
-        return any(key[i + 1:] in self.names for i, c in enumerate(key) if c == ".")
+        i = key.find(".")
+        while i >= 0:
+            if key[i + 1:] in self.names:
+                return True
+            i = key.find(".", i + 1)
+        return False
 
     def matches(self, key: str, budget: MatchBudget) -> bool:
         return key in self.names or self.suffix_of(key)
