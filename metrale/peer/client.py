@@ -164,13 +164,19 @@ class PeerClient:
                 raise PeerTransferError(
                     f"peer {self.addr}: {what} announces {length[:40]!r} bytes, not the {n} asked for"
                 )
-            if resp.chunked or resp.length != n or conn.data_sock is None or not n:
-                self._read_body(resp, out, progress, what)
-            else:  # the common case, a plain body of the announced length: past http.client
+            plain = not (resp.chunked or resp.length != n or conn.data_sock is None or not n)
+            if plain:  # a body of the announced length: past http.client, whole pieces
                 got = resp.readinto(out[:min(n, len(resp.fp.peek()))])  # read with the headers
-                if progress is not None:
-                    progress(got)
-                conn.data_sock.recv_all_into(out, got, progress)
+                read = conn.data_sock.read_piece
+            else:  # chunked, or a length http.client was not told
+                got = 0
+
+                def read(view: memoryview) -> int:
+                    self._check_deadline(what)
+                    return resp.readinto(view)
+            _fill(out, got, read, f"peer {self.addr}: {what}", progress)
+            if not plain and resp.read1(1):
+                raise PeerTransferError(f"peer {self.addr}: {what} is longer than the {n} bytes announced")
         except TimeoutError:
             raise self._timeout(what) from None
         except (OSError, http.client.HTTPException) as e:
@@ -178,21 +184,6 @@ class PeerClient:
         finally:
             resp.close()  # a peer that asked to close leaves the socket to the response
             conn.close()
-
-    def _read_body(self, resp: http.client.HTTPResponse, out: memoryview,
-                   progress: Callable[[int], None] | None, what: str) -> None:
-        """out's bytes through http.client (chunked, or a length it did not announce)."""
-        n, got = len(out), 0
-        while got < n:
-            self._check_deadline(what)
-            k = resp.readinto(out[got:got + DATA_SPAN])
-            if not k:
-                raise _short(f"peer {self.addr}: {what}", got, n)
-            got += k
-            if progress is not None:
-                progress(got)
-        if resp.read1(1):
-            raise PeerTransferError(f"peer {self.addr}: {what} is longer than the {n} bytes announced")
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -297,24 +288,27 @@ class _DeadlineSocket(socket.socket):
         self._arm()  # sendall's timeout bounds the whole call, not each piece
         super().sendall(data, flags)
 
-    def recv_all_into(self, out: memoryview, got: int,
-                      progress: Callable[[int], None] | None) -> None:
-        """out[got:] straight from the kernel, DATA_SPAN a call (blocking_io.recv_piece),
-        each call bounded by the deadline's rest."""
-        n = len(out)
-        while got < n:  # (none when http.client read it all with the headers: it closed us)
-            k = recv_piece(self, out[got:got + DATA_SPAN],
-                           self.deadline.timeout(self.label, IO_TIMEOUT_S))
-            if not k:
-                raise _short(self.label, got, n)
-            got += self._count(k)
-            if progress is not None:
-                progress(got)
+    def read_piece(self, out: memoryview) -> int:
+        """Up to len(out) bytes straight from the kernel in one call (blocking_io.recv_piece),
+        bounded by the deadline's rest; 0 at EOF."""
+        return self._count(recv_piece(self, out, self.deadline.timeout(self.label, IO_TIMEOUT_S)))
 
 
-def _short(label: str, got: int, n: int) -> PeerTransferError:
-    return PeerTransferError(f"{label} ended after {got} of {n} bytes; the peer died or "
-                             "closed mid-transfer")
+def _fill(out: memoryview, got: int, read: Callable[[memoryview], int], label: str,
+          progress: Callable[[int], None] | None) -> None:
+    """out[got:] by read(view) -> bytes read, DATA_SPAN at most a call; progress(got) as
+    they come. A read of nothing before the end is an error."""
+    n = len(out)
+    if got and progress is not None:
+        progress(got)
+    while got < n:
+        k = read(out[got:got + DATA_SPAN])
+        if not k:
+            raise PeerTransferError(f"{label} ended after {got} of {n} bytes; the peer died or "
+                                    "closed mid-transfer")
+        got += k
+        if progress is not None:
+            progress(got)
 
 
 class _PeerConnection(http.client.HTTPConnection):
