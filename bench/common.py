@@ -27,7 +27,7 @@ from metrale.model.layers import LoraProjection
 from metrale.model.llama import LlamaForCausalLM
 from metrale.model.loader import build_computed, copy_weight, param_name
 from metrale.ops import int4_linear
-from metrale.ops.fp8_linear import FP8_DTYPE, quantize_rows
+from metrale.ops.fp8_linear import DEFAULT_ACTIVATIONS, FP8_DTYPE, quantize_rows
 
 CONFIGS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -97,23 +97,25 @@ NF4_CODES = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.
                           0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0])
 
 
-def build_any(name: str, device: str, workdir: Path) -> Pair:
+def build_any(name: str, device: str, workdir: Path,
+              fp8_activations: str = DEFAULT_ACTIVATIONS) -> Pair:
     """build_pair(name); "<name>-fp8": its projections rounded to FP8 per output row after
     (--quantization fp8's rounding), or, for a shape that does not fit in bf16, built FP8
     with random weights and no transformers twin (build_random_quant); "<name>-awq",
-    "-gptq" (act order), "-nf4": 4-bit projections with random codes (build_random_quant)."""
+    "-gptq" (act order), "-nf4": 4-bit projections with random codes (build_random_quant).
+    fp8_activations: the FP8 GEMMs' mode (metrale.ops.fp8_linear.ACTIVATIONS)."""
     if name in BUILT_ONLY:
         return build_random_quant(name, None, device, workdir)
     base, _, quant = name.rpartition("-")
     if quant in INT4 or (quant == "fp8" and base in BUILT_ONLY):
-        return build_random_quant(base, quant, device, workdir)
+        return build_random_quant(base, quant, device, workdir, fp8_activations=fp8_activations)
     if quant != "fp8":
         return build_pair(name, device, workdir)
     pair = build_pair(base, device, workdir)
     for m in pair.ours.modules():
         if isinstance(m, LoraProjection):
             q, scale = quantize_rows(m.weight)
-            m.use_fp8((1, q.shape[1]))
+            m.use_fp8((1, q.shape[1]), fp8_activations)
             with torch.no_grad():
                 m.weight.copy_(q)
                 m.weight_scale.copy_(scale)
@@ -121,7 +123,8 @@ def build_any(name: str, device: str, workdir: Path) -> Pair:
 
 
 def build_random_quant(name: str, quant: str | None, device: str, workdir: Path,
-                       max_positions: int = 16384) -> Pair:
+                       max_positions: int = 16384,
+                       fp8_activations: str = DEFAULT_ACTIVATIONS) -> Pair:
     """Our model alone, projections quantized from the start when quant is given (never a
     bf16 copy in memory), weights about N(0, 0.02) (transformers' init std): FP8 codes of
     N(0, 1) scaled by 0.02 per row; 4-bit: uniform codes, zero points 8 and scales 0.005,
@@ -135,7 +138,7 @@ def build_random_quant(name: str, quant: str | None, device: str, workdir: Path,
     for m in ours.modules():
         if isinstance(m, LoraProjection) and quant is not None:
             if quant == "fp8":
-                m.use_fp8((1, m.in_features))
+                m.use_fp8((1, m.in_features), fp8_activations)
             else:
                 m.use_int4(INT4[quant])
     ours = ours.to_empty(device=device)

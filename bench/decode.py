@@ -4,9 +4,9 @@ adapters, against transformers + PEFT mixed-adapter `generate`, and the HBM roof
     PYTHONPATH=. python bench/decode.py [--model llama3-8b] [--batch 32 64] [--mixed]
 
 --model NAME-fp8 (llama3-8b-fp8, llama3-70b-fp8): the base's projections in FP8 with a
-scale per output row (metrale.ops.fp8_linear's weight-only GEMM; the 70B shape is built
-FP8 from the start with random weights and random adapters, no PEFT baseline); its
-roofline counts the FP8 bytes and the scales. --model NAME-awq / -gptq / -nf4 (llama3-8b,
+scale per output row (metrale.ops.fp8_linear, activations per --fp8-activations: dynamic
+per-token FP8 by default; the 70B shape is built FP8 from the start with random weights and
+random adapters, no PEFT baseline); its roofline counts the FP8 bytes and the scales. --model NAME-awq / -gptq / -nf4 (llama3-8b,
 llama3-70b): 4-bit projections with random codes built that way (metrale.ops.int4_linear:
 AWQ group 128 with zero points, GPTQ the same plus act order, NF4 blocks of 64 with float32
 absmax); the roofline counts the packed codes, scales and zero points. --model
@@ -68,6 +68,7 @@ from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import SamplingParams
 from metrale.model.moe import MoeMLP
 from metrale.ops import lora_launch
+from metrale.ops.fp8_linear import ACTIVATIONS, DEFAULT_ACTIVATIONS
 
 PROMPT, GEN = 128, 64
 
@@ -354,6 +355,9 @@ def main() -> None:
                          "metrale.ops.lora_triton.OVERLAP=0 (the LoRA shrink on the GEMM's stream), "
                          "metrale.ops.fused_triton.ENABLED=0 (torch norms, rotary, SiLU-mul): "
                          "results go to decode_ab[model][override]")
+    ap.add_argument("--fp8-activations", choices=ACTIVATIONS, default=DEFAULT_ACTIVATIONS,
+                    help="an -fp8 model's GEMM inputs; other than the default: results go to "
+                         "decode_ab")
     ap.add_argument("--lora-path", choices=lora_launch.PATHS, default=None,
                     help="run every LoRA group on this path instead of lora_launch.PATH_TABLE's "
                          "choice per shape (an A/B of the table): results go to decode_ab")
@@ -368,8 +372,10 @@ def main() -> None:
     if args.lora_path:
         lora_launch.PATH_TABLE = (lora_launch.PathRule(args.lora_path),)
         args.override.append(f"lora-path={args.lora_path}")
+    if args.fp8_activations != DEFAULT_ACTIVATIONS:
+        args.override.append(f"fp8-activations={args.fp8_activations}")
     with tempfile.TemporaryDirectory() as tmp:
-        pair = build_any(args.model, args.device, Path(tmp))
+        pair = build_any(args.model, args.device, Path(tmp), args.fp8_activations)
         if pair.hf is not None:
             peft = make_peft(pair, 32, Path(tmp) / "adapters")
         else:  # a base built only quantized: adapters written directly, no PEFT baseline

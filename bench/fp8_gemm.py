@@ -1,17 +1,18 @@
-"""The FP8 weight-only GEMM (metrale.ops.fp8_linear) at Llama-3-8B and 70B projection
-shapes against its byte floor and bf16 cuBLAS, and a sweep of tile configs per shape:
-what choose_config should pick.
+"""The FP8 weight-only GEMM (metrale.ops.fp8_linear) at Llama-3-8B and 70B projection shapes
+against its byte floor and bf16 cuBLAS, and a sweep of tile configs per shape: what
+choose_config should pick.
 
     PYTHONPATH=. python bench/fp8_gemm.py [--m 1 8 32 64 128] [--sweep]
 
 JSON `fp8_gemm[<model> <proj> m<M>]`: bf16_us (F.linear on the bf16 weight), fp8_us (the
-chosen config), floor_us (FP8 weight + scales + activations at the copy bandwidth of the
-same run), fp8_over_floor, bf16_over_fp8, config; with --sweep best_us / best_config over
-SWEEP (decode sizes) or SWEEP_PREFILL (the Triton tiles; fp8_us from DENSE_MIN_M on is the
-dequantize-then-cuBLAS path). Times: common.graph_us, a CUDA graph of 20 calls replayed
-under triton's do_bench (median), per call. (The session-16 figures in
-bench/results/20261202-h200.json took the median of 7 event-timed replays instead.)
-"""
+weight-only GEMM, chosen config), fp8x_us (dynamic FP8 activations: the per-token rounding
+launch and the FP8 x FP8 GEMM, chosen config), floor_us (FP8 weight + scales + activations
+at the copy bandwidth of the same run), fp8_over_floor, bf16_over_fp8, config; with --sweep
+best_us / best_config over SWEEP (decode sizes) or SWEEP_PREFILL (the Triton tiles; fp8_us
+from DENSE_MIN_M on is the dequantize-then-cuBLAS path). Times: common.graph_us, a CUDA
+graph of 20 calls replayed under triton's do_bench (median), per call. (The session-16
+figures in bench/results/20261202-h200.json took the median of 7 event-timed replays
+instead.)"""
 
 from __future__ import annotations
 
@@ -54,10 +55,13 @@ def run(ms: list[int], sweep: bool) -> dict:
                 floor = (n * k + n * 4 + m * k * 2 + m * n * 2) / bw * 1e6
                 cfg = f.chosen_config(m, q, scale, (1, k), counters)
                 fp8 = functools.partial(f.fp8_linear, x, q, scale, (1, k), None, counters)
+                fp8x = functools.partial(fp8, dynamic=True)
                 row = {
                     "bf16_us": graph_us(functools.partial(F.linear, x, w)),
-                    "fp8_us": graph_us(fp8), "floor_us": floor,
+                    "fp8_us": graph_us(fp8), "fp8x_us": graph_us(fp8x), "floor_us": floor,
                     "config": str(dataclasses.astuple(cfg)),
+                    "fp8x_config": str(dataclasses.astuple(
+                        f.chosen_config(m, q, scale, (1, k), counters, dynamic=True))),
                 }
                 if sweep:
                     decode = m <= f.SPLIT_MAX_M
@@ -69,6 +73,7 @@ def run(ms: list[int], sweep: bool) -> dict:
                         if -(-m // c.block_m) * -(-n // c.block_n) <= counters.numel()]))
                     row["best_over_floor"] = row["best_us"] / floor
                 row["fp8_over_floor"] = row["fp8_us"] / floor
+                row["fp8x_over_floor"] = row["fp8x_us"] / floor
                 row["bf16_over_fp8"] = row["bf16_us"] / row["fp8_us"]
                 out[f"{model} {proj} m{m}"] = row
                 print(model, proj, m, {k: (round(v, 2) if isinstance(v, float) else v)
@@ -87,7 +92,8 @@ def main() -> None:
         if isinstance(row, dict):
             merge_results(results_path("cuda"), "fp8_gemm", key, row)
     rows = [{"shape": k, **v} for k, v in res.items() if isinstance(v, dict)]
-    print(table(rows, ["shape", "bf16_us", "fp8_us", "floor_us", "fp8_over_floor",
+    print(table(rows, ["shape", "bf16_us", "fp8_us", "fp8x_us", "floor_us", "fp8_over_floor",
+                       "fp8x_over_floor",
                        "bf16_over_fp8", "best_us", "best_over_floor", "config", "best_config"]))
 
 

@@ -68,7 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
                 adapters[name] = str(demo_adapter_dir(name, progress=progress))
     llm = LLM(args.model, max_loras=max(len(adapters), 1), max_lora_rank=max(args.max_lora_rank, 16),
               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              quantization=args.quantization)
+              quantization=args.quantization, fp8_activations=args.fp8_activations)
     for name, path in adapters.items():
         llm.register_adapter(name, path)
     prompt = llm.chat_prompt(args.prompt) if args.chat else args.prompt

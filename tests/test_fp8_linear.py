@@ -1,12 +1,14 @@
-"""The FP8 weight-only GEMM (metrale.ops.fp8_linear) against its plain-torch reference in
-Triton's interpreter: both forms (x W^T and W x^T), per-row and block scales, split K (the
-last split sums the others' partials and leaves its tile counter at 0 for the next launch),
-bias, ragged shapes."""
+"""The FP8 GEMM (metrale.ops.fp8_linear) against its plain-torch reference in Triton's
+interpreter, weight-only and with dynamic per-token FP8 activations: both forms (x W^T and
+W x^T), per-row and block scales, split K (the last split sums the others' partials and
+leaves its tile counter at 0 for the next launch), bias, ragged shapes; the activations'
+rounding against torch's own float8_e4m3fn cast."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from metrale.ops import fp8_linear as f
 from metrale.ops.split_k import tile_counters
@@ -36,20 +38,51 @@ def _weights(n: int, k: int, block, seed: int):
     (9, 40, 96, None, 2, True),  # K not a multiple of the splits' tiles: masked along K
     (300, 40, 96, (16, 32), 1, True),  # from DENSE_MIN_M: dequantized for F.linear
 ])
-def test_gemm_equals_reference(t, n, k, block, split, bias):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_gemm_equals_reference(t, n, k, block, split, bias, dynamic):
     q, scale, blk = _weights(n, k, block, seed=t + n)
     x = torch.randn(t, k, generator=torch.Generator().manual_seed(k))
     b = torch.randn(n) if bias else None
     q, scale, x = q.to(DEVICE), scale.to(DEVICE), x.to(DEVICE)
     b = b.to(DEVICE) if b is not None else None
-    want = f.fp8_linear_ref(x, q, scale, blk, b)
+    want = f.fp8_linear_ref(x, q, scale, blk, b, dynamic)
     counters = tile_counters(n, x.device)
     forced = [f.GemmConfig(16, 16, 32, split, swap=swap) for swap in (False, True)]
     for cfg in (*forced, None):  # a forced split, both GEMM forms, then the chosen config
         for _ in range(2):  # a second launch reuses the counters the first reset
-            got = f.fp8_linear(x, q, scale, blk, b, counters, cfg)
+            got = f.fp8_linear(x, q, scale, blk, b, counters, cfg, dynamic=dynamic)
             torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-4)
     assert int(counters.abs().sum()) == 0
+    if dynamic and t < f.DENSE_MIN_M:  # the rounding shows: not the weight-only answer
+        assert not torch.allclose(want, f.fp8_linear_ref(x, q, scale, blk, b), rtol=1e-3)
+
+
+def test_token_rounding_equals_torchs_float8_cast():
+    """quantize_tokens' kernel rounds like torch's cast (nearest, ties to even) everywhere:
+    ties, carries into the next binade, subnormals, the saturated maximum, a row of zeros,
+    rows of very different magnitudes; each X_BLOCK columns of a row get their own scale,
+    which maps that block's max |x| to FP8_MAX (computed here from the format)."""
+    g = torch.Generator().manual_seed(0)
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].sort().values  # every e4m3 value
+    mids = (grid[1:] + grid[:-1]) / 2  # exact ties
+    k = 2 * f.X_BLOCK + 100  # three blocks, the last one partial
+    ramp = torch.cat([grid, mids, mids * (1 + 2 ** -20), torch.tensor([448.0])])
+    rows = [ramp, ramp.flip(0) * 1e-3, torch.randn(k, generator=g) * 1e-30,
+            torch.randn(k, generator=g) * 1e4, torch.zeros(k)]
+    x = torch.stack([F.pad(r, (0, k - len(r))) if len(r) < k else r[:k] for r in rows])
+    x[3, f.X_BLOCK:2 * f.X_BLOCK] *= 1e-6  # a block far smaller than its neighbours
+    x = x.to(DEVICE)
+    blocks = F.pad(x, (0, 3 * f.X_BLOCK - k)).view(len(rows), 3, f.X_BLOCK)
+    scale = (blocks.abs().amax(2) / f.FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    want = (blocks / scale[..., None]).view(len(rows), -1)[:, :k].to(torch.float8_e4m3fn)
+    xq, xs = f.quantize_tokens(x)
+    rq, rs = f.quantize_tokens_ref(x)
+    assert torch.equal(xs, rs) and torch.equal(rs, scale)
+    assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(rq.view(torch.uint8), want.view(torch.uint8))  # the ref is the cast
+    assert xq[3, f.X_BLOCK:2 * f.X_BLOCK].float().abs().max() == f.FP8_MAX
+    assert not xq[4].float().any()
 
 
 def test_dequantize_kernel_equals_the_reference_bitwise():
@@ -78,10 +111,11 @@ def test_chosen_configs_split_only_skinny_gemms_and_fit_the_counters():
     for m in (1, 8, 32, 64):
         for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
             counters = tile_counters(n, torch.device("cpu")).numel()
-            cfg = f.choose_config(m, n, k, 128, sms, counters)
-            tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-            assert cfg.block_m >= m or cfg.block_m == 64
-            assert tiles <= counters and k // cfg.split_k >= cfg.block_k
+            for cfg in (f.choose_config(m, n, k, 128, sms, counters),
+                        f.choose_config_fp8x(m, n, k, 512, sms, counters)):
+                tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+                assert cfg.block_m >= m or cfg.block_m == 64
+                assert tiles <= counters and k // cfg.split_k >= cfg.block_k
     assert f.choose_config(512, 4096, 4096, 128, sms, 1024).split_k == 1
 
 
@@ -94,8 +128,9 @@ def test_inputs_it_cannot_tile_are_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (57344, 8192)])
-def test_gpu_gemm_at_model_shapes_replays_in_a_graph(n, k):
+def test_gpu_gemm_at_model_shapes_replays_in_a_graph(n, k, dynamic):
     """bf16 activations at Llama-3-8B / 70B projection shapes, decode and prefill sizes:
     within bf16 rounding of the reference, and a captured graph's replays (the split-K
     counters reset by the kernel itself) equal the eager result bitwise."""
@@ -104,18 +139,18 @@ def test_gpu_gemm_at_model_shapes_replays_in_a_graph(n, k):
     counters = tile_counters(n, q.device)
     for t in (1, 7, 32, 64, 200, 300):
         x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
-        want = f.fp8_linear_ref(x.float(), q, scale, blk)  # fp32 math on the same weights
-        got = f.fp8_linear(x, q, scale, blk, None, counters)
+        want = f.fp8_linear_ref(x.float(), q, scale, blk, None, dynamic)  # fp32 math, same weights
+        got = f.fp8_linear(x, q, scale, blk, None, counters, dynamic=dynamic)
         err = (got.float() - want).abs().max() / want.abs().max()
         assert err < 1e-2, (t, float(err))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            f.fp8_linear(x, q, scale, blk, None, counters)  # warm-up off the capture
+            f.fp8_linear(x, q, scale, blk, None, counters, dynamic=dynamic)  # warm-up
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = f.fp8_linear(x, q, scale, blk, None, counters)
+            out = f.fp8_linear(x, q, scale, blk, None, counters, dynamic=dynamic)
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()

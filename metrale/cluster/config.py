@@ -38,6 +38,7 @@ class ReplicaSpec:
     device: str = "cpu"
     dtype: str | None = None
     quantization: str | None = None  # EngineConfig.quantization
+    fp8_activations: str = "dynamic"  # EngineConfig.fp8_activations
     max_loras: int = 4
     max_lora_rank: int = 16
     max_model_len: int = 2048

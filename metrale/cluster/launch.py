@@ -82,7 +82,7 @@ def serve_cluster(args: argparse.Namespace, on_demand: dict[str, Path] | None = 
         model=str(model_dir.resolve()), registry_name=f"{APP_NAME}-registry",
         registry_namespace=NAMESPACE, internal_key=secrets.token_urlsafe(24),
         device="cuda" if cuda else args.device, dtype=args.dtype, quantization=args.quantization,
-        max_loras=args.max_loras,
+        fp8_activations=args.fp8_activations, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks, promotion_timeout_s=args.promotion_timeout,
         peer_allow=tuple(args.peer_allow), peer_transport=args.peer_transport,

@@ -44,7 +44,7 @@ class EngineReplica:
             self.replica_id = f"local-{id(self):x}"
         llm = LLM(spec.model, max_loras=spec.max_loras, max_lora_rank=spec.max_lora_rank,
                   device=spec.device, dtype=spec.dtype, max_model_len=spec.max_model_len,
-                  quantization=spec.quantization,
+                  quantization=spec.quantization, fp8_activations=spec.fp8_activations,
                   promotion_timeout_s=spec.promotion_timeout_s, peer_allow=spec.peer_allow,
                   peer_transport=spec.peer_transport, peer_timeout_s=spec.peer_timeout_s,
                   **({"num_kv_blocks": spec.num_kv_blocks} if spec.num_kv_blocks else {}))

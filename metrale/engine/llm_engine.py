@@ -77,7 +77,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         if model is None:
             model = load_model(model_dir, self.model_config, self.dtype, self.device,
-                               cfg.max_model_len, cfg.quantization)
+                               cfg.max_model_len, cfg.quantization, cfg.fp8_activations)
         elif model.rotary.max_positions < cfg.max_model_len:  # its tables would be read past
             raise ConfigError(f"the given model's rotary tables cover {model.rotary.max_positions} "
                               f"positions, fewer than max_model_len {cfg.max_model_len}")

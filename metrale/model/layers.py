@@ -172,11 +172,15 @@ class LoraProjection(nn.Module):
         self.register_buffer("input_perm", None)  # 4-bit act-order: int64 [K]
         self.register_buffer("tile_counters", None, persistent=False)
         self.scale_block = (1, in_features)  # FP8: (so, si), the rows and columns a scale covers
+        self.fp8_dynamic = False  # FP8: x rounded to e4m3 per token for the base GEMM
         self.int4_layout: int4.Int4Layout | None = None
 
-    def use_fp8(self, block: tuple[int, int]) -> None:
+    def use_fp8(self, block: tuple[int, int], activations: str = fp8.DEFAULT_ACTIVATIONS) -> None:
         """Hold the weight as float8_e4m3fn [N, K] with a float32 scale per (so, si) block,
-        both uninitialised (the loader fills them; on the meta device too, then build())."""
+        both uninitialised (the loader fills them; on the meta device too, then build());
+        activations: one of fp8.ACTIVATIONS."""
+        if activations not in fp8.ACTIVATIONS:
+            raise ValueError(f"FP8 activations {activations!r}: choose from {fp8.ACTIVATIONS}")
         n, k = self.weight.shape
         device = self.weight.device
         self.weight = nn.Parameter(torch.empty(n, k, dtype=fp8.FP8_DTYPE, device=device),
@@ -185,6 +189,7 @@ class LoraProjection(nn.Module):
         self.weight_scale = torch.empty(-(-n // block[0]), -(-k // block[1]),
                                         dtype=torch.float32, device=device)
         self.tile_counters = tile_counters(n, device)
+        self.fp8_dynamic = activations == "dynamic"
         self.quant = "fp8"
 
     def use_int4(self, layout: int4.Int4Layout) -> None:
@@ -236,9 +241,10 @@ class LoraProjection(nn.Module):
         if self.quant == "fp8":
             if triton_ok and fp8.fits(x, self.scale_block):
                 return fp8.fp8_linear(x.contiguous(), self.weight, self.weight_scale,
-                                      self.scale_block, self.bias, self.tile_counters)
+                                      self.scale_block, self.bias, self.tile_counters,
+                                      dynamic=self.fp8_dynamic)
             return fp8.fp8_linear_ref(x, self.weight, self.weight_scale, self.scale_block,
-                                      self.bias)
+                                      self.bias, self.fp8_dynamic)
         if self.quant == "int4":
             if self.input_perm is not None:
                 x = x.index_select(1, self.input_perm)  # [T, K] in the weight's column order

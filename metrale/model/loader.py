@@ -16,7 +16,7 @@ from metrale.model.layers import LoraProjection, RotaryEmbedding
 from metrale.model.llama import LlamaForCausalLM
 from metrale.model.quantization import FP8_DTYPES, Int4Codes, QuantScheme, bnb_state, scheme_of
 from metrale.ops import int4_linear as int4
-from metrale.ops.fp8_linear import quantize_rows
+from metrale.ops.fp8_linear import DEFAULT_ACTIVATIONS, quantize_rows
 
 log = logging.getLogger("metrale.loader")
 
@@ -59,10 +59,11 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
-               quantization: str | None = None) -> LlamaForCausalLM:
+               quantization: str | None = None,
+               fp8_activations: str = DEFAULT_ACTIVATIONS) -> LlamaForCausalLM:
     """quantization "fp8": a dense checkpoint's linear weights rounded to FP8 per output
     channel as they load (a quantized checkpoint keeps its own scheme). FP8 linears stay FP8
-    in memory (metrale.ops.fp8_linear); other quantized formats dequantize as they load."""
+    in memory (metrale.ops.fp8_linear, activations in the mode fp8_activations names)."""
     model_dir = Path(model_dir)
     scheme = scheme_of(model_dir)
     aux = _aux_tensors(model_dir, scheme) if scheme is not None else {}
@@ -72,7 +73,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                    if isinstance(m, LoraProjection)}
     shapes = {target: proj.weight.shape for target, proj in projections.items()}
     for target, block in _fp8_projections(shapes, cfg, scheme, aux, quantization).items():
-        projections[target].use_fp8(block)  # before memory: a 70B base never exists in bf16
+        projections[target].use_fp8(block, fp8_activations)  # before memory: a 70B base never exists in bf16
     for target, layout in _int4_projections(shapes, cfg, scheme, aux).items():
         projections[target].use_int4(layout)
     model = model.to_empty(device=device)

@@ -91,7 +91,7 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
     llm = LLM(model_dir, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
               device=args.device, dtype=args.dtype, allow_runtime_swaps=True,
               max_model_len=args.max_model_len, promotion_timeout_s=args.promotion_timeout,
-              quantization=args.quantization,
+              quantization=args.quantization, fp8_activations=args.fp8_activations,
               peer_allow=tuple(args.peer_allow), peer_transport=args.peer_transport,
               peer_timeout_s=args.peer_timeout, lora_extra_targets=args.lora_extra_targets,
               lora_experts=args.lora_experts,
@@ -177,6 +177,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: round a dense checkpoint's linear weights to FP8 per output "
                         "channel as they load (an FP8 checkpoint is read as it is either way)")
+    p.add_argument("--fp8-activations", choices=["dynamic", "weight-only"], default="dynamic",
+                   help="an FP8 base's GEMM inputs: dynamic rounds the activations to FP8, a "
+                        "scale per 512 columns of a token (fast on Hopper); weight-only keeps "
+                        "them in --dtype, exactly the dequantized base (default: %(default)s)")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
