@@ -128,7 +128,7 @@ def step_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1)
 
 
-@pytest.mark.parametrize("fmt", ["block", "channel"])
+@pytest.mark.parametrize("fmt", ["tensor", "channel"])
 def test_dynamic_fp8_activations_equal_peft_with_rounded_inputs(tmp_path, fmt):
     """The default mode. Tokens equal the fake-quantized reference's (ties under 1e-4 aside:
     the two differ in float32 summation order alone). Against the exact dequantized
@@ -243,26 +243,36 @@ def _fp8_with_plain_and_dora(tmp_path, fmt: str):
     return ref, adapters
 
 
+def _references(tmp_path, fmt: str, activations: str):
+    """_fp8_with_plain_and_dora's models, fake-quantized where the engine rounds the
+    activations (dynamic, per-row scales; block-scaled weights run weight-only: see
+    metrale.ops.fp8_linear.runs_dynamic), and the tie gap to compare them with."""
+    ref, adapters = _fp8_with_plain_and_dora(tmp_path, fmt)
+    if activations != "dynamic" or fmt == "block":
+        return ref, adapters, 0.0
+    return (fake_quantized(ref), {n: (fake_quantized(m), p) for n, (m, p) in adapters.items()},
+            1e-4)
+
+
 @pytest.mark.parametrize("activations", ["weight-only", "dynamic"])
 @pytest.mark.parametrize("fmt", ["block", "channel"])
 def test_fp8_gemm_kernel_in_the_engine_with_dora_and_plain_adapters(tmp_path, fmt, activations,
                                                                     monkeypatch):
     """The same checkpoints through the Triton FP8 GEMM (Triton's interpreter on CPU) and
     the LoRA kernels, a DoRA adapter (its norms read the dequantized FP8 weight) beside a
-    plain one and the base in one batch; dynamic against the fake-quantized references."""
+    plain one and the base in one batch; dynamic against the fake-quantized references
+    (block-scaled weights: weight-only in either mode, against the exact ones)."""
     from metrale.ops import lora as lora_ops
     from tests.helpers.kernels import KERNELS
     if not KERNELS or torch.cuda.is_available():  # with CUDA: the gpu test runs them compiled
         pytest.skip("needs Triton's interpreter (a CPU-only box)")
     monkeypatch.setattr(lora_ops, "TRITON_ON_CPU", True)
-    ref, adapters = _fp8_with_plain_and_dora(tmp_path, fmt)
-    tie = 0.0
-    if activations == "dynamic":
-        ref, tie = fake_quantized(ref), 1e-4
-        adapters = {n: (fake_quantized(m), p) for n, (m, p) in adapters.items()}
+    ref, adapters, tie = _references(tmp_path, fmt, activations)
     llm = assert_mixed_batch_matches(tmp_path / "fp8", ref, adapters, PROMPTS[:1], 4,
                                      tie_gap=tie, fp8_activations=activations)
-    assert llm.engine.runner.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    proj = llm.engine.runner.model.layers[0].mlp.gate_up_proj
+    assert proj.weight.dtype == torch.float8_e4m3fn
+    assert proj.fp8_dynamic == (activations == "dynamic" and fmt != "block")
 
 
 @pytest.mark.gpu
@@ -272,11 +282,7 @@ def test_gpu_fp8_checkpoint_through_graphs_equals_peft(tmp_path, fmt, activation
     """fp32 on CUDA (exact-fp32 dots): the compiled FP8 GEMM under captured graphs, plain
     and DoRA adapters beside the base, against transformers + PEFT on the CPU (dynamic:
     the fake-quantized references, ties under 1e-4 aside)."""
-    ref, adapters = _fp8_with_plain_and_dora(tmp_path, fmt)
-    tie = 0.0
-    if activations == "dynamic":
-        ref, tie = fake_quantized(ref), 1e-4
-        adapters = {n: (fake_quantized(m), p) for n, (m, p) in adapters.items()}
+    ref, adapters, tie = _references(tmp_path, fmt, activations)
     llm = assert_mixed_batch_matches(tmp_path / "fp8", ref, adapters, PROMPTS, GEN, tie_gap=tie,
                                      device="cuda", dtype="float32", fp8_activations=activations)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0

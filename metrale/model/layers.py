@@ -172,7 +172,7 @@ class LoraProjection(nn.Module):
         self.register_buffer("input_perm", None)  # 4-bit act-order: int64 [K]
         self.register_buffer("tile_counters", None, persistent=False)
         self.scale_block = (1, in_features)  # FP8: (so, si), the rows and columns a scale covers
-        self.fp8_dynamic = False  # FP8: x rounded to e4m3 per token for the base GEMM
+        self.fp8_dynamic = False  # FP8: x rounded to e4m3 for the base GEMM (fp8_linear)
         self.int4_layout: int4.Int4Layout | None = None
 
     def use_fp8(self, block: tuple[int, int], activations: str = fp8.DEFAULT_ACTIVATIONS) -> None:
@@ -189,7 +189,7 @@ class LoraProjection(nn.Module):
         self.weight_scale = torch.empty(-(-n // block[0]), -(-k // block[1]),
                                         dtype=torch.float32, device=device)
         self.tile_counters = tile_counters(n, device)
-        self.fp8_dynamic = activations == "dynamic"
+        self.fp8_dynamic = fp8.runs_dynamic(activations, block, k)
         self.quant = "fp8"
 
     def use_int4(self, layout: int4.Int4Layout) -> None:
