@@ -6,8 +6,9 @@ adapters, against transformers + PEFT mixed-adapter `generate`, and the HBM roof
 --model NAME-fp8 (llama3-8b-fp8, llama3-70b-fp8): the base's projections in FP8 with a
 scale per output row (metrale.ops.fp8_linear, activations per --fp8-activations: dynamic
 per-token FP8 by default; the 70B shape is built FP8 from the start with random weights and
-random adapters, no PEFT baseline); its roofline counts the FP8 bytes and the scales. --model NAME-awq / -gptq / -nf4 (llama3-8b,
-llama3-70b): 4-bit projections with random codes built that way (metrale.ops.int4_linear:
+random adapters, no PEFT baseline); its roofline counts the FP8 bytes and the scales.
+--model NAME-awq / -gptq / -nf4 (llama3-8b, llama3-70b): 4-bit projections with random
+codes built that way (metrale.ops.int4_linear:
 AWQ group 128 with zero points, GPTQ the same plus act order, NF4 blocks of 64 with float32
 absmax); the roofline counts the packed codes, scales and zero points. --model
 qwen3-30b-a3b (tiny-moe on the CPU): a MoE shape built with random weights, adapters on
