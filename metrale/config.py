@@ -372,6 +372,10 @@ class ModelConfig:
             raise ConfigError(f"{path} is not a usable Llama-family config: {e}") from None
 
 
+# What the host tier keeps when full (PoolConfig.eviction; metrale.pool.eviction).
+EVICTION_POLICIES = ("cost", "lru")
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """Size of the adapter slot pool. max_loras == 0 means no pool at all."""
@@ -388,12 +392,20 @@ class PoolConfig:
     mapped_file_bytes: int = 2 << 30
     # model-level targets (EXTRA_TARGETS) given pool memory; () = adapters needing them are refused
     extra_targets: tuple[str, ...] = ()
+    # Which images the host tier keeps when full (metrale.pool.eviction): "cost", the uses
+    # of each adapter weighted by what a miss costs and decayed with age, and the slots give
+    # up first the idle adapters whose image the tier holds; "lru", the most recently used
+    # at both, as before (measured against each other: bench/many_adapters.py --simulate).
+    eviction: str = "cost"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_targets", check_extra_targets(self.extra_targets))
         for name in ("host_tier_bytes", "mapped_file_bytes", "max_loras"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction {self.eviction!r} unknown; choose from "
+                              f"{', '.join(EVICTION_POLICIES)}")
         _check_positive(self, ("max_lora_rank",))
         unknown = set(self.target_modules) - set(POOL_MODULES)
         if unknown or not self.target_modules:

@@ -28,7 +28,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, max_loras: int = 4,
                  max_lora_rank: int = 16, device: str = "cpu", dtype: str | None = None,
                  allow_runtime_swaps: bool = True, host_tier_bytes: int = 0,
-                 **engine_kwargs) -> None:
+                 adapter_eviction: str = "cost", **engine_kwargs) -> None:
         if model is None:
             from metrale.model.default_model import default_model_dir
 
@@ -37,7 +37,7 @@ class LLM:
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         cfg = EngineConfig(
             pool=PoolConfig(max_loras, max_lora_rank, allow_runtime_swaps=allow_runtime_swaps,
-                            host_tier_bytes=host_tier_bytes),
+                            host_tier_bytes=host_tier_bytes, eviction=adapter_eviction),
             device=device, dtype=dtype, **engine_kwargs,
         )
         self.model_dir = model_dir

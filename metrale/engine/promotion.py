@@ -267,7 +267,11 @@ class Promoter:
         if held is not None:
             table.require_idle(held)
             return held
-        return table.select_victim(registry.pinned_slots(), registry.routed_slots())
+        routes = registry.routes()
+        dirs = {slot: source.path for name, slot in routes.items()  # where each came from
+                if (source := registry.current(name).source).path is not None}
+        return table.select_victim(registry.pinned_slots(), set(routes.values()),
+                                   self.slots.cheap_slots(dirs))
 
     def read(self, name: str, source: AdapterSource) -> Future:
         """Read and check `source` as `name` on the worker (thread-safe): the engine's one

@@ -1,7 +1,10 @@
-"""Host tier: an LRU of recently landed adapters, kept as slot images (bytes and table
-rows) in pinned memory: a re-promotion is one H2D copy, no read, parse or check (the
-image is the output of a landing that passed them). Keys are AdapterIdentity, so a
-rewritten file never gets a stale image.
+"""Host tier: recently landed adapters kept as slot images (bytes and table rows) in pinned
+memory: a re-promotion is one H2D copy, no read, parse or check (the image is the output of
+a landing that passed them). Keys are AdapterIdentity, so a rewritten file never gets a
+stale image. Which images stay when it is full is an EvictionPolicy's choice (PoolConfig
+.eviction: "cost" by default, "lru" as before), over the adapters' directories: one image
+per directory at most, and a directory's uses outlive its images (and a rewrite of its
+files) in the policy's memory.
 
 A fill copies a landed slot to the host on a side stream; the next write into that slot
 waits for it on the device (`before_write`). Images live in one pinned arena allocated at
@@ -13,13 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from metrale.adapters.identity import AdapterIdentity
+from metrale.pool.eviction import EvictionConfig, EvictionPolicy
 from metrale.pool.pool import AdapterPool
+
+# What a miss on an image costs, relative to a read from local disk. Every image is put
+# right after a landing read from a file (peer landings carry no identity and are not
+# kept), so this one constant weighs them all today; a source that is dearer to read again
+# (an object store whose copy the disk cache may have dropped) would pass more to put().
+DISK_READ_COST = 1.0
 
 
 @dataclass
@@ -30,13 +40,21 @@ class TierEntry:
     scales: torch.Tensor  # [layers, modules] float32, host
     doras: torch.Tensor  # [layers, modules] int32, host: 1 where DoRA's gain applies
     ready: torch.cuda.Event | None  # the D2H copy that fills image; None: already done
+    cost: float = DISK_READ_COST  # what reading it again would cost (put's `cost`)
 
 
 class HostTier:
-    def __init__(self, pool: AdapterPool, capacity_bytes: int) -> None:
+    def __init__(self, pool: AdapterPool, capacity_bytes: int,
+                 eviction: EvictionConfig | str = "cost") -> None:
         self.pool, self.capacity = pool, capacity_bytes
         self.entry_bytes = pool.layout.slot_bytes
-        self._entries: OrderedDict[AdapterIdentity, TierEntry] = OrderedDict()  # oldest first
+        self.max_entries = capacity_bytes // self.entry_bytes
+        config = eviction if isinstance(eviction, EvictionConfig) else EvictionConfig(eviction)
+        # over adapter directories (AdapterIdentity.path); None when the tier is off
+        self.policy: EvictionPolicy[str] | None = \
+            EvictionPolicy(self.max_entries, config) if self.max_entries else None
+        self._entries: dict[AdapterIdentity, TierEntry] = {}
+        self._by_path: dict[str, AdapterIdentity] = {}  # one image per directory
         self._lock = threading.Lock()  # has() is asked from a promotion worker
         self._cuda = pool.device.type == "cuda"
         self._stream = torch.cuda.Stream(pool.device) if self._cuda else None
@@ -44,41 +62,61 @@ class HostTier:
         self._arena: torch.Tensor | None = None  # [entries, slot_elems]
         self._free: list[int] = []
         self.hits = self.misses = 0
+        self.refused = 0  # puts the policy's admission turned away
 
     @property
     def enabled(self) -> bool:
-        return self.capacity >= self.entry_bytes
+        return self.max_entries >= 1
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def keys(self) -> list[AdapterIdentity]:
+        """The versions held, one image each."""
+        with self._lock:
+            return list(self._entries)
 
     def get(self, key: AdapterIdentity | None) -> TierEntry | None:
         entry = self._entries.get(key)  # None is never a key
         if entry is None:
             self.misses += 1
             return None
-        self._entries.move_to_end(key)
+        self.policy.hit(key.path, entry.cost)
         self.hits += 1
         return entry
+
+    def holds_dir(self, adapter_dir: str | Path) -> bool:
+        """Whether an image of some version of the files in adapter_dir is held (engine
+        thread: the slots' victim choice asks it)."""
+        return str(Path(adapter_dir).absolute()) in self._by_path
 
     def has(self, key: AdapterIdentity | None) -> bool:
         """Whether get(key) would hit now (counts nothing, moves nothing)."""
         with self._lock:
             return key in self._entries
 
-    def put(self, key: AdapterIdentity, slot: int) -> None:
-        """Store `slot`'s contents under key, right after landing it (the tier is enabled)."""
+    def put(self, key: AdapterIdentity, slot: int, cost: float = DISK_READ_COST) -> bool:
+        """Store `slot`'s contents under key, right after landing it from a source that costs
+        `cost` to read again (the tier is enabled). The policy may evict another image for
+        it, or keep none (False: the tier is unchanged but for an older image of the same
+        files, which goes either way)."""
         pool = self.pool
         if self._arena is None:
-            n = self.capacity // self.entry_bytes
+            n = self.max_entries
             self._arena = torch.empty(n, pool.layout.slot_elems, dtype=pool.layout.dtype,
                                       pin_memory=self._cuda)
             self._free = list(range(n))
         with self._lock:
-            for old in [k for k in self._entries if k.path == key.path]:
-                self._free.append(self._entries.pop(old).index)  # an older version of the files
-            if not self._free:
-                self._free.append(self._entries.popitem(last=False)[1].index)  # LRU
+            old = self._by_path.pop(key.path, None)
+            if old is not None:  # an older version of the files (or these again)
+                self._free.append(self._entries.pop(old).index)
+                self.policy.discard(key.path)
+            offer = self.policy.offer(key.path, cost)
+            if not offer.admitted:
+                self.refused += 1
+                return False
+            if offer.evicted is not None:
+                self._free.append(self._entries.pop(self._by_path.pop(offer.evicted)).index)
         index = self._free.pop()
         sources = (pool.slot_region(slot), pool.ranks[slot], pool.scales[slot], pool.doras[slot])
         copies = [self._arena[index]] + [torch.empty(t.shape, dtype=t.dtype, pin_memory=self._cuda)
@@ -95,7 +133,9 @@ class HostTier:
             ready = self._pending[slot] = torch.cuda.Event()
             ready.record(self._stream)
         with self._lock:
-            self._entries[key] = TierEntry(index, *copies, ready)
+            self._entries[key] = TierEntry(index, *copies, ready, cost)
+            self._by_path[key.path] = key
+        return True
 
     def before_write(self, slot: int) -> None:
         """Order the next write into slot after a fill copy still reading it (device-side)."""

@@ -96,9 +96,12 @@ class SlotTable:
         if s.state is SlotState.LOADING:
             raise SlotBusyError(f"slot {slot} is already loading an adapter; retry")
 
-    def select_victim(self, pinned: Collection[int] = (), routed: Collection[int] = ()) -> int:
+    def select_victim(self, pinned: Collection[int] = (), routed: Collection[int] = (),
+                      cheap: Collection[int] = ()) -> int:
         """Never-filled slots first, then slots no name routes to (emptied, failed or
-        detached), then the least recently used idle; pinned and busy never."""
+        detached), then idle slots whose adapter would come back cheaply (`cheap`: its image
+        is in the host tier, one copy instead of a read), then the other idle ones, least
+        recently used first in each group; pinned and busy never."""
         candidates = [
             (i, s) for i, s in enumerate(self._slots)
             if i not in pinned and s.ref_count == 0 and s.state is not SlotState.LOADING
@@ -114,7 +117,8 @@ class SlotTable:
 
         def preference(item: tuple[int, _Slot]) -> tuple[int, int, int]:
             i, s = item
-            return (0 if not s.ever_filled else 1 if i not in routed else 2, s.last_used, i)
+            group = 0 if not s.ever_filled else 1 if i not in routed else 2 if i in cheap else 3
+            return (group, s.last_used, i)
 
         return min(candidates, key=preference)[0]
 

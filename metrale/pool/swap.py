@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -118,7 +118,7 @@ class LoraSlots:
         if pool.max_loras:
             self.pool = AdapterPool(SlotLayout(model, pool, dtype), device, base_weights)
             if pool.host_tier_bytes:
-                self.host_tier = HostTier(self.pool, pool.host_tier_bytes)
+                self.host_tier = HostTier(self.pool, pool.host_tier_bytes, pool.eviction)
         self.staging = StagingBuffers(torch.device(device))
         self.mapped_files = MappedFiles(pool.mapped_file_bytes, torch.device(device))
         self._plans: dict[tuple[AdapterIdentity, str], AdapterPlan] = {}  # oldest first
@@ -191,6 +191,16 @@ class LoraSlots:
         self.pool.zero_slot(slot)
 
     # --- reading adapters (thread-safe: a promotion worker runs these) ---------------
+
+    def cheap_slots(self, dirs: Mapping[int, str | Path]) -> set[int]:
+        """Of `dirs` (slot -> the directory its adapter was read from), the slots whose
+        adapter would come back as one host copy, not a read: its image is in the host tier.
+        Under "cost" eviction the slots give these up first (SlotTable.select_victim's
+        `cheap`); under "lru" none, as before."""
+        tier = self.host_tier
+        if tier is None or not tier.enabled or self.pool_config.eviction != "cost":
+            return set()
+        return {slot for slot, d in dirs.items() if tier.holds_dir(d)}
 
     def tier_has(self, identity: AdapterIdentity | None) -> bool:
         tier = self.host_tier

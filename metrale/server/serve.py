@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from metrale.config import ConfigError, SchedulerConfig, check_extra_targets
+from metrale.config import EVICTION_POLICIES, ConfigError, SchedulerConfig, check_extra_targets
 from metrale.model.default_model import cache_root, default_model_dir
 from metrale.server.settings import ServerSettings, is_loopback
 
@@ -89,6 +89,7 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
     # Runtime swaps are switched off only after the start-up adapters have landed:
     # --no-runtime-swaps freezes the pool as configured, it must not forbid configuring it.
     llm = LLM(model_dir, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+              host_tier_bytes=args.host_tier_bytes, adapter_eviction=args.adapter_eviction,
               device=args.device, dtype=args.dtype, allow_runtime_swaps=True,
               max_model_len=args.max_model_len, promotion_timeout_s=args.promotion_timeout,
               quantization=args.quantization, fp8_activations=args.fp8_activations,
@@ -212,6 +213,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=16,
                    help="largest LoRA rank a slot holds; adapters above it are refused "
                         "(default: %(default)s)")
+    p.add_argument("--host-tier-bytes", type=int, default=0, metavar="N",
+                   help="host memory (pinned on cuda) for images of recently landed adapters, one "
+                        "slot's bytes each: landing one again is one host-to-device copy instead "
+                        "of a file read (default: %(default)s, no host tier)")
+    p.add_argument("--adapter-eviction", choices=list(EVICTION_POLICIES), default="cost",
+                   help="which adapters the host tier and the slots keep: 'cost' weighs each "
+                        "adapter's uses by what a miss costs, recent uses more, and slots give "
+                        "up first adapters the host tier holds; 'lru' keeps the most recently "
+                        "used (default: %(default)s)")
     p.add_argument("--lora-extra-targets", type=_extra_targets, default=(), metavar="LIST",
                    help="comma-separated model-level LoRA targets to reserve slot memory for: "
                         "embed_tokens, lm_head (lm_head costs max-lora-rank x vocab per slot); "
