@@ -374,6 +374,8 @@ class ModelConfig:
 
 # What the host tier keeps when full (PoolConfig.eviction; metrale.pool.eviction).
 EVICTION_POLICIES = ("cost", "lru")
+# An FP8 base's GEMM inputs (EngineConfig.fp8_activations; metrale.ops.fp8_linear).
+FP8_ACTIVATIONS = ("dynamic", "weight-only")
 
 
 @dataclass(frozen=True)
@@ -502,10 +504,10 @@ class EngineConfig:
     # "fp8": a dense checkpoint's linear weights rounded to FP8 per output channel at load
     # (vLLM's --quantization fp8); a quantized checkpoint keeps its own scheme
     quantization: str | None = None
-    # An FP8 base's activations for its GEMMs (metrale.ops.fp8_linear.ACTIVATIONS): "dynamic"
+    # An FP8 base's activations for its GEMMs (FP8_ACTIVATIONS): "dynamic"
     # rounds them to e4m3, a scale per 512 columns of a token (the fast path on Hopper);
     # "weight-only" keeps them in the model's dtype (exactly the dequantized base)
-    fp8_activations: str = "dynamic"
+    fp8_activations: str = FP8_ACTIVATIONS[0]
 
     def __post_init__(self) -> None:
         dtype_name(self.dtype)
@@ -525,9 +527,9 @@ class EngineConfig:
                 self.pool, target_modules=self.pool.target_modules + missing))
         if self.quantization not in (None, "fp8"):
             raise ConfigError(f"quantization {self.quantization!r}: only 'fp8' is served")
-        if self.fp8_activations not in ("dynamic", "weight-only"):
-            raise ConfigError(f"fp8_activations {self.fp8_activations!r}: choose 'dynamic' or "
-                              "'weight-only'")
+        if self.fp8_activations not in FP8_ACTIVATIONS:
+            raise ConfigError(f"fp8_activations {self.fp8_activations!r}: choose from "
+                              f"{', '.join(FP8_ACTIVATIONS)}")
         _check_positive(self, ("max_model_len", "block_size", "max_num_seqs",
                                "max_num_batched_tokens"))
         _check_positive(self, ("num_kv_blocks",), optional=True)

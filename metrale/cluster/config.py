@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from metrale.config import FP8_ACTIVATIONS
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -38,7 +40,7 @@ class ReplicaSpec:
     device: str = "cpu"
     dtype: str | None = None
     quantization: str | None = None  # EngineConfig.quantization
-    fp8_activations: str = "dynamic"  # EngineConfig.fp8_activations
+    fp8_activations: str = FP8_ACTIVATIONS[0]  # EngineConfig.fp8_activations
     max_loras: int = 4
     max_lora_rank: int = 16
     max_model_len: int = 2048

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from metrale.config import FP8_ACTIVATIONS
 from metrale.ops.split_k import GemmConfig, finish_split, num_sms
 from metrale.ops.triton_utils import device_function, jit_kernel, next_pow2, require_triton, tl, triton
 
@@ -33,9 +34,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SPLIT_MAX_M = 64  # past this many rows a GEMM has tiles enough without splitting K
 DENSE_MIN_M = 256  # from here on: the weight dequantized (3 bytes an element), then cuBLAS
-ACTIVATIONS = ("dynamic", "weight-only")
+ACTIVATIONS = FP8_ACTIVATIONS
 X_BLOCK = 512  # columns of a token per activation scale: every K tile lies within one block
-DEFAULT_ACTIVATIONS = "dynamic"
+DEFAULT_ACTIVATIONS = ACTIVATIONS[0]
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -68,7 +69,7 @@ def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                    block: tuple[int, int], bias: torch.Tensor | None = None,
                    dynamic: bool = False) -> torch.Tensor:
     """x [T, K] -> [T, N]. Weight-only: the weight dequantized, rounded to x's dtype, then
-    F.linear (what a checkpoint dequantized at load computes). dynamic: x rounded per token
+    F.linear (what a checkpoint dequantized at load computes). dynamic: x rounded in blocks
     (quantize_tokens_ref), the products summed in float32, then rounded once;
     from DENSE_MIN_M tokens on as weight-only (what fp8_linear does there)."""
     if not dynamic or x.shape[0] >= DENSE_MIN_M:
@@ -280,7 +281,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tup
                config: GemmConfig | None = None, dynamic: bool = False) -> torch.Tensor:
     """fp8_linear_ref's result through the Triton GEMM. x: [T, K] (unit last stride); q:
     [N, K] contiguous; counters: split_k.tile_counters(N); config: None for chosen_config's;
-    dynamic: x rounded to e4m3 per token (below DENSE_MIN_M tokens)."""
+    dynamic: x rounded to e4m3 in blocks (quantize_tokens; below DENSE_MIN_M tokens)."""
     require_triton()
     (t, k), n = x.shape, q.shape[0]
     if not fits(x, block):

@@ -14,7 +14,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from metrale.config import EVICTION_POLICIES, ConfigError, SchedulerConfig, check_extra_targets
+from metrale.config import (
+    EVICTION_POLICIES,
+    FP8_ACTIVATIONS,
+    ConfigError,
+    SchedulerConfig,
+    check_extra_targets,
+)
 from metrale.model.default_model import cache_root, default_model_dir
 from metrale.server.settings import ServerSettings, is_loopback
 
@@ -178,7 +184,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: round a dense checkpoint's linear weights to FP8 per output "
                         "channel as they load (an FP8 checkpoint is read as it is either way)")
-    p.add_argument("--fp8-activations", choices=["dynamic", "weight-only"], default="dynamic",
+    p.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS, default=FP8_ACTIVATIONS[0],
                    help="an FP8 base's GEMM inputs: dynamic rounds the activations to FP8, a "
                         "scale per 512 columns of a token (fast on Hopper); weight-only keeps "
                         "them in --dtype, exactly the dequantized base (default: %(default)s)")
