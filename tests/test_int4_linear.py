@@ -105,3 +105,32 @@ def test_groups_that_straddle_a_32_column_slice_are_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         f.int4_linear(x, f.pack(torch.zeros(4, 128, dtype=torch.int32)), torch.ones(4, 3), None,
                       None, 48, None, tile_counters(4, x.device))
+
+
+def test_scaled_sums_never_span_two_groups():
+    """The kernel scales a sum of 32-column slices once: each sum must lie in one group."""
+    for group, k in ((32, 4096), (64, 4096), (128, 4096), (256, 4096), (512, 4096),
+                     (96, 4096), (384, 4096), (4096, 4096), (96, 96), (160, 5000)):
+        per = f.flush_slices(group, k) * 32
+        assert f.CHUNK % per == 0  # sums end at chunk (and split-K) boundaries
+        starts = range(0, f.padded_k(k), per)
+        assert all(min(s // group, (k - 1) // group) ==
+                   min((s + per - 1) // group, (k - 1) // group) for s in starts), (group, k)
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_zero_point_codes_enter_the_mma_exactly(dtype):
+    """Integer weights q - zero times x, scaled per group, for every code and zero (0..16):
+    the result matches the reference up to the reference's own rounding of W to x's dtype."""
+    n, k, group = 48, 512, 128
+    q = torch.arange(n * k).remainder(16).view(n, k)  # every code in every row
+    zero = torch.arange(n * (k // group)).remainder(17).view(n, -1).to(torch.uint8)
+    scale = (torch.rand(n, k // group, generator=torch.Generator().manual_seed(0)) + 0.5).half()
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    args = (f.pack(q).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE), None, group, None)
+    exact = x.double() @ f.dequantize(*args[:5], k).double().T
+    got = f.int4_linear(x, *args, tile_counters(n, x.device), f.GemmConfig(16, 16, f.CHUNK, 2,
+                                                                            swap=True))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.double(), exact, atol=tol * float(exact.abs().max()), rtol=0)

@@ -11,14 +11,19 @@ of 32) with a shift and a mask, no shuffle. Columns past K are zero codes whose 
 is masked to 0.
 
 int4_linear_ref (dequantize, round to x's dtype, F.linear) is the oracle and the CPU path.
-The Triton GEMM (as W x^T: the weight the MMA's wide operand) dequantizes in registers in
-float32, exactly as the reference does, then rounds to x's dtype; at decode sizes it splits
-K (metrale.ops.split_k). Tried on the H200 (bench/int4_gemm.py, 8B shapes at 1-32 tokens)
-and not kept, each slower: a GEMV form without MMA (products summed in float32, 1.2-2.9x
-the time at 1 and 8 tokens); one MMA per 256-column chunk, its 8 slices joined (1.5x) or
-unpacked by broadcasting to [BN, 8, 32] (1.6x); MMAs on the bare codes with the scale and
-zero applied to each product tile after (1.6x). From DENSE_MIN_M tokens on the weight is
-dequantized to a scratch copy for cuBLAS.
+The Triton GEMM computes W x^T (the weight the MMA's wide operand) and splits K at decode
+sizes (metrale.ops.split_k). Zero-point codes (AWQ, GPTQ: zeros 0..16) enter the MMA as the
+exact integers q - zero, made from the code's bit pattern (0x4300 | q is the bf16 128 + q),
+and each group's float32 partial sum is scaled once: no float multiply or conversion per
+weight, 1.2-1.35x faster than dequantizing each weight in float32 first (H200, 8B shapes,
+1-32 tokens, session 23), and not rounded to x's dtype, so it differs from the reference by
+that rounding only. Codebook codes (NF4) are dequantized in float32 as the reference does.
+Tried on the H200 and not kept, each slower: a GEMV form without MMA (1.2-2.9x the time at 1
+and 8 tokens); one MMA per 256-column chunk, its 8 slices joined (1.5x) or unpacked by
+broadcasting to [BN, 8, 32] (1.6x); the zero folded out after the MMA through per-group
+sums of x (1.1-1.6x the kept), also with the unpacking in PTX (lop3 on bf16 pairs, the
+same). The bytes alone (the word tiles loaded and folded) take 1.0-2.8x the byte floor at
+these shapes. From DENSE_MIN_M tokens on the weight is dequantized to a scratch copy for cuBLAS.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from metrale.ops.split_k import GemmConfig, finish_split, num_sms
+from metrale.ops.split_k import GemmConfig, finish_split
 from metrale.ops.triton_utils import device_function, jit_kernel, next_pow2, require_triton, tl, triton
 
 CHUNK = 256  # columns per packed chunk: 32 int32 words of 8 nibbles
@@ -106,24 +111,23 @@ def int4_linear_ref(x: torch.Tensor, packed, scale, zero, codebook, group: int,
     return F.linear(x, w.to(x.dtype), bias)
 
 
-def choose_config(m: int, n: int, chunks: int, sms: int, max_tiles: int) -> GemmConfig:
-    """Measured on the H200 (bench/int4_gemm.py --sweep at Llama-3-8B shapes): at decode
-    sizes K splits (over whole chunks) until about 128 / BM CTAs per SM stream the weight;
-    past SPLIT_MAX_M tiles of 64 x 64, unsplit."""
+def choose_config(m: int, n: int, chunks: int, max_tiles: int) -> GemmConfig:
+    """Measured on the H200 (.nixl/int4v.py, session 23: 8B shapes at 1-32 tokens, split 4-16,
+    block_n 64/128, 2-3 stages): at decode sizes the fastest split gives each program about
+    4 chunks (1,024 columns) of K, whatever the tile count; 2 stages. Past SPLIT_MAX_M tiles
+    of 64 x 64, unsplit."""
     if m > SPLIT_MAX_M:
         return GemmConfig(64, 64, CHUNK, 1, 4, 3, swap=True)
     bm = max(16, next_pow2(m))
     tiles = -(-n // 64) * -(-m // bm)
     split = 1
-    while (split < 16 and tiles * split * 2 * bm <= 128 * sms
-           and tiles * split * 2 <= max_tiles and chunks >= split * 2):
+    while split < 16 and chunks >= split * 8 and tiles * split * 2 <= max_tiles:
         split *= 2
-    return GemmConfig(bm, 64, CHUNK, split, 4, 3, swap=True)
+    return GemmConfig(bm, 64, CHUNK, split, 4, 2, swap=True)
 
 
 def chosen_config(t: int, packed: torch.Tensor, counters: torch.Tensor) -> GemmConfig:
-    return choose_config(t, packed.shape[0], packed.shape[1] // WORDS, num_sms(packed.device),
-                         counters.numel())
+    return choose_config(t, packed.shape[0], packed.shape[1] // WORDS, counters.numel())
 
 
 @device_function
@@ -149,35 +153,57 @@ def _dequant_slice(words, j: tl.constexpr, k0, n, n_ok, s_ptr, z_ptr, c_ptr, G, 
     return v * tl.load(s_ptr + n * G + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
 
 
+@device_function
+def _code_integers(words, j: tl.constexpr):
+    """Nibble j of each word as the bf16 integer 128 + q, from its bit pattern (0x4300 | q):
+    no conversion instruction."""
+    return ((((words >> (4 * j)) & 0xF) | 0x4300).to(tl.int16)).to(tl.bfloat16, bitcast=True)
+
+
 def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, c_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                       M, N, K, KW, G, x_st, y_st, GROUP, HAS_ZERO: tl.constexpr,
                       HAS_CODES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                      IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      FLUSH: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
     """acc^T [BN, BM] = W [BN, K] @ x^T [K, BM], a chunk of 256 columns at a time: its
-    [BN, 32] words unpacked nibble by nibble, each nibble 32 consecutive columns (one
-    group), dequantized and rounded to x's dtype for one MMA."""
+    [BN, 32] words unpacked nibble by nibble, each nibble 32 consecutive columns (inside one
+    group), one MMA each. Zero-point codes go in as the exact integers q - zero (in x's
+    dtype), their MMAs summed over FLUSH slices (one group, or a chunk of it) and the sum
+    scaled once; codebook codes are dequantized in float32 first, as the reference does."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     i = tl.arange(0, 32)
     dt = x_ptr.dtype.element_ty
+    prec: tl.constexpr = "ieee" if IEEE else "tf32"
     n_ok = n < N
     chunks = KW // 32
     c_per = tl.cdiv(chunks, SPLIT_K)
     c_lo = pid_k * c_per
     c_hi = tl.minimum(c_lo + c_per, chunks)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # one group's unscaled sum
     w_rows = w_ptr + n[:, None].to(tl.int64) * KW + i[None, :]  # [BN, 32]
     for c in range(c_lo, c_hi):
         words = tl.load(w_rows + c * 32, mask=n_ok[:, None], other=0)  # [BN, 32] int32
         for j in tl.static_range(8):
             k0 = c * 256 + 32 * j
-            w = _dequant_slice(words, j, k0, n, n_ok, s_ptr, z_ptr, c_ptr, G, GROUP, HAS_ZERO,
-                               HAS_CODES)  # [BN, 32] float32
             k = k0 + i
             x = tl.load(x_ptr + m[None, :].to(tl.int64) * x_st + k[:, None],
                         mask=(m < M)[None, :] & (k < K)[:, None], other=0.0)  # [32, BM]
-            acc += tl.dot(w.to(dt), x, input_precision="ieee" if IEEE else "tf32")
+            if HAS_ZERO:
+                g = tl.minimum(k0 // GROUP, G - 1)  # padding columns: the last group's
+                z = tl.load(z_ptr + n * G + g, mask=n_ok, other=0).to(tl.float32) + 128.0
+                w = _code_integers(words, j).to(dt) - z.to(dt)[:, None]  # [BN, 32] exact
+                part += tl.dot(w, x, input_precision=prec)
+                if (j + 1) % FLUSH == 0:
+                    s = tl.load(s_ptr + n * G + g, mask=n_ok, other=0.0).to(tl.float32)
+                    acc += part * s[:, None]
+                    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            else:
+                w = _dequant_slice(words, j, k0, n, n_ok, s_ptr, z_ptr, c_ptr, G, GROUP,
+                                   HAS_ZERO, HAS_CODES)  # [BN, 32] float32
+                acc += tl.dot(w.to(dt), x, input_precision=prec)
     tile_ok = n_ok[:, None] & (m < M)[None, :]
     last = True
     if SPLIT_K > 1:
@@ -188,6 +214,14 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, c_ptr, b_ptr, y_ptr, ws_ptr, c
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr + m[None, :].to(tl.int64) * y_st + n[:, None], acc.to(dt), mask=tile_ok)
+
+
+def flush_slices(group: int, k: int) -> int:
+    """32-column slices per scaled sum: a whole group where groups tile the 256-column chunk,
+    the chunk where a group spans whole chunks (or the row), else each slice."""
+    if group >= k or group % CHUNK == 0:
+        return CHUNK // 32
+    return group // 32 if CHUNK % group == 0 else 1
 
 
 def _dequant_kernel(w_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, K, KW, G, GROUP,
@@ -247,6 +281,6 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         bias if bias is not None else y, y, ws, counters, t, n, k, packed.shape[1],
         scale.shape[1], x.stride(0), y.stride(0), group,
         HAS_ZERO=zero is not None, HAS_CODES=codebook is not None, HAS_BIAS=bias is not None,
-        SPLIT_K=cfg.split_k, IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SPLIT_K=cfg.split_k, FLUSH=flush_slices(group, k), IEEE=x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
