@@ -51,8 +51,9 @@ name of the trace is looked up and registered through the source before the trac
 server that has seen each name once: registering plans and checks the whole file (37 ms of
 CPU for 84 MB on the 2-core dev VM, one thread), and with the first sights inside the trace
 (40 requests/s, 1,800 requests) the H200 run's look-ups reached a p99 of 105 s, which was
-its TTFT p99 (why they queue so long is not yet known: the checks' Python holding the GIL
-against the engine thread is a guess; --no-register-first measures it). The adapter files:
+its TTFT p99: every request for a name not yet registered ran its own check of the file, and
+the duplicates queued for the look-up threads (fixed since by the server's single-flight
+SourceRegistrar, which this bench uses; --no-register-first measures the cold case). The adapter files:
 --distinct-files random r16 files (bench/common.write_random_adapters), each adapter's
 directory holding its own config and a hard link to one of them (1,000 x 84 MB would not fit
 the device machine's disk; the engine keys adapters by directory, so they are 1,000 adapters
@@ -64,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import itertools
 import json
@@ -104,9 +104,9 @@ from metrale.config import EVICTION_POLICIES, EngineConfig, ModelConfig, PoolCon
 from metrale.engine.llm_engine import LLMEngine  # noqa: E402
 from metrale.engine.sampler import SampledTokens  # noqa: E402
 from metrale.engine.sampling_params import SamplingParams  # noqa: E402
-from metrale.errors import AdapterExistsError  # noqa: E402
 from metrale.pool.eviction import EvictionConfig, EvictionPolicy, Offer  # noqa: E402
 from metrale.pool.layout import SlotLayout  # noqa: E402
+from metrale.server.source_registration import SourceRegistrar  # noqa: E402
 
 SLOTS = 32
 WARM_ADAPTERS = 4  # the device run's warm-up lands these (not in the trace) first
@@ -350,33 +350,20 @@ ROW_COLS = ["load", "policy", "hit_rate", "clairvoyant_hit_rate", "hit_over_clai
 # --- the device run: AsyncEngine in real time --------------------------------------------------
 
 
-async def find_and_register(engine, sources: AdapterSources, name: str) -> None:
-    """What the server does for every request's adapter name (server.openai_api's
-    register_from_sources, which imports fastapi, not on the device image): a name no one
-    registered is looked up in the source and registered, the files checked off the
-    engine thread."""
-    if await engine.is_known(name):
-        return
-    path = await asyncio.to_thread(sources.find, name)
-    if path is not None:
-        with contextlib.suppress(AdapterExistsError):
-            await engine.register(name, path)
-
-
-async def register_all(engine, sources: AdapterSources, adapters: list[int],
+async def register_all(engine, sources: SourceRegistrar, adapters: list[int],
                        at_once: int = 16) -> None:
-    """find_and_register for each adapter, `at_once` at a time (the files' checks bound how
-    fast this goes)."""
+    """The server's look-up (SourceRegistrar.ensure) for each adapter, `at_once` at a time
+    (the files' checks bound how fast this goes)."""
     gate = asyncio.Semaphore(at_once)
 
     async def one(a: int) -> None:
         async with gate:
-            await find_and_register(engine, sources, adapter_name(a))
+            await sources.ensure(engine, adapter_name(a))
 
     await asyncio.gather(*(one(a) for a in adapters))
 
 
-async def serve_trace(engine, sources: AdapterSources, load: list[Request],
+async def serve_trace(engine, sources: SourceRegistrar, load: list[Request],
                       ids: list[list[int]]) -> list[tuple[float, float]]:
     """Each request at its arrival time; (TTFT, the part of it spent looking its adapter up
     and registering it) in seconds for each."""
@@ -387,7 +374,7 @@ async def serve_trace(engine, sources: AdapterSources, load: list[Request],
         await asyncio.sleep(max(0.0, start + r.arrival - loop.time()))
         arrived = loop.time()
         name = adapter_name(r.adapter)
-        await find_and_register(engine, sources, name)
+        await sources.ensure(engine, name)  # as the server does for every request
         registered = loop.time()
         params = SamplingParams(max_tokens=r.tokens, temperature=0, ignore_eos=True)
         first = None
@@ -409,7 +396,7 @@ def device_run(pair, source: Path, load: list[Request], policy: str, args) -> di
     landings: list[float] = []  # promotion start to commit, s (the engine thread appends)
     llm.lora.listeners.append(lambda e: landings.append(e.seconds) if e.error is None else None)
     engine.start()
-    sources = AdapterSources([source])
+    sources = SourceRegistrar(AdapterSources([source]))
     vocab = pair.config.vocab_size
     try:
         # warm-up (arena pinning, first landings, graphs) on adapters outside the trace

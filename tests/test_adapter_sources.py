@@ -98,3 +98,97 @@ def test_a_request_registers_and_is_served_as_an_explicit_registration(tmp_path)
         names = {m["id"] for m in client.get("/v1/models").json()["data"]}
     assert "org/a" in names and "org/missing" not in names
     llm.engine.check_integrity()
+
+
+class _Counting:
+    """An EngineAPI's is_known and register, counted; `all_asked` is set once `waiting`
+    callers have been told the name is unknown (each then joins the one registration in the
+    same loop step, before the look-up's result can come back)."""
+
+    def __init__(self, engine, waiting: int) -> None:
+        import threading
+
+        self.engine, self.waiting, self.told, self.registered = engine, waiting, 0, 0
+        self.all_asked = threading.Event()
+
+    async def is_known(self, name):
+        known = await self.engine.is_known(name)
+        self.told += 1
+        if self.told >= self.waiting:
+            self.all_asked.set()
+        return known
+
+    async def register(self, name, path):
+        self.registered += 1
+        return await self.engine.register(name, path)
+
+
+class _HeldSources(AdapterSources):
+    """Look-ups wait until every racing request has asked."""
+
+    def __init__(self, roots, gate) -> None:
+        super().__init__(roots)
+        self.gate, self.finds = gate, 0
+
+    def find(self, name):
+        self.finds += 1
+        assert self.gate.wait(timeout=60), "the racing requests never all asked"
+        return super().find(name)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_requests_racing_for_a_new_name_share_one_registration(tmp_path, broken):
+    """Eight requests for one unregistered name: one look-up, one check of its files, one
+    registration, then all served; a broken file refuses all eight with its AdapterError,
+    registers nothing, and the engine serves the next request."""
+    import asyncio
+
+    from metrale import LLM
+    from metrale.engine.sampling_params import SamplingParams
+    from metrale.errors import AdapterError, UnknownAdapterError
+    from metrale.server.async_engine import AsyncEngine
+    from metrale.server.source_registration import SourceRegistrar
+    from tests.helpers.tiny_models import make_adapter, make_model, save_model
+
+    base = make_model("llama", seed=5)
+    save_model(base, tmp_path / "model")
+    make_adapter(base, tmp_path / "src" / "org" / "a", seed=6, r=8, target_modules="all-linear")
+    if broken:
+        (tmp_path / "src" / "org" / "a" / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+    llm = LLM(tmp_path / "model", max_loras=2, max_lora_rank=8, max_model_len=64,
+              block_size=4, num_kv_blocks=64)
+    checks = []
+    check = llm.engine.check_adapter
+    llm.engine.check_adapter = lambda *a, **k: checks.append(a[0]) or check(*a, **k)
+    engine = AsyncEngine(llm.engine)
+    counting = _Counting(engine, waiting=8)
+    registrar = SourceRegistrar(_HeldSources([tmp_path / "src"], counting.all_asked))
+    params = SamplingParams(max_tokens=3, temperature=0)
+
+    async def one(name):
+        await registrar.ensure(counting, name)
+        outs = [o async for o in engine.generate([1, 2, 3], params, adapter=name)]
+        return list(outs[-1].token_ids)
+
+    async def main():
+        engine.start()
+        try:
+            results = await asyncio.gather(*(one("org/a") for _ in range(8)),
+                                           return_exceptions=True)
+            after = await one("org/a") if not broken else None
+            base_out = list([o async for o in engine.generate([1, 2, 3], params)][-1].token_ids)
+            return results, after, base_out
+        finally:
+            await engine.shutdown()
+
+    results, after, base_out = asyncio.run(main())
+    assert registrar.sources.finds == 1 and checks == ["org/a"] and counting.registered == 1
+    assert registrar.in_flight() == 0
+    if broken:
+        assert all(isinstance(r, AdapterError) and not isinstance(r, UnknownAdapterError)
+                   for r in results), results
+        assert llm.engine.registry.get("org/a") is None
+    else:
+        assert all(r == results[0] for r in results) and after == results[0], results
+    assert len(base_out) == 3  # the engine serves on
+    llm.engine.check_integrity()

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import metrale
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.sampling_params import SamplingParams
-from metrale.errors import AdapterExistsError, UnknownAdapterError
+from metrale.errors import UnknownAdapterError
 from metrale.names import is_valid_name
 from metrale.server.auth import require_user
 from metrale.server.engine_api import EngineAPI, app_context
@@ -62,19 +62,10 @@ def resolve_adapter(body: GenerationRequest, settings: ServerSettings) -> str | 
 
 
 async def register_from_sources(engine: EngineAPI, settings: ServerSettings, name: str) -> None:
-    """A name no one registered yet, found in an --adapter-source, is registered now (the
-    engine's own 404 follows when no source holds it); a request racing for the same
-    name finds it registered. A registered name from a bucket gets its cached copy back."""
-    if settings.sources is None or not is_valid_name(name):
-        return
-    if await engine.is_known(name):
-        if settings.sources.from_bucket(name):  # a thread hop only for a copy that may be gone
-            await asyncio.to_thread(settings.sources.refresh, name)
-        return
-    path = await asyncio.to_thread(settings.sources.find, name)
-    if path is not None:
-        with contextlib.suppress(AdapterExistsError):
-            await engine.register(name, path)
+    """A name no one registered yet, found in an --adapter-source, is registered now
+    (source_registration.SourceRegistrar: once, however many requests name it)."""
+    if settings.registrar is not None:
+        await settings.registrar.ensure(engine, name)
 
 
 def _max_tokens(requested: int | None, default: int, settings: ServerSettings,

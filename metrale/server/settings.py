@@ -10,6 +10,7 @@ from pathlib import Path
 from metrale.adapters.sources import AdapterSources
 from metrale.errors import UnknownAdapterError
 from metrale.names import shown
+from metrale.server.source_registration import SourceRegistrar
 
 
 def is_loopback(host: str) -> bool:
@@ -54,6 +55,7 @@ class ServerSettings:
         self.sources = AdapterSources(self.adapter_sources, cache_dir=self.adapter_cache_dir,
                                       cache_bytes=self.adapter_cache_bytes) \
             if self.adapter_sources else None
+        self.registrar = SourceRegistrar(self.sources) if self.sources is not None else None
         if self.max_tokens_limit < 1:
             raise ValueError("max_tokens_limit must be >= 1")
 

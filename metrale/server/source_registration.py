@@ -1,0 +1,61 @@
+"""On-demand registration from --adapter-source: a request naming an adapter nobody
+registered finds it in a source and registers it before it is admitted. One registration
+per name at a time: requests racing for one new name share its look-up and the check of its
+files (a check reads the whole file). Without that, each of them ran its own check and all
+but one were then refused as AdapterExistsError: under a Zipf trace on the H200 (40
+requests/s, 1,000 new names) the duplicate checks queued for the look-up threads and
+requests waited up to 105 s for them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+from metrale.adapters.sources import AdapterSources
+from metrale.errors import AdapterExistsError
+from metrale.names import is_valid_name
+
+if TYPE_CHECKING:  # engine_api imports the settings, which hold a registrar
+    from metrale.server.engine_api import EngineAPI
+
+
+class SourceRegistrar:
+    """Registers a name found in `sources` on first use, single-flight per name."""
+
+    def __init__(self, sources: AdapterSources) -> None:
+        self.sources = sources
+        self._inflight: dict[str, asyncio.Task] = {}  # name -> its registration
+
+    async def ensure(self, engine: EngineAPI, name: str) -> None:
+        """Register `name` from the sources unless the engine knows it (the engine's own
+        404 follows when no source holds it; a bad file's AdapterError is raised to every
+        request that waited for it). A registered name from a bucket gets its cached copy
+        back."""
+        if not is_valid_name(name):
+            return
+        if await engine.is_known(name):
+            if self.sources.from_bucket(name):  # a thread hop only for a copy that may be gone
+                await asyncio.to_thread(self.sources.refresh, name)
+            return
+        task = self._inflight.get(name)
+        if task is None or task.get_loop() is not asyncio.get_running_loop():
+            task = asyncio.ensure_future(self._register(engine, name))
+            self._inflight[name] = task
+            task.add_done_callback(lambda t: self._finished(name, t))
+        await asyncio.shield(task)  # one request leaving does not cancel the others' wait
+
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def _register(self, engine: EngineAPI, name: str) -> None:
+        path = await asyncio.to_thread(self.sources.find, name)
+        if path is not None:
+            with contextlib.suppress(AdapterExistsError):  # registered by an admin meanwhile
+                await engine.register(name, path)
+
+    def _finished(self, name: str, task: asyncio.Task) -> None:
+        if self._inflight.get(name) is task:
+            del self._inflight[name]
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter may have left before it failed
