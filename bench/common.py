@@ -353,11 +353,14 @@ def results_path(device: str, root: Path | None = None) -> Path:
     return root / f"{datetime.date.today():%Y%m%d}-{gpu_tag(device)}.json"
 
 
-def merge_results(path: Path, section: str, key: str, value: dict) -> None:
-    """results[section][key] = value, merged into the file's other keys."""
+def merge_results(path: Path, section: str, key: str, value: dict, keep: bool = False) -> None:
+    """results[section][key] = value, merged into the file's other keys; keep: value's keys
+    replace those of an existing entry, its other keys stay (a run of some batch sizes
+    keeps an earlier run's other batch sizes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.exists() else {}
-    data.setdefault(section, {})[key] = value
+    old = data.setdefault(section, {}).get(key) if keep else None
+    data[section][key] = {**old, **value} if isinstance(old, dict) else value
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)

@@ -391,7 +391,7 @@ def main() -> None:
                 merge_results(results_path(args.device), "decode_ab",
                               f"{args.model} {' '.join(args.override)}", res)
             else:
-                merge_results(results_path(args.device), "decode", args.model, res)
+                merge_results(results_path(args.device), "decode", args.model, res, keep=True)
             print(report(args.model, res))
         if args.mixed or args.only_mixed:
             mixed = run_mixed(pair, Path(tmp) / "adapters", args.device)
