@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from metrale.config import FP8_ACTIVATIONS
+from metrale.config import EVICTION_POLICIES, FP8_ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class ReplicaSpec:
     fp8_activations: str = FP8_ACTIVATIONS[0]  # EngineConfig.fp8_activations
     max_loras: int = 4
     max_lora_rank: int = 16
+    host_tier_bytes: int = 0  # PoolConfig.host_tier_bytes, per replica
+    adapter_eviction: str = EVICTION_POLICIES[0]  # PoolConfig.eviction
     max_model_len: int = 2048
     num_kv_blocks: int | None = None
     promotion_timeout_s: float = 30.0
@@ -58,6 +60,14 @@ class ReplicaSpec:
             raise ValueError("a cluster replica needs adapter slots (max_loras >= 1)")
         if self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1")
+        if self.host_tier_bytes < 0:
+            raise ValueError(f"host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
+        if self.adapter_eviction not in EVICTION_POLICIES:
+            raise ValueError(f"adapter_eviction {self.adapter_eviction!r}: choose from "
+                             f"{EVICTION_POLICIES}")
+        if self.fp8_activations not in FP8_ACTIVATIONS:
+            raise ValueError(f"fp8_activations {self.fp8_activations!r}: choose from "
+                             f"{FP8_ACTIVATIONS}")
 
 
 ROUTERS = ("metrale", "ray_default")

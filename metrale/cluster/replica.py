@@ -43,6 +43,7 @@ class EngineReplica:
         except Exception:  # built outside Serve (tests of this class alone)
             self.replica_id = f"local-{id(self):x}"
         llm = LLM(spec.model, max_loras=spec.max_loras, max_lora_rank=spec.max_lora_rank,
+                  host_tier_bytes=spec.host_tier_bytes, adapter_eviction=spec.adapter_eviction,
                   device=spec.device, dtype=spec.dtype, max_model_len=spec.max_model_len,
                   quantization=spec.quantization, fp8_activations=spec.fp8_activations,
                   promotion_timeout_s=spec.promotion_timeout_s, peer_allow=spec.peer_allow,
