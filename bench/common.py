@@ -359,8 +359,9 @@ def merge_results(path: Path, section: str, key: str, value: dict, keep: bool = 
     keeps an earlier run's other batch sizes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.exists() else {}
-    old = data.setdefault(section, {}).get(key) if keep else None
-    data[section][key] = {**old, **value} if isinstance(old, dict) else value
+    entries = data.setdefault(section, {})
+    old = entries.get(key) if keep else None
+    entries[key] = {**old, **value} if isinstance(old, dict) else value
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)
