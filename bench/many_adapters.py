@@ -51,11 +51,11 @@ name of the trace is looked up and registered through the source before the trac
 server that has seen each name once: registering plans and checks the whole file (37 ms of
 CPU for 84 MB on the 2-core dev VM, one thread), and with the first sights inside the trace
 (40 requests/s, 1,800 requests) the H200 run's look-ups reached a p99 of 105 s, which was
-its TTFT p99: every request for a name not yet registered ran its own check of the file, and
-the duplicates queued for the look-up threads (fixed since by the server's single-flight
-SourceRegistrar, which this bench uses; --no-register-first measures the cold case). The adapter files:
---distinct-files random r16 files (bench/common.write_random_adapters), each adapter's
-directory holding its own config and a hard link to one of them (1,000 x 84 MB would not fit
+its TTFT p99. Every request for a name not yet registered then ran its own check of the
+file: the likely cause, gone with the server's single-flight SourceRegistrar, which this
+bench uses since (not rerun on the device yet; --no-register-first measures the cold case).
+The adapter files: --distinct-files random r16 files (bench/common.write_random_adapters),
+each adapter's directory holding its own config and a hard link to one of them (1,000 x 84 MB would not fit
 the device machine's disk; the engine keys adapters by directory, so they are 1,000 adapters
 to every cache, while the page cache holds the few files: a read is a warm one). Simulation JSON:
 `many_adapters["simulate"]`.
