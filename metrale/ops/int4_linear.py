@@ -161,7 +161,7 @@ def _code_integers(words, j: tl.constexpr):
 
 
 def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, c_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-                      M, N, K, KW, G, x_st, y_st, GROUP, HAS_ZERO: tl.constexpr,
+                      M, N, K, KW, G, x_st, y_st, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
                       HAS_CODES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                       FLUSH: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr):
