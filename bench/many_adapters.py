@@ -48,12 +48,12 @@ ttft_p99_ms_all counts it), the time spent in that look-up, landing times and th
 JSON `many_adapters[<model>]`, the runs of one trace merged across commands (--policies cost,
 then --policies lru fit the device's 10 minutes each). With --register-first (default) every
 name of the trace is looked up and registered through the source before the trace, as on a
-server that has seen each name once: registering plans and checks the whole file (37 ms of
-CPU for 84 MB on the 2-core dev VM, one thread), and with the first sights inside the trace
-(40 requests/s, 1,800 requests) the H200 run's look-ups reached a p99 of 105 s, which was
-its TTFT p99. Every request for a name not yet registered then ran its own check of the
-file: the likely cause, gone with the server's single-flight SourceRegistrar, which this
-bench uses since (not rerun on the device yet; --no-register-first measures the cold case).
+server that has seen each name once; --no-register-first leaves each name's first sight in
+the trace. A name's registration from a source reads its config and header only (its
+weights are checked in the slot when it lands: AdapterSource.verify_on_landing). When it
+read and checked the whole file (~40-85 ms of CPU per 84 MB, on threads that barely ran in
+parallel), the H200's look-ups at 40 requests/s reached a p99 of 57 s (105 s before
+registration was single-flight per name), and that was the TTFT p99 (session 24).
 The adapter files: --distinct-files random r16 files (bench/common.write_random_adapters),
 each adapter's directory holding its own config and a hard link to one of them (1,000 x 84 MB would not fit
 the device machine's disk; the engine keys adapters by directory, so they are 1,000 adapters
@@ -503,8 +503,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--register-first", action=argparse.BooleanOptionalAction, default=True,
                     help="device run: look up and register every adapter of the trace through "
                          "the source before it (a server that has seen each name once); "
-                         "--no-register-first leaves each name's first-sight check (~85 ms of "
-                         "CPU for an 84 MB adapter) in its first request's TTFT")
+                         "--no-register-first leaves each name's look-up and registration (its "
+                         "config and header) in its first request's TTFT")
     ap.add_argument("--ttft-skip", type=float, default=0.2,
                     help="device run: TTFT percentiles leave out this share of the trace's "
                          "first requests (the cold start); ttft_p99_ms_all counts them")

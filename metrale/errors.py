@@ -99,6 +99,8 @@ class LandingError(MetraleError):
         in the slot the same (422) as weights refused in staging; only the rest is ours (500)."""
         if isinstance(reason, PeerUnavailableError):
             return PeerLandingError(message)
+        if isinstance(reason, NonFiniteWeightsError):
+            return WeightsLandingError(message)
         if isinstance(reason, AdapterError):
             return AdapterLandingError(message)
         return LandingError(message)
@@ -110,6 +112,11 @@ class PeerLandingError(PeerUnavailableError, LandingError):
 
 class AdapterLandingError(AdapterError, LandingError):
     """The landed bytes were refused in the slot, e.g. NaN/Inf in the pool's dtype (the slot is EMPTY)."""
+
+
+class WeightsLandingError(NonFiniteWeightsError, AdapterLandingError):
+    """The landed weights hold NaN/Inf in the pool's dtype, or could overflow it (the slot
+    is EMPTY)."""
 
 
 class ChatTemplateError(MetraleError):

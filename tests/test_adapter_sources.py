@@ -118,9 +118,9 @@ class _Counting:
             self.all_asked.set()
         return known
 
-    async def register(self, name, path):
+    async def register(self, name, path, **kw):
         self.registered += 1
-        return await self.engine.register(name, path)
+        return await self.engine.register(name, path, **kw)
 
 
 class _HeldSources(AdapterSources):

@@ -10,13 +10,17 @@ import struct
 
 import pytest
 import torch
+from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
-from metrale import errors
+from metrale import SamplingParams, errors
+from metrale.engine.registry import AdapterSource
 from metrale.pool.pool import AdapterPool
 from metrale.pool.slots import SlotState
-from tests.helpers.engine import tiny_engine
+from tests.helpers.engine import run_until_done, tiny_engine
 from tests.helpers.pool import snapshot
+from tests.helpers.reference import hf_greedy
+from tests.helpers.tiny_models import make_model
 
 
 @pytest.fixture
@@ -149,6 +153,15 @@ BAD_ADAPTERS = {
 }
 
 
+# Faults only the values in the pool's dtype show: a landing finds them in the slot, so the
+# slot it wrote is EMPTY afterwards (fresh identity), every other slot untouched.
+SLOT_FAULTS = {
+    # finite, but its LoRA input projection could overflow the pool's float32
+    "gain-overflow": (lambda p: _edit_tensors(p, lambda t: t.__setitem__(
+        _first_key(t), torch.full_like(t[_first_key(t)], 1e38))), errors.NonFiniteWeightsError),
+}
+
+
 @pytest.mark.parametrize("case", sorted(BAD_ADAPTERS))
 @pytest.mark.parametrize("op", ["swap", "promote"])
 def test_bad_adapter_refused_untouched(case, op, filled, adapters, tmp_path):
@@ -164,6 +177,23 @@ def test_bad_adapter_refused_untouched(case, op, filled, adapters, tmp_path):
     assert isinstance(info.value, errors.MetraleError)
     assert str(info.value)
     assert state(filled) == before
+    filled.check_integrity()
+
+
+@pytest.mark.parametrize("case", sorted(SLOT_FAULTS))
+def test_bad_values_refused_in_the_slot_they_reached(case, filled, adapters, tmp_path):
+    corrupt, error = SLOT_FAULTS[case]
+    bad = _copy(adapters, tmp_path)
+    corrupt(bad)
+    pool, table = filled.lora.pool, filled.lora.table
+    kept = pool.slot_region(1).clone(), table.info(1).uid
+    uid = table.info(0).uid
+    with pytest.raises(error) as info:
+        filled.swap_lora_slot_from_disk(bad, "a", 0)
+    assert isinstance(info.value, errors.LandingError)
+    assert table.info(0).state is SlotState.EMPTY and table.info(0).uid != uid
+    assert not pool.slot_region(0).any()
+    assert torch.equal(pool.slot_region(1), kept[0]) and table.info(1).uid == kept[1]
     filled.check_integrity()
 
 
@@ -254,3 +284,94 @@ def test_failure_mid_landing_leaves_slot_empty(filled, adapters, monkeypatch):
     filled.swap_lora_slot_from_disk(adapters / "c", "c", 0)
     assert table.holds(0, filled.registry.current("c").version)
     assert filled.registry.slot_of("c") == 0
+
+
+PROMPT = [5, 17, 99, 3, 42, 8, 120, 77, 61, 2, 9, 13, 200]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference_a(adapters):
+    """transformers + PEFT's greedy tokens for adapter a."""
+    return hf_greedy(PeftModel.from_pretrained(make_model("llama"), adapters / "a"), PROMPT,
+                     GREEDY.max_tokens)[0]
+
+
+def _counting_reads(engine) -> list[str]:
+    reads: list[str] = []
+    prepare = engine.lora.prepare_disk
+    engine.lora.prepare_disk = lambda path, name, *a, **k: reads.append(name) or prepare(
+        path, name, *a, **k)
+    return reads
+
+
+# the faults in the weights' values: a registration that reads no weights lets them pass
+READ_AT_LANDING = {"nan", "inf", "dora-magnitude-nan", "dora-magnitude-inf", *SLOT_FAULTS}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ADAPTERS | SLOT_FAULTS))
+def test_bad_source_file_refused_for_its_requests_alone(case, filled, adapters, tmp_path,
+                                                        reference_a):
+    """A directory registered verify_on_landing (a name resolved from --adapter-source) has
+    only its config and header read then; its weights are checked when it lands. Every bad
+    file is still refused with its error class: at registration, or for its own requests
+    while a request on adapter a runs beside them with PEFT's tokens; the other slots'
+    bytes, identities and routes stay; later requests fail at once, without another read."""
+    corrupt, error = (BAD_ADAPTERS | SLOT_FAULTS)[case]
+    bad = _copy(adapters, tmp_path)
+    corrupt(bad)
+    pool, table, registry = filled.lora.pool, filled.lora.table, filled.registry
+    kept = [(pool.slot_region(s).clone(), table.info(s).uid) for s in (0, 1)]
+    routes = registry.routes()
+    try:
+        filled.register_adapter("x", AdapterSource(path=bad, verify_on_landing=True))
+    except error:
+        assert case not in READ_AT_LANDING
+        assert state(filled)[1:] == (routes, [registry.get("a"), registry.get("b")], set())
+        return
+    assert case in READ_AT_LANDING  # registration read the config and header only
+    reads = _counting_reads(filled)
+    good = filled.add_request(PROMPT, GREEDY, "a")
+    first = filled.add_request(PROMPT, GREEDY, "x")
+    done = run_until_done(filled)
+    assert done[first].finish_reason == "error" and isinstance(done[first].error, error), \
+        done[first].error
+    assert done[good].token_ids == reference_a
+    with pytest.raises(error):
+        filled.add_request(PROMPT, GREEDY, "x")
+    assert reads == ["x"]
+    assert registry.routes() == routes
+    for s, (data, uid) in zip((0, 1), kept):
+        assert torch.equal(pool.slot_region(s), data) and table.info(s).uid == uid
+    filled.check_integrity()
+
+
+def test_refused_source_file_is_read_again_once_fixed(filled, adapters, tmp_path, reference_a,
+                                                      monkeypatch):
+    """The refusal lasts REFUSAL_S (0 here): the file, fixed meanwhile, is read again and served."""
+    from metrale.engine import adapters as adapter_manager
+
+    monkeypatch.setattr(adapter_manager, "REFUSAL_S", 0.0)
+    bad = _copy(adapters, tmp_path)
+    _edit_tensors(bad, _set_nan)
+    filled.register_adapter("x", AdapterSource(path=bad, verify_on_landing=True))
+    first = filled.add_request(PROMPT, GREEDY, "x")
+    assert isinstance(run_until_done(filled)[first].error, errors.NonFiniteWeightsError)
+    shutil.copy(adapters / "a" / "adapter_model.safetensors", bad / "adapter_model.safetensors")
+    again = filled.add_request(PROMPT, GREEDY, "x")
+    assert run_until_done(filled)[again].token_ids == reference_a
+    filled.check_integrity()
+
+
+def test_a_file_is_bounded_at_its_first_landing_only(filled, adapters, tmp_path):
+    """Direct landings bound a file's weights in the slot once per exact bytes: a re-landing
+    of a file that landed reads no norms; a copy (new identity) is bounded again."""
+    pool = filled.lora.pool
+    bounded, norm_values = [], pool.gain_norm_values
+    pool.gain_norm_values = lambda slot: bounded.append(slot) or norm_values(slot)
+    filled.swap_lora_slot_from_disk(adapters / "c", "c", 2)
+    filled.swap_lora_slot_from_disk(adapters / "c", "c2", 2)
+    assert bounded == [2]
+    filled.swap_lora_slot_from_disk(_copy(adapters, tmp_path, "c"), "c3", 2)
+    assert bounded == [2, 2]
+    filled.check_integrity()

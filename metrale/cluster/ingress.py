@@ -149,7 +149,9 @@ class ClusterEngine:
         raise EngineUnavailableError("no replica could serve this request; retry later")
 
     async def register(self, name: str, path: str | Path, pinned: bool = False,
-                       reload: bool = False) -> ClusterAdapterView:
+                       reload: bool = False, verify_on_landing: bool = False) -> ClusterAdapterView:
+        # verify_on_landing is not passed on: the cluster checks a file once, here, for
+        # every replica
         unwrap(await self.registry.check_new.remote(name, reload))  # before any I/O
         source = unwrap(await self.handle.validate.remote(name, str(path)))  # once
         version = unwrap(await self.registry.register.remote(name, source, pinned, reload))

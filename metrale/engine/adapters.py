@@ -16,11 +16,18 @@ from metrale.config import EngineConfig
 from metrale.engine.promotion import Phase, Promoter, Promotion
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion
 from metrale.engine.sequence import Sequence
-from metrale.errors import MetraleError, PoolFullError, StaleVersionError, UnknownAdapterError
+from metrale.errors import (
+    AdapterError,
+    MetraleError,
+    PoolFullError,
+    StaleVersionError,
+    UnknownAdapterError,
+)
 from metrale.pool.slots import SlotState
 from metrale.pool.swap import LoraSlots, Prepared
 
 log = logging.getLogger("metrale.engine")
+REFUSAL_S = 30.0  # a source file refused at a landing is not read again before this
 
 
 class AdapterManager:
@@ -44,7 +51,11 @@ class AdapterManager:
         if seq.adapter is None:  # the base model: slot -1, uid 0 (Sequence's defaults)
             seq.bound, seq.bound_at = True, seq.arrival
             return
-        slot = self._route(self.registry.current(seq.adapter))
+        version = self.registry.current(seq.adapter)
+        refused = self.registry.refusal(version, time.monotonic())
+        if refused is not None:
+            raise refused
+        slot = self._route(version)
         if slot is not None:
             seq.slot, seq.adapter_uid = slot, self.slots.table.acquire(slot)
             seq.bound, seq.bound_at = True, seq.arrival
@@ -188,6 +199,9 @@ class AdapterManager:
             return []
         if isinstance(job.error, StaleVersionError):
             return []  # superseded: its waiters wait for the version now current
+        if job.origin.verify_on_landing and isinstance(job.error, AdapterError):
+            # its file's fault: reading it again soon would only cost another slot
+            self.registry.refuse(job.version, job.error, time.monotonic() + REFUSAL_S)
         return self._fail(job.name, job.error)
 
     def _drain_for_waiting(self) -> None:

@@ -252,12 +252,15 @@ class LLMEngine:
 
     def check_adapter(self, name: str, source: str | Path | AdapterSource) -> AdapterSource:
         """Validate a disk adapter's files and weights against this engine, once, at
-        registration (thread-safe). A peer is checked against the allow-list and asked
-        whether it holds the id; its manifest is validated when it lands."""
+        registration (thread-safe); with source.verify_on_landing its config and header
+        only (its landings check the weights in the slot). A peer is checked against the
+        allow-list and asked whether it holds the id; its manifest is validated when it
+        lands."""
         source = AdapterSource.of(source)
         if source.path is not None:
             plan = plan_adapter(source.path, name, self.model_config, self.lora.pool_config)
-            check_weights(plan, self.dtype)  # NaN/Inf, or too large for the pool's dtype
+            if not source.verify_on_landing:  # reads the whole file: ~40-85 ms for 84 MB
+                check_weights(plan, self.dtype)  # NaN/Inf, or too large for the pool's dtype
         else:  # a peer off the allow-list could never land: refuse it before contacting it
             addr = resolve_peer(source.peer.addr, self.cfg.peer_allow or None)
             check_peer_holds(addr, source.peer.adapter_id, self.cfg.peer_timeout_s)
@@ -330,13 +333,13 @@ class LLMEngine:
 
     def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int,
                                  prepared: Prepared | None = None, reload: bool = True) -> None:
-        """prepared: the files' bytes, read off this thread (the server does); reload=False:
-        refuse a registered name (the server's swap of a new registration)."""
-        self._land_new(name, AdapterSource(path=Path(adapter_dir)), slot, prepared, reload)
+        """prepared: the files' bytes, read and checked off this thread (the server does);
+        reload=False: refuse a registered name (the server's swap of a new registration)."""
+        self._land_new(name, _unchecked_dir(adapter_dir, prepared), slot, prepared, reload)
 
     def promote_lora_slot_from_disk(self, adapter_dir: str | Path,
                                     name: str) -> tuple[int, str | None]:
-        return self._land_new(name, AdapterSource(path=Path(adapter_dir)))
+        return self._land_new(name, _unchecked_dir(adapter_dir))
 
     def swap_lora_slot_from_peer(self, peer_addr: str, adapter_id: str, adapter_name: str,
                                  slot: int, peft=None) -> None:
@@ -368,3 +371,9 @@ class LLMEngine:
 
     def residency(self) -> list[ResidencyRow]:
         return residency_rows(self.registry, self.lora.table, loading_of(self.adapters.job))
+
+
+def _unchecked_dir(adapter_dir: str | Path, prepared: Prepared | None = None) -> AdapterSource:
+    """A directory landed without a registration: no check_weights read it (unless the
+    caller's `prepared` came from check_adapter), so its landings bound the weights."""
+    return AdapterSource(path=Path(adapter_dir), verify_on_landing=prepared is None)

@@ -217,7 +217,7 @@ class Promoter:
             self.registry.install(p.version)
         p.landing.commit(p.version.version)  # a LandingError here failed the slot already
         self.registry.route(p.version, p.slot)
-        self.slots.fill_tier(p.prepared, p.slot)
+        self.slots.committed(p.prepared, p.slot)
         self._closed(p)
         p.phase = Phase.COMMITTED
         log.info("%r landed in slot %d from %s (evicted %r) in %.1f ms", p.name, p.slot,
@@ -312,7 +312,8 @@ class Promoter:
             return prepare_from_peer(self.slots, source.peer.addr, source.peer.adapter_id, name,
                                      source.peft, staging=staging, transport=cfg.peer_transport,
                                      timeout_s=cfg.peer_timeout_s, peer_allow=cfg.peer_allow or None)
-        return self.slots.prepare_disk(source.path, name, staging, use_tier, identity)
+        return self.slots.prepare_disk(source.path, name, staging, use_tier, identity,
+                                       verify=source.verify_on_landing)
 
     def _write(self, landing: Landing, prepared: Prepared,
                side: torch.cuda.Stream | None) -> torch.cuda.Event | None:

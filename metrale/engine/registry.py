@@ -14,6 +14,7 @@ from metrale.errors import (
     AdapterConfigError,
     AdapterExistsError,
     InvalidNameError,
+    MetraleError,
     SlotBusyError,
     UnknownAdapterError,
 )
@@ -44,11 +45,16 @@ def parse_peer_uri(uri: str) -> PeerRef:
 
 @dataclass(frozen=True)
 class AdapterSource:
-    """Where an adapter's bytes come from: a PEFT directory or a peer."""
+    """Where an adapter's bytes come from: a PEFT directory or a peer.
+
+    verify_on_landing: a directory whose weights were not read at registration (a name
+    resolved on demand from --adapter-source): each landing checks them in the slot, as a
+    peer's bytes always are, and the first refusal stays with the version."""
 
     path: Path | None = None
     peer: PeerRef | None = None
     peft: object = field(default=None, compare=False)  # a peer adapter's config override
+    verify_on_landing: bool = field(default=False, compare=False)
 
     @classmethod
     def of(cls, spec: str | Path | AdapterSource) -> AdapterSource:
@@ -79,6 +85,9 @@ class AdapterRegistry:
         # a pinned name's slot kept for its reloaded version while the old one drains
         self._held: dict[str, int] = {}
         self._draining: dict[str, int] = {}  # unloaded name -> slot still serving it
+        # name -> (its version, the refusal of its bytes at a landing, until when): sources
+        # whose weights only a landing checks (AdapterSource.verify_on_landing)
+        self._refused: dict[str, tuple[int, MetraleError, float]] = {}
         self._reserved = {n.lower() for n in reserved_names}
 
     # --- reads -------------------------------------------------------------------------
@@ -108,6 +117,13 @@ class AdapterRegistry:
         """Pinning keeps the version; only a reload or an unload replaces it."""
         current = self._current.get(version.name)
         return current is not None and current.version == version.version
+
+    def refusal(self, version: AdapterVersion, now: float) -> MetraleError | None:
+        """Why `version`'s bytes were refused at a landing, while that refusal lasts."""
+        refused = self._refused.get(version.name)
+        if refused is None or refused[0] != version.version or now >= refused[2]:
+            return None
+        return refused[1]
 
     def draining(self) -> dict[str, int]:
         return dict(self._draining)
@@ -167,6 +183,7 @@ class AdapterRegistry:
         """`version` becomes its name's current one. The old version's slot takes no new
         requests; a pinned name keeps it, held for the new version."""
         self._current[version.name] = version
+        self._refused.pop(version.name, None)
         slot = self._routes.pop(version.name, None)
         if version.pinned and slot is not None:
             self._held[version.name] = slot
@@ -179,6 +196,13 @@ class AdapterRegistry:
         self._routes[version.name] = slot
         self._held.pop(version.name, None)
         return True
+
+    def refuse(self, version: AdapterVersion, error: MetraleError, until: float) -> None:
+        """A landing refused `version`'s bytes (a file only landings check): its requests
+        fail with `error` until then (a fixed file is read again after it), a reload or an
+        unload, without a read or a slot each."""
+        if self.is_current(version):
+            self._refused[version.name] = (version.version, error, until)
 
     def unroute(self, name: str) -> int | None:
         """`name` stops routing to its slot (drained for a landing); returns the slot."""
@@ -196,6 +220,7 @@ class AdapterRegistry:
         self.refuse_draining(name)
         version = self.current(name)
         del self._current[name]
+        self._refused.pop(name, None)
         self._routes.pop(name, None)
         self._held.pop(name, None)
         if draining_slot is not None:

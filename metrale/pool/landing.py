@@ -30,8 +30,8 @@ class Landing:
         # host (ranks, scales, doras) rows still to write at commit
         self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.is_open = True
-        # a peer's bytes to bound at commit (check_gains); a disk file was bounded when it
-        # was registered (check_weights): ~5 ms per 8B landing on the H200 is not paid twice
+        # bytes to bound at commit (check_gains): a peer's, or a file no registration read
+        # (AdapterSource.verify_on_landing); other files were bounded when registered
         self._plan: AdapterPlan | None = None
         self._bound: GainBound | None = None  # the plan's bound as arrays, when kept
         self._verified = False
@@ -51,7 +51,8 @@ class Landing:
 
     def write_staged(self, staged: StagedAdapter, bound: GainBound | None = None) -> None:
         """A staged, checked adapter into the slot. bound: bytes no registration bounded
-        (a peer's), with their plan's GainBound: verify checks it."""
+        (a peer's, or a file registered verify_on_landing), with their plan's GainBound:
+        verify checks it."""
         self._pool.land_staged(self.slot, staged)
         self._tables = staged.recipe.tables if staged.recipe is not None \
             else table_rows(staged.plan, self._pool.layout)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 
 from metrale.adapters.identity import AdapterIdentity, adapter_identity
 from metrale.adapters.plan import AdapterPlan, plan_adapter
+from metrale.adapters.weights_check import GainBound
 from metrale.config import ModelConfig, PoolConfig
 from metrale.errors import (
     AdapterFileError,
@@ -36,6 +38,7 @@ from metrale.pool.staging import ShortReadError, StagingBuffers, read_chunks
 
 log = logging.getLogger("metrale.pool")
 _PLAN_CACHE = 256
+_LANDED_FILES = 4096
 
 
 def read_adapter_data(plan: AdapterPlan, staging: StagingBuffers,
@@ -123,6 +126,9 @@ class LoraSlots:
         self.mapped_files = MappedFiles(pool.mapped_file_bytes, torch.device(device))
         self._plans: dict[tuple[AdapterIdentity, str], AdapterPlan] = {}  # oldest first
         self._layouts: dict[tuple[str, int], AdapterPlan] = {}  # (plan_digest, size) -> a plan
+        # files whose bytes landed (committed) in this pool: bounded once, not at each landing
+        self._landed_files: OrderedDict[AdapterIdentity, None] = OrderedDict()
+        self._bounds: dict[tuple[str, int], GainBound] = {}  # layout -> its plan's bound
         self._plans_lock = threading.Lock()
 
     def disable_runtime_swaps(self) -> None:
@@ -168,12 +174,22 @@ class LoraSlots:
         except BaseException as e:
             raise landing.fail(e) from e
         landing.commit(version)
-        self.fill_tier(prepared, slot)
+        self.committed(prepared, slot)
 
-    def fill_tier(self, prepared: Prepared, slot: int) -> None:
+    def committed(self, prepared: Prepared, slot: int) -> None:
+        """After `prepared` landed in `slot`: the image into the host tier, and its file
+        known good (a later landing of these exact bytes is not bounded again)."""
+        identity = prepared.identity
+        if identity is None:
+            return
+        with self._plans_lock:
+            self._landed_files[identity] = None
+            self._landed_files.move_to_end(identity)
+            while len(self._landed_files) > _LANDED_FILES:
+                self._landed_files.popitem(last=False)
         tier = self.host_tier
-        if prepared.identity is not None and tier is not None and tier.enabled:
-            tier.put(prepared.identity, slot)
+        if tier is not None and tier.enabled:
+            tier.put(identity, slot)
 
     def notify(self, event: LandingEvent) -> None:
         """Tell every listener how a landing went (metrics, logs)."""
@@ -208,10 +224,12 @@ class LoraSlots:
 
     def prepare_disk(self, adapter_dir: str | Path, name: str,
                      staging: StagingBuffers | None = None, use_tier: bool = True,
-                     identity: AdapterIdentity | None = None) -> Prepared:
+                     identity: AdapterIdentity | None = None, verify: bool = False) -> Prepared:
         """A host-tier image of these exact bytes, else the file planned, read on to the
         device and checked there. A worker passes its own `staging` and use_tier=False
-        (only the engine thread reuses image memory). `identity`: the caller's."""
+        (only the engine thread reuses image memory). `identity`: the caller's. verify: no
+        registration read the weights (AdapterSource.verify_on_landing), so the landing
+        bounds them in the slot before it commits (a host-tier image was bounded already)."""
         identity = identity or adapter_identity(adapter_dir)
         tier = self.host_tier
         entry = tier.get(identity) if use_tier and tier is not None and tier.enabled else None
@@ -220,13 +238,34 @@ class LoraSlots:
         plan = self.plan_from_disk(adapter_dir, name, identity)
         data = read_adapter_data(plan, staging or self.staging, self.mapped_files, identity)
         staged = self.pool.stage(plan, data, self.pool.recipe(plan))
-        return Prepared(lambda landing: landing.write_staged(staged), identity)
+        if verify and identity is not None:
+            with self._plans_lock:
+                verify = identity not in self._landed_files
+        bound = self._bound_of(plan, identity) if verify else None
+        return Prepared(lambda landing: landing.write_staged(staged, bound), identity)
+
+    def _bound_of(self, plan: AdapterPlan, identity: AdapterIdentity | None) -> GainBound:
+        """The plan's GainBound, shared by its layout's files (~1 ms of Python per 8B plan)."""
+        if identity is None:
+            return GainBound.of(plan, self.pool.gain_norm_keys())
+        layout = (identity.plan_digest, identity.data_stat[2])
+        with self._plans_lock:
+            bound = self._bounds.get(layout)
+        if bound is None:
+            bound = GainBound.of(plan, self.pool.gain_norm_keys())
+            with self._plans_lock:
+                while len(self._bounds) >= _PLAN_CACHE:
+                    self._bounds.pop(next(iter(self._bounds)))
+                self._bounds[layout] = bound
+        return bound
 
     def clear_plan_cache(self) -> None:
-        """For benchmarks that time a first landing."""
+        """For benchmarks that time a first landing: plans, bounds, files landed."""
         with self._plans_lock:
             self._plans.clear()
             self._layouts.clear()
+            self._bounds.clear()
+            self._landed_files.clear()
 
     def plan_from_disk(self, adapter_dir: str | Path, name: str,
                        identity: AdapterIdentity | None = None) -> AdapterPlan:

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.outputs import RequestOutput
-from metrale.engine.registry import AdapterSource
+from metrale.engine.registry import PEER_SCHEME, AdapterSource
 from metrale.engine.residency import ResidencyRow
 from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import MetraleError, PeerUnavailableError, SamplingError
@@ -178,8 +178,10 @@ class AsyncEngine:
         return await asyncio.to_thread(self.engine.check_adapter, name, path)
 
     async def register(self, name: str, path: str | Path, pinned: bool = False,
-                       reload: bool = False) -> AdapterView:
-        source = await self._checked(name, path, reload)
+                       reload: bool = False, verify_on_landing: bool = False) -> AdapterView:
+        spec = AdapterSource(path=Path(path), verify_on_landing=True) \
+            if verify_on_landing and not str(path).startswith(PEER_SCHEME) else path
+        source = await self._checked(name, spec, reload)
         return await self._with_bytes(name, source if pinned else None,  # pinned: lands now
                                       lambda p: self.ops.register(name, source, pinned, reload, p))
 
@@ -256,7 +258,8 @@ class AsyncEngine:
         # on the engine thread, between two steps: the block tables are not shared
         return await self.call(self.engine.reset_prefix_cache)
 
-    async def _checked(self, name: str, path: str | Path, reload: bool) -> AdapterSource:
+    async def _checked(self, name: str, path: str | Path | AdapterSource,
+                       reload: bool) -> AdapterSource:
         """The refusals that need no I/O first, then the files (or the peer), validated."""
         await self.call(lambda: self.ops.check_register(name, reload))
         return await self.check_adapter(name, path)

@@ -52,7 +52,7 @@ class SourceRegistrar:
         path = await asyncio.to_thread(self.sources.find, name)
         if path is not None:
             with contextlib.suppress(AdapterExistsError):  # registered by an admin meanwhile
-                await engine.register(name, path)
+                await engine.register(name, path, verify_on_landing=True)
 
     def _finished(self, name: str, task: asyncio.Task) -> None:
         if self._inflight.get(name) is task:
