@@ -53,8 +53,8 @@ class AdapterManager:
             return
         version = self.registry.current(seq.adapter)
         refused = self.registry.refusal(version, time.monotonic())
-        if refused is not None:
-            raise refused
+        if refused is not None:  # one error for many requests: its traceback must not grow
+            raise refused.with_traceback(None)
         slot = self._route(version)
         if slot is not None:
             seq.slot, seq.adapter_uid = slot, self.slots.table.acquire(slot)
