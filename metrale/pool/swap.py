@@ -128,7 +128,6 @@ class LoraSlots:
         self._layouts: dict[tuple[str, int], AdapterPlan] = {}  # (plan_digest, size) -> a plan
         # files whose bytes landed (committed) in this pool: bounded once, not at each landing
         self._landed_files: OrderedDict[AdapterIdentity, None] = OrderedDict()
-        self._bounds: dict[tuple[str, int], GainBound] = {}  # layout -> its plan's bound
         self._plans_lock = threading.Lock()
 
     def disable_runtime_swaps(self) -> None:
@@ -241,30 +240,14 @@ class LoraSlots:
         if verify and identity is not None:
             with self._plans_lock:
                 verify = identity not in self._landed_files
-        bound = self._bound_of(plan, identity) if verify else None
+        bound = GainBound.of(plan, self.pool.gain_norm_keys()) if verify else None
         return Prepared(lambda landing: landing.write_staged(staged, bound), identity)
 
-    def _bound_of(self, plan: AdapterPlan, identity: AdapterIdentity | None) -> GainBound:
-        """The plan's GainBound, shared by its layout's files (~1 ms of Python per 8B plan)."""
-        if identity is None:
-            return GainBound.of(plan, self.pool.gain_norm_keys())
-        layout = (identity.plan_digest, identity.data_stat[2])
-        with self._plans_lock:
-            bound = self._bounds.get(layout)
-        if bound is None:
-            bound = GainBound.of(plan, self.pool.gain_norm_keys())
-            with self._plans_lock:
-                while len(self._bounds) >= _PLAN_CACHE:
-                    self._bounds.pop(next(iter(self._bounds)))
-                self._bounds[layout] = bound
-        return bound
-
     def clear_plan_cache(self) -> None:
-        """For benchmarks that time a first landing: plans, bounds, files landed."""
+        """For benchmarks that time a first landing: plans, files landed."""
         with self._plans_lock:
             self._plans.clear()
             self._layouts.clear()
-            self._bounds.clear()
             self._landed_files.clear()
 
     def plan_from_disk(self, adapter_dir: str | Path, name: str,

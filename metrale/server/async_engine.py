@@ -20,13 +20,13 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.outputs import RequestOutput
-from metrale.engine.registry import PEER_SCHEME, AdapterSource
+from metrale.engine.registry import AdapterSource
 from metrale.engine.residency import ResidencyRow
 from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import MetraleError, PeerUnavailableError, SamplingError
@@ -179,9 +179,10 @@ class AsyncEngine:
 
     async def register(self, name: str, path: str | Path, pinned: bool = False,
                        reload: bool = False, verify_on_landing: bool = False) -> AdapterView:
-        spec = AdapterSource(path=Path(path), verify_on_landing=True) \
-            if verify_on_landing and not str(path).startswith(PEER_SCHEME) else path
-        source = await self._checked(name, spec, reload)
+        source = AdapterSource.of(path)
+        if verify_on_landing and source.path is not None:
+            source = replace(source, verify_on_landing=True)
+        source = await self._checked(name, source, reload)
         return await self._with_bytes(name, source if pinned else None,  # pinned: lands now
                                       lambda p: self.ops.register(name, source, pinned, reload, p))
 
