@@ -57,23 +57,25 @@ def test_warm_up_touches_no_slot_and_the_first_landing_reuses_it(store, transpor
 
 
 def test_an_overflowing_peer_adapter_is_refused_by_a_cuda_pool_over_http():
-    """Over HTTP a CUDA pool lands through the plan's recipe (write_staged); the commit's
-    verify still applies the gain bound registration applies to a file: a peer whose slot
-    was written after its own checks (3e38 in a lora_A) is refused, the slot EMPTY."""
-    from metrale import errors
+    """Over HTTP a CUDA pool lands through the plan's recipe (write_staged); the bytes get
+    the gain bound registration applies to a file, in the scratch pool first: a peer whose
+    slot was written after its own checks (3e38 in a lora_A) is refused, and the slot it
+    would have filled keeps its adapter (tests.test_peer_refusals: the CPU pool's path)."""
     from metrale.adapters.weights_check import WeightsOverflowError
     from metrale.peer.http_server import PeerHTTPServer
-    from tests.helpers.peers import disk_exporter
+    from tests.helpers.peers import adapter_dir, disk_exporter
+    from tests.helpers.pool import land_disk
 
     exporter = disk_exporter("a")
     exporter.slots.pool.lora_a(1, "q_proj")[0, 0, 0] = 3e38
     server = PeerHTTPServer(exporter).start()
     try:
         slots = new_slots(dtype=torch.float32, device="cuda")
-        with pytest.raises(errors.LandingError, match="now EMPTY") as info:
+        land_disk(slots, adapter_dir("b"), 0)
+        before = slots.pool.buffer.clone(), slots.table.infos()
+        with pytest.raises(WeightsOverflowError):
             land_peer(slots, server.url.removeprefix("http://"), "a", 0, transport="http")
-        assert isinstance(info.value.__cause__, WeightsOverflowError)
-        assert slots.table.info(0).state.value == "EMPTY"
+        assert torch.equal(slots.pool.buffer, before[0]) and slots.table.infos() == before[1]
     finally:
         server.close()
         exporter.close()

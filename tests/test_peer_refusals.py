@@ -395,3 +395,27 @@ def test_a_lie_after_a_cached_plan_is_still_refused(genuine, engine):
         assert snapshot(engine) == before
     finally:
         good.close()
+
+
+def test_an_overflowing_peer_adapter_is_refused_before_any_slot_over_http():
+    """A peer whose bytes pass its own checks but overflow the LoRA in this pool's dtype
+    (3e38 in a lora_A, finite in float32) is refused by the gain bound, found in the
+    scratch pool: slot 0, which it was to replace, keeps adapter b, and every other byte
+    and identity stays (tests.test_peer_gpu: the CUDA pool's recipe path)."""
+    from metrale.adapters.weights_check import WeightsOverflowError
+    from metrale.peer.http_server import PeerHTTPServer
+    from tests.helpers.peers import disk_exporter
+
+    exporter = disk_exporter("a")
+    exporter.slots.pool.lora_a(1, "q_proj")[0, 0, 0] = 3e38
+    server = PeerHTTPServer(exporter).start()
+    try:
+        slots = new_slots()
+        land_disk(slots, adapter_dir("b"), 0)
+        before = snapshot(slots)
+        with pytest.raises(WeightsOverflowError, match="q_proj"):
+            land_peer(slots, server.url.removeprefix("http://"), "a", 0, transport="http")
+        assert snapshot(slots) == before
+    finally:
+        server.close()
+        exporter.close()

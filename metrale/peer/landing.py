@@ -256,9 +256,9 @@ class _PeerFetch:
     def _http_writer(self, client: PeerClient, manifest: Manifest,
                      entry: PeerPlan) -> Callable[[Landing], None]:
         """Stream the bytes into pinned staging, each piece uploaded as it is in, and run
-        the disk path's NaN/Inf check before any slot is touched. On CUDA the plan's recipe
-        (B sent as Bt) lands it in one kernel; else typed views. Either way the commit's
-        verify bounds them (no registration did)."""
+        the disk path's NaN/Inf check and the gain bound (no registration did) before any
+        slot is touched. On CUDA the plan's recipe (B sent as Bt) lands it in one kernel;
+        else typed views."""
         plan = entry.plan
         staging = self.staging or self.slots.staging
         pool = self.slots.pool
@@ -269,10 +269,14 @@ class _PeerFetch:
         if recipe is not None:
             staged = pool.stage(plan, data, recipe)  # raises, naming a tensor, on NaN/Inf
             self.stats["transfer_ms"] = (time.perf_counter() - start) * 1e3
-            return lambda landing: landing.write_staged(staged, entry.bound)
+            self.slots.bound_in_scratch(plan, lambda scratch: scratch.land_staged(0, staged),
+                                        entry.bound)
+            return lambda landing: landing.write_staged(staged)
         views = canonical_views(plan, pool.stage_views(plan, data))
         self.stats["transfer_ms"] = (time.perf_counter() - start) * 1e3
-        return lambda landing: landing.write_views(plan, views, entry.bound)
+        self.slots.bound_in_scratch(plan, lambda scratch: scratch.land(0, plan, views),
+                                    entry.bound)
+        return lambda landing: landing.write_views(plan, views)
 
     @staticmethod
     def _runs(entry: PeerPlan, manifest: Manifest) -> Runs:

@@ -30,8 +30,8 @@ class Landing:
         # host (ranks, scales, doras) rows still to write at commit
         self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.is_open = True
-        # bytes to bound at commit (check_gains): a peer's, or a file no registration read
-        # (AdapterSource.verify_on_landing); other files were bounded when registered
+        # bytes to bound at commit (check_gains): a peer's written straight into the slot
+        # (NIXL, slot_range); others were bounded before any slot was touched
         self._plan: AdapterPlan | None = None
         self._bound: GainBound | None = None  # the plan's bound as arrays, when kept
         self._verified = False
@@ -39,25 +39,20 @@ class Landing:
 
     # --- bytes in ----------------------------------------------------------------------
 
-    def write_views(self, plan: AdapterPlan, views: list[torch.Tensor],
-                    bound: GainBound | None = None) -> None:
-        """A peer's staged, checked tensors (on the pool's device) into the slot; verify
-        bounds them (bound: the plan's, when the caller keeps it)."""
+    def write_views(self, plan: AdapterPlan, views: list[torch.Tensor]) -> None:
+        """A peer's staged, checked (and bounded: LoraSlots.bound_in_scratch) tensors, on
+        the pool's device, into the slot."""
         self._pool.land(self.slot, plan, views)
         self._tables = table_rows(plan, self._pool.layout)
-        self._plan, self._bound = plan, bound
         if any(v.dtype != self._pool.layout.dtype for v in views):
             self.check_written(plan)  # finite in the file's dtype, maybe not in the pool's
 
-    def write_staged(self, staged: StagedAdapter, bound: GainBound | None = None) -> None:
-        """A staged, checked adapter into the slot. bound: bytes no registration bounded
-        (a peer's, or a file registered verify_on_landing), with their plan's GainBound:
-        verify checks it."""
+    def write_staged(self, staged: StagedAdapter) -> None:
+        """A staged, checked adapter into the slot (bytes no registration bounded were
+        bounded before: LoraSlots.bound_in_scratch)."""
         self._pool.land_staged(self.slot, staged)
         self._tables = staged.recipe.tables if staged.recipe is not None \
             else table_rows(staged.plan, self._pool.layout)
-        if bound is not None:
-            self._plan, self._bound = staged.plan, bound
         if staged.dtype != self._pool.layout.dtype:
             self.check_written(staged.plan)  # finite in the file's dtype, maybe not in the pool's
 

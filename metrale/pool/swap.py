@@ -3,7 +3,10 @@ every landing: reading an adapter into a `Prepared` (disk here; peers in metrale
 and writing one into a slot as a version. Names live in the engine's registry.
 
 Validate first, mutate second: a refusal leaves the slot as it was; a failure after
-zeroing leaves it EMPTY with a new identity.
+zeroing leaves it EMPTY with a new identity. Bytes no registration bounded (a file
+registered verify_on_landing, a peer's over HTTP) are bounded in a one-slot scratch pool
+of the same layout before any slot is chosen (bound_in_scratch), so their refusal, too,
+evicts nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from metrale.errors import (
     AdapterFileError,
     MetraleError,
     NoAdapterPoolError,
+    NonFiniteWeightsError,
     RuntimeSwapsDisabledError,
 )
 from metrale.pool.host_tier import HostTier
@@ -129,6 +133,8 @@ class LoraSlots:
         # files whose bytes landed (committed) in this pool: bounded once, not at each landing
         self._landed_files: OrderedDict[AdapterIdentity, None] = OrderedDict()
         self._plans_lock = threading.Lock()
+        self._scratch: AdapterPool | None = None  # bound_in_scratch's, made at first use
+        self._scratch_lock = threading.Lock()
 
     def disable_runtime_swaps(self) -> None:
         """Freeze the pool as it is now (after the start-up adapters landed)."""
@@ -227,8 +233,9 @@ class LoraSlots:
         """A host-tier image of these exact bytes, else the file planned, read on to the
         device and checked there. A worker passes its own `staging` and use_tier=False
         (only the engine thread reuses image memory). `identity`: the caller's. verify: no
-        registration read the weights (AdapterSource.verify_on_landing), so the landing
-        bounds them in the slot before it commits (a host-tier image was bounded already)."""
+        registration read the weights (AdapterSource.verify_on_landing): they are bounded
+        here, in the scratch pool, unless these exact bytes landed before (a host-tier
+        image was bounded already)."""
         identity = identity or adapter_identity(adapter_dir)
         tier = self.host_tier
         entry = tier.get(identity) if use_tier and tier is not None and tier.enabled else None
@@ -240,8 +247,34 @@ class LoraSlots:
         if verify and identity is not None:
             with self._plans_lock:
                 verify = identity not in self._landed_files
-        bound = GainBound.of(plan, self.pool.gain_norm_keys()) if verify else None
-        return Prepared(lambda landing: landing.write_staged(staged, bound), identity)
+        if verify:
+            self.bound_in_scratch(plan, lambda pool: pool.land_staged(0, staged))
+        return Prepared(lambda landing: landing.write_staged(staged), identity)
+
+    def bound_in_scratch(self, plan: AdapterPlan, write: Callable[[AdapterPool], None],
+                         bound: GainBound | None = None) -> None:
+        """Check bytes no registration bounded before any slot is touched: write(pool)
+        lands them in slot 0 of a one-slot pool of this layout (made at first use, one
+        slot's memory), where one set of norms and one host sync find NaN/Inf (also from
+        the conversion to the pool's dtype) and check the gain bound. Raises
+        NonFiniteWeightsError (or the bound's subclass of it). Thread-safe: the norms' sync
+        ends this stream's use of the scratch before the next caller's begins."""
+        with self._scratch_lock:
+            if self._scratch is None:
+                layout = self.pool.layout
+                self._scratch = AdapterPool(
+                    SlotLayout(self.model_config, replace(self.pool_config, max_loras=1),
+                               layout.dtype), self.pool.device)
+            scratch = self._scratch
+            scratch.zero_slot(0)
+            write(scratch)
+            norms, finite = scratch.gain_norm_values(0)
+        if not finite:
+            raise NonFiniteWeightsError(
+                f"{plan.source}: the weights hold NaN or Inf in the pool's dtype "
+                f"({scratch.layout.dtype})")
+        (bound or GainBound.of(plan, scratch.gain_norm_keys())).check(plan, norms,
+                                                                      scratch.layout.dtype)
 
     def clear_plan_cache(self) -> None:
         """For benchmarks that time a first landing: plans, files landed."""
