@@ -306,6 +306,9 @@ def test_a_source_adapter_is_registered_cluster_wide_on_first_request(cluster):
         r = cluster.complete(PROMPTS[1], "org/d", url=rep["url"])
         assert r.status_code == 200, (rid, r.text)
     assert cluster.complete(PROMPTS[1], "org/none").status_code == 404
+    # registered from the source with its header read, its weights left to each landing
+    registry = ray.get_actor("metrale-test-registry", namespace=NS)
+    assert ray.get(registry.get.remote("org/d")).source.verify_on_landing
 
 
 def test_killing_a_replica_loses_no_retryable_request(cluster):

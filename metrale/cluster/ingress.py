@@ -150,10 +150,11 @@ class ClusterEngine:
 
     async def register(self, name: str, path: str | Path, pinned: bool = False,
                        reload: bool = False, verify_on_landing: bool = False) -> ClusterAdapterView:
-        # verify_on_landing is not passed on: the cluster checks a file once, here, for
-        # every replica
+        """Validated once, by one replica, for all; verify_on_landing (a name from
+        --adapter-source): its config and header only, each replica bounds the weights at
+        their first landing there."""
         unwrap(await self.registry.check_new.remote(name, reload))  # before any I/O
-        source = unwrap(await self.handle.validate.remote(name, str(path)))  # once
+        source = unwrap(await self.handle.validate.remote(name, str(path), verify_on_landing))
         version = unwrap(await self.registry.register.remote(name, source, pinned, reload))
         return await self.view(name, await self._applied(version, name))
 

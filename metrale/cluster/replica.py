@@ -23,6 +23,7 @@ from metrale.cluster.staging import PeerStager
 from metrale.cluster.stats import routing_stats
 from metrale.cluster.sync import RegistrySync
 from metrale.engine.llm import LLM
+from metrale.engine.registry import AdapterSource
 from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import MetraleError
 from metrale.server.app import create_app
@@ -87,11 +88,12 @@ class EngineReplica:
     async def engine_limits(self) -> EngineLimits:
         return self.engine.limits
 
-    async def validate(self, name: str, path: str):
+    async def validate(self, name: str, path: str, verify_on_landing: bool = False):
         """Check an adapter's files against this engine (the cluster validates once, here):
         (True, AdapterSource) or (False, the typed refusal)."""
         try:
-            return True, await self.engine.check_adapter(name, path)
+            return True, await self.engine.check_adapter(
+                name, AdapterSource.of(path, verify_on_landing))
         except MetraleError as e:
             return False, e
 

@@ -57,14 +57,19 @@ class AdapterSource:
     verify_on_landing: bool = field(default=False, compare=False)
 
     @classmethod
-    def of(cls, spec: str | Path | AdapterSource) -> AdapterSource:
+    def of(cls, spec: str | Path | AdapterSource, verify_on_landing: bool = False) -> AdapterSource:
+        """verify_on_landing: mark a directory's weights as unread (a peer's always are)."""
         if isinstance(spec, AdapterSource):
-            return spec
-        if isinstance(spec, str) and spec.startswith(PEER_SCHEME):
+            source = spec
+        elif isinstance(spec, str) and spec.startswith(PEER_SCHEME):
             return cls(peer=parse_peer_uri(spec))
-        if not isinstance(spec, (str, Path)):
+        elif isinstance(spec, (str, Path)):
+            source = cls(path=Path(spec))
+        else:
             raise AdapterConfigError(f"adapter source {spec!r} must be a directory or peer:// URI")
-        return cls(path=Path(spec))
+        if verify_on_landing and source.path is not None and not source.verify_on_landing:
+            return replace(source, verify_on_landing=True)
+        return source
 
     def __str__(self) -> str:
         return str(self.peer) if self.peer is not None else str(self.path)

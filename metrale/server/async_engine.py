@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -179,10 +179,7 @@ class AsyncEngine:
 
     async def register(self, name: str, path: str | Path, pinned: bool = False,
                        reload: bool = False, verify_on_landing: bool = False) -> AdapterView:
-        source = AdapterSource.of(path)
-        if verify_on_landing and source.path is not None:
-            source = replace(source, verify_on_landing=True)
-        source = await self._checked(name, source, reload)
+        source = await self._checked(name, AdapterSource.of(path, verify_on_landing), reload)
         return await self._with_bytes(name, source if pinned else None,  # pinned: lands now
                                       lambda p: self.ops.register(name, source, pinned, reload, p))
 
