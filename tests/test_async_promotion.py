@@ -182,3 +182,37 @@ def test_async_landings_on_cuda_serve_the_right_adapter(root):
     for fast, sync in zip(outs[True], outs[False]):
         assert fast.token_ids[0] == sync.token_ids[0]
         assert abs(fast.logprobs[0]["logprob"] - sync.logprobs[0]["logprob"]) < 0.05
+
+
+@pytest.mark.gpu
+def test_an_unread_file_refused_on_cuda_evicts_nothing(root, tmp_path):
+    """On the GPU the promotion worker bounds a file registered verify_on_landing in the
+    scratch pool (its stream, the recipe's landing kernel, the norms kernel): one whose
+    lora_A takes its LoRA past bf16 is refused while both slots are full, no slot's bytes
+    or identity move, and a request on a resident adapter beside it is served."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from metrale.engine.registry import AdapterSource
+    from metrale.errors import NonFiniteWeightsError
+
+    llm = _llm(root, device="cuda", dtype="bfloat16")
+    engine = llm.engine
+    llm.generate([PROMPT, PROMPT], GREEDY, ["a", "b"])  # both slots hold an adapter
+    shutil.copytree(root / "b", tmp_path / "huge")
+    weights = tmp_path / "huge" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    key = sorted(k for k in tensors if "lora_A" in k)[0]
+    tensors[key] = torch.full_like(tensors[key], 1e38)
+    save_file(tensors, weights)
+    engine.register_adapter("huge", AdapterSource(path=tmp_path / "huge", verify_on_landing=True))
+    pool = engine.lora.pool
+    before = pool.buffer.cpu(), [(i.slot, i.version, i.uid, i.state) for i in engine.slot_info()]
+    bad = engine.add_request(PROMPT, GREEDY, "huge")
+    ok = engine.add_request(PROMPT, GREEDY, "a")
+    done = run_until_done(engine)
+    assert isinstance(done[bad].error, NonFiniteWeightsError), done[bad].error
+    assert done[ok].finish_reason == "length"
+    assert torch.equal(pool.buffer.cpu(), before[0])
+    assert [(i.slot, i.version, i.uid, i.state) for i in engine.slot_info()] == before[1]
+    engine.check_integrity()
