@@ -24,9 +24,11 @@ Tried on the H200 and not kept, each slower: a GEMV form without MMA (1.2-2.9x t
 and 8 tokens); one MMA per 256-column chunk, its 8 slices joined (1.5x) or unpacked by
 broadcasting to [BN, 8, 32] (1.6x); the zero folded out after the MMA through per-group
 sums of x (1.1-1.6x the kept), also with the unpacking in PTX (lop3 on bf16 pairs, the
-same). The bytes alone (the word tiles loaded and folded) take 1.0-2.8x the byte floor at
-these shapes. The group size is a compile-time constant (10-15% at these shapes, session
-24). From DENSE_MIN_M tokens on the weight is dequantized to a scratch copy for cuBLAS.
+same); the next chunk's words, x slices, zeros and scales loaded into registers before
+this chunk's MMAs (1.05-1.4x, session 25, branch int4-prefetch). The bytes alone (the
+word tiles loaded and folded) take 1.0-2.8x the byte floor at these shapes. The group
+size is a compile-time constant (10-15% at these shapes, session 24). From DENSE_MIN_M
+tokens on the weight is dequantized to a scratch copy for cuBLAS.
 """
 
 from __future__ import annotations
