@@ -6,9 +6,9 @@ For one PEFT-saved r=16 all-linear adapter (bf16 file; and PEFT's default fp32 f
 - h2d_floor_ms: a pinned host -> device copy of the file's data bytes (same run);
 - disk_warm_ms: swap_lora_slot_from_disk with the file in the page cache, host tier off
   (parse + validate, one DMA from the file's registered mapping, NaN check, one landing
-  kernel, tables; a file's first landing also bounds its weights in the slot, since the
-  direct API runs no registration check); disk_warm_cached_plan_ms: the same with the validated plan of these
-  unchanged files remembered (a re-promotion after a tier miss); disk_first_ms: a file
+  kernel, tables; a file's first landing also bounds its weights in a scratch pool, since
+  the direct API runs no registration check); disk_warm_cached_plan_ms: the same with the
+  validated plan of these unchanged files remembered (a re-promotion after a tier miss); disk_first_ms: a file
   never landed before (plan, and the mapping made and registered);
   disk_pread_cached_plan_ms: the plan remembered, no mapping (parallel chunked preads
   into pinned staging overlapped with H2D, as every landing did before mappings);

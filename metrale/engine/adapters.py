@@ -200,7 +200,7 @@ class AdapterManager:
         if isinstance(job.error, StaleVersionError):
             return []  # superseded: its waiters wait for the version now current
         if job.origin.verify_on_landing and isinstance(job.error, AdapterError):
-            # its file's fault: reading it again soon would only cost another slot
+            # its file's fault: reading and checking it again soon would be refused again
             self.registry.refuse(job.version, job.error, time.monotonic() + REFUSAL_S)
         return self._fail(job.name, job.error)
 

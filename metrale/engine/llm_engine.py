@@ -253,7 +253,7 @@ class LLMEngine:
     def check_adapter(self, name: str, source: str | Path | AdapterSource) -> AdapterSource:
         """Validate a disk adapter's files and weights against this engine, once, at
         registration (thread-safe); with source.verify_on_landing its config and header
-        only (its landings check the weights in the slot). A peer is checked against the
+        only (its first landing checks the weights, before a slot is chosen). A peer is checked against the
         allow-list and asked whether it holds the id; its manifest is validated when it
         lands."""
         source = AdapterSource.of(source)

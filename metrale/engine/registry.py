@@ -48,8 +48,9 @@ class AdapterSource:
     """Where an adapter's bytes come from: a PEFT directory or a peer.
 
     verify_on_landing: a directory whose weights were not read at registration (a name
-    resolved on demand from --adapter-source): each landing checks them in the slot, as a
-    peer's bytes always are, and the first refusal stays with the version."""
+    resolved on demand from --adapter-source): its first landing checks them before a slot
+    is chosen (LoraSlots.bound_in_scratch), as a peer's bytes always are checked, and the
+    first refusal stays with the version."""
 
     path: Path | None = None
     peer: PeerRef | None = None

@@ -71,8 +71,8 @@ class EngineAPI(Protocol):
     async def register(self, name: str, path: str | Path, pinned: bool = False,
                        reload: bool = False, verify_on_landing: bool = False) -> AdapterView:
         """Register `path` (a directory or peer:// URI) as `name`; pinned lands it now.
-        verify_on_landing: a directory's weights are not read now but checked at each
-        landing (AdapterSource.verify_on_landing; an engine may check them now instead).
+        verify_on_landing: a directory's weights are not read now but checked when it first
+        lands (AdapterSource.verify_on_landing; an engine may check them now instead).
         Raises InvalidNameError, AdapterExistsError (not reload), SlotBusyError (name
         draining), RuntimeSwapsDisabledError, AdapterError (bad files), PeerNotAllowedError,
         PeerUnavailableError, PoolFullError (pinned, no slot)."""

@@ -1,8 +1,8 @@
 """On-demand registration from --adapter-source: a request naming an adapter nobody
 registered finds it in a source and registers it before it is admitted. One registration
 per name at a time: requests racing for one new name share its look-up and the check of its
-config and header. Its weights are not read here: each landing checks them in the slot
-(AdapterSource.verify_on_landing), and a file refused there is remembered for a while. On
+config and header. Its weights are not read here: its first landing checks them, before a
+slot is chosen (AdapterSource.verify_on_landing), and a file refused there is remembered for a while. On
 the H200's many-adapters trace (1,000 adapters, 40 requests/s) reading and checking each new
 file at registration held look-ups to a p99 of 57 s; header-only, 44 ms (session 24)."""
 
