@@ -32,8 +32,12 @@ def test_pack_roundtrip_and_layout():
     packed = f.pack(q)
     assert packed.shape == (3, 512 // 8) and packed.dtype == torch.int32
     assert torch.equal(f.unpack(packed, 300), q.to(torch.uint8))
-    # column 256 + 32 * 1 + 7 sits in nibble 1 of chunk 1's word 7
-    assert (int(packed[1, 32 + 7]) >> 4) & 0xF == int(q[1, 256 + 32 + 7])
+    # column 256 + 32 * 5 + 2 * 3 + 1 (chunk 1, slice 5 = 4 * 1 + 1, pair 3, second) sits in
+    # chunk 1's word 16 * 1 + 3 at bit 4 * 1 + 16, its pair's first at bit 4 * 1
+    q = torch.randint(0, 16, (3, 512))
+    packed = f.pack(q)
+    assert (int(packed[1, 32 + 16 + 3]) >> 20) & 0xF == int(q[1, 256 + 160 + 7])
+    assert (int(packed[1, 32 + 16 + 3]) >> 4) & 0xF == int(q[1, 256 + 160 + 6])
 
 
 def test_dequantize_written_out():
@@ -119,10 +123,15 @@ def test_scaled_sums_never_span_two_groups():
 
 
 @kernels
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [
+    torch.float16, torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEVICE == "cpu", reason=(
+        "the interpreter's bf16 dot is not the GPU's; bf16 and fp16 take the PTX pair op "
+        "on the GPU only")))])
 def test_zero_point_codes_enter_the_mma_exactly(dtype):
     """Integer weights q - zero times x, scaled per group, for every code and zero (0..16):
-    the result matches the reference up to the reference's own rounding of W to x's dtype."""
+    the result matches the reference up to the reference's own rounding of W to x's dtype
+    (on the GPU, fp16 and bf16 through the pair op that makes two biased integers at once)."""
     n, k, group = 48, 512, 128
     q = torch.arange(n * k).remainder(16).view(n, k)  # every code in every row
     zero = torch.arange(n * (k // group)).remainder(17).view(n, -1).to(torch.uint8)
@@ -132,5 +141,26 @@ def test_zero_point_codes_enter_the_mma_exactly(dtype):
     exact = x.double() @ f.dequantize(*args[:5], k).double().T
     got = f.int4_linear(x, *args, tile_counters(n, x.device), f.GemmConfig(16, 16, f.CHUNK, 2,
                                                                             swap=True))
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(got.double(), exact, atol=tol * float(exact.abs().max()), rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 32])
+@pytest.mark.parametrize("n, k", [(1536, 2048), (1000, 1000)])
+@pytest.mark.parametrize("codes", [False, True], ids=["zero-points", "codebook"])
+def test_gpu_bf16_gemm_at_decode_sizes_equals_the_exact_product(t, n, k, codes):
+    """The configs the engine runs (chosen_config: 64- and 128-row tiles, split K) with the
+    pair ops in bf16, on shapes that tile evenly and shapes that do not (N and K ragged):
+    zero-point codes exact, codebook values rounded to bf16 before the MMA (their group's
+    scale after it), each within bf16's rounding of the exact product."""
+    group = 64 if codes else 128
+    q, scale, zero, book = _weights(n, k, group, codes=codes, seed=t + n)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16).cuda()
+    args = (f.pack(q).cuda(), scale.cuda(), zero.cuda() if zero is not None else None,
+            book.cuda() if book is not None else None, group, None)
+    exact = x.double() @ f.dequantize(*args[:5], k).double().T
+    counters = tile_counters(n, x.device)
+    got = f.int4_linear(x, *args, counters)
+    torch.testing.assert_close(got.double(), exact, atol=8e-3 * float(exact.abs().max()), rtol=0)
+    assert int(counters.abs().sum()) == 0

@@ -16,7 +16,9 @@ try:
 except ImportError:  # a CPU-only install: importing works, calling raises
 
     class _MissingTriton:
-        constexpr = None  # kernel signatures annotate with tl.constexpr at definition time
+        @staticmethod
+        def constexpr(value=None):  # signatures annotate with it; module constants wrap in it
+            return value
 
     triton, tl = None, _MissingTriton()
 
