@@ -23,14 +23,18 @@ make the same integers by plain conversions. This layout and the pair op, with t
 zero and scale loaded once and no masks where N and K tile evenly, took the loop from 801 to
 381 instructions a 256-column chunk (SASS, Triton 3.6, sm_90, 64 x 16 tiles) and the GEMM
 from 3.1-5.4x to 1.8-4.4x its byte floor at the 8B shapes and 1-32 tokens (H200, session 26:
-gate/up at 1 token 45.6 -> 27.6 us); the previous layout (nibble j of word i: column
-32 j + i) spent ~3 instructions a weight unpacking and pairing. Codebook codes (NF4) are
-dequantized in float32 as the reference does, their values picked by a tree of selects on the code's bits
-(_lookup16: 1.3-2.7x faster than a load per element, H200, session 24).
-Tried on the H200 and not kept, each slower or no better: a GEMV form without MMA (1.2-2.9x the time at 1
-and 8 tokens); one MMA per 256-column chunk, its 8 slices joined (1.5x) or unpacked by
-broadcasting to [BN, 8, 32] (1.6x); the zero folded out after the MMA through per-group
-sums of x (1.1-1.6x); the next chunk's words, x slices, zeros and scales loaded into
+gate/up at 1 token 45.6 -> 27.5 us); the previous layout (nibble j of word i: column
+32 j + i) spent ~3 instructions a weight unpacking and pairing. Codebook codes (NF4) in bf16
+or fp16 become their values rounded to x's dtype, a column pair per 16 integer ops from byte
+tables of the codebook (_codebook_pairs), the block's absmax applied to the MMA's sum: a
+rounding of the same size as the reference's (which rounds value x absmax), not the same
+one; 1,206 instructions a chunk against 2,224 for the float32 form (H200: 4.7-7.5x the byte
+floor, was 9.6-13x). In fp32 (and the interpreter) they are dequantized in float32 as the
+reference does, their values picked by a tree of selects on the code's bits (_lookup16).
+Tried on the H200 and not kept, each slower or no better: a GEMV form without MMA (1.2-2.9x
+the time at 1 and 8 tokens); one MMA per 256-column chunk, its 8 slices joined (1.5x) or
+unpacked by broadcasting to [BN, 8, 32] (1.6x); the zero folded out after the MMA through
+per-group sums of x (1.1-1.6x); the next chunk's words, x slices, zeros and scales loaded into
 registers before this chunk's MMAs (1.05-1.4x, session 25, branch int4-prefetch); the words
 stored tile by tile, a program's chunk contiguous (-3.5% to +10%, session 26). The group
 size is a compile-time constant (10-15% at these shapes, session 24). From DENSE_MIN_M
