@@ -149,14 +149,15 @@ def test_zero_point_codes_enter_the_mma_exactly(dtype):
 @pytest.mark.parametrize("t", [1, 8, 32])
 @pytest.mark.parametrize("n, k", [(1536, 2048), (1000, 1000)])
 @pytest.mark.parametrize("codes", [False, True], ids=["zero-points", "codebook"])
-def test_gpu_bf16_gemm_at_decode_sizes_equals_the_exact_product(t, n, k, codes):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gemm_at_decode_sizes_equals_the_exact_product(t, n, k, codes, dtype):
     """The configs the engine runs (chosen_config: 64- and 128-row tiles, split K) with the
-    pair ops in bf16, on shapes that tile evenly and shapes that do not (N and K ragged):
-    zero-point codes exact, codebook values rounded to bf16 before the MMA (their group's
-    scale after it), each within bf16's rounding of the exact product."""
+    pair ops in bf16 and fp16, on shapes that tile evenly and shapes that do not (N and K
+    ragged): zero-point codes exact, codebook values rounded to x's dtype before the MMA
+    (their group's scale after it), each within bf16's rounding of the exact product."""
     group = 64 if codes else 128
     q, scale, zero, book = _weights(n, k, group, codes=codes, seed=t + n)
-    x = torch.randn(t, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16).cuda()
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(k)).to(dtype).cuda()
     args = (f.pack(q).cuda(), scale.cuda(), zero.cuda() if zero is not None else None,
             book.cuda() if book is not None else None, group, None)
     exact = x.double() @ f.dequantize(*args[:5], k).double().T
