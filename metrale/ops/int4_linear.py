@@ -22,7 +22,7 @@ from the reference by that rounding only. fp32 x, and Triton's interpreter (no i
 make the same integers by plain conversions. This layout and the pair op, with the group's
 zero and scale loaded once and no masks where N and K tile evenly, took the loop from 801 to
 381 instructions a 256-column chunk (SASS, Triton 3.6, sm_90, 64 x 16 tiles) and the GEMM
-from 3.1-5.4x to 1.8-4.4x its byte floor at the 8B shapes and 1-32 tokens (H200, session 26:
+from 3.1-5.4x to 1.8-4.6x its byte floor at the 8B shapes and 1-32 tokens (H200, session 26:
 gate/up at 1 token 45.6 -> 27.5 us); the previous layout (nibble j of word i: column
 32 j + i) spent ~3 instructions a weight unpacking and pairing. Codebook codes (NF4) in bf16
 or fp16 become their values rounded to x's dtype, a column pair per 16 integer ops from byte
