@@ -213,12 +213,19 @@ def _slice_codes(words, s: tl.constexpr):
 
 
 @device_function
+def _word_pairs(words, s: tl.constexpr):
+    """int32 [BN, 32]: words [BN, 16] shifted right by 4 s, each twice, so that a pair op
+    (inline PTX, pack=2) gets a word as both elements of the column pair it makes; it reads
+    the first."""
+    sh = words >> (4 * s)
+    return tl.join(sh, sh).reshape(sh.shape[0], 2 * sh.shape[1])
+
+
+@device_function
 def _biased_integers(words, s: tl.constexpr, dt: tl.constexpr):
     """[BN, 32] in dt, bias + q for slice s (bias 128 in bf16, 1024 in fp16): one lop3 per
-    column pair, (w & 0x000F000F) | magic, the pair landing in the register the MMA reads. Each
-    word enters twice (the pair op sees both elements of its pair); only the first is used."""
-    sh = words >> (4 * s)
-    pair = tl.join(sh, sh).reshape(sh.shape[0], 2 * sh.shape[1])
+    column pair, (w & 0x000F000F) | magic, the pair landing in the register the MMA reads."""
+    pair = _word_pairs(words, s)
     if dt == tl.bfloat16:
         w = tl.inline_asm_elementwise("lop3.b32 $0, $1, 983055, 1124090624, 0xea;", "=r,r,r",
                                       [pair], dtype=tl.bfloat16, is_pure=True, pack=2)
@@ -248,11 +255,8 @@ def _codebook_pairs(words, s: tl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7, dt: 
     byte tables t0..t7 of _codebook_bytes. Per column pair (q0 at bit 0, q1 at bit 16 of the
     shifted word) 16 integer ops, against ~17 a weight for the float32 select tree: the
     selector q & 7 for both codes, one prmt per byte table (entries 0-7 and 8-15, low and high
-    bytes), low and high bytes interleaved, then each code's half chosen by its bit 3. Each
-    word enters twice, as in _biased_integers."""
-    sh = words >> (4 * s)
-    pair = tl.join(sh, sh).reshape(sh.shape[0], 2 * sh.shape[1])
-    args = [pair, t0, t1, t2, t3, t4, t5, t6, t7]
+    bytes), low and high bytes interleaved, then each code's half chosen by its bit 3."""
+    args = [_word_pairs(words, s), t0, t1, t2, t3, t4, t5, t6, t7]
     if dt == tl.bfloat16:
         w = tl.inline_asm_elementwise(CODEBOOK_PTX, CODEBOOK_CONSTRAINTS, args,
                                       dtype=tl.bfloat16, is_pure=True, pack=2)
