@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python bench/kernel_sass.py int4-awq [--block-m 16 --block-n 64 --split 2]
     PYTHONPATH=. python bench/kernel_sass.py int4-nf4 --out /tmp/nf4   # also .ttgir/.ptx/.sass
+    PYTHONPATH=. python bench/kernel_sass.py fp8-dynamic --block-m 32 --split 1 --stages 3
 
 How session 26 found the 4-bit GEMM issue-bound (801 instructions a 256-column chunk, ~6 a
 weight, against a byte floor the H200 streams in far fewer cycles) before spending device
@@ -43,6 +44,12 @@ PRESETS = {
                        {**_INT4_SIG, "s_ptr": "*fp32", "z_ptr": "*fp32"}, dict(
         GROUP=64, HAS_ZERO=False, HAS_CODES=True, HAS_BIAS=False, FLUSH=2, EVEN=True,
         PAIR_BIAS=128, IEEE=False)),
+    "fp8-dynamic": Preset("metrale.ops.fp8_linear", "_fp8_gemm_kernel", dict(
+        x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", s_ptr="*fp32", xs_ptr="*fp32", b_ptr="*bf16",
+        y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", x_st="i32",
+        y_st="i32", s_st="i32", xs_st="i32", SO="i32", SI="i32"), dict(
+        FP8_X=True, X_BLOCK=512, PER_ROW=True, HAS_BIAS=False, EVEN_K=True, SWAP=True,
+        IEEE=False, BLOCK_K=512)),
 }
 
 
