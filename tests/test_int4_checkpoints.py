@@ -334,3 +334,39 @@ def test_embedding_and_head_lora_swaps_and_prefix_hits_on_a_4bit_base(tmp_path):
             assert list(out.token_ids) == hf_greedy(model, p, GEN)[0], (name, tail)
     assert llm.engine.runner.model.layers[0].mlp.down_proj.quant == "int4"
     assert llm.engine.blocks.hits > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["awq", "nf4-double-quant"])
+def test_gpu_bf16_int4_checkpoint_matches_peft(tmp_path, fmt, device="cuda", dtype="bfloat16"):
+    """bf16 on CUDA, so the GEMM runs its pair ops (inline PTX: the biased-integer lop3 for
+    zero points, the prmt codebook lookup for NF4) that the fp32 test above never reaches,
+    under captured graphs with two adapters beside the base; against transformers + PEFT in
+    fp32 on the dequantized weights, with test_cuda_graphs' bf16 tolerance."""
+    from metrale import SamplingParams
+    from tests.helpers.reference import hf_greedy, prompts
+    from tests.test_cuda_graphs import GPU_DIMS, assert_greedy_close
+
+    base = make_model("llama", seed=13, **GPU_DIMS)
+    ref = copy.deepcopy(base)
+    ref.load_state_dict(int4_checkpoint(base, tmp_path / "q", *FORMATS[fmt]))
+    adapters = {name: make_adapter(ref, tmp_path / name, seed=seed, r=8, lora_alpha=16,
+                                   target_modules="all-linear")
+                for name, seed in (("A", 3), ("B", 4))}
+    llm = LLM(tmp_path / "q", max_loras=2, max_lora_rank=8, block_size=16, max_model_len=128,
+              num_kv_blocks=64, max_num_seqs=8, device=device, dtype=dtype)
+    for name in adapters:
+        llm.register_adapter(name, tmp_path / name)
+    names = ["A", None, "B", None]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts(11, len(names)), params, names)
+    compared = 0
+    for prompt, out, who in zip(prompts(11, len(names)), outs, names):
+        model = (ref if who is None else adapters[who]).to(device)
+        want, want_lp = hf_greedy(model, prompt, len(out.token_ids))
+        compared += assert_greedy_close(out.token_ids, [lp["logprob"] for lp in out.logprobs],
+                                        want, want_lp.cpu(), 0.15, f"{fmt} {who}")
+    assert compared >= 12, "too few tokens compared before bf16 divergence"
+    assert all(p.quant == "int4" for p in _projections(llm))
+    if device == "cuda":
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0
