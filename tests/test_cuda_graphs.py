@@ -18,8 +18,8 @@ from metrale.engine import cuda_graphs
 from metrale.ops import lora as lora_ops
 from metrale.ops import lora_triton
 from tests.helpers.kernels import KERNELS
-from tests.helpers.reference import check, prompts
-from tests.helpers.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.reference import assert_greedy_close, check, prompts
+from tests.helpers.tiny_models import GPU_DIMS, make_adapter, make_model, save_model
 
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="needs triton or its interpreter")
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
@@ -176,23 +176,6 @@ def test_batches_beyond_the_largest_graph_run_eagerly(cpu_root):
 
 
 # --- on a GPU: real capture, bf16 -----------------------------------------------------------
-
-def assert_greedy_close(tokens, logprobs, ref_tokens, ref_lp, tol, label):
-    """Compare greedy decodes made under different rounding: token by token until the
-    first divergence, which is only allowed at a near tie of the reference (its logprob
-    of our token within tol of its own choice). Returns the number of equal tokens."""
-    for i, (t, r) in enumerate(zip(tokens, ref_tokens)):
-        if t != r:
-            gap = (ref_lp[i, r] - ref_lp[i, t]).item()
-            assert gap < tol, f"{label}: token {i} is {t}, reference {r} (logprob gap {gap:.3f})"
-            return i
-        assert abs(logprobs[i] - ref_lp[i, r].item()) < tol, f"{label}: logprob {i}"
-    return len(tokens)
-
-
-GPU_DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                num_key_value_heads=2, num_hidden_layers=3)
-
 
 def gpu_model(root, seed: int, names: str, adapter_seed: int):
     """A small Llama saved under root/model and r=8 all-linear PEFT adapters root/<name>."""

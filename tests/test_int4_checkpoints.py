@@ -344,8 +344,8 @@ def test_gpu_bf16_int4_checkpoint_matches_peft(tmp_path, fmt, device="cuda", dty
     under captured graphs with two adapters beside the base; against transformers + PEFT in
     fp32 on the dequantized weights, with test_cuda_graphs' bf16 tolerance."""
     from metrale import SamplingParams
-    from tests.helpers.reference import hf_greedy, prompts
-    from tests.test_cuda_graphs import GPU_DIMS, assert_greedy_close
+    from tests.helpers.reference import assert_greedy_close, hf_greedy, prompts
+    from tests.helpers.tiny_models import GPU_DIMS
 
     base = make_model("llama", seed=13, **GPU_DIMS)
     ref = copy.deepcopy(base)

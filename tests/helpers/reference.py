@@ -23,6 +23,19 @@ def check(out, ref_tokens, ref_logprobs):
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+def assert_greedy_close(tokens, logprobs, ref_tokens, ref_lp, tol, label):
+    """Compare greedy decodes made under different rounding: token by token until the
+    first divergence, which is only allowed at a near tie of the reference (its logprob
+    of our token within tol of its own choice). Returns the number of equal tokens."""
+    for i, (t, r) in enumerate(zip(tokens, ref_tokens)):
+        if t != r:
+            gap = (ref_lp[i, r] - ref_lp[i, t]).item()
+            assert gap < tol, f"{label}: token {i} is {t}, reference {r} (logprob gap {gap:.3f})"
+            return i
+        assert abs(logprobs[i] - ref_lp[i, r].item()) < tol, f"{label}: logprob {i}"
+    return len(tokens)
+
+
 def prompts(seed: int, n: int, shared_prefix: int = 0) -> list[list[int]]:
     """n random token-id prompts (3-19 tokens after `shared_prefix` common ones) for the tiny vocab."""
     rng = random.Random(seed)

@@ -12,6 +12,9 @@ TINY = dict(
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
     rms_norm_eps=1e-6, tie_word_embeddings=False,
 )
+# large enough that the GPU kernels run their real tiles (K of a whole 256-column chunk)
+GPU_DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                num_key_value_heads=2, num_hidden_layers=3)
 
 
 def hf_config(arch: str, **overrides):
