@@ -23,7 +23,15 @@ Ray Serve's max_ongoing_requests):
 - prefer_loaded: always a replica holding the adapter if any has room (least loaded);
 - metrale:       metrale.cluster.ranking.rank (affinity, rendezvous homes, a tail pool
                  for the adapters outside the hot set, bounded load, spreading), and a
-                 replica lacking an adapter a neighbour holds lands it from there.
+                 replica lacking an adapter a neighbour holds lands it from there;
+- oracle_static: a reference, not a router (--policies oracle_static): the adapters'
+                 frequencies counted on the trace itself (future knowledge), the top ones
+                 pinned READY from the start in --oracle-hot slots per replica (an adapter
+                 above --oracle-share of the traffic gets copies), never evicted; the
+                 other slots LRU for the rest. Hot requests go to the least-loaded holder,
+                 others to a replica holding them within (1 + epsilon) x the mean load, else
+                 to the least loaded. What a placement that knows the future frequencies
+                 reaches under the same slot, landing and batch limits.
 
 Loads: Zipf(alpha) over the adapters (0.8 and 1.1), and "shift": Zipf 1.1 whose hot
 set is re-drawn every --shift-s seconds. Reported: adapter hit rate (the adapter was
@@ -37,10 +45,12 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import datetime
 import heapq
 import itertools
 import json
+import math
 import platform
 import random
 import sys
@@ -55,6 +65,7 @@ from metrale.cluster.ranking import Heat, ReplicaView, rank  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("round_robin", "ray_multiplex", "prefer_loaded", "metrale")
+REFERENCES = ("oracle_static",)
 
 
 # --- measured service times -------------------------------------------------------------
@@ -156,6 +167,8 @@ class Cluster:
         self.done: list[Request] = []
         self.now = 0.0
         self.heat = Heat(router.heat_half_life_s)  # what the router has seen (metrale)
+        self.pinned = 0  # slots 0..pinned-1 of each replica are never victims (oracle_static)
+        self.holders: dict[int, list[Replica]] = {}  # pinned adapter -> its replicas
 
     # --- events ---------------------------------------------------------------------
 
@@ -208,6 +221,35 @@ class Cluster:
     def _route_prefer_loaded(self, adapter: int, open_: list[Replica]) -> Replica:
         holders = [r for r in open_ if adapter in r.ready_set()]
         return min(holders or open_, key=lambda r: (r.load, r.index))
+
+    def pin_frequent(self, load: list[Request], hot: int, share: float) -> None:
+        """oracle_static's placement: the trace's most frequent adapters READY in slots
+        0..hot-1, ceil(p / share) copies of one with p of the requests, each copy on the
+        replica with the least pinned traffic so far."""
+        counts = collections.Counter(r.adapter for r in load)
+        pinned_mass = [0.0] * len(self.replicas)
+        free = [hot] * len(self.replicas)
+        for adapter, count in counts.most_common():
+            p = count / len(load)
+            copies = max(1, math.ceil(p / share))
+            room = sorted((i for i, f in enumerate(free) if f), key=lambda i: pinned_mass[i])
+            if len(room) < copies:
+                break
+            for i in room[:copies]:
+                self.replicas[i].slots[hot - free[i]] = Slot(adapter, 0, 0.0, True)
+                free[i] -= 1
+                pinned_mass[i] += p / copies
+                self.holders.setdefault(adapter, []).append(self.replicas[i])
+        self.pinned = hot
+
+    def _route_oracle_static(self, adapter: int, open_: list[Replica]) -> Replica:
+        holders = [r for r in self.holders.get(adapter, ()) if r in open_]
+        if holders:
+            return min(holders, key=lambda r: r.load)
+        bound = (1 + self.router.epsilon) * (sum(r.load for r in self.replicas)
+                                             / len(self.replicas) + 1)
+        resident = [r for r in open_ if adapter in r.ready_set() and r.load < bound]
+        return min(resident or open_, key=lambda r: (r.load, r.index))
 
     def _route_metrale(self, adapter: int, open_: list[Replica]) -> Replica:
         views = [ReplicaView(
@@ -267,9 +309,10 @@ class Cluster:
         if not cold:
             return
         _, adapter = min(cold)
-        victims = [i for i, s in enumerate(r.slots) if s.adapter is None]
+        victims = [i for i, s in enumerate(r.slots) if s.adapter is None and i >= self.pinned]
         if not victims:
-            idle = [i for i, s in enumerate(r.slots) if s.refs == 0 and s.ready]
+            idle = [i for i, s in enumerate(r.slots)
+                    if s.refs == 0 and s.ready and i >= self.pinned]
             if not idle:
                 return  # POOL_FULL: wait for a slot to drain
             victims = [min(idle, key=lambda i: r.slots[i].last_used)]
@@ -389,6 +432,8 @@ def simulate(policy: str, load: list[Request], args, times: ServiceTimes) -> dic
                       RouterConfig(epsilon=args.epsilon, spread_queue=args.spread_queue,
                                    tail_fraction=args.tail_fraction,
                                    heat_half_life_s=args.heat_half_life_s), args.seed)
+    if policy == "oracle_static":
+        cluster.pin_frequent(load, args.oracle_hot, args.oracle_share)
     cluster.run([Request(r.id, r.adapter, r.arrival, r.tokens, r.prompt) for r in load])
     done = cluster.done
     ttft = [r.first_token - r.arrival for r in done if r.first_token is not None]
@@ -420,15 +465,27 @@ def main() -> None:
     p.add_argument("--tail-fraction", type=float, default=RouterConfig.tail_fraction)
     p.add_argument("--heat-half-life-s", type=float, default=RouterConfig.heat_half_life_s)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", nargs="+", default=list(POLICIES),
+                   choices=POLICIES + REFERENCES)
+    p.add_argument("--loads", nargs="+", default=["zipf0.8", "zipf1.1", "shift1.1"],
+                   choices=["zipf0.8", "zipf1.1", "shift1.1"])
+    p.add_argument("--oracle-hot", type=int, default=4,
+                   help="oracle_static: pinned slots per replica (the rest LRU)")
+    p.add_argument("--oracle-share", type=float, default=0.1,
+                   help="oracle_static: traffic share above which an adapter gets copies")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results)")
     args = p.parse_args()
+    if not 0 <= args.oracle_hot <= args.slots or not args.oracle_share > 0:
+        p.error(f"--oracle-hot must be in [0, --slots] and --oracle-share > 0, got "
+                f"{args.oracle_hot} and {args.oracle_share}")
     times = measured_times()
     loads = {"zipf0.8": (0.8, None), "zipf1.1": (1.1, None), "shift1.1": (1.1, args.shift_s)}
+    loads = {name: loads[name] for name in args.loads}
     rows = []
     for rate, (name, (alpha, shift)) in itertools.product(args.rates, loads.items()):
         load = arrivals(args.adapters, alpha, rate, args.seconds, shift, args.seed)
         bound = clairvoyant_hit_rate(load, args.replicas * args.slots)
-        for policy in POLICIES:
+        for policy in args.policies:
             row = {"rate": rate, "load": name, **simulate(policy, load, args, times),
                    "clairvoyant_hit_rate": bound}
             row["hit_over_clairvoyant"] = row["hit_rate"] / bound

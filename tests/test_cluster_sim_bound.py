@@ -1,11 +1,14 @@
-"""bench/cluster_sim.py's clairvoyant bound (Belady's MIN over the cluster's slots as one
-cache) against brute force: every eviction choice tried on small random traces."""
+"""bench/cluster_sim.py's references: the clairvoyant bound (Belady's MIN over the cluster's
+slots as one cache) against brute force, every eviction choice tried on small random traces;
+and the static oracle's pinned slots."""
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 
-from bench.cluster_sim import Request, clairvoyant_hit_rate
+from bench.cluster_sim import Cluster, Request, ServiceTimes, arrivals, clairvoyant_hit_rate
+from metrale.cluster.config import RouterConfig
 
 
 def best_hit_rate(trace: list[int], capacity: int) -> float:
@@ -31,3 +34,23 @@ def test_min_equals_the_best_of_every_eviction_choice():
         load = [Request(i, a, float(i), 1, 1) for i, a in enumerate(trace)]
         assert clairvoyant_hit_rate(load, capacity) == best_hit_rate(trace, capacity), \
             (trace, capacity)
+
+
+def test_the_static_oracle_pins_the_most_frequent_adapters_and_never_evicts_them():
+    """Two replicas of four slots, two pinned each: the pinned slots hold the trace's most
+    frequent adapters (the top one in two copies: a quarter of the traffic over a 0.2 share)
+    from start to end, while the tail's landings go to the other slots."""
+    load = arrivals(60, 1.1, 40.0, 10.0, None, seed=1)
+    cluster = Cluster("oracle_static", 2, 4, 8, 32, ServiceTimes(0.004, 1e-4, 0.02, 0.03, "test"),
+                      RouterConfig(), seed=0)
+    cluster.pin_frequent(load, 2, 0.2)
+    pinned = [[s.adapter for s in r.slots[:2]] for r in cluster.replicas]
+    counts = Counter(r.adapter for r in load).most_common()
+    assert counts[0][1] / len(load) > 0.2
+    assert sorted(a for row in pinned for a in row) == sorted(
+        [counts[0][0]] * 2 + [counts[1][0], counts[2][0]])
+    cluster.run(load)
+    assert [[s.adapter for s in r.slots[:2]] for r in cluster.replicas] == pinned
+    assert sum(r.promotions for r in cluster.replicas) > 10  # the tail churned the rest
+    top = [r for r in cluster.done if r.adapter == counts[0][0]]
+    assert top and all(r.hit for r in top)
