@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results_json import merge_results  # noqa: F401  (re-exported: the benches import it here)
 from metrale.config import MOE_MODULES, MOE_PARAMS, ModelConfig
 from metrale.model.layers import LoraProjection
 from metrale.model.llama import LlamaForCausalLM
@@ -351,20 +351,6 @@ def gpu_tag(device: str) -> str:
 def results_path(device: str, root: Path | None = None) -> Path:
     root = root or Path(__file__).resolve().parent / "results"
     return root / f"{datetime.date.today():%Y%m%d}-{gpu_tag(device)}.json"
-
-
-def merge_results(path: Path, section: str, key: str, value: dict, keep: bool = False) -> None:
-    """results[section][key] = value, merged into the file's other keys; keep: value's keys
-    replace those of an existing entry, its other keys stay (a run of some batch sizes
-    keeps an earlier run's other batch sizes)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(path.read_text()) if path.exists() else {}
-    entries = data.setdefault(section, {})
-    old = entries.get(key) if keep else None
-    entries[key] = {**old, **value} if isinstance(old, dict) else value
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
 
 
 def table(rows: list[dict], cols: list[str]) -> str:
