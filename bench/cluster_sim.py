@@ -1,17 +1,19 @@
 """A discrete-event simulation of metrale replicas behind four routers.
 
     python bench/cluster_sim.py                       # 1,000 adapters, 8 replicas x 8 slots
-    python bench/cluster_sim.py --seconds 20 --rate 300   # a shorter or lighter run
+    python bench/cluster_sim.py --seconds 20 --rates 300  # a shorter or heavier run
 
 Each replica is modelled as metrale runs: continuous batching of up to --batch
 sequences; a request runs only once its adapter is READY in one of --slots slots;
-a slot with running sequences is never a victim (EMPTY first, then least recently
-used idle); one landing at a time, FIFO by the oldest waiting request, landing while
-the batch runs (the async promotion worker). Service times come from measured runs
-(bench/results/*-h200.json, Llama-3-8B bf16 on an H200): the decode step at batch
-32 and 64 with 32 adapters (linear in between), a warm-disk landing
-(swap.llama3-8b.bf16.disk_warm_ms) and a landing from a neighbour over NVLink
-(swap.llama3-8b-peer.peer_nvlink_ms). A prefill costs its prompt tokens at the
+a request holds a reference on its slot from the moment its adapter is READY there
+(at arrival, or when its landing commits: the engine's AdapterManager.bind and
+_bind_waiters) until it finishes, and a slot with references is never a victim
+(EMPTY first, then least recently used idle); one landing at a time, FIFO by the
+oldest waiting request, landing while the batch runs (the async promotion worker).
+Service times come from measured runs (bench/results/*-h200.json, Llama-3-8B bf16 on
+an H200): the decode step at batch 32 and 64 with 32 adapters (linear in between), a
+warm-disk landing (swap.llama3-8b.bf16.disk_warm_ms) and a landing from a neighbour over
+NVLink (swap.llama3-8b-peer.peer_nvlink_ms). A prefill costs its prompt tokens at the
 step's marginal per-row cost (an approximation, the same for every router).
 
 Routers (each sees every replica's exact queue; the bound on a replica is
@@ -60,6 +62,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results_json import merge_results  # noqa: E402
 from metrale.cluster.config import RouterConfig  # noqa: E402
 from metrale.cluster.ranking import Heat, ReplicaView, rank  # noqa: E402
 
@@ -191,7 +194,11 @@ class Cluster:
             return
         target = getattr(self, f"_route_{self.policy}")(req.adapter, open_)
         self.heat.record(str(req.adapter), now)  # the router's on_request_routed
-        req.hit = target.slot_of(req.adapter) is not None
+        slot = target.slot_of(req.adapter)
+        req.hit = slot is not None
+        if req.hit:  # bound on arrival, as the engine's AdapterManager.bind takes a reference
+            target.slots[slot].refs += 1
+            target.slots[slot].last_used = now
         target.queues.setdefault(req.adapter, deque()).append(req)
         target.waiting += 1
         target.served += 1
@@ -280,6 +287,8 @@ class Cluster:
         if r.landing is not None and r.landing[2] <= now:
             adapter, i, _ = r.landing
             r.slots[i].ready, r.landing = True, None
+            r.slots[i].refs += len(r.queues.get(adapter, ()))  # its waiters bind at commit
+            r.slots[i].last_used = now
         if r.landing is None:
             self._start_landing(r, now)
         admitted = self._admit(r, now)
@@ -326,7 +335,9 @@ class Cluster:
 
     def _admit(self, r: Replica, now: float) -> list[Request]:
         admitted = []
-        ready = {s.adapter: s for s in r.slots if s.ready and s.adapter is not None}
+        # every queued request of a READY adapter holds its slot already (bound on arrival or
+        # at its landing's commit)
+        ready = {s.adapter for s in r.slots if s.ready and s.adapter is not None}
         heads = [(q[0].arrival, a) for a, q in r.queues.items() if q and a in ready]
         heapq.heapify(heads)
         while heads and r.num_running < r.batch:
@@ -337,9 +348,6 @@ class Cluster:
                 del r.queues[a]
             else:
                 heapq.heappush(heads, (q[0].arrival, a))
-            slot = ready[a]
-            slot.refs += 1
-            slot.last_used = now
             r.waiting -= 1
             r.num_running += 1
             r.running.setdefault(r.step_no + req.tokens, []).append(req)
@@ -474,6 +482,9 @@ def main() -> None:
     p.add_argument("--oracle-share", type=float, default=0.1,
                    help="oracle_static: traffic share above which an adapter gets copies")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results)")
+    p.add_argument("--summary", type=Path, default=None,
+                   help="results file for the cluster_sim.rateR rows (metrale and ray_multiplex "
+                        "on zipf1.1; default: bench/results/<date>-cpu.json)")
     args = p.parse_args()
     if not 0 <= args.oracle_hot <= args.slots or not args.oracle_share > 0:
         p.error(f"--oracle-hot must be in [0, --slots] and --oracle-share > 0, got "
@@ -510,6 +521,26 @@ def main() -> None:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "rows": rows}, indent=1))
     print(f"\nwrote {out}")
+    summary = args.summary or RESULTS / f"{datetime.date.today():%Y%m%d}-cpu.json"
+    for rate, row in issue_rows(rows).items():
+        merge_results(summary, "cluster_sim", f"rate{rate:g}",
+                      {**row, "command": "python " + " ".join(sys.argv)})
+        print(f"cluster_sim.rate{rate:g} -> {summary}")
+
+
+def issue_rows(rows: list[dict]) -> dict[float, dict]:
+    """The figures issue 28 judges, per rate: metrale's router on the Zipf 1.1 load beside
+    Ray Serve's multiplexed routing on the same trace (rates where both ran)."""
+    out = {}
+    for rate in sorted({r["rate"] for r in rows}):
+        ours, ray = ({r["policy"]: r for r in rows if r["rate"] == rate and r["load"] == "zipf1.1"}
+                     .get(p) for p in ("metrale", "ray_multiplex"))
+        if ours and ray:
+            out[rate] = {k: ours[k] for k in ("hit_rate", "clairvoyant_hit_rate",
+                                              "hit_over_clairvoyant", "ttft_p99_ms", "imbalance")}
+            out[rate].update(ray_hit_rate=ray["hit_rate"], ray_ttft_p99_ms=ray["ttft_p99_ms"],
+                             ttft_p99_over_ray=ours["ttft_p99_ms"] / ray["ttft_p99_ms"])
+    return out
 
 
 if __name__ == "__main__":
