@@ -1,6 +1,7 @@
 """Adapter landing time into a slot of a live engine, against the PCIe floor.
 
     PYTHONPATH=. python bench/swap.py [--model llama3-8b]
+    PYTHONPATH=. python bench/swap.py --model llama3-70b-fp8   # 70B shape, built FP8, bf16 file only
 
 For one PEFT-saved r=16 all-linear adapter (bf16 file; and PEFT's default fp32 file):
 - h2d_floor_ms: a pinned host -> device copy of the file's data bytes (same run);
@@ -15,7 +16,9 @@ For one PEFT-saved r=16 all-linear adapter (bf16 file; and PEFT's default fp32 f
   disk_new_file_known_layout_ms: a copy of the file never landed before (new inode: its
   own mapping and registration), whose config and header match a planned one;
 - host_tier_ms: the same call when the host tier holds the adapter (one H2D of the slot
-  image + table rows);
+  image + table rows); host_tier_promote_ms: the promotion operation
+  (promote_lora_slot_from_disk: the promoter chooses the slot) of the same files, a new
+  version each time, their image in the tier;
 - plan_ms: the config/header validation alone (part of disk_warm_ms);
 - peft_load_adapter_ms: PEFT `load_adapter` of the same directory (one repetition);
 - breakdown_ms: the cached-plan disk landing phase by phase, the device synchronized
@@ -37,7 +40,7 @@ from pathlib import Path
 
 from bench.common import (
     adapter_dir,
-    build_pair,
+    build_any,
     h2d_ms,
     make_peft,
     median,
@@ -46,6 +49,7 @@ from bench.common import (
     sync,
     table,
     timed,
+    write_random_adapters,
 )
 from metrale.adapters.identity import adapter_identity
 from metrale.adapters.plan import plan_adapter
@@ -58,6 +62,8 @@ def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
     out = {"slot_bytes": slots.pool.layout.slot_bytes}
     files = {"bf16": adapter_dir(adapters_root, 0), "fp32": adapters_root / "fp32" / "a0"}
     for label, d in files.items():
+        if not d.exists():  # a base built only quantized: random bf16 adapters, no PEFT copy
+            continue
         plan = plan_adapter(d, "x", slots.model_config, slots.pool_config)
 
         def swap(d=d):
@@ -110,6 +116,16 @@ def run(engine, adapters_root: Path, peft, device: str, slot: int) -> dict:
             assert tier.hits == hits + 6, "host tier was not hit"
             row["host_tier_ms"] = median(t)
             row["host_tier_min_ms"] = min(t)
+            # the promotion operation (the promoter picks the slot: the name's own) of a new
+            # version of the same files, their image in the tier
+            engine.promote_lora_slot_from_disk(d, "promotebench")
+            sync(device)
+            hits = tier.hits
+            t = timed(lambda d=d: engine.promote_lora_slot_from_disk(d, "promotebench"), device,
+                      reps=5, warmup=1)
+            assert tier.hits == hits + 6, "host tier was not hit"
+            engine.unload_adapter("promotebench")
+            row["host_tier_promote_ms"] = median(t)
         if peft is not None:
             sync(device)
             t0 = time.perf_counter()
@@ -177,6 +193,9 @@ def report(name: str, res: dict) -> str:
                      "new_file_ms": r.get("disk_new_file_known_layout_ms", float("nan")),
                      "host_tier_ms": r.get("host_tier_ms", float("nan")),
                      "tier/slot_floor": r.get("host_tier_ms", float("nan")) / r["h2d_slot_floor_ms"],
+                     "tier_promote_ms": r.get("host_tier_promote_ms", float("nan")),
+                     "promote/slot_floor": r.get("host_tier_promote_ms", float("nan"))
+                     / r["h2d_slot_floor_ms"],
                      "plan_ms": r["plan_ms"],
                      "peft_load_ms": r.get("peft_load_adapter_ms", float("nan"))})
     return table(rows, list(rows[0]) if rows else [])
@@ -190,8 +209,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        pair = build_pair(args.model, args.device, Path(tmp))
-        peft = make_peft(pair, 1, Path(tmp) / "adapters")
+        pair = build_any(args.model, args.device, Path(tmp))
+        if pair.hf is not None:
+            peft = make_peft(pair, 1, Path(tmp) / "adapters")
+        else:  # built only quantized (llama3-70b-fp8): the bf16 file alone, no PEFT baseline
+            peft = None
+            write_random_adapters(pair, 1, Path(tmp) / "adapters")
         engine = make_engine(pair, args.device, 2, max_num_seqs=8, host_tier_bytes=4 << 30)
         res = run(engine, Path(tmp) / "adapters", peft, args.device, slot=1)
     merge_results(results_path(args.device), "swap", args.model, res)
