@@ -71,10 +71,12 @@ def claim(path: Path) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
-def is_cached() -> bool:
-    """The default model and every demo adapter are built for the current recipe."""
+def is_cached(root: Path | None = None) -> bool:
+    """The default model and every demo adapter are built for the current recipe (in
+    `root`, recipe_cache_dir() by default: pass the default_model_cache fixture's root
+    while it sets METRALE_CACHE_DIR, which moves recipe_cache_dir())."""
     from metrale.demo_adapters import DEMO_ADAPTERS
 
-    root = recipe_cache_dir()
+    root = root or recipe_cache_dir()
     return dm.is_complete(root / "models" / dm.MODEL_NAME) and all(
         dm.is_complete(root / "adapters" / name) for name in DEMO_ADAPTERS)
