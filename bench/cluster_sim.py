@@ -291,7 +291,7 @@ class Cluster:
             r.slots[i].last_used = now
         if r.landing is None:
             self._start_landing(r, now)
-        admitted = self._admit(r, now)
+        admitted = self._admit(r)
         if r.num_running:
             duration = self.times.step(r.num_running, sum(q.prompt for q in admitted))
             end = now + duration
@@ -333,7 +333,7 @@ class Cluster:
         r.landing = (adapter, i, now + took)
         r.promotions += 1
 
-    def _admit(self, r: Replica, now: float) -> list[Request]:
+    def _admit(self, r: Replica) -> list[Request]:
         admitted = []
         # every queued request of a READY adapter holds its slot already (bound on arrival or
         # at its landing's commit)
