@@ -156,3 +156,21 @@ def test_gpu_gemm_at_model_shapes_replays_in_a_graph(n, k, dynamic):
             torch.cuda.synchronize()
             assert torch.equal(out, got), t
     assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_the_weight_only_gemm_takes_a_dense_weight_with_unit_scales(split):
+    """bench/fp8_gemm.py times the kernel on a bf16 weight itself (bf16_split_us: a split-K
+    GEMM for skinny-M dense projections); the codes' conversion is then a no-op and the
+    result F.linear's."""
+    g = torch.Generator().manual_seed(split)
+    n, k, t = 72, 256, 5
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    x = torch.randn(t, k, generator=g).to(DEVICE)
+    counters = tile_counters(n, x.device)
+    for swap in (False, True):
+        got = f.fp8_linear(x, w, torch.ones(n, 1, device=DEVICE), (1, k), None, counters,
+                           f.GemmConfig(16, 16, 32, split, swap=swap))
+        want = F.linear(x, w)
+        torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-4)
+    assert int(counters.abs().sum()) == 0
