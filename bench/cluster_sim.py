@@ -10,10 +10,12 @@ a request holds a reference on its slot from the moment its adapter is READY the
 _bind_waiters) until it finishes, and a slot with references is never a victim
 (EMPTY first, then least recently used idle); one landing at a time, FIFO by the
 oldest waiting request, landing while the batch runs (the async promotion worker).
-Service times come from measured runs (bench/results/*-h200.json, Llama-3-8B bf16 on
-an H200): the decode step at batch 32 and 64 with 32 adapters (linear in between), a
-warm-disk landing (swap.llama3-8b.bf16.disk_warm_ms) and a landing from a neighbour over
-NVLink (swap.llama3-8b-peer.peer_nvlink_ms). A prefill costs its prompt tokens at the
+Service times come from measured runs (the newest bench/results/*-h200.json holding
+each, Llama-3-8B bf16 on an H200): the decode step at batch 32 and 64 with 32 adapters
+(linear in between), a landing of a never-landed file of a planned layout
+(swap.llama3-8b.bf16.disk_new_file_known_layout_ms: the 1,000 adapters share one) and a
+landing from a neighbour (swap.llama3-8b-peer-1gpu.peer_nixl_ms, two processes on one
+GPU; the two-GPU figure is older). A prefill costs its prompt tokens at the
 step's marginal per-row cost (an approximation, the same for every router).
 
 Routers (each sees every replica's exact queue; the bound on a replica is
@@ -87,22 +89,33 @@ class ServiceTimes:
 
 
 def measured_times(results: Path = RESULTS) -> ServiceTimes:
-    """From the newest H200 result that has both the decode and the peer landing runs."""
-    for path in sorted(results.glob("*-h200.json"), reverse=True):
-        data = json.loads(path.read_text())
-        try:
-            dec = data["decode"]["llama3-8b"]
-            t32 = 32 / dec["batch32"]["lora32_tok_s"]
-            t64 = 64 / dec["batch64"]["lora32_tok_s"]
-            disk = data["swap"]["llama3-8b"]["bf16"]["disk_warm_ms"] / 1e3
-            peer = data["swap"]["llama3-8b-peer"]["peer_nvlink_ms"] / 1e3
-        except KeyError:
-            continue
-        per_row = (t64 - t32) / 32
-        return ServiceTimes(t32 - 32 * per_row, per_row, disk, peer,
-                            f"{path.name}: decode.llama3-8b batch32/64 lora32_tok_s, "
-                            "swap.llama3-8b.bf16.disk_warm_ms, swap.llama3-8b-peer.peer_nvlink_ms")
-    raise SystemExit("no bench/results/*-h200.json with decode.llama3-8b and swap.llama3-8b-peer")
+    """Each figure from the newest H200 result that holds it: the decode steps, a landing of
+    a never-landed file whose layout the replica has planned (every adapter of one base and
+    config shares a layout), and a landing from a neighbour (the newest peer figure, whether
+    measured between two GPUs or two processes on one)."""
+    newest = sorted(results.glob("*-h200.json"), reverse=True)
+    data = [(path.name, json.loads(path.read_text())) for path in newest]
+
+    def find(*paths: tuple[str, ...]) -> tuple[float, str]:
+        for name, d in data:
+            for keys in paths:
+                value = d
+                for key in keys:
+                    value = value.get(key, {}) if isinstance(value, dict) else {}
+                if isinstance(value, (int, float)):
+                    return float(value), f"{name}: {'.'.join(keys)}"
+        raise SystemExit(f"no bench/results/*-h200.json holds {' or '.join(map('.'.join, paths))}")
+
+    t32, src32 = find(("decode", "llama3-8b", "batch32", "lora32_tok_s"))
+    t64, src64 = find(("decode", "llama3-8b", "batch64", "lora32_tok_s"))
+    disk, src_disk = find(("swap", "llama3-8b", "bf16", "disk_new_file_known_layout_ms"),
+                          ("swap", "llama3-8b", "bf16", "disk_warm_ms"))
+    peer, src_peer = find(("swap", "llama3-8b-peer-1gpu", "peer_nixl_ms"),
+                          ("swap", "llama3-8b-peer", "peer_nvlink_ms"))
+    t32, t64 = 32 / t32, 64 / t64  # step seconds
+    per_row = (t64 - t32) / 32
+    return ServiceTimes(t32 - 32 * per_row, per_row, disk / 1e3, peer / 1e3,
+                        "; ".join((src32, src64, src_disk, src_peer)))
 
 
 # --- the replica model -----------------------------------------------------------------

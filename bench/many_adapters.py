@@ -31,11 +31,12 @@ victims). Loads: zipf1.1, zipf0.8, and shift1.1 (Zipf 1.1 whose hot set is redra
 --simulate drives the real engine (scheduler, adapter manager, promotions, SlotTable,
 HostTier and its EvictionPolicy) on a tiny model on the CPU in virtual time; only the
 forward pass is replaced, by a step time fitted to the H200's Llama-3-8B decode steps
-(bench/cluster_sim.py measured_times: ~7.0 ms + 0.028 ms per token in the step, so a
-request runs ~0.25-0.7 s). Promotions run inline and take no virtual time: on the H200 a
-disk read runs on the promotion worker beside the steps and a tier landing is one ~1.7 ms
-copy, against runs of hundreds of ms, so what is resident when is modelled; what is not is
-the promotion path's throughput (one at a time, ~50 ms each from start to commit for the 8B
+(bench/cluster_sim.py measured_times, the newest H200 decode: ~5.7 ms + 0.023 ms per token
+in the step since 20261203-h200.json, ~7.0 + 0.028 before, so a request runs ~0.2-0.7 s).
+Promotions run inline and take no virtual time: on the H200 a disk read runs on the
+promotion worker beside the steps and a tier landing is one ~1.7 ms copy, against runs
+of hundreds of ms, so what is resident when is modelled; what is not is the promotion
+path's throughput (one at a time, ~50 ms each from start to commit for the 8B
 on the H200: at 60 requests/s it fell behind there). The tier holds as many images as
 --host-tier-gb holds of the 8B's 86.6 MB r16 slots (8 GB: 92), of the tiny model's.
 Adapters are registered the way the server's source look-up does it: the first request
