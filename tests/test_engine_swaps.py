@@ -93,6 +93,26 @@ def test_pool_full_times_out_with_pool_full(root):
     engine.check_integrity()
 
 
+def test_offline_generate_waits_for_a_slot_however_long_it_takes(root, monkeypatch):
+    """LLM.generate's requests never time out waiting for a slot (a finite batch: running
+    requests free their slots). The engine's clock reads 1,000 s past every arrival, as on
+    a machine slow enough to outlast the server's 30 s POOL_FULL: three adapters through one
+    slot all finish; with a timeout set (the server's) the waiters fail with POOL_FULL."""
+    import time
+    import types
+
+    import metrale.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "time",
+                        types.SimpleNamespace(monotonic=lambda: time.monotonic() + 1000.0))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = _llm(root, max_loras=1).generate([PROMPT] * 3, params, ["a", "b", "c"])
+    assert [len(o.token_ids) for o in outs] == [4, 4, 4]
+    with pytest.raises(PoolFullError, match="POOL_FULL: waited 30s"):
+        _llm(root, max_loras=1, promotion_timeout_s=30.0).generate([PROMPT] * 3, params,
+                                                                   ["a", "b", "c"])
+
+
 def test_one_promotion_for_many_waiters(root):
     llm = _llm(root)
     outs = llm.generate([PROMPT] * 20, SamplingParams(max_tokens=3, temperature=0), ["b"] * 20)

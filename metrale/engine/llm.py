@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,10 +26,16 @@ def load_tokenizer(model_dir: Path):
 
 
 class LLM:
+    """The offline engine (vLLM's LLM). Its requests wait for an adapter slot as long as
+    that takes (promotion_timeout_s: inf): a generate() batch is finite and its running
+    requests free their slots, so POOL_FULL after a wall-clock wait would only fail a batch
+    on a slow machine. The server passes its --promotion-timeout instead."""
+
     def __init__(self, model: str | Path | None = None, *, max_loras: int = 4,
                  max_lora_rank: int = 16, device: str = "cpu", dtype: str | None = None,
                  allow_runtime_swaps: bool = True, host_tier_bytes: int = 0,
-                 adapter_eviction: str = "cost", **engine_kwargs) -> None:
+                 adapter_eviction: str = "cost", promotion_timeout_s: float = math.inf,
+                 **engine_kwargs) -> None:
         if model is None:
             from metrale.model.default_model import default_model_dir
 
@@ -38,7 +45,7 @@ class LLM:
         cfg = EngineConfig(
             pool=PoolConfig(max_loras, max_lora_rank, allow_runtime_swaps=allow_runtime_swaps,
                             host_tier_bytes=host_tier_bytes, eviction=adapter_eviction),
-            device=device, dtype=dtype, **engine_kwargs,
+            device=device, dtype=dtype, promotion_timeout_s=promotion_timeout_s, **engine_kwargs,
         )
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
