@@ -4,17 +4,18 @@ shape: what choose_config should pick.
 
     PYTHONPATH=. python bench/fp8_gemm.py [--m 1 8 32 64 128] [--sweep]
 
-JSON `fp8_gemm[<model> <proj> m<M>]`: bf16_us (F.linear on the bf16 weight), bf16_split_us
-(the same Triton kernel on the bf16 weight with unit scales: a split-K bf16 GEMM, chosen
-config; with --sweep at decode sizes bf16_split_best_us / _config), bf16_floor_us (its
-bytes at the copy bandwidth), fp8_us (the weight-only GEMM, chosen config), fp8x_us
-(dynamic FP8 activations: the per-token rounding launch and the FP8 x FP8 GEMM, chosen
-config), floor_us (FP8 weight + scales + activations at the copy bandwidth of the same
-run), fp8_over_floor, bf16_over_fp8, config; with --sweep best_us / best_config over SWEEP
-(decode sizes) or SWEEP_PREFILL (the Triton tiles; fp8_us from DENSE_MIN_M on is the
-dequantize-then-cuBLAS path). Times: common.graph_us, a CUDA graph of 20 calls replayed
-under triton's do_bench (median), per call. (The session-16 figures in
-bench/results/20261202-h200.json took the median of 7 event-timed replays instead.)"""
+JSON `fp8_gemm[<model> <proj> m<M>]`: bf16_us (F.linear on the bf16 weight), at decode
+sizes (M <= SPLIT_MAX_M) bf16_split_us (the same Triton kernel on the bf16 weight with unit
+scales: a split-K bf16 GEMM, chosen config; with --sweep bf16_split_best_us / _config),
+bf16_split_over_bf16; bf16_floor_us (the bf16 GEMM's bytes at the copy bandwidth), fp8_us
+(the weight-only GEMM, chosen config), fp8x_us (dynamic FP8 activations: the per-token
+rounding launch and the FP8 x FP8 GEMM, chosen config), floor_us (FP8 weight + scales +
+activations at the copy bandwidth of the same run), fp8_over_floor, bf16_over_fp8, config;
+with --sweep best_us / best_config over SWEEP (decode sizes) or SWEEP_PREFILL (the Triton
+tiles; fp8_us from DENSE_MIN_M on is the dequantize-then-cuBLAS path). Times:
+common.graph_us, a CUDA graph of 20 calls replayed under triton's do_bench (median), per
+call. (The session-16 figures in bench/results/20261202-h200.json took the median of 7
+event-timed replays instead.)"""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def run(ms: list[int], sweep: bool) -> dict:
             counters = tile_counters(n, w.device)
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                floor = (n * k + n * 4 + m * k * 2 + m * n * 2) / bw * 1e6
+                io = m * k * 2 + m * n * 2  # bf16 activations in and out
+                floor = (n * k + n * 4 + io) / bw * 1e6
+                decode = m <= f.SPLIT_MAX_M
                 cfg = f.chosen_config(m, q, scale, (1, k), counters)
                 fp8 = functools.partial(f.fp8_linear, x, q, scale, (1, k), None, counters)
                 fp8x = functools.partial(fp8, dynamic=True)
@@ -68,14 +71,15 @@ def run(ms: list[int], sweep: bool) -> dict:
                 row = {
                     "bf16_us": graph_us(functools.partial(F.linear, x, w)),
                     "fp8_us": graph_us(fp8), "fp8x_us": graph_us(fp8x), "floor_us": floor,
-                    "bf16_split_us": graph_us(dense),
-                    "bf16_floor_us": (2 * n * k + m * k * 2 + m * n * 2) / bw * 1e6,
+                    "bf16_floor_us": (2 * n * k + io) / bw * 1e6,
                     "config": str(dataclasses.astuple(cfg)),
                     "fp8x_config": str(dataclasses.astuple(
                         f.chosen_config(m, q, scale, (1, k), counters, dynamic=True))),
                 }
+                if decode:  # past SPLIT_MAX_M the same call runs prefill tiles or cuBLAS
+                    row["bf16_split_us"] = graph_us(dense)
+                    row["bf16_split_over_bf16"] = row["bf16_split_us"] / row["bf16_us"]
                 if sweep:
-                    decode = m <= f.SPLIT_MAX_M
                     bm = max(16, 1 << (m - 1).bit_length()) if decode else min(m, 128)
                     configs = [f.GemmConfig(block_m=bm, **c)
                                for c in (SWEEP if decode else SWEEP_PREFILL)]
@@ -90,7 +94,6 @@ def run(ms: list[int], sweep: bool) -> dict:
                 row["fp8_over_floor"] = row["fp8_us"] / floor
                 row["fp8x_over_floor"] = row["fp8x_us"] / floor
                 row["bf16_over_fp8"] = row["bf16_us"] / row["fp8_us"]
-                row["bf16_split_over_bf16"] = row["bf16_split_us"] / row["bf16_us"]
                 out[f"{model} {proj} m{m}"] = row
                 print(model, proj, m, {k: (round(v, 2) if isinstance(v, float) else v)
                                        for k, v in row.items()}, flush=True)
