@@ -338,7 +338,7 @@ def test_embedding_and_head_lora_swaps_and_prefix_hits_on_a_4bit_base(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["awq", "nf4-double-quant"])
-def test_gpu_bf16_int4_checkpoint_matches_peft(tmp_path, fmt, device="cuda", dtype="bfloat16"):
+def test_gpu_bf16_int4_checkpoint_matches_peft(tmp_path, fmt):
     """bf16 on CUDA, so the GEMM runs its pair ops (inline PTX: the biased-integer lop3 for
     zero points, the prmt codebook lookup for NF4) that the fp32 test above never reaches,
     under captured graphs with two adapters beside the base; against transformers + PEFT in
@@ -354,19 +354,19 @@ def test_gpu_bf16_int4_checkpoint_matches_peft(tmp_path, fmt, device="cuda", dty
                                    target_modules="all-linear")
                 for name, seed in (("A", 3), ("B", 4))}
     llm = LLM(tmp_path / "q", max_loras=2, max_lora_rank=8, block_size=16, max_model_len=128,
-              num_kv_blocks=64, max_num_seqs=8, device=device, dtype=dtype)
+              num_kv_blocks=64, max_num_seqs=8, device="cuda", dtype="bfloat16")
     for name in adapters:
         llm.register_adapter(name, tmp_path / name)
     names = ["A", None, "B", None]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
-    outs = llm.generate(prompts(11, len(names)), params, names)
+    inputs = prompts(11, len(names))
+    outs = llm.generate(inputs, params, names)
     compared = 0
-    for prompt, out, who in zip(prompts(11, len(names)), outs, names):
-        model = (ref if who is None else adapters[who]).to(device)
+    for prompt, out, who in zip(inputs, outs, names):
+        model = (ref if who is None else adapters[who]).to("cuda")
         want, want_lp = hf_greedy(model, prompt, len(out.token_ids))
         compared += assert_greedy_close(out.token_ids, [lp["logprob"] for lp in out.logprobs],
                                         want, want_lp.cpu(), 0.15, f"{fmt} {who}")
     assert compared >= 12, "too few tokens compared before bf16 divergence"
     assert all(p.quant == "int4" for p in _projections(llm))
-    if device == "cuda":
-        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0
