@@ -1,8 +1,12 @@
-"""Where a base decode step's GPU time goes: the kernels of one replayed CUDA graph,
-grouped by name (µs per step), and each projection's GEMM alone against its byte floor
-(the HBM copy bandwidth measured in the same run).
+"""Where a decode step's GPU time goes: the kernels of one replayed CUDA graph, grouped
+by name (µs per step), and each projection's GEMM alone against its byte floor (the HBM
+copy bandwidth measured in the same run). --lora1 also profiles the step of a batch that
+uses one adapter (random r=16 all-linear): what a single adapter's fixed cost is made of.
 
-    PYTHONPATH=. python bench/graph_profile.py --model llama3-8b --batch 32 64
+    PYTHONPATH=. python bench/graph_profile.py --model llama3-8b --batch 32 64 [--lora1]
+
+JSON `graph_profile[<model>][batch<B>]`: kernel_us_per_step, kernels, gemms (base graph);
+with --lora1 also lora1_kernel_us_per_step, lora1_kernels, lora1_graph (its key).
 """
 from __future__ import annotations
 
@@ -15,7 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import build_pair, copy_bandwidth, merge_results, results_path, table
+from bench.common import (
+    build_pair,
+    copy_bandwidth,
+    merge_results,
+    results_path,
+    table,
+    write_random_adapters,
+)
 from bench.decode import decode_run, make_engine
 
 REPS = 20
@@ -49,11 +60,10 @@ def gemm_table(cfg, batch: int, bw: float) -> list[dict]:
     return rows
 
 
-def graph_kernels(engine, batch: int) -> list[dict]:
-    """Kernels of the base decode graph of `batch` rows, µs per replay, largest first."""
-    graphs = engine.runner.graphs
-    size = min(b for b in graphs.sizes if b >= batch)
-    graph, _ = graphs.graphs[(size, False)]
+def graph_kernels(engine) -> list[dict]:
+    """Kernels of the latest decode step's graph, µs per replay, largest first (its static
+    inputs hold that step's batch)."""
+    graph, _ = engine.runner.graphs.graphs[engine.runner.graphs.last_key]
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -74,22 +84,32 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--lora1", action="store_true", help="also the graph of a one-adapter batch")
     args = ap.parse_args()
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         pair = build_pair(args.model, "cuda", Path(tmp))
-        engine = make_engine(pair, "cuda", 0, max(args.batch))
+        engine = make_engine(pair, "cuda", 1 if args.lora1 else 0, max(args.batch))
+        if args.lora1:
+            write_random_adapters(pair, 1, Path(tmp) / "adapters")
+            engine.swap_lora_slot_from_disk(Path(tmp) / "adapters" / "a0", "a0", 0)
         bw = copy_bandwidth("cuda")
         out["copy_bw_GBs"] = bw / 1e9
         for b in args.batch:
-            decode_run(engine, [None] * b, "cuda", gen=8)  # fills the graph's static inputs
-            kernels = graph_kernels(engine, b)
-            total = sum(r["us_per_step"] for r in kernels)
-            print(f"\n{args.model} batch {b}: {total:.0f} us of kernels per step")
-            print(table(kernels[:25], ["kernel", "us_per_step", "calls_per_step"]))
-            gemms = gemm_table(pair.config, b, bw)
-            print(table(gemms, ["gemm", "batch", "n", "k", "us", "floor_us", "over_floor"]))
-            out[f"batch{b}"] = {"kernel_us_per_step": total, "kernels": kernels, "gemms": gemms}
+            row: dict = {}
+            for key, name in (("", None), ("lora1_", "a0"))[:2 if args.lora1 else 1]:
+                decode_run(engine, [name] * b, "cuda", gen=8)  # fills the graph's static inputs
+                kernels = graph_kernels(engine)
+                total = sum(r["us_per_step"] for r in kernels)
+                print(f"\n{args.model} batch {b} {key or 'base_'}graph "
+                      f"{engine.runner.graphs.last_key}: {total:.0f} us of kernels per step")
+                print(table(kernels[:25], ["kernel", "us_per_step", "calls_per_step"]))
+                row.update({f"{key}kernel_us_per_step": total, f"{key}kernels": kernels})
+                if key:
+                    row[f"{key}graph"] = str(engine.runner.graphs.last_key)
+            row["gemms"] = gemm_table(pair.config, b, bw)
+            print(table(row["gemms"], ["gemm", "batch", "n", "k", "us", "floor_us", "over_floor"]))
+            out[f"batch{b}"] = row
     merge_results(results_path("cuda"), "graph_profile", args.model, out)
 
 
