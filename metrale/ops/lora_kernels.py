@@ -112,6 +112,14 @@ def expand_kernel(
     while s < big:
         rank = tl.minimum(tl.load(rank_tab + s * rank_stride), R)
         sel = slot == s  # [BT]
+        # y, the scale and the DoRA flag depend only on the slot: loaded here, their latency
+        # overlaps the rank's and the matmul's instead of following them (a decode step's
+        # expand is a chain of dependent loads, not bandwidth)
+        y_ptrs = y_ptr + tok[:, None] * y_stride + y_col + n[None, :]  # [BT, BN]
+        y_mask = sel[:, None] & n_ok[None, :]
+        y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_tab + s * scale_stride)
+        dora = tl.load(dora_tab + s * dora_stride)
         if rank > 0:
             b_slot = b_base + s.to(tl.int64) * b_slot_stride
             acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
@@ -131,11 +139,7 @@ def expand_kernel(
                     acc = tl.dot(ht.to(tl.float32), bt.to(tl.float32), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(ht.to(bt.dtype), bt, acc)
-            scale = tl.load(scale_tab + s * scale_stride)
-            y_ptrs = y_ptr + tok[:, None] * y_stride + y_col + n[None, :]  # [BT, BN]
-            y_mask = sel[:, None] & n_ok[None, :]
-            y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-            if tl.load(dora_tab + s * dora_stride) != 0:
+            if dora != 0:
                 # DoRA: g * (x W^T + s * delta) + bias; y_old holds x W^T + bias
                 g = tl.load(gain_base + s.to(tl.int64) * gain_stride + n, mask=n_ok,
                             other=1.0)  # [BN] float32
