@@ -2,6 +2,8 @@
 by name (µs per step), and each projection's GEMM alone against its byte floor (the HBM
 copy bandwidth measured in the same run). --lora1 also profiles the step of a batch that
 uses one adapter (random r=16 all-linear): what a single adapter's fixed cost is made of.
+Kernel times are summed per name, so where the LoRA side stream overlaps the base GEMM they
+add up past the replay's wall time (and a kernel slowed by the overlap shows its slow time).
 
     PYTHONPATH=. python bench/graph_profile.py --model llama3-8b --batch 32 64 [--lora1]
 
@@ -97,7 +99,8 @@ def main() -> None:
         out["copy_bw_GBs"] = bw / 1e9
         for b in args.batch:
             row: dict = {}
-            for key, name in (("", None), ("lora1_", "a0"))[:2 if args.lora1 else 1]:
+            modes = [("", None)] + ([("lora1_", "a0")] if args.lora1 else [])
+            for key, name in modes:
                 decode_run(engine, [name] * b, "cuda", gen=8)  # fills the graph's static inputs
                 kernels = graph_kernels(engine)
                 total = sum(r["us_per_step"] for r in kernels)
