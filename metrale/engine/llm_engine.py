@@ -192,6 +192,8 @@ class LLMEngine:
         batch = step.batch
         outputs = self.output_processor.process(batch.sampling_seqs, step.sampled.results())
         self.scheduler.completed(batch)
+        for shape, seconds in self.runner.timer.finished():
+            self.scheduler.observe(shape, seconds)
         for out in outputs:
             if out.finished:
                 self._end(out.request_id, out.finish_reason)

@@ -14,6 +14,7 @@ from metrale.engine.kv_budget import auto_kv_blocks, host_available_bytes
 from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.engine.sampler import SampledTokens, draw
 from metrale.engine.scheduler import ScheduledBatch
+from metrale.engine.step_cost import StepTimer
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
 from metrale.ops import lora_triton
@@ -38,6 +39,7 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.graphs: StepGraphs | None = None
+        self.timer = StepTimer(device)  # each step's time, for the scheduler's cost model
         if device.type == "cuda" and not cfg.enforce_eager:
             self.enable_graphs(capture=True)
 
@@ -68,6 +70,7 @@ class ModelRunner:
         """Queue one forward pass over the batch and its draws, a token per sampling
         sequence. in_flight: the tokens [B'] of the step still running (pending inputs)."""
         seqs, graphs = batch.seqs, self.graphs
+        mark = self.timer.start()
         lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
         if graphs is not None and batch.is_decode and len(seqs) <= graphs.max_batch:
             logits = graphs.run(seqs, lora, in_flight)  # [B, V]
@@ -75,7 +78,9 @@ class ModelRunner:
             logits = graphs.run_mixed(batch, lora, in_flight)  # [sampling B, V]
         else:
             logits = self._run_eager(batch, in_flight)  # [sampling B, V]
-        return draw(logits, batch.sampling_seqs)
+        sampled = draw(logits, batch.sampling_seqs)
+        self.timer.stop(mark, batch.shape)
+        return sampled
 
     def _run_eager(self, batch: ScheduledBatch, in_flight: torch.Tensor | None) -> torch.Tensor:
         ids, positions, slot_mapping, cu, slot_ids, ctx = [], [], [], [0], [], []
