@@ -380,9 +380,10 @@ FP8_ACTIVATIONS = ("dynamic", "weight-only")
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """Size of the adapter slot pool. max_loras == 0 means no pool at all."""
+    """Size of the adapter slot pool. max_loras == 0 means no pool at all; None: sized
+    from memory at start-up (metrale.engine.memory_plan)."""
 
-    max_loras: int = 4
+    max_loras: int | None = None
     max_lora_rank: int = 16
     target_modules: tuple[str, ...] = LINEAR_MODULES + SHARED_EXPERT_MODULES
     allow_runtime_swaps: bool = True
@@ -403,7 +404,7 @@ class PoolConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_targets", check_extra_targets(self.extra_targets))
         for name in ("host_tier_bytes", "mapped_file_bytes", "max_loras"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction {self.eviction!r} unknown; choose from "

@@ -13,7 +13,7 @@ import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from metrale.dtypes import parse_dtype
 from metrale.engine.adapters import AdapterManager
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.output_processor import OutputProcessor, failed_output
+from metrale.engine.memory_plan import MemoryPlan, host_available_bytes, plan_memory
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion, PeerRef
 from metrale.engine.residency import ResidencyRow, loading_of, residency_rows
@@ -40,6 +41,7 @@ from metrale.peer.allow import resolve_peer
 from metrale.peer.landing import warm_up_nixl, warm_up_peer
 from metrale.peer.lookup import check_peer_holds
 from metrale.peer.plans import plan_cache_for
+from metrale.pool.layout import SlotLayout
 from metrale.pool.slots import SlotInfo
 from metrale.pool.swap import LoraSlots, Prepared
 
@@ -82,8 +84,10 @@ class LLMEngine:
             raise ConfigError(f"the given model's rotary tables cover {model.rotary.max_positions} "
                               f"positions, fewer than max_model_len {cfg.max_model_len}")
         model.requires_grad_(False)  # an inference engine: nothing may build autograd graphs
-        self.lora = LoraSlots(self.model_config, cfg.pool, self.device, self.dtype,
-                              model.lora_base_weights())
+        self.memory = self._plan_memory(model)
+        log.info("%s", self.memory.describe())
+        self.lora = LoraSlots(self.model_config, replace(cfg.pool, max_loras=self.memory.num_slots),
+                              self.device, self.dtype, model.lora_base_weights())
         # an adapter named like the base model would shadow it in every API
         self.registry = AdapterRegistry(reserved_names=("base", Path(model_dir).name))
         self.adapters = AdapterManager(self.lora, self.registry, cfg)
@@ -91,7 +95,7 @@ class LLMEngine:
         if self.device.type == "cuda" and cfg.peer_transport != "http":
             warm_up_nixl(self.lora)  # a first peer landing then costs ~1.3 s less
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
-                                  self.lora.pool)
+                                  self.lora.pool, self.memory.kv_blocks)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size,
                                    cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
@@ -108,6 +112,18 @@ class LLMEngine:
         self.async_scheduling = cfg.async_scheduling if cfg.async_scheduling is not None \
             else self.device.type == "cuda"
         self._in_flight: _InFlight | None = None
+
+    def _plan_memory(self, model: LlamaForCausalLM) -> MemoryPlan:
+        """Adapter slots and KV blocks from one budget (memory_plan), before either is made."""
+        cfg, m = self.cfg, self.model_config
+        cuda = self.device.type == "cuda"
+        free = torch.cuda.mem_get_info(self.device)[0] if cuda else host_available_bytes()
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        one_slot = replace(cfg.pool, max_loras=1)
+        slot_bytes = SlotLayout(m, one_slot, self.dtype).slot_bytes if cfg.pool.max_loras != 0 else 0
+        block_bytes = 2 * m.num_layers * cfg.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return plan_memory(cfg.pool.max_loras, slot_bytes, cfg.num_kv_blocks, cfg.max_num_seqs,
+                           cfg.max_model_len, cfg.block_size, block_bytes, weights, free, cuda)
 
     # --- requests ----------------------------------------------------------------------
 

@@ -4,13 +4,10 @@ one block more than the block manager hands out: the one padded graph rows write
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.cuda_graphs import StepGraphs
-from metrale.engine.kv_budget import auto_kv_blocks, host_available_bytes
 from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.engine.sampler import SampledTokens, draw
 from metrale.engine.scheduler import ScheduledBatch
@@ -23,16 +20,15 @@ from metrale.ops.lora_ref import token_groups
 from metrale.ops.lora_triton import sort_tokens_by_slot
 from metrale.pool.pool import AdapterPool
 
-log = logging.getLogger("metrale.engine")
-
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig,
-                 device: torch.device, dtype: torch.dtype, pool: AdapterPool | None) -> None:
+                 device: torch.device, dtype: torch.dtype, pool: AdapterPool | None,
+                 num_blocks: int) -> None:
         self.model, self.model_cfg, self.cfg = model, model_cfg, cfg
         self.device, self.dtype, self.pool = device, dtype, pool
         self.group = model_cfg.num_heads // model_cfg.num_kv_heads  # query heads per KV head
-        self.num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
+        self.num_blocks = num_blocks  # the engine's memory plan
         self.pad_block = self.num_blocks  # never handed out: padded graph rows write here
         shape = (self.num_blocks + 1, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         for attn in model.attention_layers():
@@ -52,18 +48,6 @@ class ModelRunner:
             max_num_batched_tokens=cfg.max_num_batched_tokens, group=self.group)
         self.graphs.capture()
         return self.graphs
-
-    def _auto_num_blocks(self) -> int:
-        cfg, m = self.cfg, self.model_cfg
-        cuda = self.device.type == "cuda"
-        free = torch.cuda.mem_get_info(self.device)[0] if cuda else host_available_bytes()
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        block_bytes = 2 * m.num_layers * cfg.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
-        budget = auto_kv_blocks(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
-                                block_bytes, weights, free, cuda)
-        log.info("KV cache: %d blocks of %d tokens (%.0f MiB): %s", budget.num_blocks,
-                 cfg.block_size, budget.num_blocks * block_bytes / 2**20, budget.reason)
-        return budget.num_blocks
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, in_flight: torch.Tensor | None = None) -> SampledTokens:
