@@ -24,8 +24,8 @@ from metrale.config import ConfigError, EngineConfig, ModelConfig
 from metrale.dtypes import parse_dtype
 from metrale.engine.adapters import AdapterManager
 from metrale.engine.block_manager import BlockManager
-from metrale.engine.output_processor import OutputProcessor, failed_output
 from metrale.engine.memory_plan import MemoryPlan, host_available_bytes, plan_memory
+from metrale.engine.output_processor import OutputProcessor, failed_output
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion, PeerRef
 from metrale.engine.residency import ResidencyRow, loading_of, residency_rows
