@@ -91,7 +91,6 @@ class LLMEngine:
         # an adapter named like the base model would shadow it in every API
         self.registry = AdapterRegistry(reserved_names=("base", Path(model_dir).name))
         self.adapters = AdapterManager(self.lora, self.registry, cfg)
-        self.adapters.remaining_work = self._work_per_slot
         if self.device.type == "cuda" and cfg.peer_transport != "http":
             warm_up_nixl(self.lora)  # a first peer landing then costs ~1.3 s less
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
@@ -255,16 +254,6 @@ class LLMEngine:
             self.scheduler.finish(seq)
             self.adapters.release(seq)
             seq.finish_reason = reason
-
-    def _work_per_slot(self) -> dict[int, int]:
-        """slot -> the most tokens one of its requests may still compute."""
-        work: dict[int, int] = {}
-        for s in self.requests.values():
-            if s.bound and s.slot >= 0:
-                left = len(s.prompt_ids) - min(s.num_computed, len(s.prompt_ids)) \
-                    + s.params.max_tokens - len(s.output_ids)
-                work[s.slot] = max(work.get(s.slot, 0), left)
-        return work
 
     # --- adapters: the registry's operations ----------------------------------------------
 
