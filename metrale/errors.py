@@ -73,6 +73,12 @@ class AdapterFileError(AdapterError):
     """Unreadable, truncated, non-safetensors or lying file, or pickled weights."""
 
 
+class AdapterOutsideRootError(AdapterFileError):
+    """A file of the adapter resolves outside the root it was found in (an --adapter-source,
+    an --adapter-root, a download cache): a symlink out, or its directory swapped for one.
+    Nothing outside was opened."""
+
+
 class AdapterConfigError(AdapterError):
     """adapter_config.json is missing, malformed or inconsistent."""
 

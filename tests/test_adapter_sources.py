@@ -12,7 +12,7 @@ import pytest
 
 from metrale.adapters.sources import AdapterSources, DirectorySource
 from metrale.config import ConfigError
-from metrale.errors import InvalidNameError
+from metrale.errors import AdapterOutsideRootError, InvalidNameError
 from tests.helpers.peers import adapter_dir
 
 
@@ -33,8 +33,10 @@ def test_names_resolve_inside_the_source_only(tmp_path):
     (src / "org" / "c" / "adapter_config.json").write_text("{}")
     (src / "file").write_text("not a directory")
     sources = AdapterSources([src])
-    assert sources.find("org/a") == (src / "org" / "a").resolve()
-    for name in ("escape", "org/c", "file", "org", "missing", "org/a/adapter_config.json"):
+    assert sources.find("org/a").path == (src / "org" / "a").resolve()
+    with pytest.raises(AdapterOutsideRootError):
+        sources.find("escape")
+    for name in ("org/c", "file", "org", "missing", "org/a/adapter_config.json"):
         assert sources.find(name) is None, name
     for name in ("../outside/b", "/etc", "org/../../outside/b", "org//a", "", ".", "a\x00"):
         with pytest.raises(InvalidNameError):
@@ -50,7 +52,7 @@ def test_misses_are_remembered_until_their_time_passes(tmp_path):
     put(tmp_path, "later")
     assert sources.find("later") is None  # remembered as missing: no second look-up
     now[0] = 30.0
-    assert sources.find("later") == (tmp_path / "later").resolve()
+    assert sources.find("later").path == (tmp_path / "later").resolve()
 
 
 def test_later_sources_are_searched_in_order(tmp_path):
@@ -58,8 +60,8 @@ def test_later_sources_are_searched_in_order(tmp_path):
     put(second, "x")
     put(first, "y")
     sources = AdapterSources([first, second])
-    assert sources.find("x") == (second / "x").resolve()
-    assert sources.find("y") == (first / "y").resolve()
+    assert sources.find("x").path == (second / "x").resolve()
+    assert sources.find("y").path == (first / "y").resolve()
 
 
 def test_a_request_registers_and_is_served_as_an_explicit_registration(tmp_path):

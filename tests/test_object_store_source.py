@@ -104,8 +104,8 @@ def test_sources_mix_directories_and_buckets(bucket, tmp_path, monkeypatch):
     local = tmp_path / "local"
     shutil.copytree(adapter_dir("a"), local / "org" / "a")
     sources = AdapterSources([local, "s3://bucket/team"], cache_dir=tmp_path / "cache")
-    assert sources.find("org/a") == (local / "org" / "a").resolve()
-    found = sources.find("org/s3only")
+    assert sources.find("org/a").path == (local / "org" / "a").resolve()
+    found = sources.find("org/s3only").path
     assert found is not None and (found / FILES[1]).read_bytes() == \
         (adapter_dir("b") / FILES[1]).read_bytes()
     assert sources.find("org/nowhere") is None
@@ -116,7 +116,7 @@ def test_refresh_fetches_an_evicted_copy_back_and_never_raises(bucket, tmp_path,
         monkeypatch.setenv(key, value)
     bucket.put_adapter("team/a", "a")
     sources = AdapterSources(["s3://bucket/team"], cache_dir=tmp_path / "cache")
-    path = sources.find("a")
+    path = sources.find("a").path
     assert sources.from_bucket("a") and not sources.from_bucket("never-found")
     shutil.rmtree(path)  # the cache dropped it
     sources.refresh("a")

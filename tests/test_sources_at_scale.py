@@ -163,12 +163,12 @@ def test_a_known_but_cold_adapter_costs_kilobytes(world):
     sources = AdapterSources([world["source"]])
     names = [name_of(i) for i in range(ADAPTERS - 1000, ADAPTERS)]
     for name in names[:50]:  # first-use allocations (caches, interned strings) out of the count
-        llm.register_adapter(name, sources.find(name))
+        llm.register_adapter(name, sources.find(name).path)
     tracemalloc.start()
     try:
         before = tracemalloc.take_snapshot()
         for name in names[50:]:
-            llm.register_adapter(name, sources.find(name))
+            llm.register_adapter(name, sources.find(name).path)
         after = tracemalloc.take_snapshot()
     finally:
         tracemalloc.stop()

@@ -90,6 +90,8 @@ class S3Source:
         self.session_token = env.get("AWS_SESSION_TOKEN")
         self.cache = Path(cache_dir) / "s3" / self.bucket / self.prefix
         self.cache.mkdir(parents=True, exist_ok=True)
+        self.cache = self.cache.resolve()  # the confinement root of every copy's reads
+        self.cache_root = self.cache
         self.cache_bytes = cache_bytes
         self._lock = threading.Lock()  # the cache's directories and _reserved
         self._room = threading.Condition(self._lock)  # signalled when a reservation ends

@@ -50,12 +50,18 @@ class AdapterSource:
     verify_on_landing: a directory whose weights were not read at registration (a name
     resolved on demand from --adapter-source): its first landing checks them before a slot
     is chosen (LoraSlots.bound_in_scratch), as a peer's bytes always are checked, and the
-    first refusal stays with the version."""
+    first refusal stays with the version.
+
+    root: the tree a directory was found in (an --adapter-source, an --adapter-root, a
+    download cache; resolved, as `path` then is): every read of its files, at registration
+    and at every landing, resolves inside it (adapters.confined). None: a directory the
+    operator named (--adapter NAME=DIR, the Python API)."""
 
     path: Path | None = None
     peer: PeerRef | None = None
     peft: object = field(default=None, compare=False)  # a peer adapter's config override
     verify_on_landing: bool = field(default=False, compare=False)
+    root: Path | None = None
 
     @classmethod
     def of(cls, spec: str | Path | AdapterSource, verify_on_landing: bool = False) -> AdapterSource:

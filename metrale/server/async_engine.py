@@ -177,7 +177,7 @@ class AsyncEngine:
         PeerNotAllowedError, PeerUnavailableError."""
         return await asyncio.to_thread(self.engine.check_adapter, name, path)
 
-    async def register(self, name: str, path: str | Path, pinned: bool = False,
+    async def register(self, name: str, path: str | Path | AdapterSource, pinned: bool = False,
                        reload: bool = False, verify_on_landing: bool = False) -> AdapterView:
         source = await self._checked(name, AdapterSource.of(path, verify_on_landing), reload)
         return await self._with_bytes(name, source if pinned else None,  # pinned: lands now
@@ -209,7 +209,7 @@ class AsyncEngine:
             return source
         raise error
 
-    async def swap(self, name: str, slot: int, path: str | Path | None = None,
+    async def swap(self, name: str, slot: int, path: str | Path | AdapterSource | None = None,
                    reload: bool = False) -> AdapterView:
         if path is None:
             source = await self.call(lambda: self.engine.registry.changeable(name).source)

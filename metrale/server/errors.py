@@ -12,6 +12,7 @@ from metrale.engine.sampling_params import InvalidSamplingParamsError
 from metrale.errors import (
     AdapterError,
     AdapterExistsError,
+    AdapterOutsideRootError,
     AllSlotsPinnedError,
     InvalidNameError,
     LandingError,
@@ -79,6 +80,7 @@ _TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
     (SlotPinnedError, 409, "conflict_error", "slot_pinned"),
     (SlotBusyError, 409, "conflict_error", "slot_busy"),
     (AdapterExistsError, 409, "conflict_error", "adapter_exists"),
+    (AdapterOutsideRootError, 403, "permission_error", "adapter_outside_root"),
     (AdapterError, 422, "invalid_request_error", "invalid_adapter"),
     (AllSlotsPinnedError, 503, "service_unavailable_error", "all_slots_pinned"),
     (PoolFullError, 503, "service_unavailable_error", "pool_full"),

@@ -13,6 +13,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from metrale.adapters.sources import AdapterSources
+from metrale.engine.registry import AdapterSource
 from metrale.errors import AdapterExistsError
 from metrale.names import is_valid_name
 
@@ -49,10 +50,12 @@ class SourceRegistrar:
         return len(self._inflight)
 
     async def _register(self, engine: EngineAPI, name: str) -> None:
-        path = await asyncio.to_thread(self.sources.find, name)
-        if path is not None:
+        found = await asyncio.to_thread(self.sources.find, name)
+        if found is not None:
+            # confined to its root: every read at every landing resolves inside it again
+            source = AdapterSource(path=found.path, root=found.root)
             with contextlib.suppress(AdapterExistsError):  # registered by an admin meanwhile
-                await engine.register(name, path, verify_on_landing=True)
+                await engine.register(name, source, verify_on_landing=True)
 
     def _finished(self, name: str, task: asyncio.Task) -> None:
         if self._inflight.get(name) is task:
