@@ -62,6 +62,17 @@ class PeerUnavailableError(MetraleError):
     """Peer staging is not available in this build or the peer could not be reached."""
 
 
+class ObjectStoreError(PeerUnavailableError):
+    """An adapter store (an S3 bucket, the Hugging Face Hub: an upstream, as a peer is, 502)
+    refused a request, broke off a download, missed its deadline or sent bytes that fail
+    their checks; nothing was published to the cache."""
+
+
+class SourceBusyError(MetraleError):
+    """Every fetch slot of one adapter source stayed taken for a whole deadline (a slow
+    store): this look-up was not started; retry later (503). Other sources are unaffected."""
+
+
 # --- adapter refusals (validated before any slot is touched) -------------------
 
 

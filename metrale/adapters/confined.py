@@ -23,10 +23,20 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from metrale.errors import AdapterError, AdapterOutsideRootError
+
+
+@dataclass(frozen=True)
+class ConfinedDir:
+    """An adapter directory (resolved) and the root every read of its files must resolve in."""
+
+    path: Path
+    root: Path
+
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC

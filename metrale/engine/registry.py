@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from metrale.adapters.confined import ConfinedDir
 from metrale.errors import (
     AdapterConfigError,
     AdapterExistsError,
@@ -64,10 +65,14 @@ class AdapterSource:
     root: Path | None = None
 
     @classmethod
-    def of(cls, spec: str | Path | AdapterSource, verify_on_landing: bool = False) -> AdapterSource:
-        """verify_on_landing: mark a directory's weights as unread (a peer's always are)."""
+    def of(cls, spec: str | Path | ConfinedDir | AdapterSource,
+           verify_on_landing: bool = False) -> AdapterSource:
+        """verify_on_landing: mark a directory's weights as unread (a peer's always are). A
+        ConfinedDir keeps its root."""
         if isinstance(spec, AdapterSource):
             source = spec
+        elif isinstance(spec, ConfinedDir):
+            source = cls(path=spec.path, root=spec.root)
         elif isinstance(spec, str) and spec.startswith(PEER_SCHEME):
             return cls(peer=parse_peer_uri(spec))
         elif isinstance(spec, (str, Path)):

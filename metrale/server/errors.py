@@ -25,6 +25,7 @@ from metrale.errors import (
     SlotBusyError,
     SlotOutOfRangeError,
     SlotPinnedError,
+    SourceBusyError,
     UnknownAdapterError,
 )
 from metrale.peer.errors import PeerNotAllowedError
@@ -84,6 +85,7 @@ _TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
     (AdapterError, 422, "invalid_request_error", "invalid_adapter"),
     (AllSlotsPinnedError, 503, "service_unavailable_error", "all_slots_pinned"),
     (PoolFullError, 503, "service_unavailable_error", "pool_full"),
+    (SourceBusyError, 503, "service_unavailable_error", "source_busy"),
     (PeerNotAllowedError, 403, "permission_error", "peer_not_allowed"),
     # before LandingError: a peer lost mid-landing (PeerLandingError is both) is the peer's fault
     (PeerUnavailableError, 502, "bad_gateway_error", "peer_unavailable"),

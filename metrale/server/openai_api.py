@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import metrale
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.sampling_params import SamplingParams
-from metrale.errors import UnknownAdapterError
+from metrale.errors import AdapterError, UnknownAdapterError
 from metrale.names import is_valid_name
 from metrale.server.auth import require_user
 from metrale.server.engine_api import EngineAPI, app_context
@@ -169,6 +169,10 @@ async def _generate(engine: EngineAPI, settings: ServerSettings, prompt: str | l
                 yield out
         except UnknownAdapterError as e:
             raise UnknownAdapterError(f"{e}; the base model is {settings.model_id!r}") from None
+        except AdapterError:
+            if adapter is not None and settings.registrar is not None:  # a store's bad copy
+                await asyncio.to_thread(settings.registrar.landing_refused, adapter)
+            raise
 
 
 def _chunk(fmt, out: RequestOutput, continuous_usage: bool) -> dict:

@@ -14,9 +14,8 @@ import os
 import stat
 from pathlib import Path
 
-from metrale.adapters.confined import resolve_inside, stat_inside
+from metrale.adapters.confined import ConfinedDir, resolve_inside, stat_inside
 from metrale.adapters.identity import CONFIG_FILE, WEIGHTS_FILE
-from metrale.engine.registry import AdapterSource
 from metrale.errors import AdapterError, AdapterOutsideRootError
 from metrale.server.errors import AdapterPathError, BadRequestError
 
@@ -24,7 +23,7 @@ from metrale.server.errors import AdapterPathError, BadRequestError
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
 
-def resolve_adapter_path(raw: object, roots: tuple[Path, ...], param: str = "path") -> AdapterSource:
+def resolve_adapter_path(raw: object, roots: tuple[Path, ...], param: str = "path") -> ConfinedDir:
     """The resolved adapter directory for `raw`, confined to the root it lies in, or a
     refusal that says why.
 
@@ -49,7 +48,7 @@ def resolve_adapter_path(raw: object, roots: tuple[Path, ...], param: str = "pat
         if resolved is None:
             continue  # missing under this root: the next one may hold it
         _require_adapter_dir(resolved, root, raw, param)
-        return AdapterSource(path=resolved, root=root)
+        return ConfinedDir(resolved, root)
     raise BadRequestError(f"{param} {raw!r} does not exist under the adapter roots", param)
 
 
