@@ -255,9 +255,10 @@ def test_a_fetch_waits_for_room_held_by_one_in_flight(lookalike, tmp_path):
     assert cached_bytes(tmp_path) <= bound
 
 
-def test_a_look_up_queued_for_a_whole_timeout_behind_slow_fetches_is_refused_busy(lookalike, tmp_path):
-    """One fetch thread, held: a second name waits for it a whole fetch timeout, then gets
-    SourceBusyError without ever being started; the held one finishes when released."""
+def test_a_download_waiting_its_whole_deadline_for_a_slot_is_refused_busy(lookalike, tmp_path):
+    """One download slot, held: a second name is probed (it exists), waits for the slot
+    until its deadline, then gets SourceBusyError without a byte downloaded; the held one
+    finishes when released."""
     from metrale.errors import SourceBusyError
 
     lookalike.put_adapter("team/held", "a")
@@ -268,7 +269,7 @@ def test_a_look_up_queued_for_a_whole_timeout_behind_slow_fetches_is_refused_bus
     held = sources.lookup("held")
     assert arrived.wait(60)
     try:
-        with pytest.raises(SourceBusyError, match="busy"):
+        with pytest.raises(SourceBusyError, match="download slots"):
             sources.lookup("next").result(timeout=60)
         assert not held.done()
     finally:

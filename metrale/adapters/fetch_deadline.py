@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from metrale.config import ConfigError
-from metrale.errors import ObjectStoreError
+from metrale.errors import ObjectStoreError, SourceBusyError
 
 
 class FetchDeadlineError(ObjectStoreError):
@@ -31,8 +31,9 @@ class FetchDeadlineError(ObjectStoreError):
 @dataclass(frozen=True)
 class FetchLimits:
     """timeout_s: connect + headers of a fetch, and the floor of its whole time; min_rate:
-    bytes/s below which a body is cut off; workers: fetches in flight per source (more
-    wait for one, up to a deadline: SourceBusyError)."""
+    bytes/s below which a body is cut off; workers: downloads in flight per source (more
+    wait for one within their deadline, then SourceBusyError; look-ups that find nothing
+    to download do not wait)."""
 
     timeout_s: float = 30.0
     min_rate: float = float(1 << 20)
@@ -84,6 +85,20 @@ class Deadline:
             f"{self.what}: cut off after {self._clock() - self.start:.1f} s, past its deadline "
             f"({self.limits.timeout_s:g} s, plus 1 s per {self.limits.min_rate:.0f} bytes "
             "announced): the store is stalled or slower than the minimum rate")
+
+    @contextlib.contextmanager
+    def slot(self, slots: threading.BoundedSemaphore) -> Iterator[None]:
+        """One of a source's download slots (FetchLimits.workers), waited for at most until
+        this deadline: SourceBusyError when every slot stayed taken."""
+        if not slots.acquire(timeout=self.remaining()):
+            raise SourceBusyError(
+                f"{self.what}: every one of its store's {self.limits.workers} download slots "
+                f"stayed taken for {self._clock() - self.start:.1f} s (slow downloads of other "
+                "names); retry later")
+        try:
+            yield
+        finally:
+            slots.release()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Deadline]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -77,6 +78,7 @@ class HubSource:
             raise ConfigError(f"adapter source {url} needs huggingface_hub: install metrale's "
                               "`sources` extra (pip install 'metrale[sources]')")
         self.url, self.org, self.limits = url, parts.netloc, limits
+        self._slots = threading.BoundedSemaphore(limits.workers)  # look-ups asking the Hub
         self.cache_dir = Path(cache_dir or hf_constants.HF_HUB_CACHE)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.cache_dir = self.cache_dir.resolve()
@@ -110,7 +112,7 @@ class HubSource:
                 return ConfinedDir(Path(cached[0]).parent, root)
         deadline = Deadline(self.limits, f"{self.url}: adapter {name!r}")
         paths = []
-        with deadline.active():
+        with deadline.active(), deadline.slot(self._slots):
             for file in ADAPTER_FILES:
                 path = self._download(repo_id, revision, file, name)
                 if path is None:

@@ -19,6 +19,7 @@ the name is looked up for a registration: changed ETags fetch it again.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -62,6 +63,7 @@ class S3Source:
         require_sdk(url)
         self.url, self.bucket, self.prefix = url, parts.netloc, parts.path.strip("/")
         self.limits = limits
+        self._slots = threading.BoundedSemaphore(limits.workers)  # downloads in flight
         self.cache = DownloadCache(Path(cache_dir) / "s3" / self.bucket / self.prefix,
                                    cache_bytes, url)
         core = botocore.session.get_session() if session is None else session
@@ -85,15 +87,18 @@ class S3Source:
         deadline = Deadline(self.limits, what) if clock is None else Deadline(self.limits, what, clock)
         with self.cache.name_lock(name), deadline.active():
             etags = self.cache.record(name)
-            if etags is not None and revalidate:
+            if etags is None or revalidate:
+                # probes (HEADs) take no download slot: a name the store lacks, or a copy
+                # unchanged, is answered however many slow downloads hold the slots
                 now = self._heads(name)
-                if now is None:  # gone from the store: so is the copy
-                    self.cache.discard(name)
+                if now is None:  # not in the store (any more): nor is a copy kept
+                    if etags is not None:
+                        self.cache.discard(name)
                     return None
                 if now != etags:
-                    etags = None  # changed in the store: fetched again
-            if etags is None and not self._fetch(name, deadline):
-                return None
+                    with deadline.slot(self._slots):
+                        if not self._fetch(name, deadline):
+                            return None
             return ConfinedDir(self.cache.path(name), self.cache.root)
 
     def discard(self, name: str, found: ConfinedDir) -> None:

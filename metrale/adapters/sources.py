@@ -6,11 +6,14 @@ organisation (hub_source.py). A found adapter carries its root, and every later 
 its files (its registration, each landing) is confined to it again.
 
 Look-ups never run on the caller's threads: each remote source has its own pool of
-FetchLimits.workers threads (the bound on its fetches in flight), the directories share
-one, so a slow store delays only the names asked of it, never another source, a
-registered adapter or an admin call. A look-up that waits a whole fetch timeout for one of
-its source's threads is refused (SourceBusyError, 503) without being started. Requests for
-one name share one look-up. A name found nowhere is remembered as missing for
+look-up threads (LOOKUP_THREADS), the directories share one, and a store's downloads take
+one of its FetchLimits.workers download slots (the bound on its downloads in flight),
+while probing for a name (HEAD) takes none. So slow downloads from one store delay only
+the names that must download from it, never another source (a name another source holds
+is probed in the slow store first, and answered at once), a registered adapter or an
+admin call. A look-up that waits a whole fetch timeout for a look-up thread is refused
+(SourceBusyError, 503) without being started, and so is a download that waits its whole
+deadline for a slot. Requests for one name share one look-up. A name found nowhere is remembered as missing for
 NEGATIVE_TTL_S; a copy refused for its content is dropped from its store's cache and the
 refusal remembered for REFUSED_TTL_S, after which the next request fetches it again.
 """
@@ -42,6 +45,7 @@ NEGATIVE_TTL_S = 30.0
 REFUSED_TTL_S = 5.0  # a copy refused for its content: its error, before the store is asked again
 MAX_REMEMBERED_MISSES = 10_000
 LOCAL_WORKERS = 2  # directory look-ups (stat calls): every directory source shares them
+LOOKUP_THREADS = 16  # per remote source, at least 4x its download slots: probes never queue
 
 
 class DirectorySource:
@@ -87,7 +91,8 @@ class AdapterSources:
         self._lock = threading.Lock()  # the dicts above: requests look up from threads
         local = ThreadPoolExecutor(LOCAL_WORKERS, thread_name_prefix="metrale-lookup")
         self._pools = {id(s): local if isinstance(s, DirectorySource) else
-                       ThreadPoolExecutor(limits.workers, thread_name_prefix=f"metrale-fetch-{i}")
+                       ThreadPoolExecutor(max(LOOKUP_THREADS, 4 * limits.workers),
+                                          thread_name_prefix=f"metrale-fetch-{i}")
                        for i, s in enumerate(self.sources)}
         self._queued = _QueueDeadlines(limits.timeout_s)
 

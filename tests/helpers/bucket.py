@@ -28,6 +28,7 @@ class Bucket:
         self.gets: list[str] = []
         self.held: dict[str, tuple[threading.Event, threading.Event]] = {}  # arrived, released
         self.closed = threading.Event()  # ends every trickle and hold
+        self._holding = threading.Condition()  # notified as each held reply arrives
         bucket = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -67,7 +68,9 @@ class Bucket:
                     return
                 if key in bucket.held:
                     arrived, released = bucket.held[key]
-                    arrived.set()
+                    with bucket._holding:
+                        arrived.set()
+                        bucket._holding.notify_all()
                     while not released.wait(0.1) and not bucket.closed.is_set():
                         pass
                 if mode == "trickle-body":
@@ -103,6 +106,12 @@ class Bucket:
         release sends the body."""
         self.held[key] = (threading.Event(), threading.Event())
         return self.held[key]
+
+    def wait_held(self, n: int, timeout: float) -> bool:
+        """Until n held replies have arrived (False at the timeout: a hang)."""
+        with self._holding:
+            return self._holding.wait_for(
+                lambda: sum(a.is_set() for a, _ in self.held.values()) >= n, timeout)
 
     def put_adapter(self, key_prefix: str, src: str = "a", bucket: str = "bucket") -> None:
         for f in FILES:
