@@ -14,8 +14,9 @@ is probed in the slow store first, and answered at once), a registered adapter o
 admin call. A look-up that waits a whole fetch timeout for a look-up thread is refused
 (SourceBusyError, 503) without being started, and so is a download that waits its whole
 deadline for a slot. Requests for one name share one look-up. A name found nowhere is
-remembered as missing for NEGATIVE_TTL_S; a copy refused for its content is dropped from its store's cache and the
-refusal remembered for REFUSED_TTL_S, after which the next request fetches it again.
+remembered as missing for NEGATIVE_TTL_S; a copy refused for its content is dropped from
+its store's cache and the refusal remembered for REFUSED_TTL_S, after which the next
+request fetches it again.
 """
 
 from __future__ import annotations
