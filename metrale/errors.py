@@ -46,6 +46,11 @@ class UnknownAdapterError(MetraleError):
     """No adapter of that name is registered or resident."""
 
 
+class DrainingAdapterError(UnknownAdapterError):
+    """The name was unloaded and its slot still serves requests that started before: new
+    requests find no adapter of that name (404)."""
+
+
 class AdapterExistsError(MetraleError):
     """register() of a name that is already registered, without reload."""
 

@@ -95,7 +95,11 @@ def test_a_request_registers_and_is_served_as_an_explicit_registration(tmp_path)
         assert tokens[0] == tokens[1] != tokens[2]  # the adapter's answer, not the base's
         assert served.json()["model"] == "org/a"
         assert complete("org/a").status_code == 200  # registered now: no second registration
-        assert complete("org/missing").status_code == 404
+        missing = complete("org/missing")
+        assert missing.status_code == 404
+        message = missing.json()["error"]["message"]  # says where it looked, not what to do first
+        assert "no adapter source holds it" in message and "src" in message, message
+        assert "register it first" not in message, message
         assert complete("../etc").status_code in (400, 404)
         names = {m["id"] for m in client.get("/v1/models").json()["data"]}
     assert "org/a" in names and "org/missing" not in names
@@ -206,3 +210,33 @@ def test_requests_racing_for_a_new_name_share_one_registration(tmp_path, broken)
         assert all(r == results[0] for r in results) and after == results[0], results
     assert len(base_out) == 3  # the engine serves on
     llm.engine.check_integrity()
+
+
+def test_a_name_being_unloaded_is_not_found_not_busy(tmp_path):
+    """A completion for a name found in a source whose unload is still draining: the
+    registrar's attempt to register it again meets the registry's busy refusal, which it
+    leaves to admission, so the request gets the 404 every draining name gets (as
+    docs/DESIGN.md says), not 409 slot_busy."""
+    import asyncio
+
+    from metrale.errors import DrainingAdapterError, SlotBusyError
+    from metrale.server.errors import classify
+    from metrale.server.source_registration import SourceRegistrar
+
+    put(tmp_path, "org/a")
+
+    class Draining:
+        registered = 0
+
+        async def is_known(self, name):
+            return False  # a draining name is not known
+
+        async def register(self, name, path, **kw):
+            self.registered += 1
+            raise SlotBusyError(f"adapter {name!r} is being unloaded and still serves in-flight "
+                                "requests in slot 0; retry when they finish")
+
+    engine = Draining()
+    asyncio.run(SourceRegistrar(AdapterSources([tmp_path])).ensure(engine, "org/a"))
+    assert engine.registered == 1
+    assert classify(DrainingAdapterError("adapter 'org/a' is being unloaded"))[0] == 404

@@ -14,6 +14,7 @@ from metrale.adapters.confined import ConfinedDir
 from metrale.errors import (
     AdapterConfigError,
     AdapterExistsError,
+    DrainingAdapterError,
     InvalidNameError,
     MetraleError,
     SlotBusyError,
@@ -124,7 +125,7 @@ class AdapterRegistry:
         version = self._current.get(name)
         if version is None:
             if name in self._draining:
-                raise UnknownAdapterError(f"adapter {name!r} is being unloaded")
+                raise DrainingAdapterError(f"adapter {name!r} is being unloaded")
             raise UnknownAdapterError(
                 f"adapter {name!r} is not registered; register it first "
                 f"(known: {', '.join(self.names()) or 'none'})")

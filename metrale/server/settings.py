@@ -70,6 +70,9 @@ class ServerSettings:
 
 def unknown_model(name: str, settings: ServerSettings) -> UnknownAdapterError:
     """The 404 of a `model` that is neither the base model nor a registered adapter."""
+    searched = "" if settings.sources is None else (
+        ", and no adapter source holds it (searched, in order: "
+        f"{', '.join(str(s) for s in settings.sources.sources)})")
     return UnknownAdapterError(
         f"model {shown(name)} does not exist here: it is neither the base model "
-        f"{settings.model_id!r} nor a registered adapter (see GET /v1/models)")
+        f"{settings.model_id!r} nor a registered adapter (see GET /v1/models){searched}")

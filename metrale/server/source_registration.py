@@ -12,7 +12,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from metrale.adapters.sources import AdapterSources
-from metrale.errors import AdapterError, AdapterExistsError
+from metrale.errors import AdapterError, AdapterExistsError, SlotBusyError
 from metrale.names import is_valid_name
 
 if TYPE_CHECKING:  # engine_api imports the settings, which hold a registrar
@@ -62,7 +62,10 @@ class SourceRegistrar:
             return
         try:  # confined to its root: every read at every landing resolves inside it again
             await engine.register(name, found, verify_on_landing=True)
-        except AdapterExistsError:  # registered by an admin meanwhile
+        except (AdapterExistsError, SlotBusyError):
+            # registered by an admin meanwhile; or being unloaded with requests in flight
+            # (draining): admission then refuses it as unknown (404), as it does any
+            # draining name, not as a busy slot (409)
             pass
         except AdapterError as e:  # refused for its content: not kept, not fetched at once again
             await asyncio.to_thread(self.sources.remember_refusal, name, e)
