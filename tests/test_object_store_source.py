@@ -84,10 +84,13 @@ def test_fetched_once_then_served_from_the_cache_and_revalidated_by_etag(s3, tmp
     assert source.find("org/a") is None and not found.path.exists()  # gone from the store
 
 
-@pytest.mark.parametrize("mode", ["bad-etag", "short", "long-length"])
-def test_a_download_that_fails_its_checks_publishes_nothing(lookalike, tmp_path, mode):
+@pytest.mark.parametrize("mode", ["bad-etag", "short", "long-length", "error-500", "garbage",
+                                  "no-length", "redirect", "huge-length"])
+@pytest.mark.parametrize("file", FILES)
+def test_a_download_that_fails_its_checks_publishes_nothing(lookalike, tmp_path, mode, file):
+    """Each a store's fault (ObjectStoreError: 502), within the deadline, nothing kept."""
     lookalike.put_adapter("team/x")
-    lookalike.modes[f"/bucket/team/x/{FILES[1]}"] = mode
+    lookalike.modes[f"/bucket/team/x/{file}"] = mode
     source = S3Source("s3://bucket/team", tmp_path, limits=FetchLimits(timeout_s=30))
     with pytest.raises(ObjectStoreError):
         source.find("x")

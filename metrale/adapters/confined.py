@@ -116,7 +116,10 @@ def open_fd(path: str | Path, root: Path, error: type[AdapterError]) -> int:
     parts = real.relative_to(root).parts
     if not parts:
         raise error(f"{where} is not a regular file (it is the adapter root)")
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    except OSError as e:
+        raise error(f"the adapter root of {where} cannot be opened: {e.strerror}") from None
     try:
         for part in parts[:-1]:
             inner = os.open(part, _DIR_FLAGS, dir_fd=fd)

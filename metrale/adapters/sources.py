@@ -37,7 +37,7 @@ from metrale.adapters.fetch_deadline import DEFAULT_LIMITS, FetchLimits
 from metrale.adapters.hub_source import HubSource
 from metrale.adapters.object_store import S3Source
 from metrale.config import ConfigError
-from metrale.errors import AdapterError, AdapterFileError, MetraleError, SourceBusyError
+from metrale.errors import AdapterFileError, MetraleError, ObjectStoreError, SourceBusyError
 from metrale.names import validate_adapter_name
 
 log = logging.getLogger("metrale.adapters")
@@ -230,7 +230,10 @@ def _error_of(f: Future, source: Source) -> BaseException | None:
     if error is None or isinstance(error, MetraleError):
         return error
     log.error("adapter source %s failed unexpectedly", source, exc_info=error)
-    return AdapterError(f"adapter source {source} failed: {type(error).__name__}: {error}")
+    # nobody foresaw it: the store's fault (502) for a remote one, the tree's (422) for a
+    # directory; either way this request's, never the server's (500)
+    what = f"adapter source {source} failed: {type(error).__name__}: {str(error)[:200]}"
+    return AdapterFileError(what) if isinstance(source, DirectorySource) else ObjectStoreError(what)
 
 
 def _done(value) -> Future:

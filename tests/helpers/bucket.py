@@ -1,7 +1,8 @@
 """A small S3 look-alike on loopback, kept only for faults no real S3 server produces: a
 body cut off mid-way, a lying header (an ETag that does not match, a Content-Length
-larger than what is sent), a store that holds a reply until a test releases it, and one
-that trickles its headers or body a byte at a time or falls silent. Everything a real
+larger than what is sent or absurd, none at all), a reply that is no HTTP, a 500 or a
+redirect out, a store that holds a reply until a test releases it, and one that
+trickles its headers or body a byte at a time or falls silent. Everything a real
 server does (the S3 protocol, signing, credentials, ETags, the scale trace) is tested
 against moto's server (tests/helpers/moto_s3.py)."""
 
@@ -15,7 +16,19 @@ from tests.helpers.peers import adapter_dir
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 TRICKLE_GAP_S = 0.05  # between two bytes of a trickling reply (the store's pace, not a test wait)
-MODES = ("bad-etag", "short", "long-length", "trickle-headers", "trickle-body", "silent")
+MODES = ("bad-etag", "short", "long-length", "trickle-headers", "trickle-body", "silent",
+         "error-500", "garbage", "no-length", "redirect", "huge-length")
+
+
+# whole replies (status line, headers, body) of stores that misbehave
+ODD_REPLIES = {
+    "error-500": lambda body: b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 5\r\n\r\noops!",
+    "garbage": lambda body: b"\x00\xffNOT HTTP AT ALL\r\n\r\n",
+    "no-length": lambda body: b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body,
+    "redirect": lambda body: b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:9/x\r\n"
+                             b"Content-Length: 0\r\n\r\n",
+    "huge-length": lambda body: b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999999\r\n\r\n" + body,
+}
 
 
 class Bucket:
@@ -51,6 +64,10 @@ class Bucket:
                     self.reply_empty(404)
                     return
                 mode = bucket.modes.get(key)
+                if mode in ODD_REPLIES:
+                    self.close_connection = True
+                    self.wfile.write(ODD_REPLIES[mode](body))
+                    return
                 if mode == "silent":
                     bucket.closed.wait(120)
                     return
