@@ -265,7 +265,8 @@ class LLMEngine:
         lands."""
         source = AdapterSource.of(source)
         if source.path is not None:
-            plan = plan_adapter(source.path, name, self.model_config, self.lora.pool_config)
+            plan = plan_adapter(source.path, name, self.model_config, self.lora.pool_config,
+                                source.root)
             if not source.verify_on_landing:  # reads the whole file: ~40-85 ms for 84 MB
                 check_weights(plan, self.dtype)  # NaN/Inf, or too large for the pool's dtype
         else:  # a peer off the allow-list could never land: refuse it before contacting it
@@ -338,10 +339,11 @@ class LLMEngine:
 
     # --- the seed's four operations: land these bytes as a new version of `name` now ------
 
-    def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int,
+    def swap_lora_slot_from_disk(self, adapter_dir: str | Path | AdapterSource, name: str, slot: int,
                                  prepared: Prepared | None = None, reload: bool = True) -> None:
         """prepared: the files' bytes, read and checked off this thread (the server does);
-        reload=False: refuse a registered name (the server's swap of a new registration)."""
+        reload=False: refuse a registered name (the server's swap of a new registration).
+        An AdapterSource keeps its root (the server's --adapter-root confinement)."""
         self._land_new(name, _unchecked_dir(adapter_dir, prepared), slot, prepared, reload)
 
     def promote_lora_slot_from_disk(self, adapter_dir: str | Path,
@@ -380,7 +382,10 @@ class LLMEngine:
         return residency_rows(self.registry, self.lora.table, loading_of(self.adapters.job))
 
 
-def _unchecked_dir(adapter_dir: str | Path, prepared: Prepared | None = None) -> AdapterSource:
+def _unchecked_dir(adapter_dir: str | Path | AdapterSource,
+                   prepared: Prepared | None = None) -> AdapterSource:
     """A directory landed without a registration: no check_weights read it (unless the
     caller's `prepared` came from check_adapter), so its landings bound the weights."""
+    if isinstance(adapter_dir, AdapterSource):
+        return replace(adapter_dir, verify_on_landing=prepared is None)
     return AdapterSource(path=Path(adapter_dir), verify_on_landing=prepared is None)

@@ -14,6 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from metrale.adapters.fetch_deadline import FetchLimits
 from metrale.config import (
     EVICTION_POLICIES,
     FP8_ACTIVATIONS,
@@ -139,6 +140,8 @@ def settings_fields(args: argparse.Namespace, model_id: str, adapter_roots) -> d
                 adapter_sources=tuple(args.adapter_source),
                 adapter_cache_dir=str(args.adapter_cache_dir or cache_root() / "adapter-cache"),
                 adapter_cache_bytes=args.adapter_cache_bytes,
+                adapter_fetch=FetchLimits(args.adapter_fetch_timeout, args.adapter_fetch_min_rate,
+                                          args.adapter_fetch_workers),
                 public_metrics=args.public_metrics, public_docs=args.public_docs)
 
 
@@ -202,19 +205,33 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow loading adapters by path at run time, only inside DIR (repeatable; "
                         "default: none, or <metrale cache>/adapter-root when serving the "
                         "embedded default model)")
-    p.add_argument("--adapter-source", action="append", default=[], metavar="DIR|s3://BUCKET/PREFIX",
+    p.add_argument("--adapter-source", action="append", default=[],
+                   metavar="DIR|s3://BUCKET/PREFIX|hf://ORG",
                    help="look up an adapter a request names before anyone registered it as the "
-                        "PEFT directory DIR/NAME (NAME may be org/adapter) or the objects "
+                        "PEFT directory DIR/NAME (NAME may be org/adapter), the objects "
                         "PREFIX/NAME/adapter_config.json and adapter_model.safetensors of an "
-                        "S3-compatible bucket (AWS_* settings), and register it (repeatable, "
-                        "searched in order; names found nowhere are remembered as missing for "
-                        "30 s; default: off)")
+                        "S3-compatible bucket (boto3: AWS_* settings, profiles, roles), or the "
+                        "Hugging Face Hub repo ORG/ADAPTER[@REVISION] (HF_* settings), and "
+                        "register it (repeatable, searched in order; names found nowhere are "
+                        "remembered as missing for 30 s; default: off)")
     p.add_argument("--adapter-cache-dir", default=None, metavar="DIR",
                    help="where adapters fetched from object storage are kept (default: "
                         "<metrale cache>/adapter-cache)")
     p.add_argument("--adapter-cache-bytes", type=int, default=20 << 30, metavar="N",
                    help="most bytes of fetched adapters kept on disk, least recently used "
                         "dropped first (default: %(default)s)")
+    p.add_argument("--adapter-fetch-timeout", type=float, default=FetchLimits.timeout_s,
+                   metavar="S",
+                   help="seconds an adapter fetch from a bucket or the Hub may take to connect "
+                        "and receive headers, and the least its whole fetch may take "
+                        "(default: %(default)s)")
+    p.add_argument("--adapter-fetch-min-rate", type=float, default=FetchLimits.min_rate,
+                   metavar="BYTES_PER_S",
+                   help="a fetch's deadline grows by its announced bytes at this rate; a "
+                        "store slower than that is cut off (default: %(default)s)")
+    p.add_argument("--adapter-fetch-workers", type=int, default=FetchLimits.workers, metavar="N",
+                   help="fetches in flight per bucket or Hub source; more wait for one, at most "
+                        "a fetch timeout (then 503) (default: %(default)s)")
     p.add_argument("--max-loras", type=int, default=None,
                    help="adapter slots on the device; more adapters than slots are promoted "
                         "on demand (default: 10%% of the memory left after the weights, with "
