@@ -17,7 +17,13 @@ Scenarios (JSON `serving` -> <model> -> <scenario>):
 - online_base_rate<R>: Poisson arrivals at R requests/s for --seconds, then drained; R is
   --rates, or `auto`: 80% of offline_base's request rate in the same run.
 - offline_lora<N>: 80% of requests name one of N registered r16 all-linear adapters drawn
-  Zipf(1.1), 20% the base (default slots); online_lora<N>_rate<R> likewise online.
+  Zipf(1.1), 20% the base (default slots, default host tier); online_lora<N>_rate<R>
+  likewise online. Up to 64 adapters are directories of their own over one random file
+  (bench.common.write_random_adapters); more (offline_lora1000) are registered as a
+  directory adapter source registers them (config and header read; the weights checked at
+  each landing), each directory its own config and a hard link to one of 8 random r16 files
+  (bench/many_adapters.py's layout: 1,000 x 84 MB would not fit the device's disk; every
+  cache keys adapters by directory, while the page cache holds the 8 files: warm reads).
 
 Each reports req_s, out_tok_s, total_tok_s (prompt + output tokens over the wall time),
 TTFT / ITL / TPOT p50 and p99, and the floor: every token's linear and attention FLOPs at
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import random
 import re
 import tempfile
@@ -56,8 +63,10 @@ from bench.common import (
     timed,
     write_random_adapters,
 )
+from bench.many_adapters import write_adapters
 from metrale.config import EngineConfig, PoolConfig, SchedulerConfig
 from metrale.engine.llm_engine import LLMEngine
+from metrale.engine.registry import AdapterSource
 from metrale.engine.sampling_params import SamplingParams
 
 
@@ -102,6 +111,7 @@ class Trace:
     arrival: dict[str, float] = field(default_factory=dict)
     times: dict[str, list[float]] = field(default_factory=dict)
     steps: list[tuple[float, int, int, int]] = field(default_factory=list)  # (s, seqs, tokens, decodes)
+    slot_wait: dict[str, float] = field(default_factory=dict)  # adapter requests: s until bound
     errors: int = 0
 
     def record(self, outs, now: float) -> None:
@@ -109,6 +119,8 @@ class Trace:
             if o.error is not None:
                 self.errors += 1
                 continue
+            if o.adapter is not None and o.request_id not in self.times:
+                self.slot_wait[o.request_id] = o.adapter_wait_s
             self.times.setdefault(o.request_id, []).extend([now] * len(o.delta_token_ids))
 
 
@@ -200,6 +212,7 @@ def summarize(trace: Trace, reqs: list[Request], wall: float) -> dict:
         "tokens_per_step_p50": pct([s[2] for s in trace.steps], 50),
         "seqs_per_step_p50": pct([s[1] for s in trace.steps], 50),
         "decode_only_steps": sum(1 for s in trace.steps if s[2] == s[3]),
+        "slot_wait_p99_s": pct(list(trace.slot_wait.values()), 99),
     }
 
 
@@ -237,13 +250,16 @@ def floor_s(cfg, weights_bytes: int, reqs: list[Request], max_num_seqs: int, pea
 
 
 def make_engine(pair, device: str, args, scheduler: SchedulerConfig | None = None,
-                max_loras: int | None = None) -> LLMEngine:
+                max_loras: int | None = None, offline: bool = True) -> LLMEngine:
     pool = PoolConfig() if max_loras is None else PoolConfig(max_loras=max_loras)
     cfg = EngineConfig(
         pool=pool, device=device, dtype="bfloat16" if device.startswith("cuda") else "float32",
         max_model_len=args.max_model_len, block_size=16, num_kv_blocks=args.kv_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        scheduler=scheduler or SchedulerConfig())
+        scheduler=scheduler or SchedulerConfig(),
+        # offline, a request waits for its slot as long as that takes (LLM's default);
+        # online, the server's promotion timeout
+        promotion_timeout_s=math.inf if offline else EngineConfig.promotion_timeout_s)
     return LLMEngine(pair.model_dir, cfg, model=pair.ours)
 
 
@@ -261,9 +277,10 @@ def run_scenario(pair, device: str, args, name: str, rate: float | None, adapter
     w = Workload(requests=args.requests, adapters=adapters)
     vocab = pair.config.vocab_size
     sched = BUDGET_ONLY if name.endswith("_budget_only") else None
-    engine = make_engine(pair, device, args, sched)
+    engine = make_engine(pair, device, args, sched, offline=rate is None)
     for a in range(adapters):
-        engine.register_adapter(f"a{a}", adapters_root / f"a{a}")
+        path = adapters_root / f"a{a}"
+        engine.register_adapter(f"a{a}", AdapterSource.of(path, verify_on_landing=adapters > 64))
     # warm-up: compile the kernels of every step shape this workload meets
     warm = make_requests(w, vocab, n=min(2 * args.max_num_seqs, 64), seed=99)
     drive(engine, [Request(r.prompt, 8, r.adapter) for r in warm], [0.0] * len(warm), Trace())
@@ -341,7 +358,9 @@ def main() -> None:
         pair = build_random_quant(args.model, None, device, Path(tmp))
         adapters_root = Path(tmp) / "adapters"
         most = max(adapter_count(s) for s in args.scenarios)
-        if most:
+        if most > 64:
+            adapters_root = write_adapters(pair, Path(tmp) / "many", 8, [f"a{i}" for i in range(most)])
+        elif most:
             write_random_adapters(pair, most, adapters_root)
         peak, bw = matmul_peak(device), copy_bandwidth(device)
         weights = sum(p.numel() * p.element_size() for n, p in pair.ours.named_parameters()
