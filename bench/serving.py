@@ -25,7 +25,9 @@ Scenarios (JSON `serving` -> <model> -> <scenario>):
   (bench/many_adapters.py's layout: 1,000 x 84 MB would not fit the device's disk; every
   cache keys adapters by directory, while the page cache holds the 8 files: warm reads).
 
-Each reports req_s, out_tok_s, total_tok_s (prompt + output tokens over the wall time),
+All scenarios of a run share one engine (its CUDA graphs captured once, the adapters of
+the largest scenario registered up front, promotions never timing out); each sets its
+scheduler policy on it. Each reports req_s, out_tok_s, total_tok_s (prompt + output tokens over the wall time),
 TTFT / ITL / TPOT p50 and p99, and the floor: every token's linear and attention FLOPs at
 the bf16 matmul peak measured in this run, against the weights read once per full-batch
 decode step (output tokens / max_num_seqs) plus every decode token's K/V read at the
@@ -250,16 +252,16 @@ def floor_s(cfg, weights_bytes: int, reqs: list[Request], max_num_seqs: int, pea
 
 
 def make_engine(pair, device: str, args, scheduler: SchedulerConfig | None = None,
-                max_loras: int | None = None, offline: bool = True) -> LLMEngine:
+                max_loras: int | None = None) -> LLMEngine:
     pool = PoolConfig() if max_loras is None else PoolConfig(max_loras=max_loras)
     cfg = EngineConfig(
         pool=pool, device=device, dtype="bfloat16" if device.startswith("cuda") else "float32",
         max_model_len=args.max_model_len, block_size=16, num_kv_blocks=args.kv_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler=scheduler or SchedulerConfig(),
-        # offline, a request waits for its slot as long as that takes (LLM's default);
-        # online, the server's promotion timeout
-        promotion_timeout_s=math.inf if offline else EngineConfig.promotion_timeout_s)
+        # a request waits for its slot as long as that takes (LLM's default): the
+        # benchmark measures waits, it does not fail them
+        promotion_timeout_s=math.inf)
     return LLMEngine(pair.model_dir, cfg, model=pair.ours)
 
 
@@ -272,15 +274,23 @@ def adapter_count(scenario: str) -> int:
 BUDGET_ONLY = SchedulerConfig(step_time_ratio=None)
 
 
-def run_scenario(pair, device: str, args, name: str, rate: float | None, adapters: int,
-                 adapters_root: Path | None, floor_of) -> dict:
-    w = Workload(requests=args.requests, adapters=adapters)
-    vocab = pair.config.vocab_size
-    sched = BUDGET_ONLY if name.endswith("_budget_only") else None
-    engine = make_engine(pair, device, args, sched, offline=rate is None)
+def make_serving_engine(pair, device: str, args, adapters: int, adapters_root: Path | None) -> LLMEngine:
+    """One engine for every scenario of a run (its CUDA graphs are captured once): each
+    scenario sets its scheduler policy, its adapters a0.. registered up front."""
+    engine = make_engine(pair, device, args, None, args.max_loras)
     for a in range(adapters):
         path = adapters_root / f"a{a}"
         engine.register_adapter(f"a{a}", AdapterSource.of(path, verify_on_landing=adapters > 64))
+    return engine
+
+
+def run_scenario(engine: LLMEngine, args, name: str, rate: float | None, adapters: int,
+                 floor_of) -> dict:
+    w = Workload(requests=args.requests, adapters=adapters, prompt=tuple(args.prompt),
+                 output=tuple(args.output))
+    vocab = engine.model_config.vocab_size
+    # the scheduler reads its policy each step: this scenario's, on the shared engine
+    engine.scheduler.sched = BUDGET_ONLY if name.endswith("_budget_only") else SchedulerConfig()
     # warm-up: compile the kernels of every step shape this workload meets
     warm = make_requests(w, vocab, n=min(2 * args.max_num_seqs, 64), seed=99)
     drive(engine, [Request(r.prompt, 8, r.adapter) for r in warm], [0.0] * len(warm), Trace())
@@ -299,6 +309,8 @@ def run_scenario(pair, device: str, args, name: str, rate: float | None, adapter
     trace = Trace()
     profile_at = args.profile_at if rate is None and args.profile and name == args.profile_scenario \
         else None
+    adapters_before = (engine.adapters.num_promotions, engine.adapters.num_ready_on_arrival,
+                       engine.adapters.num_waited_for_adapter, engine.scheduler.num_preemptions)
     gc.collect()
     wall, report = drive(engine, reqs, arrivals, trace, profile_at, args.profile)
     res = summarize(trace, reqs, wall)
@@ -307,11 +319,15 @@ def run_scenario(pair, device: str, args, name: str, rate: float | None, adapter
     res["floor_out_tok_s"] = sum(r.max_tokens for r in reqs) / res["floor_s"]
     if rate is not None:
         res["rate"] = rate
+    promotions, ready, waited, preempted = (
+        now - before for now, before in zip((
+            engine.adapters.num_promotions, engine.adapters.num_ready_on_arrival,
+            engine.adapters.num_waited_for_adapter, engine.scheduler.num_preemptions),
+            adapters_before))
     if adapters:
-        res["promotions"] = engine.adapters.num_promotions
-        res["hit_rate"] = engine.adapters.num_ready_on_arrival / max(
-            1, engine.adapters.num_ready_on_arrival + engine.adapters.num_waited_for_adapter)
-    res["preemptions"] = engine.scheduler.num_preemptions
+        res["promotions"] = promotions
+        res["hit_rate"] = ready / max(1, ready + waited)
+    res["preemptions"] = preempted
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
         t0 = trace.steps[0][0] if trace.steps else 0.0
@@ -320,10 +336,6 @@ def run_scenario(pair, device: str, args, name: str, rate: float | None, adapter
     if report is not None:
         print(f"--- profile of {name}, steps {profile_at}..{profile_at + args.profile}\n{report}",
               flush=True)
-    del engine
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
     return res
 
 
@@ -345,6 +357,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-blocks", type=int, default=20000)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--prompt", type=int, nargs=2, default=list(Workload.prompt), metavar=("MIN", "MAX"))
+    ap.add_argument("--output", type=int, nargs=2, default=list(Workload.output), metavar=("MIN", "MAX"))
+    ap.add_argument("--max-loras", type=int, default=None, help="slots (default: the memory rule's)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="profile N steps of --profile-scenario from step --profile-at")
     ap.add_argument("--profile-at", type=int, default=200)
@@ -368,11 +383,12 @@ def main() -> None:
         floor_of = lambda reqs: floor_s(pair.config, weights, reqs, args.max_num_seqs,  # noqa: E731
                                         peak, bw)
         results: dict[str, dict] = {}
+        engine = make_serving_engine(pair, device, args, most, adapters_root)
+        print(engine.memory.describe(), flush=True)
         for scenario in args.scenarios:
             adapters = adapter_count(scenario)
             if scenario.startswith("offline"):
-                results[scenario] = run_scenario(pair, device, args, scenario, None, adapters,
-                                                 adapters_root, floor_of)
+                results[scenario] = run_scenario(engine, args, scenario, None, adapters, floor_of)
                 continue
             for r in args.rates:
                 offline = results.get(scenario.replace("online", "offline"))
@@ -381,7 +397,7 @@ def main() -> None:
                                      "earlier in --scenarios")
                 rate = 0.8 * offline["req_s"] if r == "auto" else float(r)
                 results[f"{scenario}_rate{rate:.0f}"] = run_scenario(
-                    pair, device, args, scenario, rate, adapters, adapters_root, floor_of)
+                    engine, args, scenario, rate, adapters, floor_of)
             print(table([{"scenario": k, **v} for k, v in results.items()], COLS), flush=True)
     model = args.model
     if not args.no_write:

@@ -33,8 +33,13 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     # varlen steps in a CUDA graph: [N, 2] (sequence, query tile) rows, -1 padded
-    # (metrale.ops.attention_triton.prefill_tiles); None: built from cu_query
+    # (metrale.ops.attention_triton.prefill_tiles); None: built from cu_query. With
+    # num_decodes, the tiles of the prompt chunks alone (sequences num_decodes.., their
+    # tokens from cu_query[num_decodes] on, numbered from 0)
     prefill_tiles: torch.Tensor | None = None
+    # a mixed step's first num_decodes sequences are decodes (one query each, tokens
+    # 0..num_decodes-1): the decode kernel serves them, the varlen kernel the chunks
+    num_decodes: int = 0
     # values the torch reference derives from the above once per step, not once per layer
     scratch: dict = field(default_factory=dict)
 

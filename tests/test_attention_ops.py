@@ -170,6 +170,28 @@ def test_mixed_step_chunks_decodes_and_empty_rows(dtype, split_keys, block_m):
 
 
 @needs_kernels
+@pytest.mark.parametrize("softcap, window", [(None, None), (2.0, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_sends_its_decodes_to_the_decode_kernel(dtype, softcap, window):
+    """mixed_attention: the step's first num_decodes sequences (one query each) through
+    paged_decode, the prompt chunks after them through paged_prefill with their own tile
+    list, into one output that equals the dense oracle row for row."""
+    from metrale.ops.attention import mixed_attention
+
+    ctx, new = [70, 5, 33, 1, 40, 200], [1, 1, 1, 1, 7, 70]
+    q, k, v, meta = make_case(ctx, new, 4, 2, 16, 4, dtype, seed=31)
+    want = dense_oracle(q, k, v, meta, 0.25, softcap, window)
+    d = 4
+    chunk_cu = [c - d for c in meta.cu_query.tolist()[d:]]
+    tiles = at.prefill_tiles(chunk_cu, block_m=at.prefill_block_m(meta.max_query_len, 2))
+    meta = dataclasses.replace(meta, num_decodes=d, prefill_tiles=torch.tensor(
+        tiles, dtype=torch.int32, device=q.device), scratch={})
+    got = mixed_attention(q, k, v, meta, 0.25, softcap=softcap, window=window)
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(got[:d], want[:d]) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@needs_kernels
 @pytest.mark.parametrize("softcap, window", [(2.0, None), (None, 5), (1.5, 9)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softcap_and_window_match_the_oracle(softcap, window, dtype):

@@ -225,33 +225,45 @@ class AdapterManager:
 
     def _drain_for_waiting(self) -> None:
         """Names waiting while every slot is busy: drain busy slots for them (up to one per
-        waiting name), those that free soonest first. A drained slot is unrouted, and its
-        queued requests younger than the oldest waiter go back to waiting (they never ran:
-        no KV), so it frees once its running and older queued requests finish."""
+        waiting name), those whose drain sends fewest queued requests back first, then those
+        that free soonest; at most max_in_flight of the drains that send requests back at
+        once. A drained slot is unrouted, and its queued requests younger than the oldest
+        waiter go back to waiting (they never ran: no KV), so it frees once its running and
+        older queued requests finish."""
         job = self.job
         writing = job.name if job is not None and job.phase is Phase.WRITING else None
         waiting = [n for n in self.pending if n != writing]
         if not waiting:
             return
         table, registry = self.slots.table, self.registry
-        pinned = registry.pinned_slots()
-        need = len(waiting) - table.num_free_for_landing(pinned, registry.routed_slots())
+        pinned, routed = registry.pinned_slots(), registry.routed_slots()
+        need = len(waiting) - table.num_free_for_landing(pinned, routed)
         if need <= 0:
             return
         oldest = min(s.arrival for n in waiting for s in self.pending[n])
-        # what keeps each drainable slot busy once its younger queued requests leave
-        staying = {slot: [s for s in self._bound.get(slot, {}).values()
-                          if _started(s) or s.arrival <= oldest]
-                   for slot in registry.routed_slots() - pinned}
-        work = {slot: max((_work_left(s) for s in seqs), default=0) for slot, seqs in staying.items()}
+        # the cost of draining each slot: the queued requests it would send back to wait
+        # (a popular adapter's many: they would need it landed again), then the work that
+        # keeps it busy once they leave (its running and older queued requests)
+        cost = {}
+        for slot in routed - pinned:
+            bound = self._bound.get(slot, {}).values()
+            leaving = sum(1 for s in bound if not _started(s) and s.arrival > oldest)
+            staying = max((_work_left(s) for s in bound if _started(s) or s.arrival <= oldest),
+                          default=0)
+            cost[slot] = (leaving, staying)
+        # a drain that sends requests back makes their adapter wait too: at most
+        # max_in_flight such slots drain at once, or each drain would feed the next
+        draining = sum(1 for i in table.infos() if i.ref_count and i.slot not in pinned
+                       and i.state is SlotState.READY and i.slot not in routed)
         for _ in range(need):
-            slot = table.drain_candidate(work, set(work))
-            if slot is None:
+            slot = table.drain_candidate(cost, set(cost))
+            if slot is None or (cost[slot][0] and draining >= self.max_in_flight):
                 return
             name = registry.name_in(slot)
             registry.unroute(name)
-            del work[slot]
+            del cost[slot]
             self.num_drains += 1
+            draining += 1
             self._unbind_younger(slot, name, oldest)
 
     def _unbind_younger(self, slot: int, name: str, oldest: float) -> None:

@@ -82,6 +82,9 @@ class ModelRunner:
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
         dev = self.device
+        # a mixed step's decodes (its first rows) go to the decode kernel on CUDA
+        d = batch.num_decodes if dev.type == "cuda" and not batch.is_decode else 0
+        chunk_cu = [c - cu[d] for c in cu[d:]]
         meta = AttentionMetadata(
             is_prefill=not batch.is_decode,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
@@ -92,8 +95,9 @@ class ModelRunner:
             max_context_len=max(ctx),
             # built here once, not by the kernel wrapper in every layer (a host sync each)
             prefill_tiles=torch.tensor(
-                prefill_tiles(cu, block_m=prefill_block_m(max(batch.num_new), self.group)), dtype=torch.int32,
-                device=dev) if dev.type == "cuda" and not batch.is_decode else None,
+                prefill_tiles(chunk_cu, block_m=prefill_block_m(max(batch.num_new[d:]), self.group)),
+                dtype=torch.int32, device=dev) if dev.type == "cuda" and not batch.is_decode else None,
+            num_decodes=d,
         )
         lora = None
         if self.pool is not None and any(s.slot >= 0 for s in batch.seqs):

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from metrale.errors import (
     AllSlotsPinnedError,
@@ -130,12 +131,11 @@ class SlotTable:
                    or (i not in pinned and s.state is SlotState.READY
                        and (s.ref_count == 0 or i not in routed)))
 
-    def drain_candidate(self, remaining_work: Mapping[int, int],
-                        candidates: Collection[int]) -> int | None:
+    def drain_candidate(self, cost: Mapping[int, Any], candidates: Collection[int]) -> int | None:
         """The busy slot (among `candidates`: routed, unpinned) to drain for a landing: the
-        least work left on it (remaining_work[slot], tokens), then fewest in-flight requests,
-        then least recently requested. None if no slot qualifies."""
-        busy = [(remaining_work.get(i, 0), s.ref_count, s.last_used, i)
+        least cost of draining it (cost[slot], comparable: e.g. the work left on it), then
+        fewest in-flight requests, then least recently requested. None if no slot qualifies."""
+        busy = [(cost.get(i, 0), s.ref_count, s.last_used, i)
                 for i, s in enumerate(self._slots)
                 if i in candidates and s.ref_count > 0 and s.state is SlotState.READY]
         return min(busy)[3] if busy else None
