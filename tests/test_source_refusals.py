@@ -101,7 +101,16 @@ def test_a_copy_refused_at_its_landing_is_dropped_and_fetched_again_once_fixed(m
     assert refused.status_code == 422, refused.text
     assert snapshot(slots) == before  # refused before a slot was touched
     assert not sources.sources[0].cache.path("y").exists()
+    assert complete(client, "y").status_code == 422  # the registry's memory: nothing fetched
+    assert not sources.sources[0].cache.path("y").exists()
     moto.put_adapter("bucket", f"{prefix}/y", adapter_dir("a"))  # fixed
     assert client.delete("/v1/adapters/y").status_code == 200
     reply = complete(client, "y")
     assert reply.status_code == 200, reply.text
+
+
+def test_the_sources_hold_a_landing_refused_copy_as_long_as_the_registry_refuses_it():
+    from metrale.adapters.sources import LANDING_REFUSAL_S
+    from metrale.engine.adapters import REFUSAL_S
+
+    assert LANDING_REFUSAL_S == REFUSAL_S

@@ -44,6 +44,7 @@ log = logging.getLogger("metrale.adapters")
 
 NEGATIVE_TTL_S = 30.0
 REFUSED_TTL_S = 5.0  # a copy refused for its content: its error, before the store is asked again
+LANDING_REFUSAL_S = 30.0  # the registry's memory of a landing's refusal (engine.adapters.REFUSAL_S)
 MAX_REMEMBERED_MISSES = 10_000
 LOCAL_WORKERS = 2  # directory look-ups (stat calls): every directory source shares them
 LOOKUP_THREADS = 16  # per remote source, at least 4x its download slots: probes never queue
@@ -88,6 +89,7 @@ class AdapterSources:
         self._missing: OrderedDict[str, float] = OrderedDict()  # name -> remembered until
         self._refused: dict[str, tuple[float, MetraleError]] = {}  # name -> (until, its error)
         self._found: dict[str, tuple[Source, ConfinedDir]] = {}  # names from a remote source
+        self._hold_copy: dict[str, float] = {}  # name -> no refetch before (a landing refused it)
         self._inflight: dict[str, Future] = {}  # one look-up per name
         self._lock = threading.Lock()  # the dicts above: requests look up from threads
         local = ThreadPoolExecutor(LOCAL_WORKERS, thread_name_prefix="metrale-lookup")
@@ -173,6 +175,7 @@ class AdapterSources:
                     self._missing.popitem(last=False)
             elif future.exception() is None:
                 self._missing.pop(name, None)
+                self._hold_copy.pop(name, None)  # a new registration reads what it found
 
     # --- copies of remote adapters ---------------------------------------------------------
 
@@ -187,8 +190,8 @@ class AdapterSources:
         threads if the cache dropped it; None when there is nothing to fetch. Best effort:
         a resident adapter needs no copy, and a landing without one fails on its own."""
         entry = self._found.get(name)
-        if entry is None:
-            return None
+        if entry is None or self._clock() < self._hold_copy.get(name, -1.0):
+            return None  # none; or a landing refused it and the registry still answers that
         source, found = entry
         if all((found.path / f).is_file() for f in ADAPTER_FILES):
             if isinstance(source, S3Source):
@@ -204,6 +207,14 @@ class AdapterSources:
         entry = self._found.get(name)
         if entry is not None:
             entry[0].discard(name, entry[1])
+
+    def refused_at_landing(self, name: str) -> None:
+        """A landing refused `name`'s copy, and the registry answers that refusal for
+        LANDING_REFUSAL_S without reading: the copy is dropped, and not fetched again
+        before then (the landing after that reads what the store holds by then)."""
+        self.refused(name)
+        with self._lock:
+            self._hold_copy[name] = self._clock() + LANDING_REFUSAL_S
 
     def remember_refusal(self, name: str, error: MetraleError) -> None:
         """A registration refused `name`'s files: for REFUSED_TTL_S its look-ups fail with

@@ -48,10 +48,11 @@ class SourceRegistrar:
         await asyncio.shield(task)  # one request leaving does not cancel the others' wait
 
     def landing_refused(self, name: str) -> None:
-        """A landing refused `name`'s bytes (the registry remembers that for a while): its
-        copy is dropped from its store's cache, so the landing after that fetches it again."""
+        """A landing refused `name`'s bytes (the registry answers that for a while): its
+        copy is dropped from its store's cache and fetched again after that, for the
+        landing that then reads it."""
         if self.sources.from_remote(name):
-            self.sources.refused(name)
+            self.sources.refused_at_landing(name)
 
     def in_flight(self) -> int:
         return len(self._inflight)
