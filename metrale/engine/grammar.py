@@ -13,6 +13,7 @@ is the matcher's, done while the device runs the step (engine/deferred_draw.py).
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 
@@ -90,10 +91,22 @@ def _compile(compiler: xgrammar.GrammarCompiler, spec: StructuredOutput) -> xgra
             return _compile_grammar(compiler, spec.spec)
         return compiler.compile_structural_tag(spec.spec)
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's refusals of the spec
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InvalidSamplingParamsError(
-            f"{spec.param}: the {spec.kind.replace('_', ' ')} cannot be compiled: {reason}",
+            f"{spec.param}: the {_WHAT[spec.kind]} cannot be compiled: {_reason(e)}",
             spec.param) from None
+
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+         "choice": "choice list", "grammar": "grammar", "structural_tag": "structural tag"}
+# xgrammar prefixes its messages with a time and its source line: "[15:34:00] .../x.cc:12: "
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+def _reason(error: Exception) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return _LOG_PREFIX.sub("", lines[0])[:500]
 
 
 def _compile_grammar(compiler: xgrammar.GrammarCompiler, text: str) -> xgrammar.CompiledGrammar:

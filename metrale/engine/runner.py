@@ -11,6 +11,7 @@ import torch
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.cuda_graphs import StepGraphs
 from metrale.engine.kv_budget import auto_kv_blocks, host_available_bytes
+from metrale.engine import prompt_logprobs
 from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.engine.sampler import SampledTokens, draw
 from metrale.engine.scheduler import ScheduledBatch
@@ -69,6 +70,8 @@ class ModelRunner:
         sequence. in_flight: the tokens [B'] of the step still running (pending inputs)."""
         seqs, graphs = batch.seqs, self.graphs
         lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
+        if any(prompt_logprobs.wants_prompt_logprobs(s, n) for s, n in zip(seqs, batch.num_new)):
+            graphs = None  # a graph keeps the last position's logits only
         if graphs is not None and batch.is_decode and len(seqs) <= graphs.max_batch:
             logits = graphs.run(seqs, lora, in_flight)  # [B, V]
         elif graphs is not None and graphs.can_run_mixed(batch):
@@ -128,5 +131,6 @@ class ModelRunner:
             hidden = self.model(
                 ids_t, torch.tensor(positions, dtype=torch.int64, device=dev),
             )  # [T, hidden]
+            prompt_logprobs.record(self.model, hidden, batch.seqs, batch.num_new, cu)
             last_t = torch.tensor(last, dtype=torch.int64, device=dev)
             return self.model.compute_logits(hidden[last_t], last_t)  # [B', V] (last_t: lm_head LoRA)

@@ -123,7 +123,9 @@ class SamplingParams:
         """The parameters of completion `index` of n: one completion, seed + index (kept
         in [-2**63, 2**63): torch seeds a generator modulo 2**64, so this is the same draw)."""
         seed = None if self.seed is None else (self.seed + index + (1 << 63)) % SEED_END - (1 << 63)
-        return replace(self, n=1, seed=seed)
+        # the prompt's logprobs are the request's, reported once (with completion 0)
+        return replace(self, n=1, seed=seed,
+                       prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
 
 def _int(name: str, value: object, lo: int, hi: int | None) -> int:

@@ -1,0 +1,172 @@
+"""Structured outputs in the engine: a constrained request's tokens are, step by step,
+greedy decoding of transformers + PEFT logits under xgrammar's own mask (its
+apply_token_bitmask_inplace), with constrained and free requests, the base model and
+adapters in one batch, with and without async scheduling (where the mask of step t+1 is
+computed while step t runs). Specs xgrammar cannot compile are refused naming the field;
+compiled grammars are cached; a batch without constrained rows is left untouched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xgrammar
+
+from metrale.engine.param_errors import InvalidSamplingParamsError
+from metrale.engine.sampling_params import SamplingParams
+from metrale.engine.structured import StructuredOutput
+from tests.helpers.chat_models import make_chat_world
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["name", "age"]}
+SPECS = [
+    StructuredOutput.json_schema(SCHEMA),
+    StructuredOutput("json_object"),
+    StructuredOutput("regex", r"(yes|no), [0-9]{2,4}"),
+    StructuredOutput.choice(["Paris", "London", "the moon"]),
+    StructuredOutput("grammar", 'root ::= "{" ws "\\"x\\": " num ws "}"\nws ::= " "?\n'
+                                'num ::= [0-9] [0-9]?'),
+]
+N = 20  # tokens: enough to finish the short specs, a prefix of the long ones
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return make_chat_world(tmp_path_factory.mktemp("qwen"), "qwen")
+
+
+def _prompt(world, text: str) -> list[int]:
+    tok = world["tokenizer"]
+    text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                   tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _xgrammar_reference(model, prompt: list[int], spec: StructuredOutput, compiler, stops,
+                        n: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding of model's logits with xgrammar's own mask applied: the tokens, and
+    each step's gap between the best and the second-best allowed logit (a near tie there
+    may break either way under other rounding)."""
+    compiled = {
+        "json": lambda: compiler.compile_json_schema(spec.spec, any_whitespace=False),
+        "json_object": lambda: compiler.compile_json_schema('{"type": "object"}', any_whitespace=False),
+        "regex": lambda: compiler.compile_regex(spec.spec),
+        "choice": lambda: compiler.compile_grammar(
+            "root ::= " + " | ".join(json.dumps(c) for c in spec.choices)),
+        "grammar": lambda: compiler.compile_grammar(spec.spec),
+    }[spec.kind]()
+    matcher = xgrammar.GrammarMatcher(compiled)
+    vocab = model.config.vocab_size
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab)
+    ids, out, gaps = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()[None]  # [1, V]
+            matcher.fill_next_token_bitmask(bitmask)
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+            top2 = logits[0].topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+            token = int(logits[0].argmax())
+            assert matcher.accept_token(token)
+            ids.append(token)
+            out.append(token)
+            if token in stops or matcher.is_terminated():
+                break
+    return out, gaps
+
+
+def _assert_same_up_to_ties(got: list[int], want: list[int], gaps: list[float], label: str) -> int:
+    """got == want token by token; a divergence only where the reference had a near tie.
+    Returns how many tokens were compared."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            assert gaps[i] < 1e-3, f"{label}: token {i} is {g}, the reference's {w} (gap {gaps[i]})"
+            return i
+    assert len(got) == len(want), f"{label}: {len(got)} tokens, the reference {len(want)}"
+    return len(got)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_constrained_tokens_equal_xgrammar_masked_peft_greedy(world, async_scheduling):
+    from metrale import LLM
+
+    llm = LLM(world["model"], max_loras=2, max_lora_rank=4, max_model_len=256, block_size=4,
+              num_kv_blocks=256, async_scheduling=async_scheduling)
+    for name in world["peft"]:
+        llm.register_adapter(name, world["adapters"] / name)
+    adapters = [None, *world["peft"]]
+    prompt = _prompt(world, "Tell me about the moon as JSON.")
+    requests = []  # (spec or None, adapter)
+    for i, spec in enumerate(SPECS):
+        requests += [(spec, adapters[i % len(adapters)]), (spec, adapters[(i + 1) % len(adapters)])]
+    requests += [(None, a) for a in adapters]  # free rows in the same batch
+    params = [SamplingParams(max_tokens=N, temperature=0, structured=s) for s, _ in requests]
+    outs = llm.generate([prompt] * len(requests), params, [a for _, a in requests])
+
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        world["tokenizer"], vocab_size=world["base"].config.vocab_size,
+        stop_token_ids=list(llm.engine.eos_ids))
+    compiler = xgrammar.GrammarCompiler(info)
+    compared = 0
+    for (spec, adapter), out in zip(requests, outs):
+        model = world["peft"][adapter] if adapter else world["base"]
+        if spec is None:
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=N, do_sample=False,
+                                  pad_token_id=0, eos_token_id=list(llm.engine.eos_ids))
+            want = want[0, len(prompt):].tolist()
+            assert list(out.token_ids) == want, adapter
+            continue
+        want, gaps = _xgrammar_reference(model, prompt, spec, compiler, set(llm.engine.eos_ids), N)
+        compared += _assert_same_up_to_ties(list(out.token_ids), want, gaps, f"{spec.kind}/{adapter}")
+    assert compared >= 0.8 * sum(len(o.token_ids) for (s, _), o in zip(requests, outs) if s)
+    # the short specs completed: their text is what they allow
+    for (spec, _), out in zip(requests, outs):
+        if spec is not None and spec.kind == "choice":
+            assert out.text in spec.choices and out.finish_reason == "stop"
+
+
+def test_a_spec_the_library_cannot_compile_is_refused_naming_its_field(world):
+    from metrale import LLM
+
+    llm = LLM(world["model"], max_loras=1, max_lora_rank=4, max_model_len=128, block_size=4,
+              num_kv_blocks=64)
+    bad = [StructuredOutput.json_schema({"type": "strin"}, "response_format"),
+           StructuredOutput("regex", "(unclosed", "guided_regex"),
+           StructuredOutput("grammar", "root ::= undefined_rule", "structured_outputs")]
+    for spec in bad:
+        with pytest.raises(InvalidSamplingParamsError) as info:
+            llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, structured=spec))
+        assert info.value.param == spec.param and spec.param in str(info.value)
+        assert not llm.engine.requests  # nothing was queued
+    with pytest.raises(InvalidSamplingParamsError, match="structured_outputs"):
+        StructuredOutput("regex", "")
+
+
+def test_compiled_grammars_are_cached(world):
+    from metrale import LLM
+
+    llm = LLM(world["model"], max_loras=1, max_lora_rank=4, max_model_len=128, block_size=4,
+              num_kv_blocks=64)
+    grammars = llm.engine.grammars
+    spec = StructuredOutput.json_schema(SCHEMA)
+    first = grammars.compile(spec)
+    misses = grammars.misses
+    assert grammars.compile(StructuredOutput.json_schema(json.loads(json.dumps(SCHEMA)))) is first
+    assert grammars.misses == misses and grammars.hits >= 1
+
+
+def test_a_batch_without_shaped_rows_is_not_copied(world):
+    from metrale.engine.logits_shaping import shape_logits
+    from metrale.engine.sampler import SampledTokens, draw
+    from metrale.engine.sequence import Sequence
+
+    seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(temperature=0), None) for i in range(4)]
+    logits = torch.randn(4, 50)
+    assert shape_logits(logits, seqs) is logits
+    drawn = draw(logits, seqs)
+    assert isinstance(drawn, SampledTokens)
+    assert [r.token for r in drawn.results()] == logits.argmax(-1).tolist()
