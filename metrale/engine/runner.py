@@ -9,9 +9,9 @@ import logging
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
+from metrale.engine import prompt_logprobs
 from metrale.engine.cuda_graphs import StepGraphs
 from metrale.engine.kv_budget import auto_kv_blocks, host_available_bytes
-from metrale.engine import prompt_logprobs
 from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.engine.sampler import SampledTokens, draw
 from metrale.engine.scheduler import ScheduledBatch

@@ -9,66 +9,10 @@ from pathlib import Path
 
 from tests.helpers.tiny_models import make_adapter, make_model, save_model
 
-QWEN_TEMPLATE = """{%- if tools %}
-{{- '<|im_start|>system\\n' }}
-{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}
-{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}
-{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
-{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
-{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
-{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}{%- endif %}
-{%- endif %}
-{%- for message in messages %}
-{%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-{%- elif message.role == "assistant" %}
-{{- '<|im_start|>' + message.role }}
-{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
-{%- for tool_call in message.tool_calls %}
-{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
-{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
-{%- elif message.role == "tool" %}
-{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}
-{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\\n' }}{%- endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
-
-LLAMA3_TEMPLATE = """{{- bos_token }}
-{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']|trim %}{%- set messages = messages[1:] %}
-{%- else %}{%- set system_message = "" %}{%- endif %}
-{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
-{%- if tools is not none and tools %}{{- "Environment: ipython\\n" }}{%- endif %}
-{{- "Cutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n" }}
-{{- system_message }}{{- "<|eot_id|>" }}
-{%- if tools is not none and tools %}
-{%- set first_user_message = messages[0]['content']|trim %}{%- set messages = messages[1:] %}
-{{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
-{{- "Given the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.\\n\\n" }}
-{{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
-{{- "Do not use variables.\\n\\n" }}
-{%- for t in tools %}{{- t | tojson(indent=4) }}{{- "\\n\\n" }}{%- endfor %}
-{{- first_user_message + "<|eot_id|>"}}
-{%- endif %}
-{%- for message in messages %}
-{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
-{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
-{%- elif 'tool_calls' in message %}
-{%- set tool_call = message.tool_calls[0].function %}
-{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
-{{- '{"name": "' + tool_call.name + '", ' }}{{- '"parameters": ' }}{{- tool_call.arguments | tojson }}{{- "}" }}{{- "<|eot_id|>" }}
-{%- elif message.role == "tool" or message.role == "ipython" %}
-{{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}{{- message.content }}{{- "<|eot_id|>" }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
-"""
+# the families' templates, their tool sections as the real ones write them
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
+QWEN_TEMPLATE = (TEMPLATES / "qwen2_5.jinja").read_text()
+LLAMA3_TEMPLATE = (TEMPLATES / "llama3_1.jinja").read_text()
 
 FAMILIES = {
     "llama3": dict(template=LLAMA3_TEMPLATE, bos="<|begin_of_text|>", eos="<|eot_id|>",
