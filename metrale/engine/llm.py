@@ -98,8 +98,10 @@ class LLM:
         if len(params) != n or len(names) != n:
             raise MetraleError("prompts, sampling_params and adapters must have the same length")
         # a request with n > 1 answers n outputs in a row, index 0 .. n-1
-        ids = [sibling_id(self.engine.add_request(p, sp, a), i)
-               for p, sp, a in zip(prompts, params, names) for i in range(sp.n)]
+        ids = []
+        for p, sp, a in zip(prompts, params, names):
+            request_id = self.engine.add_request(p, sp, a)
+            ids += [sibling_id(request_id, i) for i in range(sp.n)]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             outputs = self.engine.step()
