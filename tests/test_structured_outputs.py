@@ -13,6 +13,7 @@ import pytest
 import torch
 import xgrammar
 
+from metrale.engine.grammar import JSON_OPTIONS
 from metrale.engine.param_errors import InvalidSamplingParamsError
 from metrale.engine.sampling_params import SamplingParams
 from metrale.engine.structured import StructuredOutput
@@ -52,8 +53,8 @@ def _xgrammar_reference(model, prompt: list[int], spec: StructuredOutput, compil
     each step's gap between the best and the second-best allowed logit (a near tie there
     may break either way under other rounding)."""
     compiled = {
-        "json": lambda: compiler.compile_json_schema(spec.spec, any_whitespace=False),
-        "json_object": lambda: compiler.compile_json_schema('{"type": "object"}', any_whitespace=False),
+        "json": lambda: compiler.compile_json_schema(spec.spec, **JSON_OPTIONS),
+        "json_object": lambda: compiler.compile_json_schema('{"type": "object"}', **JSON_OPTIONS),
         "regex": lambda: compiler.compile_regex(spec.spec),
         "choice": lambda: compiler.compile_grammar(
             "root ::= " + " | ".join(json.dumps(c) for c in spec.choices)),

@@ -127,7 +127,10 @@ def may_start(family: str, text: str) -> int:
     return 0
 
 
-_decoder = json.JSONDecoder()
+# strict=False: a grammar's string of bounded length (xgrammar's minLength/maxLength rule)
+# admits raw control characters, which strict JSON refuses; the arguments are written out
+# again as valid JSON
+_decoder = json.JSONDecoder(strict=False)
 
 
 def _call(obj: object, args_keys: tuple[str, ...]) -> ToolCall | None:

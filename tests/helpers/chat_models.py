@@ -29,8 +29,11 @@ CORPUS = [
     '{"name": "Alice", "age": 31, "tags": ["a", "b"], "ok": true, "score": 0.5, "x": null}',
     "The weather in Paris is sunny. What is the capital of France? Tell me about the moon.",
     '[{"id": 1, "items": [1, 2, 3]}, {"id": 2, "items": []}]',
-] * 20
-BPE_VOCAB = 420  # bytes, merges, specials; the tiny model's vocabulary is the tokenizer's length
+    '{"type": "function", "function": {"name": "get_time", "description": "the weather", '
+    '"parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}}, '
+    '"required": ["zone"], "enum": ["celsius", "fahrenheit"]}}}',
+] * 20 + [QWEN_TEMPLATE, LLAMA3_TEMPLATE] * 5
+BPE_VOCAB = 1200  # bytes, merges, specials; the tiny model's vocabulary is the tokenizer's length
 
 
 def save_chat_tokenizer(path: Path, family: str) -> int:
@@ -64,7 +67,7 @@ def make_chat_world(root: Path, family: str, adapters: tuple[str, ...] = ("a", "
     vocab = save_chat_tokenizer(root / "model", family)
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
     eos = tokenizer.convert_tokens_to_ids(FAMILIES[family]["eos"])
-    base = make_model("llama", seed=seed, vocab_size=vocab, max_position_embeddings=1024,
+    base = make_model("llama", seed=seed, vocab_size=vocab, max_position_embeddings=4096,
                       eos_token_id=eos, bos_token_id=tokenizer.bos_token_id)
     save_model(base, root / "model")
     peft = {}
