@@ -161,13 +161,13 @@ def test_compiled_grammars_are_cached(world):
 
 
 def test_a_batch_without_shaped_rows_is_not_copied(world):
-    from metrale.engine.logits_shaping import shape_logits
+    from metrale.engine.logits_shaping import shape_logits, shaped_rows
     from metrale.engine.sampler import SampledTokens, draw
     from metrale.engine.sequence import Sequence
 
     seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(temperature=0), None) for i in range(4)]
     logits = torch.randn(4, 50)
-    assert shape_logits(logits, seqs) is logits
+    assert shaped_rows(seqs) == [] and shape_logits(logits, seqs, []) is logits
     drawn = draw(logits, seqs)
     assert isinstance(drawn, SampledTokens)
     assert [r.token for r in drawn.results()] == logits.argmax(-1).tolist()

@@ -19,11 +19,16 @@ class GrammarStateError(RuntimeError):
     """A matcher is behind its sequence's tokens: the mask would be for another position."""
 
 
-def shape_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits [B, V] float32 -> logits, or a shaped copy. Each grammar row's matcher must
-    have accepted every token of its sequence (the caller defers the draw until then)."""
-    shaped = [i for i, s in enumerate(seqs) if s.sampling is not None
-              or (s.suppress_ids and s.num_generated < s.params.min_tokens)]
+def shaped_rows(seqs: list[Sequence]) -> list[int]:
+    """The rows whose logits are shaped this step: the one scan a plain batch pays."""
+    return [i for i, s in enumerate(seqs) if s.sampling is not None
+            or (s.suppress_ids and s.num_generated < s.params.min_tokens)]
+
+
+def shape_logits(logits: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> torch.Tensor:
+    """logits [B, V] float32 -> logits, or a shaped copy (shaped: shaped_rows(seqs)). Each
+    grammar row's matcher must have accepted every token of its sequence (the caller
+    defers the draw until then)."""
     if not shaped:
         return logits
     x = logits.clone()

@@ -70,7 +70,8 @@ class ModelRunner:
         sequence. in_flight: the tokens [B'] of the step still running (pending inputs)."""
         seqs, graphs = batch.seqs, self.graphs
         lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
-        if any(prompt_logprobs.wants_prompt_logprobs(s, n) for s, n in zip(seqs, batch.num_new)):
+        if any(s.params.prompt_logprobs is not None for s in seqs) and any(
+                prompt_logprobs.wants_prompt_logprobs(s, n) for s, n in zip(seqs, batch.num_new)):
             graphs = None  # a graph keeps the last position's logits only
         if graphs is not None and batch.is_decode and len(seqs) <= graphs.max_batch:
             logits = graphs.run(seqs, lora, in_flight)  # [B, V]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.engine.logits_shaping import shape_logits
+from metrale.engine.logits_shaping import shape_logits, shaped_rows
 from metrale.engine.sampling_params import SamplingParams
 from metrale.engine.sequence import Sequence
 from metrale.errors import MetraleError, SamplingError
@@ -119,7 +119,7 @@ class DeferredDraw:
 
     def finish(self) -> None:
         if self._drawn is None:
-            self._drawn = _draw_now(self._logits, self.seqs)
+            self._drawn = _draw_now(self._logits, self.seqs, shaped_rows(self.seqs))
             self._logits = None
 
     def _finished(self) -> SampledTokens:
@@ -147,13 +147,14 @@ def waits_for_token(seq: Sequence) -> bool:
 def draw(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens | DeferredDraw:
     """logits: [B, V] float32 -> the batch's tokens, queued on logits' device (deferred
     when a grammar row waits for its previous token)."""
-    if any(waits_for_token(s) for s in seqs if s.sampling is not None):
+    shaped = shaped_rows(seqs)  # a plain batch: empty, and nothing below runs for it
+    if any(waits_for_token(seqs[i]) for i in shaped):
         return DeferredDraw(logits, seqs)
-    return _draw_now(logits, seqs)
+    return _draw_now(logits, seqs, shaped)
 
 
-def _draw_now(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
-    logits = shape_logits(logits, seqs)
+def _draw_now(logits: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> SampledTokens:
+    logits = shape_logits(logits, seqs, shaped)
     # One reduction for the batch: the argmax of every greedy row, and the row max,
     # which is finite exactly when the row has no NaN, no +inf and some finite value.
     row_max, argmax = logits.max(dim=-1)  # [B], [B]
@@ -170,14 +171,14 @@ def _draw_now(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
     sampled = SampledTokens(seqs, drawn, row_max, finite)
     if any(needs_logits(s) for s in seqs):
         sampled.resolve(logits)
-    _count(seqs, sampled.tokens)
+    _count(seqs, shaped, sampled.tokens)
     return sampled
 
 
-def _count(seqs: list[Sequence], tokens: torch.Tensor) -> None:
+def _count(seqs: list[Sequence], shaped: list[int], tokens: torch.Tensor) -> None:
     """The penalised rows' drawn tokens into their counts, on the device (the next step
     reads them behind this one). A failed row's token is counted too: it ends its sequence."""
-    rows = [i for i, s in enumerate(seqs) if s.sampling is not None and s.sampling.counts_row >= 0]
+    rows = [i for i in shaped if seqs[i].sampling is not None and seqs[i].sampling.counts_row >= 0]
     if rows:
         table = seqs[rows[0]].sampling.counts
         dev = tokens.device
@@ -188,7 +189,7 @@ def _count(seqs: list[Sequence], tokens: torch.Tensor) -> None:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     """logits: [B, V] float32 -> one result per sequence, in order (waits for them)."""
-    return _draw_now(logits, seqs).results()
+    return _draw_now(logits, seqs, shaped_rows(seqs)).results()
 
 
 def _sample_rows(x: torch.Tensor, row_max: torch.Tensor, params: list[SamplingParams],
