@@ -171,3 +171,41 @@ def test_a_batch_without_shaped_rows_is_not_copied(world):
     drawn = draw(logits, seqs)
     assert isinstance(drawn, SampledTokens)
     assert [r.token for r in drawn.results()] == logits.argmax(-1).tolist()
+
+
+def test_with_async_scheduling_the_mask_is_computed_after_its_step_is_launched(world):
+    """The grammar's work for a step runs once that step's forward pass is queued on the
+    device (the host fills the mask while the device computes), except for a sequence's
+    first token, whose grammar has nothing in flight."""
+    from metrale import LLM
+    from metrale.engine.grammar import GrammarMatcher
+
+    llm = LLM(world["model"], max_loras=1, max_lora_rank=4, max_model_len=256, block_size=4,
+              num_kv_blocks=256, async_scheduling=True)
+    runner = llm.engine.runner
+    state = {"in_run": False}
+    fills = []  # (inside runner.run, tokens the sequence had) per mask filled
+    run, fill = runner.run, GrammarMatcher.fill
+
+    def traced_run(*args, **kw):
+        state["in_run"] = True
+        try:
+            return run(*args, **kw)
+        finally:
+            state["in_run"] = False
+
+    def traced_fill(self, bitmask, row):
+        fills.append((state["in_run"], self.num_accepted))
+        return fill(self, bitmask, row)
+
+    runner.run = traced_run
+    GrammarMatcher.fill = traced_fill
+    try:
+        spec = StructuredOutput.json_schema(SCHEMA)
+        outs = llm.generate([_prompt(world, "A person, please.")] * 3,
+                            SamplingParams(max_tokens=N, temperature=0, structured=spec))
+    finally:
+        GrammarMatcher.fill = fill
+    assert sum(len(o.token_ids) for o in outs) > 3 * 2
+    assert fills and all(not inside for inside, seen in fills if seen > 0)  # overlapped
+    assert any(inside for inside, seen in fills if seen == 0)  # the first token's: at once
