@@ -11,6 +11,7 @@ import torch
 
 from metrale.engine.grammar import allowed_tokens, new_bitmask
 from metrale.engine.sequence import Sequence
+from metrale.engine.uploads import upload
 
 NEG_INF = float("-inf")
 
@@ -40,7 +41,7 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], shaped: list[int]) 
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64, device=x.device)
+    return upload(rows, torch.int64, x.device)
 
 
 def _mask_grammar(x: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> None:
@@ -87,7 +88,7 @@ def _bias(x: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> None:
             values += state.bias_values
     if rows:
         x.index_put_((_rows(x, rows), _rows(x, cols)),
-                     torch.tensor(values, dtype=x.dtype, device=x.device), accumulate=True)
+                     upload(values, x.dtype, x.device), accumulate=True)
 
 
 def _penalise(x: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> None:
@@ -98,9 +99,9 @@ def _penalise(x: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> None:
     generated, in_prompt = table.gather(_rows(x, [seqs[i].sampling.counts_row for i in rows]))
     params = [seqs[i].params for i in rows]
     dev, dt = x.device, x.dtype
-    rep = torch.tensor([p.repetition_penalty for p in params], dtype=dt, device=dev)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=dt, device=dev)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=dt, device=dev)[:, None]
+    rep = upload([p.repetition_penalty for p in params], dt, dev)[:, None]
+    freq = upload([p.frequency_penalty for p in params], dt, dev)[:, None]
+    pres = upload([p.presence_penalty for p in params], dt, dev)[:, None]
     idx = _rows(x, rows)
     y = x[idx]  # [P, V]
     appeared = generated > 0

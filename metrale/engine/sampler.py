@@ -21,6 +21,7 @@ import torch
 from metrale.engine.logits_shaping import shape_logits, shaped_rows
 from metrale.engine.sampling_params import SamplingParams
 from metrale.engine.sequence import Sequence
+from metrale.engine.uploads import upload
 from metrale.errors import MetraleError, SamplingError
 
 
@@ -165,7 +166,7 @@ def _draw_now(logits: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> 
     batched = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.seed is None]
     drawn = argmax
     if batched:
-        rows = torch.tensor(batched, device=logits.device)  # [N]
+        rows = upload(batched, torch.int64, logits.device)  # [N]
         drawn = argmax.index_put((rows,), _sample_rows(logits[rows], row_max[rows],
                                                        [seqs[i].params for i in batched]))
     sampled = SampledTokens(seqs, drawn, row_max, finite)
@@ -182,9 +183,9 @@ def _count(seqs: list[Sequence], shaped: list[int], tokens: torch.Tensor) -> Non
     if rows:
         table = seqs[rows[0]].sampling.counts
         dev = tokens.device
-        at = torch.tensor(rows, dtype=torch.int64, device=dev)
-        table.count(torch.tensor([seqs[i].sampling.counts_row for i in rows], dtype=torch.int64,
-                                 device=dev), tokens.index_select(0, at))
+        at = upload(rows, torch.int64, dev)
+        table.count(upload([seqs[i].sampling.counts_row for i in rows], torch.int64, dev),
+                    tokens.index_select(0, at))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
@@ -199,24 +200,24 @@ def _sample_rows(x: torch.Tensor, row_max: torch.Tensor, params: list[SamplingPa
     stand-in (all zeros) that the caller discards."""
     vocab, dev = x.shape[1], x.device
     finite = torch.isfinite(row_max)[:, None]  # [N, 1]
-    inv_temp = torch.tensor([1 / p.temperature for p in params], device=dev)[:, None]  # [N, 1]
+    inv_temp = upload([1 / p.temperature for p in params], x.dtype, dev)[:, None]  # [N, 1]
     # max 0 before scaling by 1/T: a tiny temperature must not overflow finite logits to inf
     x = x.sub(torch.where(finite, row_max[:, None], 0.0)).mul_(inv_temp).masked_fill_(~finite, 0.0)
     min_p = [p.min_p for p in params]
     if max(min_p) > 0:
         # the row max is 0 now: a token's probability over the top one's is exp(x), so
         # p >= min_p * p_max is x >= log(min_p) (log 0 = -inf keeps every token)
-        floor = torch.tensor(min_p, dtype=x.dtype, device=dev).log()[:, None]  # [N, 1]
+        floor = upload(min_p, x.dtype, dev).log()[:, None]  # [N, 1]
         x = x.masked_fill(x < floor, float("-inf"))
     ks = [min(p.top_k, vocab) if p.top_k else vocab for p in params]
     if min(ks) < vocab:
         top = torch.topk(x, max(ks), dim=-1).values  # [N, kmax], descending
-        kth = top.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)  # [N, 1]
+        kth = top.gather(1, upload(ks, torch.int64, dev)[:, None] - 1)  # [N, 1]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)  # [N, V]
     top_p = [p.top_p for p in params]
     if min(top_p) < 1.0:
-        p_t = torch.tensor(top_p, device=dev)[:, None]  # [N, 1]
+        p_t = upload(top_p, x.dtype, dev)[:, None]  # [N, 1]
         sorted_p, order = _nucleus_candidates(probs, p_t)  # [N, C], C <= V
         drop = sorted_p.cumsum(-1) - sorted_p >= p_t
         # the top token always stays (a top_p under float32's smallest value rounds to 0)

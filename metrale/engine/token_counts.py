@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from metrale.engine.uploads import upload
+
 FIRST_ROWS = 8
 
 
@@ -29,9 +31,9 @@ class TokenCounts:
         self.generated[row].zero_()
         self.in_prompt[row].zero_()
         dev = self.device
-        self.in_prompt[row, torch.tensor(prompt_ids, dtype=torch.int64, device=dev)] = True
+        self.in_prompt[row, upload(prompt_ids, torch.int64, dev)] = True
         if output_ids:
-            ids = torch.tensor(output_ids, dtype=torch.int64, device=dev)
+            ids = upload(output_ids, torch.int64, dev)
             self.generated[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         return row
 
