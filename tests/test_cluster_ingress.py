@@ -81,6 +81,11 @@ class Registry:
         self.members = Remote([])
 
 
+async def _until(done) -> None:
+    while not done():
+        await asyncio.sleep(0)  # lets the ingress's own task run; no time passes
+
+
 def _out(n: int, finished: bool = False) -> RequestOutput:
     return RequestOutput("r", [1, 2], "x" * n, list(range(n)), finished,
                          "length" if finished else None, adapter_wait_s=0.0, queue_wait_s=0.0)
@@ -108,7 +113,7 @@ def test_health_answers_while_no_replica_is_up(tmp_path):
             r = await asyncio.wait_for(client.get("/v1/models"), 5)  # needs the limits: 503
             assert r.status_code == 503
             handle.engine_limits.future.set_result(EngineLimits(1024, 100))
-            await asyncio.wait_for(engine._limits_task, 5)
+            await asyncio.wait_for(_until(lambda: engine.limits is not None), 5)
             r = await asyncio.wait_for(client.get("/health"), 5)
             assert r.status_code == 200, r.text
             assert (await client.get("/v1/models")).json()["data"][0]["max_model_len"] == 1024

@@ -90,7 +90,7 @@ class ClusterEngine:
         self.retried = 0
         self._started = False
         self.tokenizer = None  # the base model's, set by setup()
-        self._limits: EngineLimits | None = None  # the replicas', once one is up
+        self.limits: EngineLimits | None = None  # the replicas', once one is up
         self._limits_task: asyncio.Task | None = None
         self._http = httpx.AsyncClient(timeout=cluster.sync_timeout_s, headers={
             "Authorization": f"Bearer {spec.internal_key}"})
@@ -102,18 +102,12 @@ class ClusterEngine:
         self._limits_task = asyncio.ensure_future(self._fetch_limits())
 
     async def _fetch_limits(self) -> None:
-        while self._limits is None and self.alive:
+        while self.limits is None and self.alive:
             try:
-                self._limits = await self.handle.engine_limits.remote()
+                self.limits = await self.handle.engine_limits.remote()
             except Exception as e:  # a replica that failed to start: Serve replaces it
                 log.warning("no replica answered its limits yet (%s); asking again", e)
                 await asyncio.sleep(1.0)  # the pause between two asks, not a wait for an event
-
-    @property
-    def limits(self) -> EngineLimits:
-        if self._limits is None:
-            raise EngineUnavailableError("the cluster is starting: no replica is up yet")
-        return self._limits
 
     # --- EngineAPI ----------------------------------------------------------------------
 
@@ -237,7 +231,7 @@ class ClusterEngine:
             self._started = await self.registry.started.remote()
         if not self._started:
             return "registering the start-up adapters"
-        return None if self._limits is not None else "waiting for a replica to start"
+        return None if self.limits is not None else "waiting for a replica to start"
 
     async def reset_prefix_cache(self) -> int:
         total = 0

@@ -25,7 +25,7 @@ from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import UnknownAdapterError
 from metrale.names import is_valid_name
 from metrale.server.auth import require_user
-from metrale.server.engine_api import EngineAPI, app_context
+from metrale.server.engine_api import EngineAPI, app_context, known_limits
 from metrale.server.errors import BadRequestError, exception_body
 from metrale.server.protocol import (
     ChatCompletionRequest,
@@ -237,10 +237,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         constraint = tool_constraint
     prompt = _chat_prompt(engine, body, tools)
     # Default: as long as the context allows (OpenAI's behaviour), capped by the server limit.
-    room = engine.limits.max_seq_tokens - len(engine.tokenizer.encode(prompt))
+    room = known_limits(engine).max_seq_tokens - len(engine.tokenizer.encode(prompt))
     if room < 1:
         raise BadRequestError(f"the messages fill the model's context of "
-                              f"{engine.limits.max_seq_tokens} tokens", "messages")
+                              f"{known_limits(engine).max_seq_tokens} tokens", "messages")
     max_tokens = _max_tokens(body.requested_max_tokens, room, settings,
                              body.api_param("max_tokens"))
     params = body.sampling_params(max_tokens, body.engine_logprobs, constraint)
@@ -277,14 +277,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     # encoded as the engine encodes a text prompt
     text = body.prompt if body.messages is None else _chat_prompt(engine, body)
     tokens = _tokenizer(engine).encode(text, add_special_tokens=body.add_special_tokens)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.limits.max_seq_tokens}
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": known_limits(engine).max_seq_tokens}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     engine, settings = app_context(request)
     await _check_model(body, engine, settings)
-    vocab = engine.limits.vocab_size
+    vocab = known_limits(engine).vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise BadRequestError(f"token ids must be in [0, {vocab})", "tokens")
     return {"prompt": _tokenizer(engine).decode(body.tokens)}
@@ -298,7 +298,7 @@ async def version() -> dict:
 def _base_entry(engine: EngineAPI, settings: ServerSettings) -> dict:
     return {"id": settings.model_id, "object": "model", "created": int(settings.started),
             "owned_by": "metrale", "root": settings.model_id, "parent": None,
-            "max_model_len": engine.limits.max_seq_tokens,
+            "max_model_len": known_limits(engine).max_seq_tokens,
             "default_adapter": settings.default_adapter}
 
 

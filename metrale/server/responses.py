@@ -91,16 +91,15 @@ class _Formatter:
 
 def _vllm_prompt_logprobs(out: RequestOutput, token_text: Callable[[int], str]) -> list | None:
     """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
-    decoded_token}} holding the prompt's token and the top ones."""
+    decoded_token}} holding the top ones (ranked by position) and the prompt's token."""
     if out.prompt_logprobs is None:
         return None
-    entries = [None]
+    entries: list[dict | None] = [None]
     for e in out.prompt_logprobs[1:]:
-        d = {str(i): {"logprob": lp, "rank": None, "decoded_token": token_text(i)} for i, lp in e["top"]}
+        d = {str(i): {"logprob": lp, "rank": rank, "decoded_token": token_text(i)}
+             for rank, (i, lp) in enumerate(e["top"], 1)}
         d[str(e["token"])] = {"logprob": e["logprob"], "rank": e["rank"],
                               "decoded_token": token_text(e["token"])}
-        for rank, (i, _) in enumerate(e["top"], 1):
-            d[str(i)]["rank"] = d[str(i)]["rank"] or rank
         entries.append(d)
     return entries
 
@@ -115,7 +114,7 @@ class CompletionFormatter(_Formatter):
         super().__init__(model, token_text, logprobs)
         self.echo = echo
         self.text_offset: dict[int, int] = {}
-        self.echoed: set[int] = set()
+        self.started: set[int] = set()  # choices whose first chunk went out
 
     def _logprobs(self, entries: list[dict], index: int, whole: bool = False) -> dict | None:
         if not self.logprobs:
@@ -132,7 +131,7 @@ class CompletionFormatter(_Formatter):
             at += len(text)
 
         latest = self.latest.get(index)
-        if self.echo is not None and (whole or index not in self.echoed) and latest is not None \
+        if self.echo is not None and (whole or index not in self.started) and latest is not None \
                 and latest.prompt_logprobs is not None:
             # echo with logprobs: the prompt's tokens first, the first one without a logprob
             for i, (token, e) in enumerate(zip(latest.prompt_token_ids, latest.prompt_logprobs)):
@@ -151,7 +150,7 @@ class CompletionFormatter(_Formatter):
 
     def chunk(self, out: RequestOutput) -> dict:
         chunk = super().chunk(out)
-        self.echoed.add(out.index)
+        self.started.add(out.index)
         return chunk
 
     def final(self, outs: list[RequestOutput]) -> dict:
@@ -160,14 +159,15 @@ class CompletionFormatter(_Formatter):
         return super().final(outs)
 
     def _streamed(self, out: RequestOutput) -> dict:
-        prefix = self.echo if self.echo is not None and out.index not in self.echoed else ""
-        return {"text": prefix + out.delta_text, **self._prompt_logprobs(out, first=True)}
+        prefix = self.echo if self.echo is not None and out.index not in self.started else ""
+        return {"text": prefix + out.delta_text, **self._prompt_logprobs(out)}
 
     def _whole(self, out: RequestOutput) -> dict:
-        return {"text": (self.echo or "") + out.text, **self._prompt_logprobs(out, first=True)}
+        return {"text": (self.echo or "") + out.text, **self._prompt_logprobs(out)}
 
-    def _prompt_logprobs(self, out: RequestOutput, first: bool) -> dict:
-        if out.prompt_logprobs is None or (out.index in self.echoed):
+    def _prompt_logprobs(self, out: RequestOutput) -> dict:
+        """vLLM's field, once per completion (a stream's first chunk of it)."""
+        if out.prompt_logprobs is None or out.index in self.started:
             return {}
         return {"prompt_logprobs": _vllm_prompt_logprobs(out, self.token_text)}
 
