@@ -177,3 +177,22 @@ def test_bad_tool_requests_are_400_naming_the_field(client, kw, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**{**body, **kw})
     assert info.value.body["param"] == param
+
+
+@pytest.mark.parametrize("constraint, pattern", [
+    ({"guided_regex": "(yes|no), [0-9]{2}"}, r"(yes|no), [0-9]{2}"),
+    ({"structured_outputs": {"choice": ["Paris", "London"]}}, r"Paris|London"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"]}}}}, r'\{\s*"n": [0-9]\s*\}'),
+])
+def test_completions_follow_a_constraint_streamed_or_not(client, constraint, pattern):
+    import re
+
+    whole = client.completions.create(model="a", prompt="The answer is", max_tokens=30,
+                                      temperature=0, extra_body=constraint)
+    assert re.fullmatch(pattern, whole.choices[0].text), whole.choices[0].text
+    assert whole.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="a", prompt="The answer is", max_tokens=30,
+                                         temperature=0, extra_body=constraint, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
