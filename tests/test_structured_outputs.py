@@ -209,3 +209,24 @@ def test_with_async_scheduling_the_mask_is_computed_after_its_step_is_launched(w
     assert sum(len(o.token_ids) for o in outs) > 3 * 2
     assert fills and all(not inside for inside, seen in fills if seen > 0)  # overlapped
     assert any(inside for inside, seen in fills if seen == 0)  # the first token's: at once
+
+
+def test_constrained_and_penalised_requests_ending_while_a_draw_waits(world):
+    """With async scheduling a request may end (its grammar complete) while the next
+    step, launched before the host knew, waits to draw its row: that row is skipped, its
+    counts row given back, and the batch's tokens are those of synchronous steps."""
+    from metrale import LLM
+
+    prompt = _prompt(world, "Pick one.")
+    params = [SamplingParams(max_tokens=N, temperature=0, presence_penalty=1.5,
+                             repetition_penalty=1.3, structured=spec) for spec in SPECS]
+    params += [SamplingParams(max_tokens=N, temperature=0, frequency_penalty=1.0)]
+    runs = []
+    for async_scheduling in (False, True):
+        llm = LLM(world["model"], max_loras=1, max_lora_rank=4, max_model_len=256, block_size=4,
+                  num_kv_blocks=256, async_scheduling=async_scheduling)
+        outs = llm.generate([prompt] * len(params), params)
+        runs.append([list(o.token_ids) for o in outs])
+        assert llm.engine.token_counts.rows_in_use == 0
+    assert runs[0] == runs[1]
+    assert any(len(t) < N for t in runs[1])  # some ended early, while others still ran

@@ -92,7 +92,8 @@ def _bias(x: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> None:
 
 
 def _penalise(x: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> None:
-    rows = [i for i in shaped if seqs[i].sampling is not None and seqs[i].sampling.counts is not None]
+    # a row released meanwhile (its request ended while a deferred draw waited) is skipped
+    rows = [i for i in shaped if seqs[i].sampling is not None and seqs[i].sampling.counts_row >= 0]
     if not rows:
         return
     table = seqs[rows[0]].sampling.counts  # one table per engine
