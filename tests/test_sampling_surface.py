@@ -144,8 +144,9 @@ def test_min_p_one_is_greedy_on_peft_logits(world):
         _same_up_to_ties(list(out.token_ids), want, gaps, f"min_p {adapter}")
 
 
-def test_n_completions_share_the_prompt_kv_and_equal_their_own_requests(world):
-    llm = _llm(world)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_n_completions_share_the_prompt_kv_and_equal_their_own_requests(world, async_scheduling):
+    llm = _llm(world, async_scheduling=async_scheduling)
     prompt = prompts(13, 1, shared_prefix=29)[0]  # >= 32 tokens: 8 full blocks of 4
     launched = llm.engine.scheduler.num_launched_tokens
     outs = llm.generate(prompt, SamplingParams(max_tokens=N, temperature=0, n=3, ignore_eos=True),
