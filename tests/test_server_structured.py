@@ -157,9 +157,14 @@ def test_n_echo_and_prompt_logprobs(client):
     assert reply.usage.completion_tokens == 15
     prompt = reply.choices[0].model_extra["prompt_logprobs"]
     assert prompt[0] is None and len(prompt) == len(lp.token_logprobs) - 5
-    # echo's prompt entries are the prompt logprobs
+    # echo's prompt entries are the prompt logprobs; every choice carries them
     for entry, logprob in zip(prompt[1:], lp.token_logprobs[1:]):
         assert logprob in [v["logprob"] for v in entry.values()]
+    assert all(c.model_extra["prompt_logprobs"] == prompt for c in reply.choices)
+    chat = client.chat.completions.create(model="pirate", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2, extra_body={"prompt_logprobs": 0})
+    entries = chat.model_extra["prompt_logprobs"]
+    assert entries[0] is None and all(len(e) == 1 for e in entries[1:])  # the prompt's own token
 
 
 @pytest.mark.parametrize("body, param", [

@@ -7,6 +7,7 @@ latest output (for the usage), and for chat with tools the stream's tool-call st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -154,6 +155,11 @@ class CompletionFormatter(_Formatter):
         return chunk
 
     def final(self, outs: list[RequestOutput]) -> dict:
+        # the prompt's logprobs are the request's (completion 0 computes them): every
+        # choice shows them, as vLLM's do
+        prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+        outs = [o if o.prompt_logprobs is not None or prompt is None
+                else dataclasses.replace(o, prompt_logprobs=prompt) for o in outs]
         for out in outs:
             self.latest[out.index] = out
         return super().final(outs)
@@ -221,6 +227,13 @@ class ChatFormatter(_Formatter):
                     for c in calls]}
                 self.called.add(out.index)
         return {"message": message}
+
+    def final(self, outs: list[RequestOutput]) -> dict:
+        body = super().final(outs)
+        prompt = next((o for o in outs if o.prompt_logprobs is not None), None)
+        if prompt is not None:  # vLLM's chat answers carry them beside the choices
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(prompt, self.token_text)
+        return body
 
     def _finish_reason(self, out: RequestOutput) -> str | None:
         # a stopped answer that held calls: the client is to run them (OpenAI's reason)
