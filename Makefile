@@ -33,8 +33,8 @@ $(VENV)/.installed-cluster: $(VENV)/.installed-run
 
 # The tests: everything, the cluster tests' Ray included.
 $(VENV)/.installed: $(VENV)/.installed-run
-	@echo "metrale: installing the test extras (pytest, hypothesis, triton, NIXL, Ray Serve, bitsandbytes; ~1-2 min)"
-	$(PIP) -e ".[test,server,demo,triton,peer,cluster]"
+	@echo "metrale: installing the test extras (pytest, hypothesis, moto, boto3, triton, NIXL, Ray Serve, bitsandbytes; ~1-2 min)"
+	$(PIP) -e ".[test,server,demo,sources,triton,peer,cluster]"
 	@touch $@
 
 # make run ARGS="--port 8001 --api-key ..." passes flags to `metrale serve`;

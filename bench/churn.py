@@ -7,10 +7,12 @@ long prompt arriving among decodes.
 Every run replays the same arrival trace (times, prompts, adapters) against one engine
 loop on this thread. "promote": max_loras < adapters, the host tier holds every adapter
 after its first landing (so most promotions are one H2D copy). "resident": one slot per
-adapter, all landed before the run: keys `promote` / `resident`. `long_prompt[<budget>]`:
+adapter, all landed before the run: keys `promote` / `resident`. `long_prompt[<run>]`:
 the decoders' ITL while an 8k-token prompt is prefilled beside them: `mixed` at the
-default scheduler settings (a step that decodes takes prompt tokens up to
-max_tokens_beside_decodes in all), the others without that cap at several step budgets.
+default scheduler settings (a step that decodes takes prompt tokens until its predicted
+time reaches step_time_ratio times its decodes' own), `mixed_cap128` the default before it
+(128 tokens in all beside decodes), the others by the token budget alone at several step
+budgets.
 JSON `churn[<model>]`. The "legacy" scheduler policy (a step is a prefill or a decode,
 FIFO, no slot draining), this benchmark's baseline until chunked prefill had been measured
 against it, left the engine: its figures stay in BENCHMARKS.md and bench/results (legacy_*
@@ -110,17 +112,28 @@ LONG_PROMPT_ATTENTION = 128 * 2048  # max_prefill_attention of one long-prompt r
 MIXED_BUDGET = 512  # tokens per step: the largest CUDA-graph bucket
 
 
-DEFAULT_BESIDE = SchedulerConfig.max_tokens_beside_decodes
+BUDGET_ONLY = SchedulerConfig(step_time_ratio=None)
+# the long-prompt runs: name -> (step budget, scheduler settings)
+LONG_PROMPT_RUNS = {
+    "mixed": (MIXED_BUDGET, SchedulerConfig()),
+    "mixed_cap128": (MIXED_BUDGET, SchedulerConfig(step_time_ratio=None, max_tokens_beside_decodes=128)),
+    "mixed_uncapped": (MIXED_BUDGET, BUDGET_ONLY),
+    "mixed_budget256": (256, BUDGET_ONLY),
+    "mixed_budget128": (128, BUDGET_ONLY),
+    # and the chunk's attention: at 8k context, ~31 tokens a step instead of 96
+    "mixed_budget128_attn256k": (128, SchedulerConfig(step_time_ratio=None,
+                                                      max_prefill_attention=LONG_PROMPT_ATTENTION)),
+}
 
 
 def _engine(pair, device: str, slots: int, max_model_len: int, tier: int = 0,
-            max_num_seqs: int = 64, budget: int = MIXED_BUDGET, attention: int | None = None,
-            beside: int | None = DEFAULT_BESIDE):
+            max_num_seqs: int = 64, budget: int = MIXED_BUDGET,
+            sched: SchedulerConfig | None = None):
     from bench.decode import make_engine
 
-    sched = SchedulerConfig(max_prefill_attention=attention, max_tokens_beside_decodes=beside)
     return make_engine(pair, device, slots, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                       host_tier_bytes=tier, scheduler=sched, max_num_batched_tokens=budget)
+                       host_tier_bytes=tier, scheduler=sched or SchedulerConfig(),
+                       max_num_batched_tokens=budget)
 
 
 def _free(device: str) -> None:
@@ -154,27 +167,20 @@ def run(pair, adapters_root: Path, device: str, n_adapters: int = 32, slots: int
     p, r = out["promote"], out["resident"]
     out["itl_p99_ratio"] = p["itl_p99_ms"] / r["itl_p99_ms"]
     out["ttft_p99_promote_over_resident"] = p["ttft_p99_ms"] / r["ttft_p99_ms"]
-    out["long_prompt"] = {"mixed": long_prompt(pair, device)}  # the defaults
-    # without the cap beside decodes, the step budget alone bounds the chunk
-    for budget in (MIXED_BUDGET, 256, 128):
-        key = "mixed_uncapped" if budget == MIXED_BUDGET else f"mixed_budget{budget}"
-        out["long_prompt"][key] = long_prompt(pair, device, budget=budget, beside=None)
-    # and the chunk's attention: at 8k context, ~31 tokens a step instead of 96
-    out["long_prompt"]["mixed_budget128_attn256k"] = long_prompt(
-        pair, device, budget=128, attention=LONG_PROMPT_ATTENTION, beside=None)
+    out["long_prompt"] = {name: long_prompt(pair, device, budget=budget, sched=sched)
+                          for name, (budget, sched) in LONG_PROMPT_RUNS.items()}
     return out
 
 
 def long_prompt(pair, device: str, decoders: int = 32, prompt_len: int = 8192,
-                budget: int = MIXED_BUDGET, attention: int | None = None,
-                beside: int | None = DEFAULT_BESIDE) -> dict:
+                budget: int = MIXED_BUDGET, sched: SchedulerConfig | None = None) -> dict:
     """32 sequences decode; an 8k-token prompt arrives. The decoders' inter-token times
     from its arrival until each has a token after its first one (so the gaps spanning
     its prefill count), against before it arrived. The prompt's token ids are drawn
     before the loop (drawing 8k random ids in Python took ~3 ms, which landed in one
     gap of every decoder); its add_request is timed (add_request_ms) and counts."""
-    engine = _engine(pair, device, 1, prompt_len + 256, budget=budget, attention=attention,
-                     beside=beside)
+    sched = sched or SchedulerConfig()
+    engine = _engine(pair, device, 1, prompt_len + 256, budget=budget, sched=sched)
     vocab = pair.config.vocab_size
     rng = random.Random(7)
     # the decoders must outlive the prefill: at worst 16 tokens a step (an attention cap
@@ -218,8 +224,9 @@ def long_prompt(pair, device: str, decoders: int = 32, prompt_len: int = 8192,
     for rid in [*ids, long_id]:
         engine.abort(rid)
     res = {"prompt_tokens": prompt_len, "decoders": decoders, "budget_tokens": budget,
-           "max_tokens_beside_decodes": beside,
-           "max_prefill_attention": attention,
+           "max_tokens_beside_decodes": sched.max_tokens_beside_decodes,
+           "step_time_ratio": sched.step_time_ratio,
+           "max_prefill_attention": sched.max_prefill_attention,
            "itl_before_p50_ms": pct(before, 50), "itl_during_p50_ms": pct(during, 50),
            "itl_during_p99_ms": pct(during, 99), "steps_during": len(during) // decoders,
            "add_request_ms": add_ms, "itl_during_max_ms": max(during),
@@ -260,21 +267,15 @@ def main() -> None:
                     help="promote from disk every time (exercises the async disk promotion path)")
     ap.add_argument("--long-prompt-only", action="store_true",
                     help="only the long-prompt runs (printed, not written to the JSON)")
-    ap.add_argument("--long-prompt-run", metavar="BUDGET[:ATTENTION]",
-                    help="with --long-prompt-only: just this step budget (and prefill attention "
-                         "cap), without the cap beside decodes")
+    ap.add_argument("--long-prompt-run", choices=list(LONG_PROMPT_RUNS), action="append",
+                    help="with --long-prompt-only: just these runs (default: all)")
     args = ap.parse_args()
     if args.long_prompt_only:
-        runs = [(MIXED_BUDGET, None, DEFAULT_BESIDE), (MIXED_BUDGET, None, None), (128, None, None),
-                (128, LONG_PROMPT_ATTENTION, None)]
-        if args.long_prompt_run:
-            budget, _, attention = args.long_prompt_run.partition(":")
-            runs = [(int(budget), int(attention) if attention else None, None)]
         with tempfile.TemporaryDirectory() as tmp:
             pair = build_pair(args.model, args.device, Path(tmp))
-            for budget, attention, beside in runs:
-                print(budget, attention, beside, long_prompt(pair, args.device, budget=budget,
-                                                             attention=attention, beside=beside))
+            for name in args.long_prompt_run or LONG_PROMPT_RUNS:
+                budget, sched = LONG_PROMPT_RUNS[name]
+                print(name, long_prompt(pair, args.device, budget=budget, sched=sched), flush=True)
         return
     with tempfile.TemporaryDirectory() as tmp:
         pair = build_pair(args.model, args.device, Path(tmp))

@@ -383,22 +383,24 @@ def kernel_table(pair, n_slots: int = 32, rank: int = 16) -> list[dict]:
 
 
 def report(name: str, res: dict) -> str:
-    rows = []
+    rows, many = [], "lora32"
     for key, row in res.items():
         if key.startswith("batch"):
+            many = next((k[:-len("_tok_s")] for k in row if k.startswith("lora") and k.endswith("_tok_s")
+                         and k not in ("lora1_tok_s",) and "sync" not in k), many)
             r = {"model": name, "batch": key[5:], **{k: v for k, v in row.items() if k != "step_bytes"}}
             base, roof = row["base_tok_s"], row["hbm_roofline_tok_s"]
-            r["lora32/base"] = row.get("lora32_tok_s", float("nan")) / base
+            r[f"{many}/base"] = row.get(f"{many}_tok_s", float("nan")) / base
             r["lora1/base"] = row["lora1_tok_s"] / base
-            r["lora32/bound"] = row.get("lora32_over_byte_bound", float("nan"))
+            r[f"{many}/bound"] = row.get(f"{many}_over_byte_bound", float("nan"))
             r["base/roof"] = base / roof
             r["host share"] = row.get("base_host_share", float("nan"))
             r["base async/sync"] = base / row.get("base_sync_tok_s", float("nan"))
             if "peft_mixed32_tok_s" in row:
                 r["lora32/peft"] = row["lora32_tok_s"] / row["peft_mixed32_tok_s"]
             rows.append(r)
-    cols = ["model", "batch", "base_tok_s", "lora1_tok_s", "lora32_tok_s", "peft_mixed32_tok_s",
-            "hbm_roofline_tok_s", "lora32/base", "lora1/base", "lora32/bound", "base/roof",
+    cols = ["model", "batch", "base_tok_s", "lora1_tok_s", f"{many}_tok_s", "peft_mixed32_tok_s",
+            "hbm_roofline_tok_s", f"{many}/base", "lora1/base", f"{many}/bound", "base/roof",
             "host share", "base async/sync", "lora32/peft"]
     return table(rows, cols)
 
@@ -410,7 +412,10 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true",
                     help="also the LoRA kernel table (decode[model].kernel_table)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--no-peft", action="store_true")
+    ap.add_argument("--no-peft", action="store_true",
+                    help="no PEFT baseline: the adapters are random files written directly")
+    ap.add_argument("--adapters", type=int, default=32,
+                    help="distinct adapters of the lora<N> runs (keys lora<N>_*)")
     ap.add_argument("--mixed", action="store_true",
                     help="also: plain LoRA vs DoRA and embed/lm_head LoRA mixed in one batch")
     ap.add_argument("--only-mixed", action="store_true", help="only the --mixed runs")
@@ -445,11 +450,12 @@ def main() -> None:
         args.override.append(f"fp8-activations={args.fp8_activations}")
     with tempfile.TemporaryDirectory() as tmp:
         pair = build_any(args.model, args.device, Path(tmp), args.fp8_activations)
-        if pair.hf is not None:
-            peft = make_peft(pair, 32, Path(tmp) / "adapters")
-        else:  # a base built only quantized: adapters written directly, no PEFT baseline
+        n = max(args.adapters, 32)  # the --mixed runs use 32
+        if pair.hf is not None and not args.no_peft:
+            peft = make_peft(pair, n, Path(tmp) / "adapters")
+        else:  # no PEFT baseline (or a base built only quantized): adapters written directly
             peft = None
-            write_random_adapters(pair, 32, Path(tmp) / "adapters")
+            write_random_adapters(pair, n, Path(tmp) / "adapters")
         if args.structured or args.only_structured:
             res = run_structured(pair, Path(tmp) / "adapters", Path(tmp) / "tokenizer", args.device,
                                  batch=args.structured_batch, gen=args.gen)
@@ -458,8 +464,8 @@ def main() -> None:
             if args.only_structured:
                 return
         if not args.only_mixed:
-            res = run(pair, Path(tmp) / "adapters", None if args.no_peft else peft, args.device,
-                      tuple(args.batch))
+            res = run(pair, Path(tmp) / "adapters", peft, args.device, tuple(args.batch),
+                      n_adapters=args.adapters)
             if args.kernels:
                 res["kernel_table"] = kernel_table(pair)
             if args.override:

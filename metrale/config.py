@@ -380,9 +380,10 @@ FP8_ACTIVATIONS = ("dynamic", "weight-only")
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """Size of the adapter slot pool. max_loras == 0 means no pool at all."""
+    """Size of the adapter slot pool. max_loras == 0 means no pool at all; None: sized
+    from memory at start-up (metrale.engine.memory_plan)."""
 
-    max_loras: int = 4
+    max_loras: int | None = None
     max_lora_rank: int = 16
     target_modules: tuple[str, ...] = LINEAR_MODULES + SHARED_EXPERT_MODULES
     allow_runtime_swaps: bool = True
@@ -403,7 +404,7 @@ class PoolConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_targets", check_extra_targets(self.extra_targets))
         for name in ("host_tier_bytes", "mapped_file_bytes", "max_loras"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction {self.eviction!r} unknown; choose from "
@@ -434,13 +435,21 @@ class SchedulerConfig:
     # so the chunks of a long prompt shrink as its context grows and the steps it shares
     # with decodes stay as short as its first ones. None: chunks are bounded by tokens only.
     max_prefill_attention: int | None = None
-    # A step that runs decodes takes prompt tokens only up to this many tokens in all, its
-    # decodes included (but always >= MIN_PROMPT_TOKENS_BESIDE_DECODES prompt tokens), so a
-    # long prompt delays the decodes sharing its steps by about one decode step at most.
-    # Steps without decodes keep the whole budget. Measured on the H200 (Llama-3.2-1B, an 8k
-    # prompt among 32 decoders): ITL 1.79x the decode-only p50 at 128, 2.49x at 256, 4.31x
-    # at 512 (bench/churn.py --long-prompt-only). None: the step's whole budget.
-    max_tokens_beside_decodes: int | None = 128
+    # A step that runs decodes takes prompt tokens until its predicted time (the step cost
+    # model, fitted to the steps this engine ran: metrale.engine.step_cost) reaches this
+    # multiple of its decodes' own, so a long prompt slows the decodes sharing its steps by
+    # at most this factor (but every such step takes >= MIN_PROMPT_TOKENS_BESIDE_DECODES
+    # prompt tokens). None: the token budget alone bounds a step (vLLM's policy).
+    step_time_ratio: float | None = 1.75
+    # ... unless the runnable queued prompts would then take longer than this to prefill:
+    # the step then takes what drains them in this time (at most the whole budget), so a
+    # deep queue (a burst, a saturated server) is served at full throughput.
+    prompt_drain_s: float = 1.0
+    # A hard cap beside the above: a step that runs decodes takes prompt tokens only up to
+    # this many tokens in all, its decodes included (but >= MIN_PROMPT_TOKENS_BESIDE_DECODES
+    # prompt tokens). Measured on the H100 at saturation (Llama-3-8B, 256 decodes), 128
+    # halved throughput: a fixed count cannot suit every batch. None: no cap.
+    max_tokens_beside_decodes: int | None = None
     # A waiting request older than this is admitted in arrival order, whatever its
     # adapter: per-adapter round-robin never starves anyone past it.
     max_admission_wait_s: float = 1.0
@@ -450,6 +459,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check_positive(self, ("max_prefill_chunk", "max_prefill_attention",
                                "max_tokens_beside_decodes"), optional=True)
+        if self.step_time_ratio is not None and not self.step_time_ratio > 1:  # NaN too
+            raise ConfigError(f"step_time_ratio must be > 1 (or None), got {self.step_time_ratio}")
+        _check_positive(self, ("prompt_drain_s",))
         if not self.max_admission_wait_s >= 0:  # also refuses NaN
             raise ConfigError(f"max_admission_wait_s must be >= 0, got {self.max_admission_wait_s}")
         if self.max_promotions_in_flight < 1:

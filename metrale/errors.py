@@ -46,6 +46,11 @@ class UnknownAdapterError(MetraleError):
     """No adapter of that name is registered or resident."""
 
 
+class DrainingAdapterError(UnknownAdapterError):
+    """The name was unloaded and its slot still serves requests that started before: new
+    requests find no adapter of that name (404)."""
+
+
 class AdapterExistsError(MetraleError):
     """register() of a name that is already registered, without reload."""
 
@@ -62,6 +67,17 @@ class PeerUnavailableError(MetraleError):
     """Peer staging is not available in this build or the peer could not be reached."""
 
 
+class ObjectStoreError(PeerUnavailableError):
+    """An adapter store (an S3 bucket, the Hugging Face Hub: an upstream, as a peer is, 502)
+    refused a request, broke off a download, missed its deadline or sent bytes that fail
+    their checks; nothing was published to the cache."""
+
+
+class SourceBusyError(MetraleError):
+    """Every fetch slot of one adapter source stayed taken for a whole deadline (a slow
+    store): this look-up was not started; retry later (503). Other sources are unaffected."""
+
+
 # --- adapter refusals (validated before any slot is touched) -------------------
 
 
@@ -71,6 +87,12 @@ class AdapterError(MetraleError):
 
 class AdapterFileError(AdapterError):
     """Unreadable, truncated, non-safetensors or lying file, or pickled weights."""
+
+
+class AdapterOutsideRootError(AdapterFileError):
+    """A file of the adapter resolves outside the root it was found in (an --adapter-source,
+    an --adapter-root, a download cache): a symlink out, or its directory swapped for one.
+    Nothing outside was opened."""
 
 
 class AdapterConfigError(AdapterError):

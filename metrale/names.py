@@ -4,7 +4,9 @@ A name is what requests send as `model` and what metrics, logs, URLs and peer id
 carry; it is never used as a path. As in vLLM (and Hugging Face's `org/name`) it may
 hold '/' between parts: each part starts with a letter or digit and holds letters,
 digits, '.', '_' or '-'; no empty part, no '..' anywhere (so never '.', '..', a leading
-or trailing '/'), at most MAX_NAME_CHARS in all. No torch here: the CLI uses it.
+or trailing '/'), at most MAX_NAME_CHARS in all. It may end in one `@revision` of the
+same characters (a Hugging Face Hub branch, tag or commit: `org/adapter@v2`). No torch
+here: the CLI uses it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from metrale.errors import InvalidNameError
 
 MAX_NAME_CHARS = 128
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
-_NAME_RE = re.compile(rf"{_PART}(?:/{_PART})*")
+_NAME_RE = re.compile(rf"{_PART}(?:/{_PART})*(?:@{_PART})?")
 _SHOWN_CHARS = 64  # a refused name is quoted in the message, bounded
 
 
@@ -36,6 +38,6 @@ def validate_adapter_name(name: object) -> str:
     if not is_valid_name(name):
         raise InvalidNameError(
             f"adapter name {shown(name)} is invalid: use 1-{MAX_NAME_CHARS} letters, digits, '.', "
-            "'_' or '-', with '/' between parts (as in org/adapter); each part starts with a "
-            "letter or digit, and '..' is not allowed")
+            "'_' or '-', with '/' between parts (as in org/adapter) and at most one '@revision' "
+            "at the end; each part starts with a letter or digit, and '..' is not allowed")
     return name

@@ -12,7 +12,7 @@ import pytest
 
 from metrale.adapters.sources import AdapterSources, DirectorySource
 from metrale.config import ConfigError
-from metrale.errors import InvalidNameError
+from metrale.errors import AdapterOutsideRootError, InvalidNameError
 from tests.helpers.peers import adapter_dir
 
 
@@ -33,8 +33,10 @@ def test_names_resolve_inside_the_source_only(tmp_path):
     (src / "org" / "c" / "adapter_config.json").write_text("{}")
     (src / "file").write_text("not a directory")
     sources = AdapterSources([src])
-    assert sources.find("org/a") == (src / "org" / "a").resolve()
-    for name in ("escape", "org/c", "file", "org", "missing", "org/a/adapter_config.json"):
+    assert sources.find("org/a").path == (src / "org" / "a").resolve()
+    with pytest.raises(AdapterOutsideRootError):
+        sources.find("escape")
+    for name in ("org/c", "file", "org", "missing", "org/a/adapter_config.json"):
         assert sources.find(name) is None, name
     for name in ("../outside/b", "/etc", "org/../../outside/b", "org//a", "", ".", "a\x00"):
         with pytest.raises(InvalidNameError):
@@ -50,7 +52,7 @@ def test_misses_are_remembered_until_their_time_passes(tmp_path):
     put(tmp_path, "later")
     assert sources.find("later") is None  # remembered as missing: no second look-up
     now[0] = 30.0
-    assert sources.find("later") == (tmp_path / "later").resolve()
+    assert sources.find("later").path == (tmp_path / "later").resolve()
 
 
 def test_later_sources_are_searched_in_order(tmp_path):
@@ -58,8 +60,8 @@ def test_later_sources_are_searched_in_order(tmp_path):
     put(second, "x")
     put(first, "y")
     sources = AdapterSources([first, second])
-    assert sources.find("x") == (second / "x").resolve()
-    assert sources.find("y") == (first / "y").resolve()
+    assert sources.find("x").path == (second / "x").resolve()
+    assert sources.find("y").path == (first / "y").resolve()
 
 
 def test_a_request_registers_and_is_served_as_an_explicit_registration(tmp_path):
@@ -93,7 +95,11 @@ def test_a_request_registers_and_is_served_as_an_explicit_registration(tmp_path)
         assert tokens[0] == tokens[1] != tokens[2]  # the adapter's answer, not the base's
         assert served.json()["model"] == "org/a"
         assert complete("org/a").status_code == 200  # registered now: no second registration
-        assert complete("org/missing").status_code == 404
+        missing = complete("org/missing")
+        assert missing.status_code == 404
+        message = missing.json()["error"]["message"]  # says where it looked, not what to do first
+        assert "no adapter source holds it" in message and "src" in message, message
+        assert "register it first" not in message, message
         assert complete("../etc").status_code in (400, 404)
         names = {m["id"] for m in client.get("/v1/models").json()["data"]}
     assert "org/a" in names and "org/missing" not in names
@@ -130,10 +136,22 @@ class _HeldSources(AdapterSources):
         super().__init__(roots)
         self.gate, self.finds = gate, 0
 
-    def find(self, name):
+    def lookup(self, name):
+        import threading
+        from concurrent.futures import Future
+
         self.finds += 1
-        assert self.gate.wait(timeout=60), "the racing requests never all asked"
-        return super().find(name)
+        out = Future()
+
+        def run():
+            try:
+                assert self.gate.wait(timeout=60), "the racing requests never all asked"
+                out.set_result(AdapterSources.lookup(self, name).result())
+            except BaseException as e:
+                out.set_exception(e)
+
+        threading.Thread(target=run, daemon=True).start()
+        return out
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -192,3 +210,33 @@ def test_requests_racing_for_a_new_name_share_one_registration(tmp_path, broken)
         assert all(r == results[0] for r in results) and after == results[0], results
     assert len(base_out) == 3  # the engine serves on
     llm.engine.check_integrity()
+
+
+def test_a_name_being_unloaded_is_not_found_not_busy(tmp_path):
+    """A completion for a name found in a source whose unload is still draining: the
+    registrar's attempt to register it again meets the registry's busy refusal, which it
+    leaves to admission, so the request gets the 404 every draining name gets (as
+    docs/DESIGN.md says), not 409 slot_busy."""
+    import asyncio
+
+    from metrale.errors import DrainingAdapterError, SlotBusyError
+    from metrale.server.errors import classify
+    from metrale.server.source_registration import SourceRegistrar
+
+    put(tmp_path, "org/a")
+
+    class Draining:
+        registered = 0
+
+        async def is_known(self, name):
+            return False  # a draining name is not known
+
+        async def register(self, name, path, **kw):
+            self.registered += 1
+            raise SlotBusyError(f"adapter {name!r} is being unloaded and still serves in-flight "
+                                "requests in slot 0; retry when they finish")
+
+    engine = Draining()
+    asyncio.run(SourceRegistrar(AdapterSources([tmp_path])).ensure(engine, "org/a"))
+    assert engine.registered == 1
+    assert classify(DrainingAdapterError("adapter 'org/a' is being unloaded"))[0] == 404

@@ -94,8 +94,10 @@ def test_a_landing_never_takes_a_slot_a_queued_request_holds(tmp_path):
 
 def test_a_drained_slot_comes_back_only_for_its_own_version(tmp_path):
     """A slot drained for a waiting adapter is reattached by the next request for its
-    adapter, but never once that name has a newer version: then the old bytes in the
-    drained slot must not serve it, even with the newer version evicted meanwhile."""
+    adapter once nobody older waits for a slot (a younger request never takes the slot
+    drained for an older one), but never once that name has a newer version: then the old
+    bytes in the drained slot must not serve it, even with the newer version evicted
+    meanwhile."""
     base = make_model("llama", seed=4)
     save_model(base, tmp_path / "model")
     peft = {n: make_adapter(base, tmp_path / n, seed=70 + i, r=4, lora_alpha=8,
@@ -117,8 +119,14 @@ def test_a_drained_slot_comes_back_only_for_its_own_version(tmp_path):
     engine.add_request(ps[2], greedy, "c", request_id="rc")  # no free slot: a's is drained
     engine.step()
     assert engine.adapters.num_drains == 1 and engine.registry.slot_of("a") is None
+    engine.add_request(ps[3], greedy, "a", request_id="ra_young")  # younger than rc: waits
+    assert engine.adapters.num_reattached == 0 and engine.registry.slot_of("a") is None
+    assert not engine.requests["ra_young"].bound
+    engine.abort("ra_young")
+    engine.abort("rc")  # nobody waits any more
     engine.add_request(ps[3], greedy, "a", request_id="ra_again")  # undoes the drain
     assert engine.adapters.num_reattached == 1 and engine.registry.slot_of("a") == 0
+    engine.add_request(ps[2], greedy, "c", request_id="rc")
     outs = run_until_done(engine)  # ra, ra_again finish on slot 0; c lands once a slot is free
     check(outs["ra_again"], *hf_greedy(peft["a"], ps[3]))
     check(outs["rc"], *hf_greedy(peft["c"], ps[2]))

@@ -90,16 +90,25 @@ def test_every_token_matches_its_version_under_churn(world, tmp_path, async_sche
         register(name, reload=False)
 
     expected: dict[str, tuple[int | None, int]] = {}  # request -> (content, prompt) once bound
+    bound_uid: dict[str, int] = {}  # request -> the landing uid of its binding
+    started: set[str] = set()
     prompt_of: dict[str, int] = {}
     adapter_of: dict[str, str | None] = {}
     finished: dict = {}
     submitted = 0
 
     def note_bindings() -> None:
+        # a request's version is the one it is bound to when it starts: a queued request
+        # may give a draining slot back and be bound again later, to the version current
+        # then (bindings happen between steps, before the step that may start it)
         for rid, seq in engine.requests.items():
-            if rid not in expected and seq.bound:
+            if seq.bound and seq.adapter_uid != bound_uid.get(rid):  # a new binding
+                assert rid not in started, f"{rid} was bound anew after it started"
+                bound_uid[rid] = seq.adapter_uid
                 name = adapter_of[rid]
                 expected[rid] = (content[name] if name else None, prompt_of[rid])
+            if seq.scheduled_at is not None:
+                started.add(rid)
 
     def operate() -> None:
         name = rng.choice(names)

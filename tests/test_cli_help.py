@@ -76,6 +76,11 @@ def test_scheduler_flags_reach_the_config_and_bad_values_are_refused():
     args = serve.parse_args(["--max-prefill-attention", "262144", "--max-prefill-chunk", "64"])
     assert (args.max_prefill_attention, args.max_prefill_chunk) == (262144, 64)
     assert serve.parse_args([]).max_prefill_attention is None
+    assert serve.parse_args(["--step-time-ratio", "0"]).step_time_ratio == 0  # off
+    assert serve.parse_args([]).step_time_ratio == SchedulerConfig().step_time_ratio
+    for bad in ("1", "0.5", "nan", "-2"):
+        with pytest.raises(SystemExit):
+            serve.parse_args(["--step-time-ratio", bad])
     for bad in (dict(max_prefill_attention=0), dict(max_prefill_chunk=-1),
                 dict(max_promotions_in_flight=0), dict(max_admission_wait_s=float("nan"))):
         with pytest.raises(ConfigError):

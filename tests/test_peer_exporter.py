@@ -111,14 +111,49 @@ def test_lease_expires(leased):
     engine.swap_lora_slot_from_disk(adapter_dir("c"), "c", 0)
 
 
-@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), -5.0, 1e9])
-def test_lease_ttl_is_bounded(leased, ttl):
+def test_lease_ttl_is_bounded(leased):
     engine, exporter, clock, lease_id = leased
     exporter.release(lease_id)
-    assert 1.0 <= exporter.lease("a", ttl_s=ttl).expires_in_s <= exporter.max_ttl_s
-    clock.now += exporter.max_ttl_s + 1
-    exporter.expire()
+    for ttl, granted in ((1e9, exporter.max_ttl_s), (0.25, 1.0), (None, exporter.default_ttl_s)):
+        lease = exporter.lease("a", ttl_s=ttl)
+        assert lease.expires_in_s == granted
+        exporter.release(lease.lease_id)
     assert engine.lora.table.ref_count(0) == 0
+
+
+BAD_TTLS = [float("nan"), float("inf"), -float("inf"), -1, -5.0, 0, True, "30", [30], 10 ** 400]
+
+
+@pytest.mark.parametrize("ttl", BAD_TTLS)
+def test_a_ttl_that_is_no_lifetime_is_refused_and_leases_nothing(leased, ttl):
+    """NaN would never expire (a slot pinned for good), a negative or infinite one is no
+    lifetime: refused (LeaseTTLError), no lease opened, no slot reference taken."""
+    from metrale.peer.errors import LeaseTTLError
+
+    engine, exporter, clock, lease_id = leased
+    exporter.release(lease_id)
+    with pytest.raises(LeaseTTLError, match="ttl_s"):
+        exporter.lease("a", ttl_s=ttl)
+    assert exporter.open_leases == 0 and engine.lora.table.ref_count(0) == 0
+
+
+def test_the_export_port_refuses_such_ttls_with_a_400(leased):
+    engine, exporter, clock, lease_id = leased
+    exporter.release(lease_id)
+    server = PeerHTTPServer(exporter).start()
+    try:
+        for raw in ("NaN", "Infinity", "-Infinity", "-1", "0", "true", '"30"', "1e400", "1" + "0" * 400):
+            request = urllib.request.Request(
+                f"{server.url}/peer/v1/adapters/a/lease", method="POST",
+                data=f'{{"ttl_s": {raw}, "manifest_version": 3}}'.encode(),
+                headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(request, timeout=10)
+            assert info.value.code == 400, raw
+            assert json.load(info.value)["error"]["code"] == "LeaseTTLError", raw
+    finally:
+        server.close()
+    assert exporter.open_leases == 0 and engine.lora.table.ref_count(0) == 0
 
 
 def test_open_stream_defers_expiry_and_release(leased):

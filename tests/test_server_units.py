@@ -43,8 +43,9 @@ def tiny(tmp_path_factory):
 def test_paths_inside_the_root_only(tiny, tmp_path):
     jail = (tiny / "jail").resolve()
     roots = (jail,)
-    assert resolve_adapter_path("a", roots) == jail / "a"
-    assert resolve_adapter_path(str(jail / "a"), roots) == jail / "a"
+    assert resolve_adapter_path("a", roots).path == jail / "a"
+    assert resolve_adapter_path(str(jail / "a"), roots).path == jail / "a"
+    assert resolve_adapter_path("a", roots).root == jail  # every landing stays inside it
     link = tmp_path / "link"
     link.symlink_to(tiny / "outside", target_is_directory=True)
     refusals = [

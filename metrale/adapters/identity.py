@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from metrale.adapters.input_limits import open_regular
+from metrale.adapters.input_limits import open_regular, probe
 from metrale.errors import AdapterError
 
 CONFIG_FILE = "adapter_config.json"
@@ -45,14 +45,15 @@ _known_lock = threading.Lock()
 _SETTLED_NS = 200_000_000  # files changed less than this before their read: not remembered
 
 
-def adapter_identity(adapter_dir: str | Path) -> AdapterIdentity | None:
+def adapter_identity(adapter_dir: str | Path, root: Path | None = None) -> AdapterIdentity | None:
     """None when the files cannot be read or look unreasonable: the caller then takes the
-    uncached path, which raises the planner's precise error."""
+    uncached path, which raises the planner's precise error. root: the files must resolve
+    inside it (adapters.confined); a file that does not gets no identity."""
     d = Path(adapter_dir)
     where = str(d.absolute())  # no resolve(): the inode already names the file
     try:
-        found = (os.stat(d / CONFIG_FILE), os.stat(d / WEIGHTS_FILE))
-        if not all(stat.S_ISREG(st.st_mode) for st in found):
+        found = (probe(d / CONFIG_FILE, AdapterError, root), probe(d / WEIGHTS_FILE, AdapterError, root))
+        if not all(st is not None and stat.S_ISREG(st.st_mode) for st in found):
             return None  # a FIFO would block the open below; the planner refuses it
         stats = (file_stat(found[0]), file_stat(found[1]))
         with _known_lock:
@@ -61,8 +62,8 @@ def adapter_identity(adapter_dir: str | Path) -> AdapterIdentity | None:
             return known
         read_at = time.time_ns()
         # open_regular: never blocks on a FIFO swapped in after the stat
-        with open_regular(d / CONFIG_FILE, AdapterError) as cf, \
-                open_regular(d / WEIGHTS_FILE, AdapterError) as wf:
+        with open_regular(d / CONFIG_FILE, AdapterError, root) as cf, \
+                open_regular(d / WEIGHTS_FILE, AdapterError, root) as wf:
             opened = (file_stat(os.fstat(cf.fileno())), file_stat(os.fstat(wf.fileno())))
             config = cf.read(_MAX_KEYED_BYTES + 1)
             head = wf.read(8)

@@ -12,6 +12,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from metrale.adapters.confined import open_inside, stat_inside
 from metrale.errors import AdapterError
 
 # PEFT configs nest 3 deep and safetensors headers 3 deep; json's C scanner recurses
@@ -24,9 +25,11 @@ _OPEN[[ord("["), ord("{")]] = 1
 _OPEN[[ord("]"), ord("}")]] = -1
 
 
-def probe(path: Path, error: type[AdapterError]) -> os.stat_result | None:
+def probe(path: Path, error: type[AdapterError], root: Path | None = None) -> os.stat_result | None:
     """stat(path), None when it does not exist, else the caller's error (permissions, a NUL
-    byte, a symlink loop)."""
+    byte, a symlink loop). With a root: what it resolves to must lie inside (confined.py)."""
+    if root is not None:
+        return stat_inside(path, root, error)
     try:
         return os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -35,9 +38,11 @@ def probe(path: Path, error: type[AdapterError]) -> os.stat_result | None:
         raise error(f"cannot access {path}: {e}") from None
 
 
-def open_regular(path: Path, error: type[AdapterError]) -> BinaryIO:
+def open_regular(path: Path, error: type[AdapterError], root: Path | None = None) -> BinaryIO:
     """path opened for reading, if a regular file (O_NONBLOCK: a planted FIFO must not block
-    the open)."""
+    the open). With a root: opened so that it cannot resolve outside it (confined.py)."""
+    if root is not None:
+        return open_inside(path, root, error)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -53,9 +58,10 @@ def open_regular(path: Path, error: type[AdapterError]) -> BinaryIO:
         raise
 
 
-def read_capped_path(path: Path, limit: int, error: type[AdapterError]) -> bytes:
+def read_capped_path(path: Path, limit: int, error: type[AdapterError],
+                     root: Path | None = None) -> bytes:
     """At most `limit` bytes of path (reading one more proves a file too big)."""
-    with open_regular(path, error) as f:
+    with open_regular(path, error, root) as f:
         try:
             raw = f.read(limit + 1)
         except OSError as e:

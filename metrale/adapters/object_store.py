@@ -1,220 +1,181 @@
-"""An S3-compatible bucket as an adapter source (`--adapter-source s3://bucket/prefix`):
-the name `org/adapter` is the objects prefix/org/adapter/{adapter_config.json,
-adapter_model.safetensors}, fetched once into a bounded (LRU) disk cache that survives
-restarts. Settings come from the usual AWS variables (AWS_ENDPOINT_URL[_S3]: MinIO and
-other stores, path-style); requests are signed with AWS Signature Version 4.
+"""An S3-compatible bucket as an adapter source (`--adapter-source s3://bucket/prefix`), on
+boto3: the name `org/adapter` is the objects prefix/org/adapter/{adapter_config.json,
+adapter_model.safetensors}, fetched once into a bounded disk cache that survives restarts
+(download_cache.py). boto3 brings the credential chain (environment, AWS_PROFILE and the
+config files, SSO, a web-identity token file, ECS and EC2 roles), region and endpoint
+resolution (AWS_REGION, AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL: MinIO and other stores)
+and retries; our code keeps the checks and the cache policy.
 
-A download is checked (Content-Length bytes; a single-part ETag's MD5) in a private temp
-dir and published by one rename: a crash or a refused download leaves nothing served.
-Fetches of different names run at once (a slow object delays only its own requests); one
-name is fetched once however many ask, and the bytes every fetch announced are reserved
-in the bound before they land, so the cache never holds more than it.
+A fetch is bounded by its deadline in every phase (fetch_deadline.py; s3_sender.py sends
+boto3's requests through the deadline transport). Both GETs' headers come first: each
+object's announced length is capped (1 MiB of config, 16 GiB of weights) and granted time
+at the minimum rate; the adapter's bytes are reserved in the cache bound; then the bodies
+land, checked (exactly the announced length; a single-part upload's MD5 ETag; the
+object's CRC/SHA checksum where the store keeps one, which botocore verifies) into a
+private directory published by one rename. A cached copy is re-validated (two HEADs) when
+the name is looked up for a registration: changed ETags fetch it again.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import hmac
-import http.client
-import os
-import shutil
-import tempfile
 import threading
-import zlib
+from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
-from metrale.adapters.identity import CONFIG_FILE, WEIGHTS_FILE
+from metrale.adapters.confined import ConfinedDir
+from metrale.adapters.download_cache import ADAPTER_FILES, DownloadCache
+from metrale.adapters.fetch_deadline import DEFAULT_LIMITS, Deadline, FetchLimits
 from metrale.config import ConfigError
-from metrale.errors import PeerUnavailableError
+from metrale.errors import ObjectStoreError
 
-ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+try:  # the `sources` extra; without it an s3:// source is refused at start-up
+    import boto3
+    import botocore.session
+    from botocore.config import Config as BotoConfig
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from metrale.adapters.s3_sender import S3Sender
+except ImportError:  # pragma: no cover - the CI installs the extra
+    boto3 = None
+
 MAX_CONFIG_BYTES = 1 << 20
 MAX_WEIGHTS_BYTES = 16 << 30
-TIMEOUT_S = 30.0
 _CHUNK = 4 << 20
-_NAME_LOCKS = 64  # fetches of names that share a stripe wait for each other
-_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+_MISSING = {"404", "NoSuchKey", "NotFound"}
+SDK_ATTEMPTS = 3  # botocore's standard retry mode: throttling, 5xx, dropped connections
 
 
-def holds_adapter(path: Path) -> bool:
-    return all((path / f).is_file() for f in ADAPTER_FILES)
-
-
-class ObjectStoreError(PeerUnavailableError):
-    """The object store (an upstream, as a peer is: 502) refused a request, broke off a
-    download or sent bytes that fail their checks; nothing was published to the cache."""
-
-
-def sign_v4(method: str, host: str, path: str, headers: dict[str, str], access_key: str,
-            secret_key: str, region: str, now: datetime.datetime) -> str:
-    """The Authorization header of a bodiless S3 request (GET), signing host, x-amz-date,
-    x-amz-content-sha256 and `headers`."""
-    amz_date = now.strftime("%Y%m%dT%H%M%SZ")
-    day = amz_date[:8]
-    signed = {"host": host, "x-amz-date": amz_date, "x-amz-content-sha256": _EMPTY_SHA256,
-              **{k.lower(): v.strip() for k, v in headers.items()}}
-    names = ";".join(sorted(signed))
-    canonical = "\n".join([method, quote(path, safe="/-_.~"), "",
-                           *(f"{k}:{signed[k]}" for k in sorted(signed)), "", names,
-                           _EMPTY_SHA256])
-    scope = f"{day}/{region}/s3/aws4_request"
-    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope,
-                         hashlib.sha256(canonical.encode()).hexdigest()])
-    key = f"AWS4{secret_key}".encode()
-    for part in (day, region, "s3", "aws4_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    return f"AWS4-HMAC-SHA256 Credential={access_key}/{scope},SignedHeaders={names},Signature={signature}"
+def require_sdk(url: str) -> None:
+    if boto3 is None:
+        raise ConfigError(f"adapter source {url} needs boto3: install metrale's `sources` extra "
+                          "(pip install 'metrale[sources]')")
 
 
 class S3Source:
     def __init__(self, url: str, cache_dir: str | Path, cache_bytes: int = 20 << 30,
-                 environ: dict[str, str] | None = None) -> None:
-        env = os.environ if environ is None else environ
+                 limits: FetchLimits = DEFAULT_LIMITS, session=None) -> None:
+        """session: a botocore Session (tests); by default one from the environment."""
         parts = urlsplit(url)
         if parts.scheme != "s3" or not parts.netloc:
             raise ConfigError(f"adapter source {url!r} is not s3://bucket[/prefix]")
+        require_sdk(url)
         self.url, self.bucket, self.prefix = url, parts.netloc, parts.path.strip("/")
-        self.region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
-        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-        if endpoint:  # path-style: endpoint/bucket/key
-            ep = urlsplit(endpoint)
-            self.https, self.host, self.base = ep.scheme == "https", ep.netloc, f"/{self.bucket}"
-        else:  # virtual-hosted: bucket.s3.region.amazonaws.com/key
-            self.https, self.base = True, ""
-            self.host = f"{self.bucket}.s3.{self.region}.amazonaws.com"
-        self.access_key = env.get("AWS_ACCESS_KEY_ID")
-        self.secret_key = env.get("AWS_SECRET_ACCESS_KEY")
-        self.session_token = env.get("AWS_SESSION_TOKEN")
-        self.cache = Path(cache_dir) / "s3" / self.bucket / self.prefix
-        self.cache.mkdir(parents=True, exist_ok=True)
-        self.cache_bytes = cache_bytes
-        self._lock = threading.Lock()  # the cache's directories and _reserved
-        self._room = threading.Condition(self._lock)  # signalled when a reservation ends
-        self._reserved = 0  # bytes announced by fetches in flight
-        self._name_locks = [threading.Lock() for _ in range(_NAME_LOCKS)]
-        for stale in self.cache.parent.glob(".download-*"):  # a crash mid-download
-            shutil.rmtree(stale, ignore_errors=True)
+        self.limits = limits
+        self._slots = threading.BoundedSemaphore(limits.workers)  # downloads in flight
+        self.cache = DownloadCache(Path(cache_dir) / "s3" / self.bucket / self.prefix,
+                                   cache_bytes, url)
+        core = botocore.session.get_session() if session is None else session
+        self.client = boto3.session.Session(botocore_session=core).client("s3", config=BotoConfig(
+            connect_timeout=limits.timeout_s, read_timeout=limits.timeout_s,
+            retries={"mode": "standard", "max_attempts": SDK_ATTEMPTS}))
+        ca_bundle = core.get_config_variable("ca_bundle")  # AWS_CA_BUNDLE, or the profile's
+        self._sender = S3Sender(ca_bundle or True)
+        self.client.meta.events.register("before-send.s3", self._sender)
 
     def __str__(self) -> str:
         return self.url
 
-    def find(self, name: str) -> Path | None:
-        """The adapter's cached directory, fetched first if needed (again after an eviction:
-        the path stays the same); None when the store has no such adapter. `name` passed the
-        adapter-name rule. Safe from many threads."""
-        final = self.cache / name
-        with self._name_locks[zlib.crc32(name.encode()) % _NAME_LOCKS]:
-            with self._lock:
-                if holds_adapter(final):
-                    os.utime(final)  # recency, for eviction
-                    return final
-            conns, reserved, tmp = [], 0, None
-            try:
-                replies = []
-                for file, cap in zip(ADAPTER_FILES, (MAX_CONFIG_BYTES, MAX_WEIGHTS_BYTES)):
-                    key = "/".join(p for p in (self.prefix, name, file) if p)
-                    conn, reply, length = self._get(key, cap)
-                    conns.append(conn)
-                    if reply is None:
-                        return None
-                    replies.append((key, file, reply, length))
-                # room for the whole adapter before its bytes land: never past the bound
-                reserved = self._reserve(sum(r[3] for r in replies), name)
-                tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=self.cache.parent))
-                for key, file, reply, length in replies:
-                    self._receive(key, reply, length, tmp / file)
-                with self._lock:
-                    final.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.rmtree(final, ignore_errors=True)  # a partial copy left by hand
-                    tmp.rename(final)  # the one step that publishes
-            finally:
-                for conn in conns:
-                    conn.close()
-                if tmp is not None:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                if reserved:
-                    with self._room:
-                        self._reserved -= reserved
-                        self._room.notify_all()
-            return final
+    def find(self, name: str, revalidate: bool = True,
+             clock: Callable[[], float] | None = None) -> ConfinedDir | None:
+        """The adapter's cached directory, fetched first if needed (again after an eviction
+        or, with revalidate, when the store's ETags changed: the path stays the same); None
+        when the store has no such adapter. `name` passed the adapter-name rule. Raises
+        ObjectStoreError (FetchDeadlineError past the deadline). Safe from many threads."""
+        what = f"{self.url}: adapter {name!r}"
+        deadline = Deadline(self.limits, what) if clock is None else Deadline(self.limits, what, clock)
+        with self.cache.name_lock(name), deadline.active():
+            etags = self.cache.record(name)
+            if etags is None or revalidate:
+                # probes (HEADs) take no download slot: a name the store lacks, or a copy
+                # unchanged, is answered however many slow downloads hold the slots
+                now = self._heads(name)
+                if now is None:  # not in the store (any more): nor is a copy kept
+                    if etags is not None:
+                        self.cache.discard(name)
+                    return None
+                if now != etags:
+                    with deadline.slot(self._slots):
+                        if not self._fetch(name, deadline):
+                            return None
+            return ConfinedDir(self.cache.path(name), self.cache.root)
 
-    def _get(self, key: str, cap: int):
-        """(connection, reply, announced bytes) of a GET, its body unread; reply None on 404."""
-        path = f"{self.base}/{key}"
-        headers = {"x-amz-security-token": self.session_token} if self.session_token else {}
-        conn_cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-        conn = conn_cls(self.host, timeout=TIMEOUT_S)
+    def discard(self, name: str, found: ConfinedDir) -> None:
+        """Its copy was refused for its content: the next look-up fetches it again."""
+        self.cache.discard(name)
+
+    def close(self) -> None:
+        self._sender.close()
+
+    def _key(self, name: str, file: str) -> str:
+        return "/".join(p for p in (self.prefix, name, file) if p)
+
+    def _heads(self, name: str) -> dict[str, str] | None:
+        etags = {}
+        for file in ADAPTER_FILES:
+            reply = self._call(self.client.head_object, self._key(name, file))
+            if reply is None:
+                return None
+            etags[file] = reply.get("ETag", "")
+        return etags
+
+    def _fetch(self, name: str, deadline: Deadline) -> bool:
+        """The adapter fetched into the cache; False when the store has no such adapter."""
+        replies = []
         try:
-            send = {"x-amz-content-sha256": _EMPTY_SHA256, **headers}
-            if self.access_key and self.secret_key:
-                now = datetime.datetime.now(datetime.UTC)
-                send["x-amz-date"] = now.strftime("%Y%m%dT%H%M%SZ")
-                send["Authorization"] = sign_v4("GET", self.host, path, headers, self.access_key,
-                                                self.secret_key, self.region, now)
-            conn.request("GET", quote(path, safe="/-_.~"), headers=send)
-            reply = conn.getresponse()
-            if reply.status == 404:
-                return conn, None, 0
-            if reply.status != 200:
-                raise ObjectStoreError(f"{self.url}: GET {key}: HTTP {reply.status} "
-                                       f"{reply.read(512)!r}")
-            announced = reply.getheader("Content-Length")
-            if announced is None or not announced.isdigit() or int(announced) > cap:
-                raise ObjectStoreError(f"{self.url}: {key} announces {announced!r} bytes "
-                                       f"(at most {cap})")
-            return conn, reply, int(announced)
-        except (OSError, http.client.HTTPException) as e:
-            conn.close()
-            raise ObjectStoreError(f"{self.url}: GET {key} failed: {type(e).__name__}: {e}") from None
-        except ObjectStoreError:
-            conn.close()
-            raise
+            for file, cap in zip(ADAPTER_FILES, (MAX_CONFIG_BYTES, MAX_WEIGHTS_BYTES)):
+                key = self._key(name, file)
+                reply = self._call(self.client.get_object, key, ChecksumMode="ENABLED")
+                if reply is None:
+                    return False
+                replies.append((key, file, reply))
+                length = reply.get("ContentLength")
+                if not isinstance(length, int) or not 0 <= length <= cap:
+                    raise ObjectStoreError(f"{self.url}: {key} announces {length!r} bytes "
+                                           f"(at most {cap})")
+                deadline.grant(length)
+            total = sum(r[2]["ContentLength"] for r in replies)
+            with self.cache.download(name, total, deadline.remaining) as tmp:
+                for key, file, reply in replies:
+                    self._receive(key, reply, tmp / file)
+                self.cache.write_record(tmp, {file: r.get("ETag", "") for _, file, r in replies})
+        finally:
+            for _, _, reply in replies:
+                reply["Body"].close()
+        return True
 
-    def _receive(self, key: str, reply, length: int, dest: Path) -> None:
-        """reply's body into dest, checked: exactly `length` bytes, a single-part ETag's MD5."""
+    def _call(self, op, key: str, **kw) -> dict | None:
+        """op(Bucket, Key) through boto3; None when the store has no such object."""
+        try:
+            return op(Bucket=self.bucket, Key=key, **kw)
+        except ClientError as e:
+            error = e.response.get("Error", {})
+            if str(error.get("Code")) in _MISSING:
+                return None
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            raise ObjectStoreError(f"{self.url}: {key}: HTTP {status} {error.get('Code')}: "
+                                   f"{str(error.get('Message', ''))[:200]}") from None
+        except BotoCoreError as e:
+            raise ObjectStoreError(f"{self.url}: {key} failed: {type(e).__name__}: {e}") from None
+
+    def _receive(self, key: str, reply: dict, dest: Path) -> None:
+        """reply's body into dest, checked: exactly its announced length, a single-part
+        ETag's MD5 (botocore checks a stored CRC/SHA checksum at the end)."""
+        length, body = reply["ContentLength"], reply["Body"]
         md5, got = hashlib.md5(usedforsecurity=False), 0
         try:
             with open(dest, "wb") as f:
-                while chunk := reply.read(min(_CHUNK, length - got + 1)):
+                while chunk := body.read(min(_CHUNK, length - got + 1)):
                     got += len(chunk)
                     if got > length:
                         break
                     md5.update(chunk)
                     f.write(chunk)
-        except (OSError, http.client.HTTPException) as e:
+        except (BotoCoreError, OSError) as e:
             raise ObjectStoreError(f"{self.url}: GET {key} failed: {type(e).__name__}: {e}") from None
         if got != length:
             raise ObjectStoreError(f"{self.url}: {key}: {got} bytes of the {length} announced")
-        etag = (reply.getheader("ETag") or "").strip('"')
+        etag = str(reply.get("ETag", "")).strip('"')
         if len(etag) == 32 and "-" not in etag and etag != md5.hexdigest():  # single-part
             raise ObjectStoreError(f"{self.url}: {key}: the bytes do not match ETag {etag}")
-
-    def _reserve(self, incoming: int, name: str) -> int:
-        """Least recently used adapters out until `incoming` more bytes fit the bound beside
-        the cached ones and the other fetches' reservations (waiting for those to end when
-        they are what is in the way); then reserve them. Returns incoming."""
-        if incoming > self.cache_bytes:
-            raise ObjectStoreError(f"{self.url}: adapter {name!r} needs {incoming} bytes, more "
-                                   f"than the whole disk cache ({self.cache_bytes}, "
-                                   "--adapter-cache-bytes)")
-        with self._room:  # a waiter holds no reservation: whoever it waits for can finish
-            while True:
-                dirs = [p.parent for p in self.cache.rglob(ADAPTER_FILES[1])]
-                sizes = {d: _bytes_in(d) for d in dirs}
-                total = sum(sizes.values()) + self._reserved + incoming
-                for d in sorted(dirs, key=lambda d: d.stat().st_mtime):
-                    if total <= self.cache_bytes:
-                        break
-                    shutil.rmtree(d, ignore_errors=True)
-                    total -= sizes[d]
-                if total <= self.cache_bytes:
-                    self._reserved += incoming
-                    return incoming
-                self._room.wait()
-
-
-def _bytes_in(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.iterdir())

@@ -149,13 +149,14 @@ class PeftAdapterConfig:
         )
 
     @classmethod
-    def from_dir(cls, adapter_dir: str | Path) -> PeftAdapterConfig:
+    def from_dir(cls, adapter_dir: str | Path, root: Path | None = None) -> PeftAdapterConfig:
+        """root: the file must resolve inside it (adapters.confined)."""
         path = Path(adapter_dir) / "adapter_config.json"
-        if probe(path, AdapterConfigError) is None:
+        if probe(path, AdapterConfigError, root) is None:
             raise AdapterConfigError(
                 f"{path} not found: an adapter dir needs PEFT's adapter_config.json"
             )
-        raw = read_capped_path(path, MAX_CONFIG_BYTES, AdapterConfigError)
+        raw = read_capped_path(path, MAX_CONFIG_BYTES, AdapterConfigError, root)
         return cls.from_dict(parse_json(raw, path, AdapterConfigError))
 
     def to_dict(self) -> dict[str, Any]:

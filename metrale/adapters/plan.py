@@ -81,6 +81,9 @@ class AdapterPlan:
     # bytes nothing lands (PEFT's frozen embedding / head copies: GBs on an 8B model); ()
     # stages the whole data section
     spans: tuple[tuple[int, int], ...] = ()
+    # a file source's confinement: every read of `source` resolves inside it (None: a
+    # directory the operator named, or a peer)
+    root: Path | None = None
 
     @property
     def dora(self) -> bool:
@@ -191,29 +194,32 @@ def _names_of(paths: tuple[str, ...]) -> frozenset[str]:
 
 
 def plan_adapter(
-    adapter_dir: str | Path, name: str, model: ModelConfig, pool: PoolConfig
+    adapter_dir: str | Path, name: str, model: ModelConfig, pool: PoolConfig,
+    root: Path | None = None,
 ) -> AdapterPlan:
-    """Read and check the whole adapter (config, header, every tensor's shape)."""
+    """Read and check the whole adapter (config, header, every tensor's shape). root: every
+    file must resolve inside it (adapters.confined), and so must the plan's later reads."""
     try:
         adapter_dir = Path(adapter_dir)
     except TypeError:
         raise AdapterConfigError(f"adapter path {brief(adapter_dir)} is not a path") from None
-    found = probe(adapter_dir, AdapterConfigError)
+    found = probe(adapter_dir, AdapterConfigError, root)
     if found is None or not stat.S_ISDIR(found.st_mode):
         raise AdapterConfigError(f"{adapter_dir} is not a directory")
-    peft = PeftAdapterConfig.from_dir(adapter_dir)
+    peft = PeftAdapterConfig.from_dir(adapter_dir, root)
     weights = adapter_dir / "adapter_model.safetensors"
-    if probe(weights, AdapterFileError) is None:
-        if probe(adapter_dir / "adapter_model.bin", AdapterFileError) is not None:
+    if probe(weights, AdapterFileError, root) is None:
+        if probe(adapter_dir / "adapter_model.bin", AdapterFileError, root) is not None:
             raise AdapterFileError(
                 f"{adapter_dir} holds a pickled adapter_model.bin, which can run code on "
                 "load; convert it to adapter_model.safetensors (PEFT: "
                 "save_pretrained(..., safe_serialization=True))"
             )
         raise AdapterFileError(f"{weights} not found")
-    header = read_header(weights)
-    return plan_from_tensors(name, peft, str(weights), header.tensors.values(), header.data_bytes,
+    header = read_header(weights, root)
+    plan = plan_from_tensors(name, peft, str(weights), header.tensors.values(), header.data_bytes,
                              model, pool, data_offset=header.data_start)
+    return replace(plan, root=root) if root is not None else plan
 
 
 def plan_from_tensors(

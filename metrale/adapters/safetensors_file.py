@@ -60,10 +60,11 @@ class SafetensorsHeader:
     tensors: dict[str, TensorEntry]
 
 
-def read_header(path: Path) -> SafetensorsHeader:
-    """The checked header (never more than 8 + MAX_HEADER_BYTES bytes read)."""
+def read_header(path: Path, root: Path | None = None) -> SafetensorsHeader:
+    """The checked header (never more than 8 + MAX_HEADER_BYTES bytes read); root: the file
+    must resolve inside it (adapters.confined)."""
     path = Path(path)
-    with open_regular(path, AdapterFileError) as f:
+    with open_regular(path, AdapterFileError, root) as f:
         try:
             size = os.fstat(f.fileno()).st_size
             header_len = _header_length(path, f, size)

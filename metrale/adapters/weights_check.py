@@ -31,7 +31,7 @@ def check_weights(plan: AdapterPlan, pool_dtype: torch.dtype) -> None:
     AdapterFileError if the file shrank since it was planned."""
     path = Path(plan.source)
     norms = [0.0] * len(plan.landings)
-    with open_regular(path, AdapterFileError) as f:
+    with open_regular(path, AdapterFileError, plan.root) as f:
         buf = bytearray(CHUNK_BYTES)
         for i in sorted(range(len(plan.landings)), key=lambda i: plan.landings[i].entry.begin):
             landing = plan.landings[i]

@@ -20,12 +20,13 @@ from fastapi import Depends
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
+from metrale.adapters.confined import ConfinedDir
 from metrale.cluster.config import ClusterConfig, ReplicaSpec
 from metrale.cluster.ingress_metrics import RequestSeries
 from metrale.cluster.replica_metrics import merge_replica_series
 from metrale.engine.llm import load_tokenizer
 from metrale.engine.outputs import RequestOutput
-from metrale.engine.registry import AdapterVersion
+from metrale.engine.registry import AdapterSource, AdapterVersion
 from metrale.engine.sampling_params import GREEDY_EPS, SamplingParams
 from metrale.errors import UnknownAdapterError
 from metrale.server.app import create_app
@@ -170,13 +171,16 @@ class ClusterEngine:
                 stream.cancel()
         raise EngineUnavailableError("no replica could serve this request; retry later")
 
-    async def register(self, name: str, path: str | Path, pinned: bool = False,
+    async def register(self, name: str, path: str | Path | ConfinedDir | AdapterSource,
+                       pinned: bool = False,
                        reload: bool = False, verify_on_landing: bool = False) -> ClusterAdapterView:
         """Validated once, by one replica, for all; verify_on_landing (a name from
         --adapter-source): its config and header only, each replica bounds the weights at
         their first landing there."""
         unwrap(await self.registry.check_new.remote(name, reload))  # before any I/O
-        source = unwrap(await self.handle.validate.remote(name, str(path), verify_on_landing))
+        # a root crosses as is
+        spec = AdapterSource.of(path) if isinstance(path, ConfinedDir | AdapterSource) else str(path)
+        source = unwrap(await self.handle.validate.remote(name, spec, verify_on_landing))
         version = unwrap(await self.registry.register.remote(name, source, pinned, reload))
         return await self.view(name, await self._applied(version, name))
 
@@ -201,7 +205,8 @@ class ClusterEngine:
             await self._post(m.url, f"/internal/stage/{quote(name, safe='')}")
         return await self.view(name), None
 
-    async def swap(self, name: str, slot: int, path: str | Path | None = None,
+    async def swap(self, name: str, slot: int,
+                   path: str | Path | ConfinedDir | AdapterSource | None = None,
                    reload: bool = False) -> ClusterAdapterView:
         """Into `slot` on every replica (registering `path` cluster-wide first)."""
         if path is not None:

@@ -88,7 +88,7 @@ class EngineReplica:
     async def engine_limits(self) -> EngineLimits:
         return self.engine.limits
 
-    async def validate(self, name: str, path: str, verify_on_landing: bool = False):
+    async def validate(self, name: str, path: str | AdapterSource, verify_on_landing: bool = False):
         """Check an adapter's files against this engine (the cluster validates once, here):
         (True, AdapterSource) or (False, the typed refusal)."""
         try:

@@ -1,8 +1,15 @@
 """AdapterManager: binds requests to adapter slots and decides what to promote (names
 belong to the AdapterRegistry, slot policy to the SlotTable, landings to the Promoter).
-A request takes a reference on its adapter's slot, or waits for a promotion (FIFO by first
-request, one per name); waiters take theirs the moment it lands, so it cannot be evicted
-before they run.
+A request takes a reference on its adapter's slot, or waits for a promotion; waiters take
+theirs the moment it lands, so it cannot be evicted before they run.
+
+Slots go by age (docs/DESIGN.md, "Slots at saturation"): waiting names are promoted oldest
+waiter first; when no slot is free, busy slots drain for them: no new request binds there,
+and their queued requests younger than the oldest waiter give their reference back and wait
+too, so a slot frees once its running requests (and older queued ones) finish. No request
+for a resident adapter overtakes an older one waiting for a slot, so a request waits for its
+slot at most as long as the requests ahead of it take to start, plus one request's run on a
+draining slot, plus its landing.
 """
 
 from __future__ import annotations
@@ -10,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 
 from metrale.config import EngineConfig
 from metrale.engine.promotion import Phase, Promoter, Promotion
@@ -35,13 +41,13 @@ class AdapterManager:
         self.slots, self.registry, self.timeout_s = slots, registry, cfg.promotion_timeout_s
         self.max_in_flight = cfg.scheduler.max_promotions_in_flight
         self.promoter = Promoter(slots, registry, cfg)
-        self.pending: OrderedDict[str, list[Sequence]] = OrderedDict()
+        self.pending: OrderedDict[str, list[Sequence]] = OrderedDict()  # waiters by arrival
         self.job: Promotion | None = None
         self.num_promotions = 0
         self.num_drains = 0  # busy slots unrouted so that a landing can take them
         self.num_reattached = 0  # drains undone: a request for that adapter came first
-        # slot -> work left on it (tokens its requests may still compute); the engine sets it
-        self.remaining_work: Callable[[], dict[int, int]] = dict
+        self.num_unbound = 0  # queued requests that gave a draining slot back to wait
+        self._bound: dict[int, dict[str, Sequence]] = {}  # slot -> the requests bound to it
         # requests whose adapter was resident on arrival vs those that waited for a landing
         self.num_ready_on_arrival = self.num_waited_for_adapter = 0
 
@@ -55,19 +61,26 @@ class AdapterManager:
         refused = self.registry.refusal(version, time.monotonic())
         if refused is not None:  # one error for many requests: its traceback must not grow
             raise refused.with_traceback(None)
-        slot = self._route(version)
+        # a drained slot comes back for a new request only when nobody older waits
+        slot = self._route(version, reattach=not self.pending)
         if slot is not None:
-            seq.slot, seq.adapter_uid = slot, self.slots.table.acquire(slot)
-            seq.bound, seq.bound_at = True, seq.arrival
+            self._take(seq, slot, seq.arrival)
             self.num_ready_on_arrival += 1
             return
         self.num_waited_for_adapter += 1
+        seq.slot_wait_from = seq.arrival
         self.pending.setdefault(seq.adapter, []).append(seq)
 
-    def _route(self, version: AdapterVersion) -> int | None:
-        """The slot serving `version`; a slot still holding it but drained is routed again."""
+    def _take(self, seq: Sequence, slot: int, now: float) -> None:
+        seq.slot, seq.adapter_uid = slot, self.slots.table.acquire(slot)
+        seq.bound, seq.bound_at = True, now
+        self._bound.setdefault(slot, {})[seq.request_id] = seq
+
+    def _route(self, version: AdapterVersion, reattach: bool = True) -> int | None:
+        """The slot serving `version`; with reattach, a slot still holding it but drained
+        is routed again."""
         slot = self.registry.slot_of(version.name)
-        if slot is not None:
+        if slot is not None or not reattach:
             return slot
         table = self.slots.table
         for info in table.infos():
@@ -79,6 +92,7 @@ class AdapterManager:
     def release(self, seq: Sequence) -> None:
         if seq.bound and seq.slot >= 0:
             self.slots.table.release(seq.slot)
+            self._bound.get(seq.slot, {}).pop(seq.request_id, None)
         seq.bound = False
         waiters = self.pending.get(seq.adapter or "")
         if waiters and seq in waiters:
@@ -89,8 +103,7 @@ class AdapterManager:
     def _bind_waiters(self, name: str, slot: int) -> None:
         now = time.monotonic()
         for seq in self.pending.pop(name, []):
-            seq.slot, seq.adapter_uid = slot, self.slots.table.acquire(slot)
-            seq.bound, seq.bound_at = True, now
+            self._take(seq, slot, now)
 
     # --- explicit promotions (run inline) --------------------------------------------------
 
@@ -157,7 +170,9 @@ class AdapterManager:
         # waits for their own slot with no request yet
         held = [n for n in self.registry.names()
                 if self.registry.held_slot(n) is not None and n not in self.pending]
-        for name in list(self.pending) + held:
+        # oldest waiter first; a name that needs a landing starts one and ends the turn,
+        # so no younger name reattaches the slot drained for it
+        for name in self._by_age() + held:
             version = self.registry.get(name)
             if version is None:
                 failed += self._fail(name, UnknownAdapterError(f"adapter {name!r} was unloaded"))
@@ -204,26 +219,53 @@ class AdapterManager:
             self.registry.refuse(job.version, job.error, time.monotonic() + REFUSAL_S)
         return self._fail(job.name, job.error)
 
+    def _by_age(self) -> list[str]:
+        """Waiting names, the one with the oldest waiter first."""
+        return sorted(self.pending, key=lambda n: min(s.arrival for s in self.pending[n]))
+
     def _drain_for_waiting(self) -> None:
-        """Names waiting while every slot is busy: unroute the busy slot with the least work
-        left, so it drains instead of being fed by new arrivals forever (up to max_in_flight
-        slots free or draining). A request for its adapter that comes first reroutes it."""
+        """Names waiting while every slot is busy: drain busy slots for them (up to one per
+        waiting name), those that free soonest first. A drained slot is unrouted, and its
+        queued requests younger than the oldest waiter go back to waiting (they never ran:
+        no KV), so it frees once its running and older queued requests finish."""
         job = self.job
-        writing = job is not None and job.phase is Phase.WRITING
-        waiting = len(self.pending) - (1 if writing and job.name in self.pending else 0)
-        if waiting <= 0:
+        writing = job.name if job is not None and job.phase is Phase.WRITING else None
+        waiting = [n for n in self.pending if n != writing]
+        if not waiting:
             return
         table, registry = self.slots.table, self.registry
         pinned = registry.pinned_slots()
-        need = min(waiting, self.max_in_flight) - table.num_free_for_landing(
-            pinned, registry.routed_slots())
-        work = self.remaining_work() if need > 0 else {}
+        need = len(waiting) - table.num_free_for_landing(pinned, registry.routed_slots())
+        if need <= 0:
+            return
+        oldest = min(s.arrival for n in waiting for s in self.pending[n])
+        # what keeps each drainable slot busy once its younger queued requests leave
+        staying = {slot: [s for s in self._bound.get(slot, {}).values()
+                          if _started(s) or s.arrival <= oldest]
+                   for slot in registry.routed_slots() - pinned}
+        work = {slot: max((_work_left(s) for s in seqs), default=0) for slot, seqs in staying.items()}
         for _ in range(need):
-            slot = table.drain_candidate(work, registry.routed_slots() - pinned)
+            slot = table.drain_candidate(work, set(work))
             if slot is None:
                 return
-            registry.unroute(registry.name_in(slot))
+            name = registry.name_in(slot)
+            registry.unroute(name)
+            del work[slot]
             self.num_drains += 1
+            self._unbind_younger(slot, name, oldest)
+
+    def _unbind_younger(self, slot: int, name: str, oldest: float) -> None:
+        """`slot`'s queued requests that arrived after `oldest` give it back and wait."""
+        bound, now = self._bound.get(slot, {}), time.monotonic()
+        for seq in [s for s in bound.values() if not _started(s) and s.arrival > oldest]:
+            self.slots.table.release(slot)
+            del bound[seq.request_id]
+            seq.bound, seq.slot, seq.adapter_uid, seq.bound_at = False, -1, 0, None
+            seq.slot_wait_from = now
+            waiters = self.pending.setdefault(name, [])
+            waiters.append(seq)
+            waiters.sort(key=lambda s: s.arrival)
+            self.num_unbound += 1
 
     def _expire(self, now: float) -> list[Sequence]:
         """Waiters past the promotion timeout fail with POOL_FULL (a promotion in flight
@@ -233,7 +275,7 @@ class AdapterManager:
         for name, waiters in list(self.pending.items()):
             if name == promoting:
                 continue
-            late = [s for s in waiters if now - s.arrival > self.timeout_s]
+            late = [s for s in waiters if now - s.slot_wait_from > self.timeout_s]
             for seq in late:
                 waiters.remove(seq)
                 seq.error = PoolFullError(
@@ -250,3 +292,15 @@ class AdapterManager:
             seq.error = error
         log.warning("promotion of %r failed for %d request(s): %s", name, len(waiters), error)
         return waiters
+
+
+def _started(seq: Sequence) -> bool:
+    """Whether seq was ever admitted (a preempted one too: its tokens so far came from this
+    version): only a request that never ran can give its slot back."""
+    return seq.scheduled_at is not None
+
+
+def _work_left(seq: Sequence) -> int:
+    """The most tokens seq may still compute (its prompt's rest, then max_tokens)."""
+    prompt = len(seq.prompt_ids)
+    return prompt - min(seq.num_computed, prompt) + seq.params.max_tokens - len(seq.output_ids)

@@ -32,7 +32,7 @@ class LLM:
     requests free their slots, so POOL_FULL after a wall-clock wait would only fail a batch
     on a slow machine. The server passes its --promotion-timeout instead."""
 
-    def __init__(self, model: str | Path | None = None, *, max_loras: int = 4,
+    def __init__(self, model: str | Path | None = None, *, max_loras: int | None = None,
                  max_lora_rank: int = 16, device: str = "cpu", dtype: str | None = None,
                  allow_runtime_swaps: bool = True, host_tier_bytes: int = 0,
                  adapter_eviction: str = "cost", promotion_timeout_s: float = math.inf,

@@ -13,7 +13,7 @@ import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from metrale.dtypes import parse_dtype
 from metrale.engine.adapters import AdapterManager
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.grammar import GrammarBackend
+from metrale.engine.memory_plan import MemoryPlan, host_available_bytes, plan_memory
 from metrale.engine.output_processor import OutputProcessor, failed_output
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion, PeerRef
@@ -44,6 +45,7 @@ from metrale.peer.allow import resolve_peer
 from metrale.peer.landing import warm_up_nixl, warm_up_peer
 from metrale.peer.lookup import check_peer_holds
 from metrale.peer.plans import plan_cache_for
+from metrale.pool.layout import SlotLayout
 from metrale.pool.slots import SlotInfo
 from metrale.pool.swap import LoraSlots, Prepared
 
@@ -86,16 +88,17 @@ class LLMEngine:
             raise ConfigError(f"the given model's rotary tables cover {model.rotary.max_positions} "
                               f"positions, fewer than max_model_len {cfg.max_model_len}")
         model.requires_grad_(False)  # an inference engine: nothing may build autograd graphs
-        self.lora = LoraSlots(self.model_config, cfg.pool, self.device, self.dtype,
-                              model.lora_base_weights())
+        self.memory = self._plan_memory(model)
+        log.info("%s", self.memory.describe())
+        self.lora = LoraSlots(self.model_config, replace(cfg.pool, max_loras=self.memory.num_slots),
+                              self.device, self.dtype, model.lora_base_weights())
         # an adapter named like the base model would shadow it in every API
         self.registry = AdapterRegistry(reserved_names=("base", Path(model_dir).name))
         self.adapters = AdapterManager(self.lora, self.registry, cfg)
-        self.adapters.remaining_work = self._work_per_slot
         if self.device.type == "cuda" and cfg.peer_transport != "http":
             warm_up_nixl(self.lora)  # a first peer landing then costs ~1.3 s less
         self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
-                                  self.lora.pool)
+                                  self.lora.pool, self.memory.kv_blocks)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size,
                                    cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
@@ -116,6 +119,18 @@ class LLMEngine:
         self.async_scheduling = cfg.async_scheduling if cfg.async_scheduling is not None \
             else self.device.type == "cuda"
         self._in_flight: _InFlight | None = None
+
+    def _plan_memory(self, model: LlamaForCausalLM) -> MemoryPlan:
+        """Adapter slots and KV blocks from one budget (memory_plan), before either is made."""
+        cfg, m = self.cfg, self.model_config
+        cuda = self.device.type == "cuda"
+        free = torch.cuda.mem_get_info(self.device)[0] if cuda else host_available_bytes()
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        one_slot = replace(cfg.pool, max_loras=1)
+        slot_bytes = SlotLayout(m, one_slot, self.dtype).slot_bytes if cfg.pool.max_loras != 0 else 0
+        block_bytes = 2 * m.num_layers * cfg.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return plan_memory(cfg.pool.max_loras, slot_bytes, cfg.num_kv_blocks, cfg.max_num_seqs,
+                           cfg.max_model_len, cfg.block_size, block_bytes, weights, free, cuda)
 
     # --- requests ----------------------------------------------------------------------
 
@@ -247,6 +262,8 @@ class LLMEngine:
         batch = step.batch
         outputs = self.output_processor.process(batch.sampling_seqs, step.sampled.results())
         self.scheduler.completed(batch)
+        for shape, seconds in self.runner.timer.finished():
+            self.scheduler.observe(shape, seconds)
         for out in outputs:
             if out.finished:
                 self._end(out.request_id, out.finish_reason)
@@ -297,16 +314,6 @@ class LLMEngine:
             if seq.sampling is not None:
                 seq.sampling.release()
 
-    def _work_per_slot(self) -> dict[int, int]:
-        """slot -> the most tokens one of its requests may still compute."""
-        work: dict[int, int] = {}
-        for s in self.requests.values():
-            if s.bound and s.slot >= 0:
-                left = len(s.prompt_ids) - min(s.num_computed, len(s.prompt_ids)) \
-                    + s.params.max_tokens - len(s.output_ids)
-                work[s.slot] = max(work.get(s.slot, 0), left)
-        return work
-
     # --- adapters: the registry's operations ----------------------------------------------
 
     def check_adapter(self, name: str, source: str | Path | AdapterSource) -> AdapterSource:
@@ -317,7 +324,8 @@ class LLMEngine:
         lands."""
         source = AdapterSource.of(source)
         if source.path is not None:
-            plan = plan_adapter(source.path, name, self.model_config, self.lora.pool_config)
+            plan = plan_adapter(source.path, name, self.model_config, self.lora.pool_config,
+                                source.root)
             if not source.verify_on_landing:  # reads the whole file: ~40-85 ms for 84 MB
                 check_weights(plan, self.dtype)  # NaN/Inf, or too large for the pool's dtype
         else:  # a peer off the allow-list could never land: refuse it before contacting it
@@ -390,10 +398,11 @@ class LLMEngine:
 
     # --- the seed's four operations: land these bytes as a new version of `name` now ------
 
-    def swap_lora_slot_from_disk(self, adapter_dir: str | Path, name: str, slot: int,
+    def swap_lora_slot_from_disk(self, adapter_dir: str | Path | AdapterSource, name: str, slot: int,
                                  prepared: Prepared | None = None, reload: bool = True) -> None:
         """prepared: the files' bytes, read and checked off this thread (the server does);
-        reload=False: refuse a registered name (the server's swap of a new registration)."""
+        reload=False: refuse a registered name (the server's swap of a new registration).
+        An AdapterSource keeps its root (the server's --adapter-root confinement)."""
         self._land_new(name, _unchecked_dir(adapter_dir, prepared), slot, prepared, reload)
 
     def promote_lora_slot_from_disk(self, adapter_dir: str | Path,
@@ -432,7 +441,10 @@ class LLMEngine:
         return residency_rows(self.registry, self.lora.table, loading_of(self.adapters.job))
 
 
-def _unchecked_dir(adapter_dir: str | Path, prepared: Prepared | None = None) -> AdapterSource:
+def _unchecked_dir(adapter_dir: str | Path | AdapterSource,
+                   prepared: Prepared | None = None) -> AdapterSource:
     """A directory landed without a registration: no check_weights read it (unless the
     caller's `prepared` came from check_adapter), so its landings bound the weights."""
+    if isinstance(adapter_dir, AdapterSource):
+        return replace(adapter_dir, verify_on_landing=prepared is None)
     return AdapterSource(path=Path(adapter_dir), verify_on_landing=prepared is None)

@@ -285,7 +285,7 @@ class Promoter:
 
     def _read_background(self, name: str, source: AdapterSource) -> Prepared | None:
         # a file's identity is read once: for the tier and the plan
-        identity = adapter_identity(source.path) if source.path is not None else None
+        identity = adapter_identity(source.path, source.root) if source.path is not None else None
         if self.slots.tier_has(identity):
             return None
         staging = self._free_staging.pop() if self._free_staging else StagingBuffers(self.device)
@@ -313,7 +313,7 @@ class Promoter:
                                      source.peft, staging=staging, transport=cfg.peer_transport,
                                      timeout_s=cfg.peer_timeout_s, peer_allow=cfg.peer_allow or None)
         return self.slots.prepare_disk(source.path, name, staging, use_tier, identity,
-                                       verify=source.verify_on_landing)
+                                       verify=source.verify_on_landing, root=source.root)
 
     def _write(self, landing: Landing, prepared: Prepared,
                side: torch.cuda.Stream | None) -> torch.cuda.Event | None:

@@ -10,9 +10,11 @@ import itertools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from metrale.adapters.confined import ConfinedDir
 from metrale.errors import (
     AdapterConfigError,
     AdapterExistsError,
+    DrainingAdapterError,
     InvalidNameError,
     MetraleError,
     SlotBusyError,
@@ -50,18 +52,28 @@ class AdapterSource:
     verify_on_landing: a directory whose weights were not read at registration (a name
     resolved on demand from --adapter-source): its first landing checks them before a slot
     is chosen (LoraSlots.bound_in_scratch), as a peer's bytes always are checked, and the
-    first refusal stays with the version."""
+    first refusal stays with the version.
+
+    root: the tree a directory was found in (an --adapter-source, an --adapter-root, a
+    download cache; resolved, as `path` then is): every read of its files, at registration
+    and at every landing, resolves inside it (adapters.confined). None: a directory the
+    operator named (--adapter NAME=DIR, the Python API)."""
 
     path: Path | None = None
     peer: PeerRef | None = None
     peft: object = field(default=None, compare=False)  # a peer adapter's config override
     verify_on_landing: bool = field(default=False, compare=False)
+    root: Path | None = None
 
     @classmethod
-    def of(cls, spec: str | Path | AdapterSource, verify_on_landing: bool = False) -> AdapterSource:
-        """verify_on_landing: mark a directory's weights as unread (a peer's always are)."""
+    def of(cls, spec: str | Path | ConfinedDir | AdapterSource,
+           verify_on_landing: bool = False) -> AdapterSource:
+        """verify_on_landing: mark a directory's weights as unread (a peer's always are). A
+        ConfinedDir keeps its root."""
         if isinstance(spec, AdapterSource):
             source = spec
+        elif isinstance(spec, ConfinedDir):
+            source = cls(path=spec.path, root=spec.root)
         elif isinstance(spec, str) and spec.startswith(PEER_SCHEME):
             return cls(peer=parse_peer_uri(spec))
         elif isinstance(spec, (str, Path)):
@@ -113,7 +125,7 @@ class AdapterRegistry:
         version = self._current.get(name)
         if version is None:
             if name in self._draining:
-                raise UnknownAdapterError(f"adapter {name!r} is being unloaded")
+                raise DrainingAdapterError(f"adapter {name!r} is being unloaded")
             raise UnknownAdapterError(
                 f"adapter {name!r} is not registered; register it first "
                 f"(known: {', '.join(self.names()) or 'none'})")

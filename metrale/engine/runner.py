@@ -4,17 +4,15 @@ one block more than the block manager hands out: the one padded graph rows write
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine import prompt_logprobs
 from metrale.engine.cuda_graphs import StepGraphs
-from metrale.engine.kv_budget import auto_kv_blocks, host_available_bytes
 from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.engine.sampler import SampledTokens, draw
 from metrale.engine.scheduler import ScheduledBatch
+from metrale.engine.step_cost import StepTimer
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
 from metrale.ops import lora_triton
@@ -23,22 +21,22 @@ from metrale.ops.lora_ref import token_groups
 from metrale.ops.lora_triton import sort_tokens_by_slot
 from metrale.pool.pool import AdapterPool
 
-log = logging.getLogger("metrale.engine")
-
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig,
-                 device: torch.device, dtype: torch.dtype, pool: AdapterPool | None) -> None:
+                 device: torch.device, dtype: torch.dtype, pool: AdapterPool | None,
+                 num_blocks: int) -> None:
         self.model, self.model_cfg, self.cfg = model, model_cfg, cfg
         self.device, self.dtype, self.pool = device, dtype, pool
         self.group = model_cfg.num_heads // model_cfg.num_kv_heads  # query heads per KV head
-        self.num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
+        self.num_blocks = num_blocks  # the engine's memory plan
         self.pad_block = self.num_blocks  # never handed out: padded graph rows write here
         shape = (self.num_blocks + 1, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         for attn in model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.graphs: StepGraphs | None = None
+        self.timer = StepTimer(device)  # each step's time, for the scheduler's cost model
         if device.type == "cuda" and not cfg.enforce_eager:
             self.enable_graphs(capture=True)
 
@@ -52,23 +50,12 @@ class ModelRunner:
         self.graphs.capture()
         return self.graphs
 
-    def _auto_num_blocks(self) -> int:
-        cfg, m = self.cfg, self.model_cfg
-        cuda = self.device.type == "cuda"
-        free = torch.cuda.mem_get_info(self.device)[0] if cuda else host_available_bytes()
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        block_bytes = 2 * m.num_layers * cfg.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
-        budget = auto_kv_blocks(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
-                                block_bytes, weights, free, cuda)
-        log.info("KV cache: %d blocks of %d tokens (%.0f MiB): %s", budget.num_blocks,
-                 cfg.block_size, budget.num_blocks * block_bytes / 2**20, budget.reason)
-        return budget.num_blocks
-
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, in_flight: torch.Tensor | None = None) -> SampledTokens:
         """Queue one forward pass over the batch and its draws, a token per sampling
         sequence. in_flight: the tokens [B'] of the step still running (pending inputs)."""
         seqs, graphs = batch.seqs, self.graphs
+        mark = self.timer.start()
         lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
         if any(s.params.prompt_logprobs is not None for s in seqs) and any(
                 prompt_logprobs.wants_prompt_logprobs(s, n) for s, n in zip(seqs, batch.num_new)):
@@ -79,7 +66,9 @@ class ModelRunner:
             logits = graphs.run_mixed(batch, lora, in_flight)  # [sampling B, V]
         else:
             logits = self._run_eager(batch, in_flight)  # [sampling B, V]
-        return draw(logits, batch.sampling_seqs)
+        sampled = draw(logits, batch.sampling_seqs)
+        self.timer.stop(mark, batch.shape)
+        return sampled
 
     def _run_eager(self, batch: ScheduledBatch, in_flight: torch.Tensor | None) -> torch.Tensor:
         ids, positions, slot_mapping, cu, slot_ids, ctx = [], [], [], [0], [], []

@@ -38,6 +38,9 @@ class Sequence:
     adapter_uid: int = 0  # 0 = base model; part of every prefix-cache key
     bound: bool = False
     bound_at: float | None = None  # when its adapter was resident and bound (monotonic)
+    # since when it waits for its adapter's slot: its arrival, or when a draining slot's
+    # queue gave it back (the promotion timeout counts from here)
+    slot_wait_from: float | None = None
     scheduled_at: float | None = None  # when it was first admitted to run (monotonic)
     # KV
     block_table: list[int] = field(default_factory=list)

@@ -45,6 +45,11 @@ class DataRangeError(MetraleError):
     """A data stream's byte range is malformed or outside the leased bytes (exporter side)."""
 
 
+class LeaseTTLError(MetraleError):
+    """A lease asked for with a ttl_s that is not a positive, finite number of seconds
+    (NaN would never expire; a negative or infinite one is no lifetime): refused, 400."""
+
+
 class TooManyLeasesError(MetraleError):
     """The exporter holds its maximum number of open leases; retry after some end."""
 

@@ -32,6 +32,7 @@ from metrale.peer import wire
 from metrale.peer.errors import (
     DataRangeError,
     LeaseNotFoundError,
+    LeaseTTLError,
     ManifestVersionError,
     TooManyLeasesError,
 )
@@ -161,6 +162,21 @@ class AdapterExporter:
              "dtype": dtype, "transports": list(self.transports)}
             for name, i in self._call(ready)]}
 
+    def _ttl(self, ttl_s: object) -> float:
+        """The lease's lifetime: default_ttl_s when none is asked for; a positive finite
+        number of seconds, raised to 1 s and cut to max_ttl_s; anything else refused (NaN
+        would never expire, every comparison with it being false: a slot pinned for good)."""
+        if ttl_s is None:
+            return self.default_ttl_s
+        try:
+            ttl = float(ttl_s) if type(ttl_s) in (int, float) else math.nan
+        except OverflowError:  # an integer past float's range
+            ttl = math.inf
+        if not math.isfinite(ttl) or ttl <= 0:
+            raise LeaseTTLError(f"ttl_s must be a positive, finite number of seconds (at most "
+                                f"{self.max_ttl_s:g} are granted), got {str(ttl_s)[:30]}")
+        return min(max(ttl, 1.0), self.max_ttl_s)
+
     def lease(self, adapter_id: str, ttl_s: float | None = None,
               manifest_version: object = wire.WIRE_VERSION) -> LeaseReply:
         """Pin the adapter's slot and describe it in one reply (metrale.peer.wire)."""
@@ -171,9 +187,7 @@ class AdapterExporter:
                 ": upgrade the older side")
         if not is_valid_name(adapter_id):
             raise UnknownAdapterError(f"adapter id {adapter_id!r} is not valid")
-        ttl = float(ttl_s or self.default_ttl_s)
-        # NaN would never expire (every comparison with it is false): a slot pinned for good.
-        ttl = min(max(ttl, 1.0), self.max_ttl_s) if math.isfinite(ttl) else self.default_ttl_s
+        ttl = self._ttl(ttl_s)
         with self._lock:
             if len(self._leases) >= self.max_leases:
                 raise TooManyLeasesError(

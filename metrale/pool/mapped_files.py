@@ -21,10 +21,13 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from metrale.adapters.confined import open_fd
 from metrale.adapters.identity import AdapterIdentity, file_stat
+from metrale.errors import AdapterFileError
 
 log = logging.getLogger("metrale.pool")
 _READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the mapping is PROT_READ
@@ -53,10 +56,12 @@ class MappedFiles:
         self._finalizer = weakref.finalize(self, _release_all, self._entries)
 
     @contextlib.contextmanager
-    def borrow(self, identity: AdapterIdentity | None, path: str) -> Iterator[torch.Tensor | None]:
+    def borrow(self, identity: AdapterIdentity | None, path: str,
+               root: Path | None = None) -> Iterator[torch.Tensor | None]:
         """The whole file as a registered host tensor ([size] uint8), or None: read it
-        another way. Copies from it must be queued on the current stream inside the block."""
-        entry = self._acquire(identity, path) if identity is not None and self.capacity else None
+        another way. Copies from it must be queued on the current stream inside the block.
+        root: the file is mapped only if it resolves inside it (adapters.confined)."""
+        entry = self._acquire(identity, path, root) if identity is not None and self.capacity else None
         try:
             yield entry.host if entry is not None else None
         finally:
@@ -81,7 +86,7 @@ class MappedFiles:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _acquire(self, identity: AdapterIdentity, path: str) -> _Entry | None:
+    def _acquire(self, identity: AdapterIdentity, path: str, root: Path | None) -> _Entry | None:
         size = identity.data_stat[2]
         if size > self.capacity or size == 0:
             return None
@@ -97,7 +102,7 @@ class MappedFiles:
                 while len(self._seen) > _SEEN_MAX:
                     self._seen.popitem(last=False)
                 return None
-        entry = self._map(identity, path)
+        entry = self._map(identity, path, root)
         if entry is None:
             return None
         with self._lock:
@@ -112,16 +117,17 @@ class MappedFiles:
             entry.borrowers += 1
             return entry
 
-    def _map(self, identity: AdapterIdentity, path: str) -> _Entry | None:
+    def _map(self, identity: AdapterIdentity, path: str, root: Path | None) -> _Entry | None:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never block on a FIFO
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK) if root is None \
+                else open_fd(path, root, AdapterFileError)  # never blocks on a FIFO
             try:
                 if file_stat(os.fstat(fd)) != identity.data_stat:
                     return None  # rewritten (or replaced) since its identity was read
                 mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             finally:
                 os.close(fd)
-        except (OSError, ValueError):
+        except (OSError, ValueError, AdapterFileError):  # the reader that follows says why
             return None
         with warnings.catch_warnings():  # a read-only buffer: torch warns it is not writable
             warnings.simplefilter("ignore", UserWarning)

@@ -12,8 +12,12 @@ import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
+
+from metrale.adapters.confined import open_fd
+from metrale.errors import AdapterFileError
 
 CHUNK = 4 << 20  # bytes per read and per H2D copy
 # Page-cache copies ran at ~2 GB/s per thread on the H200 machine (run 1: 4 threads, 16 MB
@@ -84,10 +88,11 @@ class StagingBuffers:
         as each piece out[a:b] is in (in any order); each piece goes on to the device then."""
         return self._staged(nbytes, lambda host, upload: fill(memoryview(host.numpy()), upload))
 
-    def read_file(self, path: str, offset: int, nbytes: int) -> torch.Tensor:
+    def read_file(self, path: str, offset: int, nbytes: int, root: Path | None = None) -> torch.Tensor:
         """nbytes of the file at offset, on the device (the host buffer on a CPU engine).
-        Raises OSError (ShortReadError if the file is shorter than promised)."""
-        return self._staged(nbytes, lambda host, upload: read_chunks(path, offset, host, upload))
+        Raises OSError (ShortReadError if the file is shorter than promised); root: as
+        read_chunks'."""
+        return self._staged(nbytes, lambda host, upload: read_chunks(path, offset, host, upload, root))
 
     def _staged(self, nbytes: int,
                 fill: Callable[[torch.Tensor, Callable[[int, int], None] | None], None]) -> torch.Tensor:
@@ -117,13 +122,15 @@ class StagingBuffers:
 
 
 def read_chunks(path: str, offset: int, host: torch.Tensor,
-                on_chunk: Callable[[int, int], None] | None) -> None:
+                on_chunk: Callable[[int, int], None] | None, root: Path | None = None) -> None:
     """host[:] = the file's bytes at offset, CHUNK-sized preads on the reader threads;
-    on_chunk(a, b) runs on the calling thread as each piece (in file order) is in."""
+    on_chunk(a, b) runs on the calling thread as each piece (in file order) is in. root:
+    the file is opened so that it cannot resolve outside it (AdapterFileError if it does,
+    adapters.confined)."""
     n = host.numel()
     mv = memoryview(host.numpy()).cast("B")
     spans = [(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY) if root is None else open_fd(path, root, AdapterFileError)
     try:
         if len(spans) <= 1:
             for a, b in spans:

@@ -52,17 +52,18 @@ def read_adapter_data(plan: AdapterPlan, staging: StagingBuffers,
     its registered mapping (`mapped`, for the version `identity` names) when there is one,
     else parallel chunked reads into pinned staging. A file that shrank is refused."""
     if mapped is not None and not plan.spans:  # spans: GBs of frozen copies, never pinned
-        with mapped.borrow(identity, plan.source) as host:
+        with mapped.borrow(identity, plan.source, plan.root) as host:
             if host is not None and host.numel() >= plan.data_offset + plan.data_bytes:
                 return staging.to_device(host[plan.data_offset:plan.data_offset + plan.data_bytes])
     try:
         if plan.spans:  # only the landed tensors' bytes: skip PEFT's frozen-weight copies
             host, pos = staging.host(plan.staged_bytes), 0
             for a, b in plan.spans:
-                read_chunks(plan.source, plan.data_offset + a, host[pos:pos + b - a], None)
+                read_chunks(plan.source, plan.data_offset + a, host[pos:pos + b - a], None,
+                            plan.root)
                 pos += b - a
             return staging.to_device(host)
-        return staging.read_file(plan.source, plan.data_offset, plan.data_bytes)
+        return staging.read_file(plan.source, plan.data_offset, plan.data_bytes, plan.root)
     except ShortReadError as e:
         raise AdapterFileError(
             f"{plan.source}: read fewer than its {plan.data_bytes} data bytes ({e}); the "
@@ -229,19 +230,21 @@ class LoraSlots:
 
     def prepare_disk(self, adapter_dir: str | Path, name: str,
                      staging: StagingBuffers | None = None, use_tier: bool = True,
-                     identity: AdapterIdentity | None = None, verify: bool = False) -> Prepared:
+                     identity: AdapterIdentity | None = None, verify: bool = False,
+                     root: Path | None = None) -> Prepared:
         """A host-tier image of these exact bytes, else the file planned, read on to the
         device and checked there. A worker passes its own `staging` and use_tier=False
         (only the engine thread reuses image memory). `identity`: the caller's. verify: no
         registration read the weights (AdapterSource.verify_on_landing): they are bounded
         here, in the scratch pool, unless these exact bytes landed before (a host-tier
-        image was bounded already)."""
-        identity = identity or adapter_identity(adapter_dir)
+        image was bounded already). root: every file read resolves inside it
+        (adapters.confined: the tree of an --adapter-source or an --adapter-root)."""
+        identity = identity or adapter_identity(adapter_dir, root)
         tier = self.host_tier
         entry = tier.get(identity) if use_tier and tier is not None and tier.enabled else None
         if entry is not None:
             return Prepared(lambda landing: landing.write_image(entry), fills_slot=True)
-        plan = self.plan_from_disk(adapter_dir, name, identity)
+        plan = self.plan_from_disk(adapter_dir, name, identity, root)
         data = read_adapter_data(plan, staging or self.staging, self.mapped_files, identity)
         staged = self.pool.stage(plan, data, self.pool.recipe(plan))
         if verify and identity is not None:
@@ -284,27 +287,29 @@ class LoraSlots:
             self._landed_files.clear()
 
     def plan_from_disk(self, adapter_dir: str | Path, name: str,
-                       identity: AdapterIdentity | None = None) -> AdapterPlan:
+                       identity: AdapterIdentity | None = None,
+                       root: Path | None = None) -> AdapterPlan:
         """plan_adapter, remembered per content identity. A plan (several ms of Python on
         an 8B adapter) depends only on the config and header bytes, the file size and this
-        engine's config, so files sharing those share one, under their own name and path."""
-        identity = identity or adapter_identity(adapter_dir)
+        engine's config, so files sharing those share one, under their own name and path.
+        root: as plan_adapter's (the plan's reads stay inside it)."""
+        identity = identity or adapter_identity(adapter_dir, root)
         if identity is None:
-            return plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
+            return plan_adapter(adapter_dir, name, self.model_config, self.pool_config, root)
         layout = (identity.plan_digest, identity.data_stat[2])  # config + header, file size
         with self._plans_lock:
-            plan = self._plans.get((identity, name))
+            plan = self._plans.get((identity, name, root))
             shared = self._layouts.get(layout)
         if plan is not None:
             return plan
         if shared is not None:
-            plan = replace(shared, name=name,
+            plan = replace(shared, name=name, root=root,
                            source=str(Path(adapter_dir) / "adapter_model.safetensors"))
         else:
-            plan = plan_adapter(adapter_dir, name, self.model_config, self.pool_config)
-        if adapter_identity(adapter_dir) == identity:  # not rewritten meanwhile
+            plan = plan_adapter(adapter_dir, name, self.model_config, self.pool_config, root)
+        if adapter_identity(adapter_dir, root) == identity:  # not rewritten meanwhile
             with self._plans_lock:
-                for cache, key in ((self._plans, (identity, name)), (self._layouts, layout)):
+                for cache, key in ((self._plans, (identity, name, root)), (self._layouts, layout)):
                     while len(cache) >= _PLAN_CACHE:
                         cache.pop(next(iter(cache)))
                     cache.setdefault(key, plan)

@@ -99,7 +99,7 @@ class AdapterOps:
         if source is None:
             self.engine.promote(self.registry.changeable(name), slot, prepared)
         else:
-            self.engine.swap_lora_slot_from_disk(source.path, name, slot, prepared, reload=reload)
+            self.engine.swap_lora_slot_from_disk(source, name, slot, prepared, reload=reload)
         return self.view(name)
 
     def set_pinned(self, name: str, pinned: bool, prepared: Prepared | None) -> AdapterView:

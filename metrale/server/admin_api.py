@@ -8,11 +8,10 @@ resolve inside --adapter-root (paths.resolve_adapter_path).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from metrale.adapters.confined import ConfinedDir
 from metrale.engine.registry import PEER_SCHEME
 from metrale.errors import AdapterExistsError
 from metrale.names import validate_adapter_name
@@ -34,7 +33,7 @@ reads = APIRouter(dependencies=[Depends(require_user)])
 admin = APIRouter(dependencies=[Depends(require_admin)])
 
 
-def _adapter_source(raw: object, settings: ServerSettings, param: str) -> str | Path:
+def _adapter_source(raw: object, settings: ServerSettings, param: str) -> str | ConfinedDir:
     """A peer URI (the engine checks the peer against --peer-allow when it lands),
     or a directory confined to --adapter-root."""
     if isinstance(raw, str) and raw.startswith(PEER_SCHEME):

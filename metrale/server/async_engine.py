@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from metrale.adapters.confined import ConfinedDir
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterSource
@@ -191,7 +192,8 @@ class AsyncEngine:
         PeerNotAllowedError, PeerUnavailableError."""
         return await asyncio.to_thread(self.engine.check_adapter, name, path)
 
-    async def register(self, name: str, path: str | Path, pinned: bool = False,
+    async def register(self, name: str, path: str | Path | ConfinedDir | AdapterSource,
+                       pinned: bool = False,
                        reload: bool = False, verify_on_landing: bool = False) -> AdapterView:
         source = await self._checked(name, AdapterSource.of(path, verify_on_landing), reload)
         return await self._with_bytes(name, source if pinned else None,  # pinned: lands now
@@ -223,7 +225,8 @@ class AsyncEngine:
             return source
         raise error
 
-    async def swap(self, name: str, slot: int, path: str | Path | None = None,
+    async def swap(self, name: str, slot: int,
+                   path: str | Path | ConfinedDir | AdapterSource | None = None,
                    reload: bool = False) -> AdapterView:
         if path is None:
             source = await self.call(lambda: self.engine.registry.changeable(name).source)

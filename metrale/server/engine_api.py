@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from metrale.adapters.confined import ConfinedDir
 from metrale.engine.outputs import RequestOutput
+from metrale.engine.registry import AdapterSource
 from metrale.engine.sampling_params import SamplingParams
 from metrale.server.errors import EngineUnavailableError
 from metrale.server.metrics import ServerMetrics
@@ -69,9 +71,11 @@ class EngineAPI(Protocol):
         (no slot within the promotion timeout), AdapterError / LandingError /
         PeerUnavailableError (its adapter failed to land), SamplingError."""
 
-    async def register(self, name: str, path: str | Path, pinned: bool = False,
+    async def register(self, name: str, path: str | Path | ConfinedDir | AdapterSource,
+                       pinned: bool = False,
                        reload: bool = False, verify_on_landing: bool = False) -> AdapterView:
-        """Register `path` (a directory or peer:// URI) as `name`; pinned lands it now.
+        """Register `path` (a directory or peer:// URI, or an AdapterSource: a directory
+        confined to its root) as `name`; pinned lands it now.
         verify_on_landing: a directory's weights are not read now but checked when it first
         lands (AdapterSource.verify_on_landing; an engine may check them now instead).
         Raises InvalidNameError, AdapterExistsError (not reload), SlotBusyError (name
@@ -82,7 +86,8 @@ class EngineAPI(Protocol):
         """Make `name` resident now: (its view, the adapter evicted for it or None).
         Raises UnknownAdapterError, SlotBusyError (draining), PoolFullError, AdapterError."""
 
-    async def swap(self, name: str, slot: int, path: str | Path | None = None,
+    async def swap(self, name: str, slot: int,
+                   path: str | Path | ConfinedDir | AdapterSource | None = None,
                    reload: bool = False) -> AdapterView:
         """Land `name` into `slot`: its registered version, or `path` as a new registration.
         Raises SlotOutOfRangeError, SlotBusyError, SlotPinnedError, UnknownAdapterError,

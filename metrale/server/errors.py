@@ -12,6 +12,7 @@ from metrale.engine.sampling_params import InvalidSamplingParamsError
 from metrale.errors import (
     AdapterError,
     AdapterExistsError,
+    AdapterOutsideRootError,
     AllSlotsPinnedError,
     InvalidNameError,
     LandingError,
@@ -24,6 +25,7 @@ from metrale.errors import (
     SlotBusyError,
     SlotOutOfRangeError,
     SlotPinnedError,
+    SourceBusyError,
     UnknownAdapterError,
 )
 from metrale.peer.errors import PeerNotAllowedError
@@ -79,9 +81,11 @@ _TABLE: list[tuple[type[BaseException], int, str, str | None]] = [
     (SlotPinnedError, 409, "conflict_error", "slot_pinned"),
     (SlotBusyError, 409, "conflict_error", "slot_busy"),
     (AdapterExistsError, 409, "conflict_error", "adapter_exists"),
+    (AdapterOutsideRootError, 403, "permission_error", "adapter_outside_root"),
     (AdapterError, 422, "invalid_request_error", "invalid_adapter"),
     (AllSlotsPinnedError, 503, "service_unavailable_error", "all_slots_pinned"),
     (PoolFullError, 503, "service_unavailable_error", "pool_full"),
+    (SourceBusyError, 503, "service_unavailable_error", "source_busy"),
     (PeerNotAllowedError, 403, "permission_error", "peer_not_allowed"),
     # before LandingError: a peer lost mid-landing (PeerLandingError is both) is the peer's fault
     (PeerUnavailableError, 502, "bad_gateway_error", "peer_unavailable"),

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import metrale
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.sampling_params import SamplingParams
-from metrale.errors import UnknownAdapterError
+from metrale.errors import AdapterError, DrainingAdapterError, UnknownAdapterError
 from metrale.names import is_valid_name
 from metrale.server.auth import require_user
 from metrale.server.engine_api import EngineAPI, app_context, known_limits
@@ -169,7 +169,22 @@ async def _generate(engine: EngineAPI, settings: ServerSettings, prompt: str | l
             async for out in gen:
                 yield out
         except UnknownAdapterError as e:
-            raise UnknownAdapterError(f"{e}; the base model is {settings.model_id!r}") from None
+            raise UnknownAdapterError(f"{_searched(e, adapter, settings)}; the base model is "
+                                      f"{settings.model_id!r}") from None
+        except AdapterError:
+            if adapter is not None and settings.registrar is not None:  # a store's bad copy
+                await asyncio.to_thread(settings.registrar.landing_refused, adapter)
+            raise
+
+
+def _searched(error: UnknownAdapterError, name: str | None, settings: ServerSettings) -> str:
+    """The engine's 404; for a name never registered on a server with --adapter-source, where
+    it was looked for (naming it cannot register a name no source holds)."""
+    if settings.sources is None or name is None or isinstance(error, DrainingAdapterError):
+        return str(error)
+    searched = ", ".join(str(s) for s in settings.sources.sources)
+    return (f"adapter {name!r} is not registered and no adapter source holds it (searched, in "
+            f"order: {searched}); put it in one of them, or register it with POST /v1/adapters")
 
 
 def _chunk(fmt, out: RequestOutput, continuous_usage: bool) -> dict:

@@ -14,6 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from metrale.adapters.fetch_deadline import FetchLimits
 from metrale.config import (
     EVICTION_POLICIES,
     FP8_ACTIVATIONS,
@@ -108,6 +109,8 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
                   max_prefill_chunk=args.max_prefill_chunk,
                   max_prefill_attention=args.max_prefill_attention,
                   max_tokens_beside_decodes=args.max_tokens_beside_decodes or None,
+                  step_time_ratio=args.step_time_ratio or None,
+                  prompt_drain_s=args.prompt_drain,
                   max_admission_wait_s=args.max_admission_wait,
                   max_promotions_in_flight=args.max_promotions_in_flight),
               **({"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}))
@@ -138,6 +141,8 @@ def settings_fields(args: argparse.Namespace, model_id: str, adapter_roots) -> d
                 adapter_sources=tuple(args.adapter_source),
                 adapter_cache_dir=str(args.adapter_cache_dir or cache_root() / "adapter-cache"),
                 adapter_cache_bytes=args.adapter_cache_bytes,
+                adapter_fetch=FetchLimits(args.adapter_fetch_timeout, args.adapter_fetch_min_rate,
+                                          args.adapter_fetch_workers),
                 public_metrics=args.public_metrics, public_docs=args.public_docs,
                 tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser)
 
@@ -202,22 +207,38 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow loading adapters by path at run time, only inside DIR (repeatable; "
                         "default: none, or <metrale cache>/adapter-root when serving the "
                         "embedded default model)")
-    p.add_argument("--adapter-source", action="append", default=[], metavar="DIR|s3://BUCKET/PREFIX",
+    p.add_argument("--adapter-source", action="append", default=[],
+                   metavar="DIR|s3://BUCKET/PREFIX|hf://ORG",
                    help="look up an adapter a request names before anyone registered it as the "
-                        "PEFT directory DIR/NAME (NAME may be org/adapter) or the objects "
+                        "PEFT directory DIR/NAME (NAME may be org/adapter), the objects "
                         "PREFIX/NAME/adapter_config.json and adapter_model.safetensors of an "
-                        "S3-compatible bucket (AWS_* settings), and register it (repeatable, "
-                        "searched in order; names found nowhere are remembered as missing for "
-                        "30 s; default: off)")
+                        "S3-compatible bucket (boto3: AWS_* settings, profiles, roles), or the "
+                        "Hugging Face Hub repo ORG/ADAPTER[@REVISION] (HF_* settings), and "
+                        "register it (repeatable, searched in order; names found nowhere are "
+                        "remembered as missing for 30 s; default: off)")
     p.add_argument("--adapter-cache-dir", default=None, metavar="DIR",
                    help="where adapters fetched from object storage are kept (default: "
                         "<metrale cache>/adapter-cache)")
     p.add_argument("--adapter-cache-bytes", type=int, default=20 << 30, metavar="N",
                    help="most bytes of fetched adapters kept on disk, least recently used "
                         "dropped first (default: %(default)s)")
-    p.add_argument("--max-loras", type=int, default=4,
+    p.add_argument("--adapter-fetch-timeout", type=float, default=FetchLimits.timeout_s,
+                   metavar="S",
+                   help="seconds an adapter fetch from a bucket or the Hub may take to connect "
+                        "and receive headers, and the least its whole fetch may take "
+                        "(default: %(default)s)")
+    p.add_argument("--adapter-fetch-min-rate", type=float, default=FetchLimits.min_rate,
+                   metavar="BYTES_PER_S",
+                   help="a fetch's deadline grows by its announced bytes at this rate; a "
+                        "store slower than that is cut off (default: %(default)s)")
+    p.add_argument("--adapter-fetch-workers", type=int, default=FetchLimits.workers, metavar="N",
+                   help="fetches in flight per bucket or Hub source; more wait for one, at most "
+                        "a fetch timeout (then 503) (default: %(default)s)")
+    p.add_argument("--max-loras", type=int, default=None,
                    help="adapter slots on the device; more adapters than slots are promoted "
-                        "on demand (default: %(default)s)")
+                        "on demand (default: 10%% of the memory left after the weights, with "
+                        "the KV cache, at least 4 and at most --max-num-seqs; the split is "
+                        "logged at start-up)")
     p.add_argument("--max-lora-rank", type=int, default=16,
                    help="largest LoRA rank a slot holds; adapters above it are refused "
                         "(default: %(default)s)")
@@ -243,10 +264,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV-cache blocks of 16 tokens to allocate (default: room for "
-                        "--max-num-seqs sequences of --max-model-len tokens, capped on cuda at "
-                        "80%% of the free device memory, on cpu at half the available memory and "
-                        "at half the model's weight bytes (at least 64 MiB); never less than one "
-                        "--max-model-len sequence)")
+                        "--max-num-seqs sequences of --max-model-len tokens within what the "
+                        "adapter slots leave of the memory budget: on cuda 80%% of the device "
+                        "memory free after the weights, on cpu half the available memory and at "
+                        "most half the model's weight bytes (at least 64 MiB); never less than "
+                        "one --max-model-len sequence)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; beyond loopback, set --api-key and --admin-key "
                         "(default: %(default)s)")
@@ -275,11 +297,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help="most (query, key) pairs one prompt chunk attends to per step: a "
                             "long prompt's chunks shrink as its context grows, so the decodes "
                             "sharing its steps do not slow down (e.g. 262144; default: no cap)")
-    sched.add_argument("--max-tokens-beside-decodes", type=int, default=128, metavar="N",
-                       help="a step that runs decodes takes prompt tokens only up to N tokens in "
-                            "all, its decodes included (at least 32 prompt tokens), so a long "
-                            "prompt slows the running decodes by about one step at most; steps "
-                            "without decodes keep the whole budget (0: no cap; default: "
+    sched.add_argument("--step-time-ratio", type=_ratio, default=1.75, metavar="R",
+                       help="a step that runs decodes takes prompt tokens until its predicted "
+                            "time (a cost model fitted to the steps the engine ran) is R times "
+                            "that of its decodes alone, so a long prompt slows the running "
+                            "decodes by at most about R; 0: the token budget alone bounds a "
+                            "step, as in vLLM (default: %(default)s)")
+    sched.add_argument("--prompt-drain", type=float, default=1.0, metavar="SECONDS",
+                       help="... unless the queued prompts would then take longer than this "
+                            "to prefill: steps then grow to drain them in this time (up to "
+                            "the token budget), so a deep queue runs at full throughput "
+                            "(default: %(default)s)")
+    sched.add_argument("--max-tokens-beside-decodes", type=int, default=0, metavar="N",
+                       help="a hard cap beside --step-time-ratio: a step that runs decodes "
+                            "takes prompt tokens only up to N tokens in all, its decodes "
+                            "included (at least 32 prompt tokens) (0: no cap; default: "
                             "%(default)s)")
     sched.add_argument("--max-admission-wait", type=float, default=1.0, metavar="SECONDS",
                        help="a request waiting longer is admitted in arrival order, ahead of "
@@ -313,6 +345,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="export this server's resident adapters to peers on PORT (0 = any "
                         "free port; default: no export)")
 
+
+
+def _ratio(text: str) -> float:
+    """--step-time-ratio: 0 (off) or a ratio > 1, checked at parse time."""
+    value = float(text)
+    if value != 0 and not value > 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or > 1, got {text}")
+    return value
 
 
 def _extra_targets(text: str) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from metrale.adapters.fetch_deadline import FetchLimits
 from metrale.adapters.sources import AdapterSources
 from metrale.errors import UnknownAdapterError
 from metrale.names import shown
@@ -36,6 +37,7 @@ class ServerSettings:
     adapter_sources: tuple[str, ...] = ()
     adapter_cache_dir: str | None = None
     adapter_cache_bytes: int = 20 << 30
+    adapter_fetch: FetchLimits = field(default_factory=FetchLimits)  # deadlines, threads per source
     max_tokens_limit: int = 2048
     max_body_bytes: int = 1 << 20
     # With an API key set, /metrics and the API docs need it too unless opened here:
@@ -55,7 +57,8 @@ class ServerSettings:
         self.adapter_roots = tuple(Path(r).resolve(strict=True) for r in self.adapter_roots)
         self.adapter_sources = tuple(str(r) for r in self.adapter_sources)  # s3:// stays a URL
         self.sources = AdapterSources(self.adapter_sources, cache_dir=self.adapter_cache_dir,
-                                      cache_bytes=self.adapter_cache_bytes) \
+                                      cache_bytes=self.adapter_cache_bytes,
+                                      limits=self.adapter_fetch) \
             if self.adapter_sources else None
         self.registrar = SourceRegistrar(self.sources) if self.sources is not None else None
         if self.max_tokens_limit < 1:
@@ -69,6 +72,9 @@ class ServerSettings:
 
 def unknown_model(name: str, settings: ServerSettings) -> UnknownAdapterError:
     """The 404 of a `model` that is neither the base model nor a registered adapter."""
+    searched = "" if settings.sources is None else (
+        ", and no adapter source holds it (searched, in order: "
+        f"{', '.join(str(s) for s in settings.sources.sources)})")
     return UnknownAdapterError(
         f"model {shown(name)} does not exist here: it is neither the base model "
-        f"{settings.model_id!r} nor a registered adapter (see GET /v1/models)")
+        f"{settings.model_id!r} nor a registered adapter (see GET /v1/models){searched}")

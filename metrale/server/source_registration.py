@@ -9,11 +9,10 @@ file at registration held look-ups to a p99 of 57 s; header-only, 44 ms (session
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import TYPE_CHECKING
 
 from metrale.adapters.sources import AdapterSources
-from metrale.errors import AdapterExistsError
+from metrale.errors import AdapterError, AdapterExistsError, SlotBusyError
 from metrale.names import is_valid_name
 
 if TYPE_CHECKING:  # engine_api imports the settings, which hold a registrar
@@ -30,13 +29,16 @@ class SourceRegistrar:
     async def ensure(self, engine: EngineAPI, name: str) -> None:
         """Register `name` from the sources unless the engine knows it (the engine's own
         404 follows when no source holds it; a bad file's AdapterError is raised to every
-        request that waited for it). A registered name from a bucket gets its cached copy
-        back."""
+        request that waited for it). A registered name from a remote store gets its cached
+        copy back. Look-ups and fetches run on their source's own threads (never the
+        event loop's default executor, which admin calls use)."""
         if not is_valid_name(name):
             return
         if await engine.is_known(name):
-            if self.sources.from_bucket(name):  # a thread hop only for a copy that may be gone
-                await asyncio.to_thread(self.sources.refresh, name)
+            if self.sources.from_remote(name):  # a thread hop only for a copy that may be gone
+                fetch = await asyncio.to_thread(self.sources.refresh, name)
+                if fetch is not None:
+                    await asyncio.wait({asyncio.wrap_future(fetch)})  # best effort: never raises
             return
         task = self._inflight.get(name)
         if task is None or task.get_loop() is not asyncio.get_running_loop():
@@ -45,14 +47,29 @@ class SourceRegistrar:
             task.add_done_callback(lambda t: self._finished(name, t))
         await asyncio.shield(task)  # one request leaving does not cancel the others' wait
 
+    def landing_refused(self, name: str) -> None:
+        """A landing refused `name`'s bytes (the registry remembers that for a while): its
+        copy is dropped from its store's cache, so the landing after that fetches it again."""
+        if self.sources.from_remote(name):
+            self.sources.refused(name)
+
     def in_flight(self) -> int:
         return len(self._inflight)
 
     async def _register(self, engine: EngineAPI, name: str) -> None:
-        path = await asyncio.to_thread(self.sources.find, name)
-        if path is not None:
-            with contextlib.suppress(AdapterExistsError):  # registered by an admin meanwhile
-                await engine.register(name, path, verify_on_landing=True)
+        found = await asyncio.wrap_future(self.sources.lookup(name))
+        if found is None:
+            return
+        try:  # confined to its root: every read at every landing resolves inside it again
+            await engine.register(name, found, verify_on_landing=True)
+        except (AdapterExistsError, SlotBusyError):
+            # registered by an admin meanwhile; or being unloaded with requests in flight
+            # (draining): admission then refuses it as unknown (404), as it does any
+            # draining name, not as a busy slot (409)
+            pass
+        except AdapterError as e:  # refused for its content: not kept, not fetched at once again
+            await asyncio.to_thread(self.sources.remember_refusal, name, e)
+            raise
 
     def _finished(self, name: str, task: asyncio.Task) -> None:
         if self._inflight.get(name) is task:
