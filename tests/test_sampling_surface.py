@@ -213,3 +213,25 @@ def test_a_logit_bias_token_outside_the_vocabulary_is_refused(world):
         llm.engine.add_request([1, 2], SamplingParams(logit_bias={vocab: 1.0}))
     assert info.value.param == "logit_bias"
     assert not llm.engine.requests
+
+
+def test_only_running_sequences_hold_count_rows(world):
+    """A queued penalised request holds no device memory: its row is taken at its first
+    draw and given back when it ends."""
+    from tests.helpers.engine import step_until
+
+    engine = _llm(world, max_num_seqs=2).engine
+    params = SamplingParams(max_tokens=4, temperature=0, presence_penalty=1.0, ignore_eos=True)
+    for prompt in prompts(21, 8):
+        engine.add_request(prompt, params)
+    assert engine.token_counts.rows_in_use == 0
+    step_until(engine, lambda: engine.token_counts.rows_in_use > 0)
+    most = 0
+
+    def done() -> bool:
+        nonlocal most
+        most = max(most, engine.token_counts.rows_in_use)
+        return not engine.has_unfinished_requests()
+
+    step_until(engine, done)  # 8 requests, 2 at a time
+    assert 0 < most <= 2 and engine.token_counts.rows_in_use == 0

@@ -191,7 +191,6 @@ class LLMEngine:
                 state.grammar = self.grammars.matcher(own.structured)
             if own.penalised:
                 state.counts = self.token_counts
-                state.counts_row = self.token_counts.acquire(ids, [])
             seq.sampling = state
         return seq
 

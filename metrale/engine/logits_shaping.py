@@ -93,11 +93,12 @@ def _bias(x: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> None:
 
 def _penalise(x: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> None:
     # a row released meanwhile (its request ended while a deferred draw waited) is skipped
-    rows = [i for i in shaped if seqs[i].sampling is not None and seqs[i].sampling.counts_row >= 0]
+    rows = [i for i in shaped if seqs[i].sampling is not None and seqs[i].sampling.penalised]
     if not rows:
         return
     table = seqs[rows[0]].sampling.counts  # one table per engine
-    generated, in_prompt = table.gather(_rows(x, [seqs[i].sampling.counts_row for i in rows]))
+    counts_rows = [seqs[i].sampling.row(seqs[i].prompt_ids, seqs[i].output_ids) for i in rows]
+    generated, in_prompt = table.gather(_rows(x, counts_rows))
     params = [seqs[i].params for i in rows]
     dev, dt = x.device, x.dtype
     rep = upload([p.repetition_penalty for p in params], dt, dev)[:, None]

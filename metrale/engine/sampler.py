@@ -118,6 +118,7 @@ class DeferredDraw:
         self.seqs, self._logits = seqs, logits
         self._drawn: SampledTokens | None = None
 
+    @torch.inference_mode()  # as runner.run, whose step this draw ends
     def finish(self) -> None:
         if self._drawn is None:
             self._drawn = _draw_now(self._logits, self.seqs, shaped_rows(self.seqs))
@@ -179,13 +180,13 @@ def _draw_now(logits: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> 
 def _count(seqs: list[Sequence], shaped: list[int], tokens: torch.Tensor) -> None:
     """The penalised rows' drawn tokens into their counts, on the device (the next step
     reads them behind this one). A failed row's token is counted too: it ends its sequence."""
-    rows = [i for i in shaped if seqs[i].sampling is not None and seqs[i].sampling.counts_row >= 0]
+    rows = [i for i in shaped if seqs[i].sampling is not None and seqs[i].sampling.penalised]
     if rows:
         table = seqs[rows[0]].sampling.counts
         dev = tokens.device
         at = upload(rows, torch.int64, dev)
-        table.count(upload([seqs[i].sampling.counts_row for i in rows], torch.int64, dev),
-                    tokens.index_select(0, at))
+        counts_rows = [seqs[i].sampling.row(seqs[i].prompt_ids, seqs[i].output_ids) for i in rows]
+        table.count(upload(counts_rows, torch.int64, dev), tokens.index_select(0, at))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:

@@ -3,7 +3,9 @@ generated each token, and which tokens its prompt holds. One row per penalised s
 in one table, so that a step gathers its rows and counts its drawn tokens with one
 kernel each, however many sequences it holds; allocated on the first penalised request,
 grown by doubling. A row is updated on the device right after its token is drawn, so
-the next step (queued behind it) sees it without the host knowing the token yet."""
+the next step (queued behind it) sees it without the host knowing the token yet. Every
+operation runs in inference mode: the table is made during a step (the first penalised
+row's first draw), and inference tensors may be updated only in inference mode."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class TokenCounts:
         self._free: list[int] = []
         self.rows_in_use = 0
 
+    @torch.inference_mode()
     def acquire(self, prompt_ids: list[int], output_ids: list[int]) -> int:
         """A row counting output_ids, with prompt_ids marked (queued on the device)."""
         if not self._free:
@@ -41,10 +44,12 @@ class TokenCounts:
         self._free.append(row)
         self.rows_in_use -= 1
 
+    @torch.inference_mode()
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [N] int64 -> (generated counts [N, V] int32, in the prompt [N, V] bool)."""
         return self.generated.index_select(0, rows), self.in_prompt.index_select(0, rows)
 
+    @torch.inference_mode()
     def count(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """generated[rows[i], tokens[i]] += 1 (rows, tokens: [N] int64 on the device)."""
         self.generated.index_put_((rows, tokens), torch.ones_like(rows, dtype=torch.int32),
