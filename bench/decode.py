@@ -37,6 +37,12 @@ dora8_over_plain32 and kinds_over_plain32 (target: >= 0.9), and plain32_noextra_
 (all plain on an engine without extra-target memory: what the opt-in costs plain batches).
 tok/s = generated tokens / wall time of the decode steps (prefill excluded), engine
 overhead (scheduling, sampling, the per-step host sync) included.
+
+--structured adds JSON `decode_structured[<model>]` (run_structured): a batch
+of --structured-batch (32) requests over 16 adapters, half of them constrained by a JSON
+schema, against the same batch unconstrained: structured_tok_s, plain_tok_s, their
+ratio structured_over_plain (target: >= 0.9) and the median step times. The model gets
+a synthetic tokenizer of its vocabulary size (bench/synthetic_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import math
 import random
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -64,9 +71,11 @@ from bench.common import (
     table,
     write_random_adapters,
 )
+from bench.synthetic_tokenizer import save_synthetic_tokenizer
 from metrale.config import EXPERT_MODULES, EngineConfig, PoolConfig, SchedulerConfig
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import SamplingParams
+from metrale.engine.structured import StructuredOutput
 from metrale.model.moe import MoeMLP
 from metrale.ops import lora_launch
 from metrale.ops.fp8_linear import ACTIVATIONS, DEFAULT_ACTIVATIONS
@@ -78,7 +87,7 @@ def make_engine(pair, device: str, max_loras: int, max_num_seqs: int = 64, max_m
                 host_tier_bytes: int = 0, enforce_eager: bool = False,
                 scheduler: SchedulerConfig | None = None,
                 max_num_batched_tokens: int | None = None,
-                lora_extra_targets: tuple[str, ...] = ()) -> LLMEngine:
+                lora_extra_targets: tuple[str, ...] = (), tokenizer=None) -> LLMEngine:
     blocks = max_num_seqs * max_model_len // 16
     cfg = EngineConfig(
         lora_extra_targets=lora_extra_targets, lora_experts=pair.config.moe is not None,
@@ -89,7 +98,7 @@ def make_engine(pair, device: str, max_loras: int, max_num_seqs: int = 64, max_m
         enable_prefix_caching=False, enforce_eager=enforce_eager,
         scheduler=scheduler or SchedulerConfig(),
     )
-    return LLMEngine(pair.model_dir, cfg, model=pair.ours)
+    return LLMEngine(pair.model_dir, cfg, tokenizer=tokenizer, model=pair.ours)
 
 
 def prompts(n: int, vocab: int, seed: int = 0, length: int = PROMPT) -> list[list[int]]:
@@ -299,6 +308,60 @@ def run_mixed(pair, adapters_root: Path, device: str, batch: int = 32, gen: int 
     return out
 
 
+# A schema no answer can complete within the bench's tokens (the summary's 1000
+# characters need more than GEN tokens of at most 8): every constrained row decodes to
+# the end, so both runs decode the same number of tokens a step.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "summary": {"type": "string", "minLength": 1000},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}}, "required": ["summary", "tags"]}
+
+
+def mixed_decode_run(engine: LLMEngine, rows: list[tuple[str | None, SamplingParams]],
+                     device: str) -> tuple[float, float, int]:
+    """decode_run with a SamplingParams per request: (tok/s, median step wall ms, tokens
+    decoded in the timed steps)."""
+    for p, (name, params) in zip(prompts(len(rows), engine.model_config.vocab_size), rows):
+        engine.add_request(p, params, adapter=name)
+    while any(not s.output_ids for s in engine.requests.values()):
+        engine.step()
+    sync(device)
+    t0, tokens, steps = time.perf_counter(), 0, []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        tokens += sum(len(o.delta_token_ids) for o in engine.step())
+        steps.append((time.perf_counter() - t) * 1e3)
+    sync(device)
+    return tokens / (time.perf_counter() - t0), median(steps), tokens
+
+
+def run_structured(pair, adapters_root: Path, tokenizer_dir: Path, device: str, batch: int = 32,
+                   n_adapters: int = 16, gen: int = GEN) -> dict:
+    """A batch over n_adapters adapters, every other request constrained by
+    STRUCTURED_SCHEMA, against the same batch unconstrained, on one engine (CUDA graphs
+    on a GPU; the sampler applies the masks after the graph's replay)."""
+    tokenizer = save_synthetic_tokenizer(tokenizer_dir, pair.config.vocab_size)
+    engine = make_engine(pair, device, n_adapters + 1, batch, tokenizer=tokenizer)
+    for i in range(n_adapters):
+        engine.swap_lora_slot_from_disk(adapter_dir(adapters_root, i), f"a{i}", i)
+    plain = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
+    schema = replace(plain, structured=StructuredOutput.json_schema(STRUCTURED_SCHEMA))
+    names = [f"a{i % n_adapters}" for i in range(batch)]
+    mixed = [(name, schema if i % 2 else plain) for i, name in enumerate(names)]
+    unconstrained = [(name, plain) for name in names]
+    mixed_decode_run(engine, mixed[:4], device)  # warm-up: compiles, the grammar's tables
+    mixed_decode_run(engine, unconstrained[:4], device)
+    out = {"batch": batch, "adapters": n_adapters, "gen": gen, "constrained": batch // 2,
+           "graphs": engine.runner.graphs is not None, "async": engine.async_scheduling}
+    before = engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0
+    for key, rows in (("plain", unconstrained), ("structured", mixed)):
+        out[f"{key}_tok_s"], out[f"{key}_step_ms"], out[f"{key}_tokens"] = \
+            mixed_decode_run(engine, rows, device)
+    out["structured_over_plain"] = out["structured_tok_s"] / out["plain_tok_s"]
+    if engine.runner.graphs is not None:
+        out["graph_replays"] = engine.runner.graphs.num_replays - before
+    return out
+
+
 KERNEL_TOKENS = (1, 32, 64, 256)
 
 
@@ -356,6 +419,11 @@ def main() -> None:
     ap.add_argument("--mixed", action="store_true",
                     help="also: plain LoRA vs DoRA and embed/lm_head LoRA mixed in one batch")
     ap.add_argument("--only-mixed", action="store_true", help="only the --mixed runs")
+    ap.add_argument("--structured", action="store_true",
+                    help="also: half a batch constrained by a JSON schema vs the batch unconstrained")
+    ap.add_argument("--only-structured", action="store_true", help="only the --structured run")
+    ap.add_argument("--structured-batch", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=GEN, help="tokens decoded per request (--structured)")
     ap.add_argument("--override", metavar="MODULE.NAME=INT", action="append", default=[],
                     help="A/B a tuning constant or switch, e.g. metrale.ops.lora_triton.DECODE_MAX_T=16, "
                          "metrale.ops.lora_triton.OVERLAP=0 (the LoRA shrink on the GEMM's stream), "
@@ -388,6 +456,13 @@ def main() -> None:
         else:  # no PEFT baseline (or a base built only quantized): adapters written directly
             peft = None
             write_random_adapters(pair, n, Path(tmp) / "adapters")
+        if args.structured or args.only_structured:
+            res = run_structured(pair, Path(tmp) / "adapters", Path(tmp) / "tokenizer", args.device,
+                                 batch=args.structured_batch, gen=args.gen)
+            merge_results(results_path(args.device), "decode_structured", args.model, res)
+            print(table([{"model": args.model, **res}], ["model", *res]))
+            if args.only_structured:
+                return
         if not args.only_mixed:
             res = run(pair, Path(tmp) / "adapters", peft, args.device, tuple(args.batch),
                       n_adapters=args.adapters)

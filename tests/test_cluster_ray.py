@@ -248,6 +248,42 @@ def test_vllm_gauges_on_every_replica(cluster):
     assert moved == r.json()["usage"]["prompt_tokens"]
 
 
+def test_ingress_series_move_and_replicas_scrape_without_a_key(cluster):
+    """The README: each replica's /metrics scraped as a vLLM pod's (no key: the cluster
+    has no --api-key); the ingress's own metrale_* series (the Grafana dashboard's) count
+    the requests that stream through it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for rep in cluster.replicas().values():
+        r = httpx.get(f"{rep['url']}/metrics", timeout=30)
+        assert r.status_code == 200 and "vllm:num_requests_running" in r.text
+
+    def ingress(name: str) -> float:
+        text = httpx.get(f"{cluster.url}/metrics", timeout=30).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == name)
+
+    ttft, tokens = ingress("metrale_time_to_first_token_seconds_count"), \
+        ingress("metrale_generation_tokens_total")
+
+    def stream(prompt):  # long enough to be seen running: 400 tokens of a tiny model
+        with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=BOUND_S, json={
+                "model": "model", "prompt": prompt, "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as r:
+            for _ in r.iter_lines():
+                pass
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in PROMPTS[:2]]
+    for t in threads:
+        t.start()
+    wait_for("two requests running at the ingress", lambda: ingress("metrale_requests_running") == 2)
+    for t in threads:
+        t.join()
+    assert ingress("metrale_requests_running") == 0
+    assert ingress("metrale_time_to_first_token_seconds_count") == ttft + 2
+    assert ingress("metrale_generation_tokens_total") == tokens + 800
+
+
 def test_unload_drains_everywhere(cluster):
     cluster.register("c")
     assert httpx.post(f"{cluster.url}/v1/adapters/c/promote", timeout=BOUND_S).status_code == 200

@@ -243,7 +243,7 @@ def test_inference_refusals(client, server, ref):
         (lambda: client.chat.completions.create(
             model="model", messages=[{"role": "user", "content": "hi"}], extra_body={"adapter": "zz"}),
          openai.NotFoundError),
-        (lambda: client.completions.create(model="a", prompt=PROMPT, n=2), openai.BadRequestError),
+        (lambda: client.completions.create(model="a", prompt=PROMPT, n=0), openai.BadRequestError),
         (lambda: client.completions.create(model="a", prompt=PROMPT, max_tokens=501),
          openai.BadRequestError),
         (lambda: client.completions.create(model="a", prompt=PROMPT, temperature=-1),
@@ -252,7 +252,7 @@ def test_inference_refusals(client, server, ref):
          openai.BadRequestError),
         (lambda: client.completions.create(model="a", prompt=[999999]), openai.BadRequestError),
         (lambda: client.chat.completions.create(model="a", messages=[]), openai.BadRequestError),
-        (lambda: client.completions.create(model="a", prompt=PROMPT, presence_penalty=1.0),
+        (lambda: client.completions.create(model="a", prompt=PROMPT, presence_penalty=2.5),
          openai.BadRequestError),
         (lambda: openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
          .completions.create(model="a", prompt=PROMPT), openai.AuthenticationError),

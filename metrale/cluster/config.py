@@ -54,6 +54,8 @@ class ReplicaSpec:
     host: str = "127.0.0.1"  # where the replica's own HTTP and peer servers listen
     torch_threads: int = 1
     stage_from_peers: bool = True  # off: every landing reads disk (the baseline runs)
+    # each replica's own /metrics without a key (deploy() sets it: metrics_public())
+    public_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:

@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from metrale.adapters.confined import ConfinedDir
 from metrale.cluster.config import ClusterConfig, ReplicaSpec
+from metrale.cluster.ingress_metrics import RequestSeries
 from metrale.cluster.replica_metrics import merge_replica_series
 from metrale.engine.llm import load_tokenizer
 from metrale.engine.outputs import RequestOutput
@@ -89,14 +90,25 @@ class ClusterEngine:
         self.served: dict[str, Counter] = defaultdict(Counter)  # adapter -> replica -> n
         self.retried = 0
         self._started = False
-        self.tokenizer = None  # these two: the base model's, set by setup()
-        self.limits: EngineLimits | None = None
+        self.tokenizer = None  # the base model's, set by setup()
+        self.limits: EngineLimits | None = None  # the replicas', once one is up
+        self._limits_task: asyncio.Task | None = None
         self._http = httpx.AsyncClient(timeout=cluster.sync_timeout_s, headers={
             "Authorization": f"Bearer {spec.internal_key}"})
 
     async def setup(self) -> None:
+        """The ingress's own state only: waiting here for a replica would keep the whole
+        ingress (its /health too) from answering while the replicas load the model."""
         self.tokenizer = load_tokenizer(Path(self.spec.model))
-        self.limits = await self.handle.engine_limits.remote()
+        self._limits_task = asyncio.ensure_future(self._fetch_limits())
+
+    async def _fetch_limits(self) -> None:
+        while self.limits is None and self.alive:
+            try:
+                self.limits = await self.handle.engine_limits.remote()
+            except Exception as e:  # a replica that failed to start: Serve replaces it
+                log.warning("no replica answered its limits yet (%s); asking again", e)
+                await asyncio.sleep(1.0)  # the pause between two asks, not a wait for an event
 
     # --- EngineAPI ----------------------------------------------------------------------
 
@@ -105,6 +117,8 @@ class ClusterEngine:
 
     async def shutdown(self, drain_timeout_s: float = 5.0) -> None:
         self.alive = False
+        if self._limits_task is not None:
+            self._limits_task.cancel()
         await self._http.aclose()
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
@@ -114,7 +128,17 @@ class ClusterEngine:
         mid-stream: the outputs already delivered are skipped by token count, the new
         replica produces the same tokens. A sampled request that already streamed
         tokens cannot be replayed faithfully and fails with 503."""
-        delivered = 0
+        series = RequestSeries(self.metrics, adapter)
+        try:
+            async for out in self._generate(prompt, params, adapter):
+                series.output(out)
+                yield out
+        finally:
+            series.end()
+
+    async def _generate(self, prompt: str | list[int], params: SamplingParams,
+                        adapter: str | None) -> AsyncIterator[RequestOutput]:
+        delivered: dict[int, int] = {}  # per completion index: tokens the client has
         deterministic = params.temperature < GREEDY_EPS or params.seed is not None
         for attempt in range(self.cluster.retries + 1):
             options = {"stream": True}
@@ -128,17 +152,15 @@ class ClusterEngine:
                         raise out
                     if out.error is not None:
                         raise out.error
-                    if len(out.token_ids) <= delivered and not out.finished:
+                    if len(out.token_ids) <= delivered.get(out.index, 0) and not out.finished:
                         continue  # a replay of what the client already has
-                    if delivered == 0 and out.token_ids:
+                    if not delivered and out.token_ids:
                         self.served[adapter or ""][replica_id] += 1
-                    delivered = len(out.token_ids)
+                    delivered[out.index] = len(out.token_ids)
                     yield out
-                    if out.finished:
-                        return
                 return
             except _REPLICA_GONE as e:
-                if delivered and not deterministic:
+                if any(delivered.values()) and not deterministic:
                     raise EngineUnavailableError(
                         "the replica serving this request died after streaming part of a "
                         "sampled answer; retry the request") from e
@@ -212,7 +234,9 @@ class ClusterEngine:
     async def starting(self) -> str | None:
         if not self._started:  # once true it stays true: ask the registry until then
             self._started = await self.registry.started.remote()
-        return None if self._started else "registering the start-up adapters"
+        if not self._started:
+            return "registering the start-up adapters"
+        return None if self.limits is not None else "waiting for a replica to start"
 
     async def reset_prefix_cache(self) -> int:
         total = 0

@@ -30,10 +30,18 @@ APP_NAME = "metrale"
 NAMESPACE = "metrale"
 
 
+def metrics_public(settings_kwargs: dict) -> bool:
+    """Whether each replica's /metrics answers without a key: as the ingress's does (no
+    --api-key, or --public-metrics). Routers and benchmarks written for vLLM scrape each
+    replica as they would a vLLM pod; the replicas' own key is internal to the cluster."""
+    return bool(settings_kwargs.get("public_metrics")) or not settings_kwargs.get("api_key")
+
+
 def deploy(spec: ReplicaSpec, cluster: ClusterConfig, settings_kwargs: dict,
            replica_resources: dict | None = None) -> None:
     """Registry actor, replicas and ingress on the Ray this process is connected to
     (serve.start must have set the HTTP address). Returns once the app is RUNNING."""
+    spec = dataclasses.replace(spec, public_metrics=metrics_public(settings_kwargs))
     registry_actor = ray.remote(RegistryActor).options(
         name=spec.registry_name, namespace=spec.registry_namespace, lifetime="detached",
         get_if_exists=True, num_cpus=0, max_concurrency=1000)

@@ -131,7 +131,8 @@ class EngineReplica:
 
     def _start_http(self) -> str:
         settings = ServerSettings(model_id=self.model_id, host=self.spec.host,
-                                  api_key=self.spec.internal_key, admin_key=self.spec.internal_key)
+                                  api_key=self.spec.internal_key, admin_key=self.spec.internal_key,
+                                  public_metrics=self.spec.public_metrics)
         app = create_app(self.engine, settings)
         internal = APIRouter(dependencies=[Depends(require_admin)])
 

@@ -56,6 +56,8 @@ class BlockManager:
         tokens, bs = seq.token_ids, self.block_size
         full = len(tokens) // bs if self.prefix_caching else 0
         cacheable = (len(tokens) - 1) // bs if self.prefix_caching else 0
+        if seq.params.prompt_logprobs is not None:
+            cacheable = 0  # every prompt position's logits are wanted: none may be skipped
         prev, hitting = b"", True
         for i in range(self.blocks_needed(len(tokens))):
             key = block_key(prev, seq.adapter_uid, tokens[i * bs:(i + 1) * bs]) if i < full else None

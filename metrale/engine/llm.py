@@ -10,6 +10,7 @@ from metrale.config import EngineConfig, PoolConfig
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.sampling_params import SamplingParams
+from metrale.engine.siblings import sibling_id
 from metrale.errors import ChatTemplateError, MetraleError
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
@@ -86,6 +87,8 @@ class LLM:
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapters: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order; n of them, in a row, for a prompt whose
+        sampling params ask n > 1 completions."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         n = len(prompts)
@@ -94,7 +97,11 @@ class LLM:
         names = adapters if isinstance(adapters, (list, tuple)) else [adapters] * n
         if len(params) != n or len(names) != n:
             raise MetraleError("prompts, sampling_params and adapters must have the same length")
-        ids = [self.engine.add_request(p, sp, a) for p, sp, a in zip(prompts, params, names)]
+        # a request with n > 1 answers n outputs in a row, index 0 .. n-1
+        ids = []
+        for p, sp, a in zip(prompts, params, names):
+            request_id = self.engine.add_request(p, sp, a)
+            ids += [sibling_id(request_id, i) for i in range(sp.n)]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             outputs = self.engine.step()

@@ -24,16 +24,20 @@ from metrale.config import ConfigError, EngineConfig, ModelConfig
 from metrale.dtypes import parse_dtype
 from metrale.engine.adapters import AdapterManager
 from metrale.engine.block_manager import BlockManager
+from metrale.engine.grammar import GrammarBackend
 from metrale.engine.memory_plan import MemoryPlan, host_available_bytes, plan_memory
 from metrale.engine.output_processor import OutputProcessor, failed_output
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterRegistry, AdapterSource, AdapterVersion, PeerRef
 from metrale.engine.residency import ResidencyRow, loading_of, residency_rows
 from metrale.engine.runner import ModelRunner
-from metrale.engine.sampler import SampledTokens
+from metrale.engine.sampler import DeferredDraw, SampledTokens
 from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from metrale.engine.scheduler import ScheduledBatch, Scheduler
 from metrale.engine.sequence import Sequence
+from metrale.engine.sequence_sampling import SequenceSampling
+from metrale.engine.siblings import SiblingGate, sibling_id
+from metrale.engine.token_counts import TokenCounts
 from metrale.errors import MetraleError, UnknownAdapterError
 from metrale.model.llama import LlamaForCausalLM
 from metrale.model.loader import load_model
@@ -59,7 +63,7 @@ class _InFlight:
     """A launched step whose tokens the host has not processed yet."""
 
     batch: ScheduledBatch
-    sampled: SampledTokens
+    sampled: SampledTokens | DeferredDraw
 
 
 class LLMEngine:
@@ -107,6 +111,10 @@ class LLMEngine:
         self.eos_ids = tuple(sorted(eos_ids))
         self.max_seq_tokens = min(cfg.max_model_len, self.runner.num_blocks * cfg.block_size)
         self.output_processor = OutputProcessor(tokenizer, eos_ids, self.max_seq_tokens)
+        # requests that shape their logits: grammars (compiled once, cached), token counts
+        self.grammars = GrammarBackend(tokenizer, self.model_config.vocab_size, self.eos_ids)
+        self.token_counts = TokenCounts(self.model_config.vocab_size, self.device)
+        self.siblings = SiblingGate()
         # overlap the host's work with the device's: only a device runs ahead of the host
         self.async_scheduling = cfg.async_scheduling if cfg.async_scheduling is not None \
             else self.device.type == "cuda"
@@ -138,16 +146,60 @@ class LLMEngine:
         if adapter is not None and self.lora.pool is None:
             raise UnknownAdapterError("this engine was started without LoRA (--max-loras 0)")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        seq_ids = [sibling_id(request_id, i) for i in range(params.n)]
+        if any(i in self.requests for i in seq_ids):
             raise MetraleError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, adapter,
+        self._check_logit_bias(params)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a refusal before anything is queued
+        seqs = [self._new_sequence(i, seq_id, ids, params, adapter)
+                for i, seq_id in enumerate(seq_ids)]
+        bound = []
+        try:
+            for seq in seqs:
+                self.adapters.bind(seq)  # raises UnknownAdapterError before anything is queued
+                bound.append(seq)
+        except BaseException:
+            for seq in seqs:
+                if seq in bound:
+                    self.adapters.release(seq)
+                if seq.sampling is not None:
+                    seq.sampling.release()
+            raise
+        for seq in seqs:
+            self.requests[seq.request_id] = seq
+        self.scheduler.add(seqs[0])
+        if len(seqs) > 1:
+            if self.cfg.enable_prefix_caching:
+                self.siblings.hold(seqs[0], seqs[1:])
+            else:  # nothing to share: each computes the prompt
+                for seq in seqs[1:]:
+                    self.scheduler.add(seq)
+        return request_id
+
+    def _new_sequence(self, index: int, seq_id: str, ids: list[int], params: SamplingParams,
+                      adapter: str | None) -> Sequence:
+        own = params.sibling(index) if params.n > 1 else params
+        seq = Sequence(seq_id, ids, own, adapter, index=index,
                        max_len=min(len(ids) + params.max_tokens, self.max_seq_tokens))
         if params.min_tokens and not params.ignore_eos:
             seq.suppress_ids = self.eos_ids
-        self.adapters.bind(seq)  # raises UnknownAdapterError before anything is queued
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        if own.shapes_logits:
+            state = SequenceSampling(bias_ids=tuple(t for t, _ in own.logit_bias),
+                                     bias_values=tuple(b for _, b in own.logit_bias))
+            if own.structured is not None:
+                state.grammar = self.grammars.matcher(own.structured)
+            if own.penalised:
+                state.counts = self.token_counts
+            seq.sampling = state
+        return seq
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise InvalidSamplingParamsError(
+                f"logit_bias: token id {params.logit_bias[-1][0]} is not in the vocabulary "
+                f"[0, {vocab})", "logit_bias")
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -196,6 +248,8 @@ class LLMEngine:
             self.scheduler.launched(batch)
         if self._in_flight is not None:
             outputs += self._complete(self._in_flight)
+        if launched is not None:  # a draw waiting for the tokens just processed (grammars)
+            launched.sampled.finish()
         self._in_flight = launched
         if launched is not None and (not self.async_scheduling or launched.sampled.ready):
             outputs += self._complete(launched)
@@ -212,6 +266,8 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._end(out.request_id, out.finish_reason)
+        for seq in self.siblings.released():  # n > 1: the prompt's blocks are published
+            self.scheduler.add(seq)
         return outputs
 
     def wait_for_work(self, timeout: float) -> bool:
@@ -254,6 +310,8 @@ class LLMEngine:
             self.scheduler.finish(seq)
             self.adapters.release(seq)
             seq.finish_reason = reason
+            if seq.sampling is not None:
+                seq.sampling.release()
 
     # --- adapters: the registry's operations ----------------------------------------------
 

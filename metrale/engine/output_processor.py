@@ -7,6 +7,7 @@ from metrale.engine.detokenizer import detokenize_new
 from metrale.engine.outputs import Prefix, RequestOutput
 from metrale.engine.sampler import SampleResult
 from metrale.engine.sequence import Sequence
+from metrale.errors import SamplingError
 
 
 class OutputProcessor:
@@ -23,6 +24,10 @@ class OutputProcessor:
             if result.error is not None:  # a bad row fails its own sequence, never the batch
                 seq.error = result.error
                 outputs.append(failed_output(seq))
+            elif not _grammar_accepts(seq, result.token):
+                seq.error = SamplingError(
+                    f"request {seq.request_id}: its grammar refused token {result.token}")
+                outputs.append(failed_output(seq))
             else:
                 outputs.append(self._append(seq, result.token, result.logprob))
         return outputs
@@ -34,6 +39,9 @@ class OutputProcessor:
         p = seq.params
         early = len(seq.output_ids) < p.min_tokens
         reason = "stop" if token in self.eos_ids and not p.ignore_eos and not early else None
+        if reason is None and seq.sampling is not None and seq.sampling.grammar is not None \
+                and seq.sampling.grammar.is_terminated:
+            reason = "stop"  # the grammar is complete and took its stop token: nothing may follow
         if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.known_len >= self.max_seq_tokens):
             reason = "length"
         searched = len(seq.detok.text)  # stop strings ending before here were looked for
@@ -64,6 +72,13 @@ class OutputProcessor:
         return full, None
 
 
+def _grammar_accepts(seq: Sequence, token: int) -> bool:
+    """Advance seq's grammar past its new token (the mask allowed only such tokens: False
+    would be a bug, failing this sequence alone)."""
+    state = seq.sampling
+    return state is None or state.grammar is None or state.grammar.accept(token)
+
+
 def output_of(seq: Sequence, delta_text: str = "", delta_ids: list[int] | None = None) -> RequestOutput:
     bound, ran = seq.bound_at, seq.scheduled_at
     return RequestOutput(
@@ -72,7 +87,16 @@ def output_of(seq: Sequence, delta_text: str = "", delta_ids: list[int] | None =
         logprobs=Prefix(seq.logprobs), adapter=seq.adapter, num_cached_tokens=seq.num_cached_tokens,
         adapter_wait_s=None if bound is None else bound - seq.arrival,
         queue_wait_s=None if bound is None or ran is None else ran - bound,
+        index=seq.index, prompt_logprobs=_prompt_logprobs(seq),
     )
+
+
+def _prompt_logprobs(seq: Sequence) -> list[dict | None] | None:
+    """Once every prompt token has its entry (the prefill computed them all)."""
+    n = len(seq.prompt_ids)
+    if seq.params.prompt_logprobs is None or len(seq.prompt_logprobs) < n - 1:
+        return None
+    return [None] + [seq.prompt_logprobs[p] for p in range(1, n)]
 
 
 def failed_output(seq: Sequence) -> RequestOutput:

@@ -63,3 +63,8 @@ class RequestOutput:
     # seconds from arrival until its adapter was resident, and from then until it ran
     adapter_wait_s: float | None = None
     queue_wait_s: float | None = None
+    # which of its request's n completions this is (request_id is this completion's own)
+    index: int = 0
+    # prompt_logprobs: None for the first prompt token, then one entry per prompt token
+    # ({"token", "logprob", "top": [(id, logprob)...]}); None when not asked for
+    prompt_logprobs: list[dict | None] | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
+from metrale.engine import prompt_logprobs
 from metrale.engine.cuda_graphs import StepGraphs
 from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.engine.sampler import SampledTokens, draw
@@ -56,6 +57,9 @@ class ModelRunner:
         seqs, graphs = batch.seqs, self.graphs
         mark = self.timer.start()
         lora = self.pool is not None and any(s.slot >= 0 for s in seqs)
+        if any(s.params.prompt_logprobs is not None for s in seqs) and any(
+                prompt_logprobs.wants_prompt_logprobs(s, n) for s, n in zip(seqs, batch.num_new)):
+            graphs = None  # a graph keeps the last position's logits only
         if graphs is not None and batch.is_decode and len(seqs) <= graphs.max_batch:
             logits = graphs.run(seqs, lora, in_flight)  # [B, V]
         elif graphs is not None and graphs.can_run_mixed(batch):
@@ -121,5 +125,6 @@ class ModelRunner:
             hidden = self.model(
                 ids_t, torch.tensor(positions, dtype=torch.int64, device=dev),
             )  # [T, hidden]
+            prompt_logprobs.record(self.model, hidden, batch.seqs, batch.num_new, cu)
             last_t = torch.tensor(last, dtype=torch.int64, device=dev)
             return self.model.compute_logits(hidden[last_t], last_t)  # [B', V] (last_t: lm_head LoRA)

@@ -1,9 +1,15 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, after the
+requests' own logit shaping (grammar masks, logit bias, penalties: logits_shaping.py).
 
 One sequence's bad logits (NaN, +inf, nothing above -inf) fail that sequence alone, and
 never reach a draw (torch.multinomial on CUDA would trip a device-side assert and take the
 engine down). Rows without a seed draw together; a seeded row draws alone from its own
 generator, so its tokens do not depend on what shares its batch.
+
+A grammar's mask for a step depends on the token the step before drew. With async
+scheduling that token is still on the device when the step is launched: the draw is then
+deferred (DeferredDraw) until the host has processed the previous step, so the grammar
+work runs on the host while the device runs the step's forward pass.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale.engine.logits_shaping import shape_logits, shaped_rows
 from metrale.engine.sampling_params import SamplingParams
 from metrale.engine.sequence import Sequence
+from metrale.engine.uploads import upload
 from metrale.errors import MetraleError, SamplingError
 
 
@@ -46,6 +54,9 @@ class SampledTokens:
     def ready(self) -> bool:
         """Whether results() is known without waiting on the device for it."""
         return self._results is not None
+
+    def finish(self) -> None:
+        """Drawn already (DeferredDraw draws here)."""
 
     def results(self) -> list[SampleResult]:
         if self._results is None:
@@ -97,9 +108,55 @@ def needs_logits(seq: Sequence) -> bool:
     return p.logprobs is not None or (not p.greedy and p.seed is not None)
 
 
-def draw(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
-    """logits: [B, V] float32 -> the batch's tokens, queued on logits' device."""
-    logits = _suppress(logits, seqs)
+class DeferredDraw:
+    """A step's draw that waits for the host to know the previous step's tokens (a
+    grammar row's mask needs them): finish() draws, after the engine processed that step
+    and while the device still runs this one's forward pass. Until then the logits stay
+    in their buffer: nothing else runs on the device between the two."""
+
+    def __init__(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        self.seqs, self._logits = seqs, logits
+        self._drawn: SampledTokens | None = None
+
+    @torch.inference_mode()  # as runner.run, whose step this draw ends
+    def finish(self) -> None:
+        if self._drawn is None:
+            self._drawn = _draw_now(self._logits, self.seqs, shaped_rows(self.seqs))
+            self._logits = None
+
+    def _finished(self) -> SampledTokens:
+        if self._drawn is None:
+            raise RuntimeError("a deferred draw was read before finish()")
+        return self._drawn
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self._finished().tokens
+
+    @property
+    def ready(self) -> bool:
+        return self._drawn is not None and self._drawn.ready
+
+    def results(self) -> list[SampleResult]:
+        return self._finished().results()
+
+
+def waits_for_token(seq: Sequence) -> bool:
+    """Whether seq's logits cannot be shaped yet: its grammar has a token in flight."""
+    return seq.num_pending > 0 and seq.sampling is not None and seq.sampling.grammar is not None
+
+
+def draw(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens | DeferredDraw:
+    """logits: [B, V] float32 -> the batch's tokens, queued on logits' device (deferred
+    when a grammar row waits for its previous token)."""
+    shaped = shaped_rows(seqs)  # a plain batch: empty, and nothing below runs for it
+    if any(waits_for_token(seqs[i]) for i in shaped):
+        return DeferredDraw(logits, seqs)
+    return _draw_now(logits, seqs, shaped)
+
+
+def _draw_now(logits: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> SampledTokens:
+    logits = shape_logits(logits, seqs, shaped)
     # One reduction for the batch: the argmax of every greedy row, and the row max,
     # which is finite exactly when the row has no NaN, no +inf and some finite value.
     row_max, argmax = logits.max(dim=-1)  # [B], [B]
@@ -110,55 +167,58 @@ def draw(logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
     batched = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.seed is None]
     drawn = argmax
     if batched:
-        rows = torch.tensor(batched, device=logits.device)  # [N]
+        rows = upload(batched, torch.int64, logits.device)  # [N]
         drawn = argmax.index_put((rows,), _sample_rows(logits[rows], row_max[rows],
                                                        [seqs[i].params for i in batched]))
     sampled = SampledTokens(seqs, drawn, row_max, finite)
     if any(needs_logits(s) for s in seqs):
         sampled.resolve(logits)
+    _count(seqs, shaped, sampled.tokens)
     return sampled
+
+
+def _count(seqs: list[Sequence], shaped: list[int], tokens: torch.Tensor) -> None:
+    """The penalised rows' drawn tokens into their counts, on the device (the next step
+    reads them behind this one). A failed row's token is counted too: it ends its sequence."""
+    rows = [i for i in shaped if seqs[i].sampling is not None and seqs[i].sampling.penalised]
+    if rows:
+        table = seqs[rows[0]].sampling.counts
+        dev = tokens.device
+        at = upload(rows, torch.int64, dev)
+        counts_rows = [seqs[i].sampling.row(seqs[i].prompt_ids, seqs[i].output_ids) for i in rows]
+        table.count(upload(counts_rows, torch.int64, dev), tokens.index_select(0, at))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     """logits: [B, V] float32 -> one result per sequence, in order (waits for them)."""
-    return draw(logits, seqs).results()
-
-
-def _suppress(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """-inf on each sequence's suppress_ids (EOS) while it is below min_tokens, so that
-    neither greedy nor sampled decoding can end it early. A copy: the caller's logits
-    (a CUDA graph's output buffer) stay as they were."""
-    rows, cols = [], []
-    for i, seq in enumerate(seqs):
-        if seq.suppress_ids and seq.num_generated < seq.params.min_tokens:
-            rows += [i] * len(seq.suppress_ids)
-            cols += seq.suppress_ids
-    if not rows:
-        return logits
-    logits = logits.clone()
-    logits[rows, cols] = float("-inf")
-    return logits
+    return _draw_now(logits, seqs, shaped_rows(seqs)).results()
 
 
 def _sample_rows(x: torch.Tensor, row_max: torch.Tensor, params: list[SamplingParams],
                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """x: [N, V] logits and row_max [N] their row maxima -> [N] tokens (temperature, top-k,
-    top-p), one kernel per stage for all rows. A row whose max is not finite draws from a
+    """x: [N, V] logits and row_max [N] their row maxima -> [N] tokens (temperature, min-p,
+    top-k, top-p), one kernel per stage for all rows. A row whose max is not finite draws from a
     stand-in (all zeros) that the caller discards."""
     vocab, dev = x.shape[1], x.device
     finite = torch.isfinite(row_max)[:, None]  # [N, 1]
-    inv_temp = torch.tensor([1 / p.temperature for p in params], device=dev)[:, None]  # [N, 1]
+    inv_temp = upload([1 / p.temperature for p in params], x.dtype, dev)[:, None]  # [N, 1]
     # max 0 before scaling by 1/T: a tiny temperature must not overflow finite logits to inf
     x = x.sub(torch.where(finite, row_max[:, None], 0.0)).mul_(inv_temp).masked_fill_(~finite, 0.0)
+    min_p = [p.min_p for p in params]
+    if max(min_p) > 0:
+        # the row max is 0 now: a token's probability over the top one's is exp(x), so
+        # p >= min_p * p_max is x >= log(min_p) (log 0 = -inf keeps every token)
+        floor = upload(min_p, x.dtype, dev).log()[:, None]  # [N, 1]
+        x = x.masked_fill(x < floor, float("-inf"))
     ks = [min(p.top_k, vocab) if p.top_k else vocab for p in params]
     if min(ks) < vocab:
         top = torch.topk(x, max(ks), dim=-1).values  # [N, kmax], descending
-        kth = top.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)  # [N, 1]
+        kth = top.gather(1, upload(ks, torch.int64, dev)[:, None] - 1)  # [N, 1]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)  # [N, V]
     top_p = [p.top_p for p in params]
     if min(top_p) < 1.0:
-        p_t = torch.tensor(top_p, device=dev)[:, None]  # [N, 1]
+        p_t = upload(top_p, x.dtype, dev)[:, None]  # [N, 1]
         sorted_p, order = _nucleus_candidates(probs, p_t)  # [N, C], C <= V
         drop = sorted_p.cumsum(-1) - sorted_p >= p_t
         # the top token always stays (a top_p under float32's smallest value rounds to 0)

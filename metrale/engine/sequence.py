@@ -10,6 +10,7 @@ import torch
 
 from metrale.engine.detokenizer import DetokenizerState
 from metrale.engine.sampling_params import SamplingParams
+from metrale.engine.sequence_sampling import SequenceSampling
 
 
 class SeqStatus(Enum):
@@ -58,6 +59,13 @@ class Sequence:
     suppress_ids: tuple[int, ...] = ()
     # stop strings are looked for from this text offset on: none may end before min_tokens
     stop_from: int = 0
+    # the sampler's state for a request that shapes its logits (grammar, penalties,
+    # logit bias); None for a plain request
+    sampling: SequenceSampling | None = None
+    # completion `index` of its request's n (its siblings share the prompt's KV)
+    index: int = 0
+    # per prompt position p >= 1: the logprob entry of prompt token p (prompt_logprobs)
+    prompt_logprobs: dict[int, dict] = field(default_factory=dict)
 
     @property
     def token_ids(self) -> list[int]:

@@ -30,6 +30,7 @@ from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterSource
 from metrale.engine.residency import ResidencyRow
 from metrale.engine.sampling_params import SamplingParams
+from metrale.engine.siblings import sibling_id
 from metrale.errors import MetraleError, PeerUnavailableError, SamplingError
 from metrale.peer.allow import LOOPBACK
 from metrale.peer.exporter import AdapterExporter
@@ -135,41 +136,54 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Every completion's outputs (params.n of them, told apart by their index) until
+        all finished; leaving early aborts those still running."""
         if not self._accepting:
             raise EngineUnavailableError("the server is shutting down")
+        if params.structured is not None:
+            # compiled here, off the engine thread (cached: admission finds it); a refusal
+            # is the request's 400 before anything is queued
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured)
         request_id = f"req-{uuid.uuid4().hex}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), params.max_tokens)
-        self._streams[request_id] = stream  # before admission: no output can be missed
+        loop, queue, arrival = asyncio.get_running_loop(), asyncio.Queue(), time.monotonic()
+        ids = [sibling_id(request_id, i) for i in range(params.n)]
+        streams = {i: _Stream(loop, queue, arrival, params.max_tokens) for i in ids}
+        self._streams.update(streams)  # before admission: no output can be missed
 
         def admit() -> str:
-            stream.queued = time.monotonic()
+            now = time.monotonic()
+            for stream in streams.values():
+                stream.queued = now
             return self.engine.add_request(prompt, params, adapter, request_id)
 
-        finished = admitted = False
+        running, admitted, failed = set(ids), False, False
         try:
             await self.call(admit)
             admitted = True
-            while True:
-                out = await stream.queue.get()
+            while running:
+                out = await queue.get()
                 if isinstance(out, BaseException):  # engine died or shut down
-                    finished = True
+                    failed = True
                     raise out
                 if out.error is not None:
-                    finished = True
+                    failed = True
+                    running.discard(out.request_id)
                     raise out.error
-                finished = out.finished
+                if out.finished:
+                    running.discard(out.request_id)
                 yield out
-                if finished:
-                    return
         finally:
-            self._streams.pop(request_id, None)
-            if admitted and not finished:  # the consumer left: vLLM counts it as aborted
-                self.metrics.vllm.finished(stream.finished("abort", time.monotonic()))
-            if not finished and self.alive:
+            for i in ids:
+                self._streams.pop(i, None)
+            left = [] if failed and not admitted else sorted(running)
+            if admitted and left and not failed:  # the consumer left: vLLM counts it as aborted
+                for i in left:
+                    self.metrics.vllm.finished(streams[i].finished("abort", time.monotonic()))
+            if left and self.alive:
                 # the consumer left early (or admission was cancelled mid-flight);
                 # abort of an unknown id is a no-op, so this is safe either way
                 with contextlib.suppress(EngineUnavailableError):  # stopped: shutdown aborts it
-                    self.submit(lambda: self.engine.abort(request_id))
+                    self.submit(lambda: [self.engine.abort(i) for i in left])
 
     # --- adapter management: bytes read here, off the engine thread; changes on it ----------
 

@@ -15,6 +15,7 @@ from metrale.adapters.confined import ConfinedDir
 from metrale.engine.outputs import RequestOutput
 from metrale.engine.registry import AdapterSource
 from metrale.engine.sampling_params import SamplingParams
+from metrale.server.errors import EngineUnavailableError
 from metrale.server.metrics import ServerMetrics
 from metrale.server.settings import ServerSettings
 
@@ -54,7 +55,7 @@ class EngineAPI(Protocol):
     alive: bool  # False once stopped or failed; `error` then says why, if it failed
     error: BaseException | None
     tokenizer: Any  # the base model's (every adapter shares it); None if it has none
-    limits: EngineLimits
+    limits: EngineLimits | None  # None while a cluster's replicas start (known_limits: 503)
 
     def start(self) -> None:
         """Start serving (the app's lifespan calls it)."""
@@ -115,6 +116,13 @@ class EngineAPI(Protocol):
 
     async def reset_prefix_cache(self) -> int:
         """Drop cached prefix blocks no running request holds; returns how many."""
+
+
+def known_limits(engine: EngineAPI) -> EngineLimits:
+    """engine.limits, or EngineUnavailableError (503) while they are not known yet."""
+    if engine.limits is None:
+        raise EngineUnavailableError("the engine is starting: its limits are not known yet")
+    return engine.limits
 
 
 def app_context(request) -> tuple[EngineAPI, ServerSettings]:

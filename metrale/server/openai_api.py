@@ -25,7 +25,7 @@ from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import AdapterError, DrainingAdapterError, UnknownAdapterError
 from metrale.names import is_valid_name
 from metrale.server.auth import require_user
-from metrale.server.engine_api import EngineAPI, app_context
+from metrale.server.engine_api import EngineAPI, app_context, known_limits
 from metrale.server.errors import BadRequestError, exception_body
 from metrale.server.protocol import (
     ChatCompletionRequest,
@@ -36,6 +36,7 @@ from metrale.server.protocol import (
 )
 from metrale.server.responses import ChatFormatter, CompletionFormatter, sse, token_text, usage
 from metrale.server.settings import ServerSettings, unknown_model
+from metrale.server.tool_request import ToolPlan, plan_tools, template_messages
 
 router = APIRouter(dependencies=[Depends(require_user)])
 T = TypeVar("T")
@@ -100,32 +101,33 @@ async def _watch(request: Request, work: Awaitable[T]) -> T:
                 await task
 
 
-async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
+async def _last(gen: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    """Each completion's last output, by index."""
+    last: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(gen):
         async for out in gen:
-            last = out
-    return last
+            last[out.index] = out
+    return [last[i] for i in sorted(last)]
 
 
 async def _respond(request: Request, body: GenerationRequest, prompt: str | list[int],
-                   params: SamplingParams, formatter: type[CompletionFormatter | ChatFormatter],
-                   logprobs: bool) -> Response:
+                   params: SamplingParams, new_formatter) -> Response:
+    """new_formatter(model id, token text): the request's CompletionFormatter or ChatFormatter."""
     engine, settings = app_context(request)
     adapter = resolve_adapter(body, settings)
     if adapter is not None:
         await register_from_sources(engine, settings, adapter)
     # `model` names what served the request: the adapter (also a server default one), or
     # the base model; never the alias the client sent
-    fmt = formatter(adapter or settings.model_id, token_text(engine.tokenizer), logprobs)
+    fmt = new_formatter(adapter or settings.model_id, token_text(engine.tokenizer))
     gen = _generate(engine, settings, prompt, params, adapter)
     continuous_usage = body.continuous_usage
     if not body.stream:
         try:
-            out = await _watch(request, _last(gen))
+            outs = await _watch(request, _last(gen))
         except ClientDisconnected:
             return Response(status_code=499)
-        return JSONResponse(fmt.final(out))
+        return JSONResponse(fmt.final(outs))
     # Wait for the first output before answering, so that refusals that come late
     # (POOL_FULL after the promotion wait, a broken adapter) still get their status code.
     try:
@@ -137,13 +139,12 @@ async def _respond(request: Request, body: GenerationRequest, prompt: str | list
     async def events() -> AsyncIterator[str]:
         async with contextlib.aclosing(gen):  # closing aborts the request (client gone)
             if isinstance(fmt, ChatFormatter):
-                role = fmt.role_chunk()
+                role = fmt.role_chunks(params.n)
                 if continuous_usage:  # the prompt is counted; nothing generated yet
                     role["usage"] = usage(first, completion_tokens=0)
                 yield sse(role)
-            out = first
             try:
-                yield sse(_chunk(fmt, out, continuous_usage))
+                yield sse(_chunk(fmt, first, continuous_usage))
                 async for out in gen:
                     yield sse(_chunk(fmt, out, continuous_usage))
             except Exception as e:  # the status line is sent: report in-band, then end
@@ -151,7 +152,7 @@ async def _respond(request: Request, body: GenerationRequest, prompt: str | list
                 yield sse(exception_body(e)[1])
             else:
                 if body.include_usage:
-                    yield sse(fmt.usage_chunk(out))
+                    yield sse(fmt.usage_chunk())
             yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream",
@@ -189,46 +190,77 @@ def _searched(error: UnknownAdapterError, name: str | None, settings: ServerSett
 def _chunk(fmt, out: RequestOutput, continuous_usage: bool) -> dict:
     chunk = fmt.chunk(out)
     if continuous_usage:
-        chunk["usage"] = usage(out)  # outputs are cumulative: the usage so far
+        chunk["usage"] = fmt.usage_so_far()  # outputs are cumulative: the usage so far
     return chunk
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    _, settings = app_context(request)
+    engine, settings = app_context(request)
     body.refuse_unsupported()
     prompt = body.single_prompt()
     max_tokens = _max_tokens(body.max_tokens, _COMPLETIONS_DEFAULT_MAX_TOKENS, settings)
-    params = body.sampling_params(max_tokens, body.logprobs)
-    return await _respond(request, body, prompt, params, CompletionFormatter,
-                          body.logprobs is not None)
+    params = body.sampling_params(max_tokens, body.logprobs, body.constraint(),
+                                  body.engine_prompt_logprobs)
+    echo = _prompt_text(engine, prompt) if body.echo else None
+    return await _respond(request, body, prompt, params, lambda model, text: CompletionFormatter(
+        model, text, body.logprobs is not None, echo))
 
 
-def _chat_prompt(engine: EngineAPI, body: ChatCompletionRequest | TokenizeRequest) -> str:
+def _prompt_text(engine: EngineAPI, prompt: str | list[int]) -> str:
+    """What echo shows: the prompt as sent, or the text of its token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if engine.tokenizer is None:
+        return ""
+    return engine.tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+def _chat_prompt(engine: EngineAPI, body: ChatCompletionRequest | TokenizeRequest,
+                 tools: ToolPlan | None = None) -> str:
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequestError("this model has no chat template; use /v1/completions", "messages")
-    messages = [m.as_template_dict() for m in body.messages]
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    messages = template_messages([m.as_template_dict() for m in body.messages], tools, template)
+    extra = {"tools": list(tools.tools)} if tools is not None else {}
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **extra)
     except Exception as e:  # jinja raises on roles/orders the template does not accept
         raise BadRequestError(f"the chat template refused these messages: {e}", "messages") from e
+
+
+def _tool_plan(engine: EngineAPI, body: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan | None:
+    template = getattr(engine.tokenizer, "chat_template", None)
+    return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                      template if isinstance(template, str) else None, settings.tool_call_parser)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine, settings = app_context(request)
     body.refuse_unsupported()
-    prompt = _chat_prompt(engine, body)
+    tools = _tool_plan(engine, body, settings)
+    constraint = body.constraint()
+    tool_constraint = tools.constraint() if tools is not None else None
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise BadRequestError(f"tool_choice {tools.choice} constrains the answer to tool "
+                                  f"calls; it cannot be combined with {constraint.param}",
+                                  "tool_choice")
+        constraint = tool_constraint
+    prompt = _chat_prompt(engine, body, tools)
     # Default: as long as the context allows (OpenAI's behaviour), capped by the server limit.
-    room = engine.limits.max_seq_tokens - len(engine.tokenizer.encode(prompt))
+    room = known_limits(engine).max_seq_tokens - len(engine.tokenizer.encode(prompt))
     if room < 1:
         raise BadRequestError(f"the messages fill the model's context of "
-                              f"{engine.limits.max_seq_tokens} tokens", "messages")
+                              f"{known_limits(engine).max_seq_tokens} tokens", "messages")
     max_tokens = _max_tokens(body.requested_max_tokens, room, settings,
                              body.api_param("max_tokens"))
-    params = body.sampling_params(max_tokens, body.engine_logprobs)
-    return await _respond(request, body, prompt, params, ChatFormatter, bool(body.logprobs))
+    params = body.sampling_params(max_tokens, body.engine_logprobs, constraint)
+    return await _respond(request, body, prompt, params, lambda model, text: ChatFormatter(
+        model, text, bool(body.logprobs), tools))
 
 
 def _tokenizer(engine: EngineAPI):
@@ -260,14 +292,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     # encoded as the engine encodes a text prompt
     text = body.prompt if body.messages is None else _chat_prompt(engine, body)
     tokens = _tokenizer(engine).encode(text, add_special_tokens=body.add_special_tokens)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.limits.max_seq_tokens}
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": known_limits(engine).max_seq_tokens}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     engine, settings = app_context(request)
     await _check_model(body, engine, settings)
-    vocab = engine.limits.vocab_size
+    vocab = known_limits(engine).vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise BadRequestError(f"token ids must be in [0, {vocab})", "tokens")
     return {"prompt": _tokenizer(engine).decode(body.tokens)}
@@ -281,7 +313,7 @@ async def version() -> dict:
 def _base_entry(engine: EngineAPI, settings: ServerSettings) -> dict:
     return {"id": settings.model_id, "object": "model", "created": int(settings.started),
             "owned_by": "metrale", "root": settings.model_id, "parent": None,
-            "max_model_len": engine.limits.max_seq_tokens,
+            "max_model_len": known_limits(engine).max_seq_tokens,
             "default_adapter": settings.default_adapter}
 
 

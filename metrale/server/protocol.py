@@ -2,8 +2,8 @@
 
 Unknown fields are accepted and ignored (clients send `user`, `metadata`...),
 but a field that would change the output and that the engine cannot honour
-(n > 1, penalties, logit_bias, echo, tools...) is refused with 400 rather than
-silently ignored.
+(a completion's suffix, best_of > 1, a batch of prompts) is refused with 400 rather
+than silently ignored.
 
 Types are strict (a bool or a numeric string is no number, a float no integer):
 pydantic refuses the shape with the field's name, SamplingParams the range.
@@ -13,12 +13,15 @@ or the JSON answer would fail on it later.
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, field_validator
 
 from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
+from metrale.engine.structured import StructuredOutput
 from metrale.server.errors import BadRequestError
+from metrale.server.structured_request import constraint_of
 
 Number = StrictFloat | StrictInt  # never a bool, never a string
 
@@ -51,7 +54,7 @@ class _Body(BaseModel):
 
 class GenerationRequest(_Body):
     # fields that would change the output, refused when set (never silently ignored)
-    unsupported: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "logit_bias")
+    unsupported: ClassVar[tuple[str, ...]] = ()
 
     model: str | None = None
     adapter: str | None = None  # metrale extension; when present it wins over `model`
@@ -68,7 +71,18 @@ class GenerationRequest(_Body):
     min_tokens: StrictInt | None = None  # extension (vLLM): no EOS or stop before this many
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None  # extension (vLLM)
     logit_bias: dict[str, Number] | None = None
+    min_p: Number | None = None  # extension (vLLM)
+    prompt_logprobs: StrictInt | None = None  # extension (vLLM)
+    # output constraints: OpenAI's response_format, vLLM's structured_outputs and the
+    # older guided_* fields (structured_request.py reads them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -81,16 +95,20 @@ class GenerationRequest(_Body):
         return self.include_usage and bool(self.stream_options.get("continuous_usage_stats"))
 
     def refuse_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise BadRequestError("only n=1 is supported; send one request per completion", "n")
         for name in self.unsupported:
             if getattr(self, name):
                 raise BadRequestError(f"{name} is not supported by this server", name)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def constraint(self) -> StructuredOutput | None:
+        return constraint_of(self)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutput | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises InvalidSamplingParamsError (400) on out-of-range values, naming the
         request's field."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        prompt_logprobs = self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -99,6 +117,12 @@ class GenerationRequest(_Body):
                 top_k=self.top_k or 0, seed=self.seed, stop=tuple(stop),
                 ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
                 min_tokens=self.min_tokens or 0,
+                n=1 if self.n is None else self.n,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self.logit_bias or (), min_p=self.min_p or 0.0,
+                prompt_logprobs=prompt_logprobs, structured=structured,
             )
         except InvalidSamplingParamsError as e:
             # the engine names its own field ("logprobs must be ..."): say the request's
@@ -114,7 +138,7 @@ class GenerationRequest(_Body):
 
 
 class CompletionRequest(GenerationRequest):
-    unsupported = GenerationRequest.unsupported + ("echo", "suffix")
+    unsupported = GenerationRequest.unsupported + ("suffix",)
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
@@ -127,8 +151,16 @@ class CompletionRequest(GenerationRequest):
         if self.best_of not in (None, 1):
             raise BadRequestError("only best_of=1 is supported", "best_of")
 
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """echo with logprobs shows the prompt's tokens with theirs."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def single_prompt(self) -> str | list[int]:
-        """The prompt as text or token ids; batches of prompts are refused (n=1 only)."""
+        """The prompt as text or token ids; batches of prompts are refused (use n for
+        several completions of one prompt)."""
         p = self.prompt
         if isinstance(p, str):
             return p
@@ -143,8 +175,11 @@ class CompletionRequest(GenerationRequest):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
+    name: str | None = None
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):  # content parts: only text can be served
             texts = []
@@ -154,7 +189,28 @@ class ChatMessage(_Body):
                 texts.append(part["text"])
             content = "".join(texts)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call as chat templates read it: arguments as an object (templates
+    write them with tojson; a JSON string would be encoded twice)."""
+    fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass  # not JSON: the template gets the text
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": fn.get("name"), "arguments": args}}
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -163,17 +219,13 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if not self.messages:
             raise BadRequestError("messages must not be empty", "messages")
-        if self.tools:
-            raise BadRequestError("tools are not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise BadRequestError("only response_format type 'text' is supported",
-                                  "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequestError("top_logprobs requires logprobs=true", "top_logprobs")
 

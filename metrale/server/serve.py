@@ -24,6 +24,7 @@ from metrale.config import (
 )
 from metrale.model.default_model import cache_root, default_model_dir
 from metrale.server.settings import ServerSettings, is_loopback
+from metrale.server.tool_formats import FAMILIES as TOOL_FAMILIES
 
 # The engine, fastapi and uvicorn are imported where they are used:
 # they cost seconds (torch) or are the optional `server` extra, and the CLI imports this
@@ -142,7 +143,8 @@ def settings_fields(args: argparse.Namespace, model_id: str, adapter_roots) -> d
                 adapter_cache_bytes=args.adapter_cache_bytes,
                 adapter_fetch=FetchLimits(args.adapter_fetch_timeout, args.adapter_fetch_min_rate,
                                           args.adapter_fetch_workers),
-                public_metrics=args.public_metrics, public_docs=args.public_docs)
+                public_metrics=args.public_metrics, public_docs=args.public_docs,
+                tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser)
 
 
 def _exit_on_engine_failure(error: BaseException) -> None:
@@ -323,6 +325,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--promotion-timeout", type=float, default=30.0,
                    help="seconds a request waits for a free adapter slot before POOL_FULL "
                         "(503) (default: %(default)s)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_FAMILIES],
+                   help="how the model writes tool calls: auto = read from its chat template "
+                        "(Hermes' <tool_call> when the template shows none) "
+                        "(default: %(default)s)")
     p.add_argument("--max-tokens-limit", type=int, default=2048,
                    help="refuse requests asking for more max_tokens (400) "
                         "(default: %(default)s)")

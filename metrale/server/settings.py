@@ -47,6 +47,8 @@ class ServerSettings:
     # Used by requests that name no adapter. Changed only by POST /v1/lora/active,
     # never by promotions or swaps: which adapter answers must not depend on cache state.
     default_adapter: str | None = None
+    # the tool-call syntax (server/tool_formats.py's families); None: read from the template
+    tool_call_parser: str | None = None
     started: float = field(default=0.0)
 
     def __post_init__(self) -> None:
