@@ -13,6 +13,7 @@ from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.engine.sampler import SampledTokens, draw
 from metrale.engine.scheduler import ScheduledBatch
 from metrale.engine.step_cost import StepTimer
+from metrale.engine.step_inputs import upload
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
 from metrale.ops import lora_triton
@@ -89,42 +90,38 @@ class ModelRunner:
         # a mixed step's decodes (its first rows) go to the decode kernel on CUDA
         d = batch.num_decodes if dev.type == "cuda" and not batch.is_decode else 0
         chunk_cu = [c - cu[d] for c in cu[d:]]
+        tiles = prefill_tiles(chunk_cu, block_m=prefill_block_m(max(batch.num_new[d:]), self.group)) \
+            if dev.type == "cuda" and not batch.is_decode else []
+        lora = self.pool is not None and any(s.slot >= 0 for s in batch.seqs)
+        # the last token of each sampling sequence
+        last = [end - 1 for end, sampled in zip(cu[1:], batch.samples) if sampled]
+        rows, src = pending_inputs(batch.seqs, cu)
+        t = upload(dev, ids=ids, positions=positions, slot_mapping=slot_mapping, context_lens=ctx,
+                   block_tables=tables, cu_query=cu, tiles=tiles, last=last, rows=rows, src=src,
+                   slot_ids=slot_ids if lora else [])
         meta = AttentionMetadata(
-            is_prefill=not batch.is_decode,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            cu_query=torch.tensor(cu, dtype=torch.int32, device=dev),
-            max_query_len=max(batch.num_new),
-            max_context_len=max(ctx),
+            is_prefill=not batch.is_decode, slot_mapping=t["slot_mapping"],
+            context_lens=t["context_lens"], block_tables=t["block_tables"], cu_query=t["cu_query"],
+            max_query_len=max(batch.num_new), max_context_len=max(ctx),
             # built here once, not by the kernel wrapper in every layer (a host sync each)
-            prefill_tiles=torch.tensor(
-                prefill_tiles(chunk_cu, block_m=prefill_block_m(max(batch.num_new[d:]), self.group)),
-                dtype=torch.int32, device=dev) if dev.type == "cuda" and not batch.is_decode else None,
-            num_decodes=d,
+            prefill_tiles=t["tiles"].view(-1, 2) if tiles else None, num_decodes=d,
         )
-        lora = None
-        if self.pool is not None and any(s.slot >= 0 for s in batch.seqs):
-            slot_ids_t = torch.tensor(slot_ids, dtype=torch.int64, device=dev)  # [T]
+        if lora:
             # sort once per batch, not per layer: the prefill kernels want slot-sorted tokens,
             # and so do decode batches past the per-token kernels' limit (without an order
             # the kernel wrapper sorted them again in every call: 4 groups x every layer)
             sort = meta.is_prefill or len(slot_ids) > lora_triton.DECODE_MAX_T
-            order = sort_tokens_by_slot(slot_ids_t) if dev.type == "cuda" and sort else None
+            order = sort_tokens_by_slot(t["slot_ids"]) if dev.type == "cuda" and sort else None
             # the CPU reference groups tokens by slot once here, not in each of its calls
             groups = token_groups(slot_ids, dev) if dev.type != "cuda" else None
-            lora = LoraBatch(self.pool, slot_ids_t, order, groups)
-        # the last token of each sampling sequence
-        last = [end - 1 for end, sampled in zip(cu[1:], batch.samples) if sampled]
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)  # [T]
-        rows, src = pending_inputs(batch.seqs, cu)
+            lora = LoraBatch(self.pool, t["slot_ids"], order, groups)
+        else:
+            lora = None
+        ids_t = t["ids"]  # [T]
         if rows:
-            resolve_pending(ids_t, torch.tensor(rows, device=dev), torch.tensor(src, device=dev),
-                            in_flight)
+            resolve_pending(ids_t, t["rows"], t["src"], in_flight)
         with forward_context(ForwardContext(meta, lora)):
-            hidden = self.model(
-                ids_t, torch.tensor(positions, dtype=torch.int64, device=dev),
-            )  # [T, hidden]
+            hidden = self.model(ids_t, t["positions"])  # [T, hidden]
             prompt_logprobs.record(self.model, hidden, batch.seqs, batch.num_new, cu)
-            last_t = torch.tensor(last, dtype=torch.int64, device=dev)
+            last_t = t["last"]
             return self.model.compute_logits(hidden[last_t], last_t)  # [B', V] (last_t: lm_head LoRA)
