@@ -124,7 +124,11 @@ class LLMEngine:
         """Adapter slots and KV blocks from one budget (memory_plan), before either is made."""
         cfg, m = self.cfg, self.model_config
         cuda = self.device.type == "cuda"
-        free = torch.cuda.mem_get_info(self.device)[0] if cuda else host_available_bytes()
+        if cuda:  # what torch's allocator holds but does not use is free to our tensors
+            free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(
+                self.device) - torch.cuda.memory_allocated(self.device)
+        else:
+            free = host_available_bytes()
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         one_slot = replace(cfg.pool, max_loras=1)
         slot_bytes = SlotLayout(m, one_slot, self.dtype).slot_bytes if cfg.pool.max_loras != 0 else 0
