@@ -61,6 +61,7 @@ class StepCost:
         self._xtx = np.zeros((4, 4))
         self._xty = np.zeros(4)
         self._theta = np.zeros(4)
+        self._per_unit = (0.0, 0.0, 0.0, 0.0)  # seconds per step, token, decode key, pair
         self.num_observed = 0
         # the most prompt tokens a measured step that also decoded carried
         self.max_prompt_beside_decodes = 0
@@ -102,25 +103,26 @@ class StepCost:
                 break
             active.pop(int(np.argmin(sol)))
         self._theta = theta
+        self._per_unit = (float(theta[0]), float(theta[1]) / 1e3, float(theta[2]) / 1e5,
+                          float(theta[3]) / 1e6)
 
     @property
     def coefficients(self) -> dict[str, float]:
         """Seconds per unit of each feature (for logs and tests)."""
-        t = self._theta
-        return {"step": t[0], "token": t[1] / 1e3, "decode_key": t[2] / 1e5, "prompt_pair": t[3] / 1e6}
+        return dict(zip(("step", "token", "decode_key", "prompt_pair"), self._per_unit))
 
     def seconds(self, shape: StepShape) -> float:
         return float(np.dot(self._theta, shape.vector()))
 
     def prompt_seconds(self, n: int, context: int) -> float:
         """What n prompt tokens after `context` cached ones add to a step."""
-        c = self.coefficients
-        return c["token"] * n + c["prompt_pair"] * chunk_pairs(n, context)
+        _, token, _, pair = self._per_unit  # called per queued request: no dict
+        return token * n + pair * chunk_pairs(n, context)
 
     def max_chunk(self, seconds: float, context: int) -> int:
         """The most prompt tokens after `context` cached ones that add <= `seconds`."""
-        c = self.coefficients
-        a, b = c["prompt_pair"] / 2, c["token"] + c["prompt_pair"] * (context + 0.5)
+        _, token, _, pair = self._per_unit
+        a, b = pair / 2, token + pair * (context + 0.5)
         if seconds <= 0:
             return 0
         if a <= 0:
