@@ -24,7 +24,7 @@ from metrale import LLM, SamplingParams
 from metrale.config import ConfigError
 from metrale.errors import AdapterMismatchError
 from metrale.model import moe
-from tests.helpers.pool import assert_refused_untouched, snapshot
+from tests.helpers.pool import assert_refused_untouched, norms_by_key, snapshot
 from tests.helpers.reference import (
     assert_mixed_batch_matches,
     assert_slot_swaps_match,
@@ -99,7 +99,7 @@ def test_norms_over_a_layout_whose_layers_differ(family):
               num_kv_blocks=64)
     llm.engine.swap_lora_slot_from_disk(adapters["x"][1], "x", 0)
     pool = llm.engine.runner.pool
-    norms = pool.gain_norms(0)
+    norms = norms_by_key(pool, 0)
     assert {k[:2] for k in norms} == set(pool.layout.module_keys)
     for (layer, module, kind), got in norms.items():
         view = {"A": pool.lora_a, "B": pool.lora_bt, "M": pool.magnitude}[kind]

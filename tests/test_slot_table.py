@@ -69,7 +69,7 @@ def test_failed_or_unrouted_slot_is_preferred_over_lru():
 def test_holds_only_a_ready_slots_version():
     t = SlotTable(2)
     assert not t.holds(0, 7)
-    t.begin_load(0)
+    assert t.begin_load(0) == t.info(0).generation == 1  # the landing's, for its log line
     assert not t.holds(0, 7) and t.info(0).version is None  # LOADING serves nothing
     t.finish_load(0, 7)
     assert t.holds(0, 7) and not t.holds(0, 8) and not t.holds(1, 7)
