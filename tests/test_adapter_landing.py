@@ -87,3 +87,29 @@ def test_rank_and_scale_tables(tmp_path):
     assert slots.pool.ranks[2, :, q].tolist() == [4, 7, 4]
     torch.testing.assert_close(slots.pool.scales[2, :, q], torch.tensor([2.0, 8 / 7, 2.0]))
     assert slots.pool.ranks[2].sum() == 15  # every other module untargeted
+
+
+def test_bytes_finite_in_the_file_but_not_in_the_pool_dtype_fail_the_landing(tmp_path):
+    """A float32 file with a value past float16's range, landed into a float16 pool with no
+    check before (a registered file rewritten after its registration read it, which nothing
+    bounds again): staging finds it finite, the conversion makes it Inf, and the landing's
+    check of the written bytes fails the landing: the slot is EMPTY with a new uid, zeroed."""
+    from safetensors.torch import load_file, save_file
+
+    from metrale import errors
+    from tests.helpers.tiny_models import write_lora
+
+    path = write_lora(tmp_path / "big", r=4, target_modules=["q_proj", "v_proj"])
+    tensors = load_file(path / "adapter_model.safetensors")
+    key = sorted(tensors)[0]
+    tensors[key][0, 0] = 1e38  # finite in float32, Inf in float16
+    save_file(tensors, path / "adapter_model.safetensors")
+    slots = _slots("llama", dtype=torch.float16)
+    old = slots.table.info(1)
+    with pytest.raises(errors.LandingError, match="now EMPTY") as info:
+        land_disk(slots, path, 1)  # prepare_disk without verify: no scratch bound
+    assert isinstance(info.value.__cause__, errors.NonFiniteWeightsError)
+    assert "NaN or Inf in the pool's dtype" in str(info.value.__cause__)
+    now = slots.table.info(1)
+    assert now.state.value == "EMPTY" and now.uid != old.uid
+    assert not slots.pool.slot_region(1).any()
