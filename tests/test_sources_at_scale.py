@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.server import ServerProcess, save_tokenizer
-from tests.helpers.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, saved_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +47,7 @@ def name_of(i: int) -> str:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("scale")
-    base = make_model("llama", seed=11)
-    save_model(base, root / "model")
-    save_tokenizer(root / "model", base.config.vocab_size)
+    base = saved_tiny_model(root / "model", seed=11, tokenizer=save_tokenizer)
     # One adapter of each layout made by PEFT gives the files' keys, shapes and config; the
     # 10,000 get those with weights of their own (fp16: half the disk).
     templates = []
