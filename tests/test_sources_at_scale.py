@@ -140,6 +140,7 @@ def assert_matches_peft(world, trace: list[str], replies: list[httpx.Response]) 
             "tokens_compared": compared}
 
 
+@pytest.mark.soak
 def test_zipf_trace_over_ten_thousand_directories_matches_peft(world, tmp_path):
     trace = [name_of(i) for i in zipf_trace(ADAPTERS, REQUESTS, 1.1, seed=1)]
     args = ["--model", str(world["model"]), "--adapter-source", str(world["source"]), *SERVER]
@@ -203,6 +204,7 @@ def cache_bytes(root) -> int:
     return total
 
 
+@pytest.mark.soak
 def test_zipf_trace_over_a_thousand_bucket_objects_matches_peft(world, tmp_path, monkeypatch):
     """The same trace over 1,000 adapters in an S3 look-alike, through a disk cache that
     holds about 40 of them: every completion equals PEFT's; the cache's files never pass
