@@ -110,6 +110,35 @@ def test_reload_in_place_while_a_promotion_is_in_flight(root, refs, tmp_path, mo
     engine.check_integrity()
 
 
+def test_reload_while_a_promotion_writes_its_slot(root, refs, monkeypatch):
+    """The reload arrives while the worker writes the old version's bytes into the slot
+    (WRITING, after the read's check): that landing must not commit, its version is no
+    longer current; the request that waited for it and a later one get the new version."""
+    from metrale.engine.promotion import Promoter
+
+    llm = _llm(root)
+    engine = llm.engine
+    llm.register_adapter("x", root / "old")
+    writing, release = threading.Event(), threading.Event()
+    original = Promoter._write
+
+    def hold_then_write(self, *args):
+        writing.set()
+        release.wait(30)
+        return original(self, *args)
+
+    monkeypatch.setattr(Promoter, "_write", hold_then_write)
+    before = engine.add_request(PROMPT, GREEDY, "x")
+    step_until(engine, writing.is_set)  # the slot is LOADING for the old version
+    llm.register_adapter("x", root / "new", reload=True)
+    after = engine.add_request(PROMPT, GREEDY, "x")
+    release.set()
+    done = run_until_done(engine)
+    assert done[before].token_ids == refs["new"]
+    assert done[after].token_ids == refs["new"]
+    engine.check_integrity()
+
+
 def test_rewrite_that_keeps_size_and_mtime_lands_the_new_contents(root, tmp_path):
     """`cp -p`, tar and `rsync -t` keep size and mtime: the plan cache and the host tier
     must still see new contents (here a new lora_alpha of the same width)."""
