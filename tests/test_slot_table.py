@@ -56,8 +56,10 @@ def test_failed_or_unrouted_slot_is_preferred_over_lru():
     assert t.info(2).state is SlotState.EMPTY and t.info(2).version is None
     assert t.select_victim(routed={0, 1}) == 2
     t.begin_load(2)
+    loading = t.info(2).uid  # the failed landing's own
     t.fail_load(2)
     assert t.info(2).state is SlotState.EMPTY and t.info(2).version is None
+    assert t.info(2).uid not in (loading, 0)  # a fresh identity: nothing keys on half bytes
     assert t.select_victim(routed={0, 1}) == 2
     # a READY slot no name routes to (its name reloaded elsewhere) also goes before LRU
     fill(t, 2, 12)
