@@ -106,6 +106,8 @@ def test_reload_in_place_while_a_promotion_is_in_flight(root, refs, tmp_path, mo
     assert done[after].token_ids == refs["new"]
     # `before` was still waiting for its slot at the reload: it binds the current version
     assert done[before].token_ids == refs["new"]
+    # one landing in all: the superseded read took no slot (refused before WRITING)
+    assert sum(info.generation for info in engine.slot_info()) == 1
     assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["new"]
     engine.check_integrity()
 
