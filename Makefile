@@ -46,8 +46,13 @@ run: $(VENV)/.installed-run $(if $(findstring --replicas,$(ARGS)),$(VENV)/.insta
 
 cluster: $(VENV)/.installed-cluster
 
+# Two pytest-xdist workers, one torch thread each (tests/conftest.py), whole files per worker
+# (module fixtures are built once): the suite on a 2-core CI machine. TEST_WORKERS=auto uses
+# every core; TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check metrale tests bench

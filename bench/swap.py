@@ -53,6 +53,7 @@ from bench.common import (
 )
 from metrale.adapters.identity import adapter_identity
 from metrale.adapters.plan import plan_adapter
+from metrale.pool.staged import stage
 from metrale.pool.staging import read_chunks
 from metrale.pool.swap import read_adapter_data
 
@@ -163,7 +164,7 @@ def breakdown(slots, d: Path, device: str, slot: int, reps: int = 5) -> dict:
         with phase("read"):
             data = read_adapter_data(plan, slots.staging, slots.mapped_files, ident)
         with phase("check"):
-            staged = slots.pool.stage(plan, data, slots.pool.recipe(plan))
+            staged = stage(plan, data, slots.recipes.get(plan))
         with phase("begin"):
             landing = slots.begin(slot)
         with phase("write"):

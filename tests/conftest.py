@@ -5,18 +5,26 @@ import pytest
 import torch
 
 # torch only: triton stays unimported
-from tests.helpers.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, make_model, saved_tiny_model
+from tests.helpers.triton_interpreter import cache_builtin_lookups
 
 # Triton kernels run in Triton's CPU interpreter off the GPU. The flag must be set
 # before anything imports triton (any metrale module may), so it is set here.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One process: both cores of a 2-core CI machine. Under pytest-xdist each worker already has
+# a core of its own: more torch threads than cores would only make the workers take turns.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 # The server tests need the `server` extra; a GPU box's bare image may lack it.
 collect_ignore_glob = [] if importlib.util.find_spec("fastapi") else [
     "test_server*.py", "test_daily_use.py", "test_hostile_edges.py", "test_vllm_metrics.py"]
+
+
+def pytest_runtest_setup(item):
+    # once something imported Triton's interpreter: launches that skip its getmembers scans
+    cache_builtin_lookups()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,9 +39,10 @@ def pytest_collection_modifyitems(config, items):
 # --- fixtures shared by several test modules (a module's own fixture of the same name wins) ---
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def adapters(tmp_path_factory):
-    """Three PEFT adapters a, b, c (rank 4, attention + down_proj) of tiny_models' llama."""
+    """Three PEFT adapters a, b, c (rank 4, attention + down_proj) of tiny_models' llama;
+    made once per run (read-only: a test that changes one copies it first)."""
     root = tmp_path_factory.mktemp("adapters")
     base = make_model("llama")
     for i, name in enumerate(("a", "b", "c")):
@@ -42,11 +51,12 @@ def adapters(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """tiny_models' llama, the base of `adapters`, saved as a model directory (for engines)."""
+    """tiny_models' llama, the base of `adapters`, saved as a model directory (for engines);
+    made once per run (read-only)."""
     path = tmp_path_factory.mktemp("model")
-    save_model(make_model("llama"), path)
+    saved_tiny_model(path)
     return path
 
 

@@ -8,6 +8,7 @@ import torch
 
 from metrale.config import LINEAR_MODULES, ModelConfig, PoolConfig
 from metrale.pool.swap import LoraSlots
+from tests.helpers.kernels import KERNELS
 from tests.helpers.pool import land_disk
 from tests.helpers.tiny_models import hf_config, make_adapter, make_model, peft_deltas
 
@@ -87,3 +88,82 @@ def test_rank_and_scale_tables(tmp_path):
     assert slots.pool.ranks[2, :, q].tolist() == [4, 7, 4]
     torch.testing.assert_close(slots.pool.scales[2, :, q], torch.tensor([2.0, 8 / 7, 2.0]))
     assert slots.pool.ranks[2].sum() == 15  # every other module untargeted
+
+
+def test_bytes_finite_in_the_file_but_not_in_the_pool_dtype_fail_the_landing(tmp_path):
+    """A float32 file with a value past float16's range, landed into a float16 pool with no
+    check before (a registered file rewritten after its registration read it, which nothing
+    bounds again): staging finds it finite, the conversion makes it Inf, and the landing's
+    check of the written bytes fails the landing: the slot is EMPTY with a new uid, zeroed."""
+    from safetensors.torch import load_file, save_file
+
+    from metrale import errors
+    from tests.helpers.tiny_models import write_lora
+
+    path = write_lora(tmp_path / "big", r=4, target_modules=["q_proj", "v_proj"])
+    tensors = load_file(path / "adapter_model.safetensors")
+    key = sorted(tensors)[0]
+    tensors[key][0, 0] = 1e38  # finite in float32, Inf in float16
+    save_file(tensors, path / "adapter_model.safetensors")
+    slots = _slots("llama", dtype=torch.float16)
+    old = slots.table.info(1)
+    with pytest.raises(errors.LandingError, match="now EMPTY") as info:
+        land_disk(slots, path, 1)  # prepare_disk without verify: no scratch bound
+    assert isinstance(info.value.__cause__, errors.NonFiniteWeightsError)
+    assert "NaN or Inf in the pool's dtype" in str(info.value.__cause__)
+    now = slots.table.info(1)
+    assert now.state.value == "EMPTY" and now.uid != old.uid
+    assert not slots.pool.slot_region(1).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nan_in_a_file_is_refused_by_the_staged_bytes_one_pass_on_cuda(tmp_path):
+    """On CUDA a file of one dtype lands through its recipe, checked by one isfinite pass
+    over the staged bytes (no other check sees a float32 file landing into a float32 pool):
+    a NaN is refused, naming its tensor, before any slot is touched."""
+    from safetensors.torch import load_file, save_file
+
+    from metrale import errors
+    from tests.helpers.tiny_models import write_lora
+
+    good = write_lora(tmp_path / "good", r=4, target_modules=["q_proj", "v_proj"])
+    bad = write_lora(tmp_path / "nan", r=4, target_modules=["q_proj", "v_proj"])
+    tensors = load_file(bad / "adapter_model.safetensors")
+    key = sorted(tensors)[-1]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, bad / "adapter_model.safetensors")
+    model_cfg = ModelConfig.from_hf_dict(hf_config("llama").to_dict())
+    slots = LoraSlots(model_cfg, PoolConfig(3, 8), "cuda", torch.float32)
+    land_disk(slots, good, 0)
+    assert slots.recipes.get(slots.plan_from_disk(bad, "nan")) is not None  # the recipe path
+    before, infos = slots.pool.buffer.clone(), slots.table.infos()
+    with pytest.raises(errors.NonFiniteWeightsError, match=key.rsplit(".", 1)[0]):
+        land_disk(slots, bad, 1)
+    assert torch.equal(slots.pool.buffer, before) and slots.table.infos() == infos
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs triton on CUDA or its interpreter")
+def test_a_recipe_lands_into_its_slot_alone_as_the_tensors_do(tmp_path):
+    """The landing's recipe path (one kernel over the staged bytes, offsets from the slot's
+    own region; CUDA's, run here in Triton's interpreter) writes slot 1 exactly as the
+    per-tensor path does, and not one element of the slots beside it."""
+    from metrale.pool import landing
+    from metrale.pool.recipe import build_recipe
+    from metrale.pool.staged import StagedAdapter
+    from metrale.pool.swap import read_adapter_data
+    from tests.helpers.tiny_models import write_lora
+
+    path = write_lora(tmp_path / "a", r=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    want, got = _slots("llama"), _slots("llama")
+    land_disk(want, path, 1)  # the per-tensor path (CPU)
+    plan = got.plan_from_disk(path, "a")
+    data = read_adapter_data(plan, got.staging)
+    recipe = build_recipe(plan, got.pool.layout, torch.device("cpu"))
+    got.pool.buffer.fill_(float("nan"))
+    t = got.pool.slot_tensors[1]
+    landing.zero_slot(t)
+    landing.land_staged(t, got.pool.layout, StagedAdapter(plan, data, recipe, []))
+    assert torch.equal(t.data, want.pool.slot_region(1))
+    for other in (0, 2):
+        assert got.pool.slot_region(other).isnan().all()

@@ -106,7 +106,38 @@ def test_reload_in_place_while_a_promotion_is_in_flight(root, refs, tmp_path, mo
     assert done[after].token_ids == refs["new"]
     # `before` was still waiting for its slot at the reload: it binds the current version
     assert done[before].token_ids == refs["new"]
+    # one landing in all: the superseded read took no slot (refused before WRITING)
+    assert sum(info.generation for info in engine.slot_info()) == 1
     assert llm.generate([PROMPT], GREEDY, ["x"])[0].token_ids == refs["new"]
+    engine.check_integrity()
+
+
+def test_reload_while_a_promotion_writes_its_slot(root, refs, monkeypatch):
+    """The reload arrives while the worker writes the old version's bytes into the slot
+    (WRITING, after the read's check): that landing must not commit, its version is no
+    longer current; the request that waited for it and a later one get the new version."""
+    from metrale.engine.promotion import Promoter
+
+    llm = _llm(root)
+    engine = llm.engine
+    llm.register_adapter("x", root / "old")
+    writing, release = threading.Event(), threading.Event()
+    original = Promoter._write
+
+    def hold_then_write(self, *args):
+        writing.set()
+        release.wait(30)
+        return original(self, *args)
+
+    monkeypatch.setattr(Promoter, "_write", hold_then_write)
+    before = engine.add_request(PROMPT, GREEDY, "x")
+    step_until(engine, writing.is_set)  # the slot is LOADING for the old version
+    llm.register_adapter("x", root / "new", reload=True)
+    after = engine.add_request(PROMPT, GREEDY, "x")
+    release.set()
+    done = run_until_done(engine)
+    assert done[before].token_ids == refs["new"]
+    assert done[after].token_ids == refs["new"]
     engine.check_integrity()
 
 

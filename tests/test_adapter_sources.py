@@ -72,11 +72,9 @@ def test_a_request_registers_and_is_served_as_an_explicit_registration(tmp_path)
     from metrale.server.async_engine import AsyncEngine
     from metrale.server.settings import ServerSettings
     from tests.helpers.server import save_tokenizer
-    from tests.helpers.tiny_models import make_adapter, make_model, save_model
+    from tests.helpers.tiny_models import make_adapter, saved_tiny_model
 
-    base = make_model("llama", seed=5)
-    save_model(base, tmp_path / "model")
-    save_tokenizer(tmp_path / "model", base.config.vocab_size)
+    base = saved_tiny_model(tmp_path / "model", seed=5, tokenizer=save_tokenizer)
     make_adapter(base, tmp_path / "src" / "org" / "a", seed=6, r=8, lora_alpha=32,
                  target_modules="all-linear")
     llm = LLM(tmp_path / "model", max_loras=2, max_lora_rank=8, max_model_len=64,
@@ -166,10 +164,9 @@ def test_requests_racing_for_a_new_name_share_one_registration(tmp_path, broken)
     from metrale.errors import AdapterError, UnknownAdapterError
     from metrale.server.async_engine import AsyncEngine
     from metrale.server.source_registration import SourceRegistrar
-    from tests.helpers.tiny_models import make_adapter, make_model, save_model
+    from tests.helpers.tiny_models import make_adapter, saved_tiny_model
 
-    base = make_model("llama", seed=5)
-    save_model(base, tmp_path / "model")
+    base = saved_tiny_model(tmp_path / "model", seed=5)
     make_adapter(base, tmp_path / "src" / "org" / "a", seed=6, r=8, target_modules="all-linear")
     if broken:
         (tmp_path / "src" / "org" / "a" / "adapter_model.safetensors").write_bytes(b"\0" * 64)

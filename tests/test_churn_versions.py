@@ -59,6 +59,7 @@ def _reference(model, prompt) -> tuple[list[int], int]:
     return tokens, comparable
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_every_token_matches_its_version_under_churn(world, tmp_path, async_scheduling):
     """async: each step is launched before the previous one's outputs are processed, so

@@ -24,7 +24,7 @@ from metrale.names import MAX_NAME_CHARS, is_valid_name, validate_adapter_name
 from metrale.peer.ids import describe_ids
 from metrale.peer.listing import fetch_ids, peer_source
 from metrale.server.serve import build_app, curl_example
-from tests.helpers.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, saved_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = "tiny-base"
@@ -60,9 +60,7 @@ def _save_tokenizer_with_bos(path: Path, vocab_size: int) -> None:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("daily")
-    base = make_model("llama", seed=3)
-    save_model(base, root / BASE)
-    _save_tokenizer_with_bos(root / BASE, base.config.vocab_size)
+    base = saved_tiny_model(root / BASE, seed=3, tokenizer=_save_tokenizer_with_bos)
     make_adapter(base, root / "jail" / "a", seed=1, r=4, lora_alpha=8, target_modules="all-linear")
     return root
 

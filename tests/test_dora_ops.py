@@ -10,7 +10,7 @@ import torch
 from metrale.config import ModelConfig, PoolConfig
 from metrale.ops import lora_ref as ref
 from metrale.ops import lora_triton as lt
-from metrale.pool import pool as pool_mod
+from metrale.pool import landing
 from metrale.pool.layout import SlotLayout
 from metrale.pool.pool import AdapterPool
 from tests.helpers.kernels import KERNELS
@@ -167,7 +167,7 @@ def test_pool_gains_equal_peft_dora_norm(chunk, monkeypatch):
     (embedding-style) base weight."""
     from peft.tuners.lora.dora import DoraLinearLayer
 
-    monkeypatch.setattr(pool_mod, "GAIN_CHUNK_ELEMS", chunk)  # 64: one row per chunk
+    monkeypatch.setattr(landing, "GAIN_CHUNK_ELEMS", chunk)  # 64: one row per chunk
     model = ModelConfig.from_hf_dict(hf_config("llama").to_dict())
     layout = SlotLayout(model, PoolConfig(2, 8, ("q_proj", "v_proj"),
                                           extra_targets=("embed_tokens",)), torch.float32)
@@ -189,7 +189,7 @@ def test_pool_gains_equal_peft_dora_norm(chunk, monkeypatch):
         pool.magnitude(layer, module)[slot, 0] = torch.rand(d_out, generator=g) + 0.5
         m = layout.module_index(module)
         ranks[layer, m], scales[layer, m], doras[layer, m] = rank, scale, int(layer != 2)
-    pool.write_tables(slot, ranks, scales, doras)
+    landing.write_tables(pool.slot_tensors[slot], layout, weights, ranks, scales, doras)
     assert pool.gains.grad_fn is None and not pool.gains.requires_grad
     for layer, module in layout.module_keys:
         a = pool.lora_a(layer, module)[slot, :rank]
@@ -199,6 +199,6 @@ def test_pool_gains_equal_peft_dora_norm(chunk, monkeypatch):
         want = pool.magnitude(layer, module)[slot, 0] / norm if layer != 2 else torch.ones(norm.shape)
         torch.testing.assert_close(pool.gain(layer, module)[slot], want, atol=1e-6, rtol=1e-5)
         assert torch.equal(pool.gain(layer, module)[0], torch.ones(norm.shape))  # other slot
-    pool.zero_slot(slot)  # back to plain: gains 1, flags 0
+    landing.zero_slot(pool.slot_tensors[slot])  # back to plain: gains 1, flags 0
     assert torch.equal(pool.gains[slot], torch.ones_like(pool.gains[slot]))
     assert not pool.doras[slot].any()

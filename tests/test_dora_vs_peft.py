@@ -187,6 +187,7 @@ def test_gpu_gains_at_8b_sizes_match_a_whole_matrix_norm():
     import torch
 
     from metrale.config import ModelConfig, PoolConfig
+    from metrale.pool.landing import write_tables
     from metrale.pool.layout import SlotLayout
     from metrale.pool.pool import AdapterPool
 
@@ -205,6 +206,6 @@ def test_gpu_gains_at_8b_sizes_match_a_whole_matrix_norm():
     ranks[0, 0] = 16
     scales = torch.zeros(ranks.shape)
     scales[0, 0] = 2.0
-    pool.write_tables(1, ranks, scales, (ranks > 0).int())
+    write_tables(pool.slot_tensors[1], layout, pool.base_weights, ranks, scales, (ranks > 0).int())
     want = m / torch.linalg.norm(W.double() + 2.0 * (bt.T.double() @ a.double()), dim=1)
     torch.testing.assert_close(pool.gain(0, "gate_proj")[1].double(), want, rtol=1e-5, atol=0)

@@ -17,6 +17,7 @@ from metrale import errors
 from metrale.adapters.plan import plan_adapter
 from metrale.config import ModelConfig, PoolConfig
 from metrale.pool import staging
+from metrale.pool.staged import stage_views
 from metrale.pool.swap import LoraSlots, read_adapter_data
 from tests.helpers.engine import tiny_engine
 from tests.helpers.kernels import KERNELS
@@ -106,7 +107,7 @@ def test_landing_kernel_equals_per_tensor_copies(adapters, dtype, how):
             recipe = build_recipe(plan, layout, torch.device("cpu"))
             land_rows(got[slot * n:], data.view(recipe.dtype), recipe.desc, recipe.tiles)
         else:
-            views = slots.pool.stage_views(plan, data)
+            views = stage_views(plan, data)
             items = []
             for landing, view in zip(plan.landings, views):
                 t = landing.target
@@ -135,7 +136,7 @@ def test_recipe_of_bt_staged_bytes_lands_like_a_file(adapters):
     plan = plan_adapter(adapters / "a", "a", slots.model_config, slots.pool_config)
     data = read_adapter_data(plan, staging.StagingBuffers(torch.device("cpu")))
     peer = data.clone()  # the same tensors at the same offsets, B as [r, out]
-    for landing, view in zip(plan.landings, slots.pool.stage_views(plan, data)):
+    for landing, view in zip(plan.landings, stage_views(plan, data)):
         if landing.kind == "B":
             begin = plan.staged_begin(landing.entry)
             raw = view.t().contiguous().view(torch.uint8).reshape(-1)  # [r, out] bytes

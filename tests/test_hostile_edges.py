@@ -21,8 +21,10 @@ from metrale.cli import build_parser
 from metrale.peer import nixl_transport
 from metrale.peer.http_server import PeerHTTPServer
 from metrale.peer.store import AdapterStore
+from metrale.pool.landing import land_tensors, slot_norms
 from metrale.server.serve import build_app
 from tests.helpers.peers import adapter_dir, model_config, new_slots, peer_root
+from tests.helpers.pool import norms_by_key
 
 # --- a peer lost during or before the transfer: 502 peer_unavailable, whatever the transport --
 
@@ -243,7 +245,7 @@ def test_gain_bound_keeps_peft_initialised_adapters(tmp_path, pool_dtype):
 def test_landed_bytes_get_the_bound_registration_applies(tmp_path, monkeypatch, key_part,
                                                           chunk_bytes):
     """The bound at landing (the slot's bytes, reduced per module across layers by
-    AdapterPool.gain_norms) and at registration (check_weights: the file read in pieces)
+    the landing's slot_norms) and at registration (check_weights: the file read in pieces)
     refuse the same adapters, naming the same tensor; adapter b has rank_pattern,
     alpha_pattern and rsLoRA on every linear."""
     from metrale.adapters import weights_check
@@ -258,16 +260,17 @@ def test_landed_bytes_get_the_bound_registration_applies(tmp_path, monkeypatch, 
     plan = plan_adapter(path, "h", model_config(), PoolConfig(1, 8))
     tensors = load_file(path / "adapter_model.safetensors")
     pool = new_slots(max_loras=2).pool
-    pool.land(1, plan, [tensors[t.entry.name] for t in plan.landings])  # unchecked bytes
+    land_tensors(pool.slot_tensors[1], pool.layout, plan,
+                 [tensors[t.entry.name] for t in plan.landings])  # unchecked bytes
 
     def check_landed(plan, dtype):
-        norms = pool.gain_norms(1)
+        norms = norms_by_key(pool, 1)
         weights_check.check_gains(plan, [norms[(t.target.layer, t.target.module, t.kind)]
                                          for t in plan.landings], dtype)
 
     def check_bound(plan, dtype):  # a peer's cached plan: the same bound, as arrays
-        bound = weights_check.GainBound.of(plan, pool.gain_norm_keys())
-        bound.check(plan, pool.gain_norm_values(1)[0], dtype)
+        bound = weights_check.GainBound.of(plan, pool.norm_keys)
+        bound.check(plan, slot_norms(pool.slot_tensors[1])[0], dtype)
 
     for check in (weights_check.check_weights, check_landed, check_bound):
         if key is None:

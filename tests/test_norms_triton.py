@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from metrale.ops.norms_triton import KIND_A, KIND_B, KIND_MAX, region_descriptors, region_norms
+from metrale.pool.landing import slot_norms
 from tests.helpers.peers import adapter_dir, new_slots
 from tests.helpers.pool import land_disk
 
@@ -58,23 +59,24 @@ def test_a_non_finite_value_makes_its_region_nan_and_only_it(value):
 
 def test_a_pools_kernel_norms_equal_its_torch_norms():
     """A landed pool (adapters of other ranks and targets than the pool's; M regions with
-    values): the kernel over norm_descriptors gives what the torch path does, key for key."""
+    values): the kernel over the slot's norm descriptors gives what the torch path does, key for key."""
     slots = new_slots(max_loras=3, rank=8)
     for slot, name in enumerate(("a", "b", "c")):
         land_disk(slots, adapter_dir(name), slot)
     pool = slots.pool
     pool.magnitude(1, "o_proj")[2].uniform_(-4, 4)
     for slot in range(3):
-        want, finite = pool.gain_norm_values(slot)  # the torch reference on a CPU pool
-        got = region_norms(pool.buffer, pool.norm_descriptors(slot)).numpy().astype(np.float64)
-        assert finite and len(got) == len(pool.gain_norm_keys()) + 1
+        t = pool.slot_tensors[slot]
+        want, finite = slot_norms(t)  # the torch reference on a CPU pool
+        got = region_norms(t.data, t.norm_desc).numpy().astype(np.float64)
+        assert finite and len(got) == len(pool.norm_keys) + 1
         np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_pools_norms_come_from_the_kernel_and_equal_the_views():
-    """On CUDA gain_norm_values runs the kernel (compiled); each key's value equals the
+    """On CUDA slot_norms runs the kernel (compiled); each key's value equals the
     norm of its region's view, taken in float64."""
     slots = new_slots(max_loras=3, rank=8, dtype=torch.bfloat16, device="cuda")
     for slot, name in enumerate(("a", "b", "c")):
@@ -83,12 +85,12 @@ def test_a_cuda_pools_norms_come_from_the_kernel_and_equal_the_views():
     pool.magnitude(1, "o_proj")[2].uniform_(-4, 4)
     views = {"A": pool.lora_a, "B": pool.lora_bt, "M": pool.magnitude}
     for slot in range(3):
-        values, finite = pool.gain_norm_values(slot)
+        values, finite = slot_norms(pool.slot_tensors[slot])
         assert finite
-        for (layer, module, kind), i in pool.gain_norm_keys().items():
+        for (layer, module, kind), i in pool.norm_keys.items():
             x = views[kind](layer, module)[slot].cpu()
             code = {"A": KIND_A, "B": KIND_B, "M": KIND_MAX}[kind]
             want = _reference(x, KIND_MAX if module == "embed_tokens" and kind == "A" else code)
             assert values[i] == pytest.approx(want, rel=1e-5), (layer, module, kind)
     pool.lora_bt(0, "q_proj")[1, 0, 3] = float("nan")
-    assert not pool.gain_norm_values(1)[1]
+    assert not slot_norms(pool.slot_tensors[1])[1]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from metrale import errors
+from metrale.adapters.weights_check import WeightsOverflowError
 from metrale.peer import nixl_transport
 from metrale.peer.client import wait_for_releases
 from metrale.peer.errors import PeerTimeoutError, PeerTransferError
@@ -290,7 +291,8 @@ def test_warm_up_prepares_the_first_landing_and_touches_no_slot(fake_nixl):
                                          ("A", float("-inf"))])
 def test_non_finite_bytes_read_over_nixl_fail_the_landing(fake_nixl, where, value):
     """A peer whose slot was written after its own checks: the bytes READ into the slot
-    skip staging, and the commit's verify (the norms of every region) refuses them; the
+    skip staging, and the commit's verify (the norms of every region) refuses them as
+    NaN/Inf (not as an overflow: the gain bound, which NaN also fails, comes second); the
     slot is EMPTY with a new uid and the next landing serves."""
     source, exporter, server = _peer()
     slots = new_slots()
@@ -303,7 +305,9 @@ def test_non_finite_bytes_read_over_nixl_fail_the_landing(fake_nixl, where, valu
         addr = server.url.removeprefix("http://")
         with pytest.raises(errors.LandingError, match="now EMPTY") as info:
             land_peer(slots, addr, "a", 0, transport="nixl")
-        assert isinstance(info.value.__cause__, errors.NonFiniteWeightsError)
+        cause = info.value.__cause__
+        assert isinstance(cause, errors.NonFiniteWeightsError), cause
+        assert not isinstance(cause, WeightsOverflowError) and "NaN or Inf" in str(cause)
         now = slots.table.info(0)
         assert now.state.value == "EMPTY" and now.uid != old.uid
         assert not slots.pool.slot_region(0).any()

@@ -24,7 +24,7 @@ from metrale.server.app import create_app
 from metrale.server.async_engine import AsyncEngine
 from metrale.server.settings import ServerSettings
 from tests.helpers.server import save_tokenizer
-from tests.helpers.tiny_models import make_model, save_model
+from tests.helpers.tiny_models import saved_tiny_model
 
 USER, ADMIN = "user-key", "admin-key"
 AUTH = {"Authorization": f"Bearer {USER}"}
@@ -34,9 +34,7 @@ MAX_TOKENS_LIMIT = 4  # keeps every accepted request a few decode steps long
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("requests")
-    base = make_model("llama", seed=21)
-    save_model(base, root / "model")
-    save_tokenizer(root / "model", base.config.vocab_size)
+    saved_tiny_model(root / "model", seed=21, tokenizer=save_tokenizer)
     return root / "model"
 
 

@@ -24,14 +24,13 @@ from metrale.server.paths import resolve_adapter_path
 from metrale.server.serve import build_app, curl_example
 from metrale.server.settings import ServerSettings, is_loopback
 from tests.helpers.process import Bound
-from tests.helpers.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, saved_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("units")
-    base = make_model("llama", seed=5)
-    save_model(base, root / "model")
+    base = saved_tiny_model(root / "model", seed=5)
     make_adapter(base, root / "jail" / "a", seed=1, r=4, lora_alpha=8, target_modules="all-linear")
     make_adapter(base, root / "outside", seed=2, r=4, lora_alpha=8, target_modules="all-linear")
     return root
@@ -216,9 +215,7 @@ def vllm_client(tiny, tmp_path_factory):
     from tests.helpers.server import save_tokenizer
 
     model = tmp_path_factory.mktemp("vllm") / "model"
-    base = make_model("llama", seed=5)
-    save_model(base, model)
-    save_tokenizer(model, base.config.vocab_size)
+    saved_tiny_model(model, seed=5, tokenizer=save_tokenizer)
     args = build_parser().parse_args([
         "serve", "--model", str(model), "--adapter", f"a={tiny / 'jail' / 'a'}",
         "--max-loras", "1", "--max-lora-rank", "8", "--max-model-len", "256",

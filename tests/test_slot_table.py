@@ -56,8 +56,10 @@ def test_failed_or_unrouted_slot_is_preferred_over_lru():
     assert t.info(2).state is SlotState.EMPTY and t.info(2).version is None
     assert t.select_victim(routed={0, 1}) == 2
     t.begin_load(2)
+    loading = t.info(2).uid  # the failed landing's own
     t.fail_load(2)
     assert t.info(2).state is SlotState.EMPTY and t.info(2).version is None
+    assert t.info(2).uid not in (loading, 0)  # a fresh identity: nothing keys on half bytes
     assert t.select_victim(routed={0, 1}) == 2
     # a READY slot no name routes to (its name reloaded elsewhere) also goes before LRU
     fill(t, 2, 12)
@@ -69,7 +71,7 @@ def test_failed_or_unrouted_slot_is_preferred_over_lru():
 def test_holds_only_a_ready_slots_version():
     t = SlotTable(2)
     assert not t.holds(0, 7)
-    t.begin_load(0)
+    assert t.begin_load(0) == t.info(0).generation == 1  # the landing's, for its log line
     assert not t.holds(0, 7) and t.info(0).version is None  # LOADING serves nothing
     t.finish_load(0, 7)
     assert t.holds(0, 7) and not t.holds(0, 8) and not t.holds(1, 7)

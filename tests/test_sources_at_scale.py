@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.server import ServerProcess, save_tokenizer
-from tests.helpers.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, saved_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -48,9 +48,7 @@ def name_of(i: int) -> str:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("scale")
-    base = make_model("llama", seed=11)
-    save_model(base, root / "model")
-    save_tokenizer(root / "model", base.config.vocab_size)
+    base = saved_tiny_model(root / "model", seed=11, tokenizer=save_tokenizer)
     # One adapter of each layout made by PEFT gives the files' keys, shapes and config; the
     # 10,000 get those with weights of their own (fp16: half the disk).
     templates = []
@@ -144,6 +142,7 @@ def assert_matches_peft(world, trace: list[str], replies: list[httpx.Response],
             "tokens_compared": compared}
 
 
+@pytest.mark.soak
 def test_zipf_trace_over_ten_thousand_directories_matches_peft(world, tmp_path):
     trace = [name_of(i) for i in zipf_trace(ADAPTERS, REQUESTS, 1.1, seed=1)]
     args = ["--model", str(world["model"]), "--adapter-source", str(world["source"]), *SERVER]
@@ -207,6 +206,7 @@ def cache_bytes(root) -> int:
     return total
 
 
+@pytest.mark.soak
 def test_zipf_trace_over_a_thousand_bucket_objects_matches_peft(world, tmp_path, monkeypatch):
     """The same trace over 1,000 adapters in moto's S3 server (boto3 all the way), through
     a disk cache that holds about 40 of them: every completion equals PEFT's; the cache's

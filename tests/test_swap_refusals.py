@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from metrale import SamplingParams, errors
 from metrale.engine.registry import AdapterSource
-from metrale.pool.pool import AdapterPool
+from metrale.pool import landing
 from metrale.pool.slots import SlotState
 from tests.helpers.engine import run_until_done, tiny_engine
 from tests.helpers.pool import snapshot
@@ -239,20 +239,20 @@ def test_failure_mid_landing_leaves_slot_empty(filled, adapters, monkeypatch):
     table, pool = filled.lora.table, filled.lora.pool
     old = table.info(0)
     other = pool.slot_region(1).clone()
-    real_land = AdapterPool.land
+    real_land = landing.land_tensors
     died = []
 
-    def land_half_then_die(self, slot, plan, views):
-        if self is not pool:  # the scratch pool that bounds c's weights first
-            return real_land(self, slot, plan, views)
+    def land_half_then_die(t, layout, plan, views):
+        if not any(t is s for s in pool.slot_tensors):  # the scratch pool that bounds c first
+            return real_land(t, layout, plan, views)
         half = len(plan.landings) // 2
-        real_land(self, slot, plan.__class__(**{**plan.__dict__, "landings": plan.landings[:half]}),
+        real_land(t, layout, plan.__class__(**{**plan.__dict__, "landings": plan.landings[:half]}),
                   views[:half])
-        assert self.slot_region(slot).any()  # half of c's bytes are in the slot now
-        died.append(slot)
+        assert t.data.any()  # half of c's bytes are in the slot now
+        died.append(t.index)
         raise OSError("disk vanished mid-read")
 
-    monkeypatch.setattr(AdapterPool, "land", land_half_then_die)
+    monkeypatch.setattr(landing, "land_tensors", land_half_then_die)
     with pytest.raises(errors.LandingError, match="disk vanished mid-read.*now EMPTY"):
         filled.swap_lora_slot_from_disk(adapters / "c", "c", 0)
     assert died == [0]

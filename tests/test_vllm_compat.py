@@ -8,7 +8,7 @@ import pytest
 from metrale import LLM, SamplingParams
 from metrale.errors import ChatTemplateError
 from tests.helpers.server import save_tokenizer
-from tests.helpers.tiny_models import make_model, save_model
+from tests.helpers.tiny_models import saved_tiny_model
 
 CONV = [{"role": "system", "content": "tell me a story"},
         {"role": "user", "content": "what about the moon"}]
@@ -18,9 +18,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("compat") / "model"
-    base = make_model("llama", seed=11)
-    save_model(base, path)
-    save_tokenizer(path, base.config.vocab_size)
+    saved_tiny_model(path, seed=11, tokenizer=save_tokenizer)
     return path
 
 

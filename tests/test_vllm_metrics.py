@@ -18,7 +18,7 @@ from metrale.server.metrics import ServerMetrics
 from metrale.server.serve import build_app
 from tests.helpers.engine import step_until
 from tests.helpers.server import save_tokenizer
-from tests.helpers.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, saved_tiny_model
 
 BASE = "tiny-base"
 BLOCK = 16
@@ -44,9 +44,8 @@ HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seco
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-metrics")
-    base = make_model("llama", seed=4, max_position_embeddings=512)
-    save_model(base, root / BASE)
-    save_tokenizer(root / BASE, base.config.vocab_size)
+    base = saved_tiny_model(root / BASE, seed=4, tokenizer=save_tokenizer,
+                            max_position_embeddings=512)
     make_adapter(base, root / "jail" / "a", seed=1, r=4, lora_alpha=8, target_modules="all-linear")
     return root
 

@@ -7,6 +7,7 @@ into, so one that dies mid-transfer leaves it EMPTY with a fresh identity (Landi
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -33,8 +34,9 @@ from metrale.peer.manifest import (
 )
 from metrale.peer.nixl_transport import Runs, coalesce, endpoint_for
 from metrale.peer.plans import PeerPlan, plan_cache_for
-from metrale.pool.landing import Landing
+from metrale.pool.landing import Landing, slot_norms
 from metrale.pool.recipe import table_rows
+from metrale.pool.staged import stage, stage_views
 from metrale.pool.staging import StagingBuffers
 from metrale.pool.swap import LoraSlots, Prepared
 
@@ -77,7 +79,7 @@ def warm_up_nixl(lora_slots: LoraSlots) -> bool:
     except NixlUnavailableError as e:
         log.info("NIXL not warmed up: %s", e)
         return False
-    pool.gain_norm_values(0)  # a landing's verify; reads only
+    slot_norms(pool.slot_tensors[0])  # a landing's verify; reads only
     scratch = torch.zeros(2, dtype=pool.buffer.dtype, device=pool.device)
     scratch.index_fill_(0, torch.ones(1, dtype=torch.int64, device=pool.device), 0)  # gaps' op
     return True
@@ -204,7 +206,7 @@ class _PeerFetch:
         nbytes = manifest.table["nbytes"].astype(np.int64)
         return PeerPlan(manifest.shape_bytes, manifest.peft_raw, manifest.dtype, plan, offsets,
                         nbytes, table_rows(plan, layout),
-                        GainBound.of(plan, slots.pool.gain_norm_keys()))
+                        GainBound.of(plan, slots.pool.norm_keys))
 
     # --- steps ---------------------------------------------------------------------------
 
@@ -261,22 +263,19 @@ class _PeerFetch:
         else typed views."""
         plan = entry.plan
         staging = self.staging or self.slots.staging
-        pool = self.slots.pool
         start = time.perf_counter()
         data = staging.stream(plan.data_bytes, lambda out, on_range: client.read_exact(
             manifest.http_path, out, on_range, ranged=manifest.http_ranges))
-        recipe = pool.recipe(plan, staged_bt=True)
+        recipe = self.slots.recipes.get(plan, staged_bt=True)
         if recipe is not None:
-            staged = pool.stage(plan, data, recipe)  # raises, naming a tensor, on NaN/Inf
+            staged = stage(plan, data, recipe)  # raises, naming a tensor, on NaN/Inf
             self.stats["transfer_ms"] = (time.perf_counter() - start) * 1e3
-            self.slots.bound_in_scratch(plan, lambda scratch: scratch.land_staged(0, staged),
-                                        entry.bound)
-            return lambda landing: landing.write_staged(staged)
-        views = canonical_views(plan, pool.stage_views(plan, data))
+            self.slots.bound_in_scratch(plan, staged, entry.bound)
+            return functools.partial(Landing.write_staged, staged=staged)
+        views = canonical_views(plan, stage_views(plan, data))
         self.stats["transfer_ms"] = (time.perf_counter() - start) * 1e3
-        self.slots.bound_in_scratch(plan, lambda scratch: scratch.land(0, plan, views),
-                                    entry.bound)
-        return lambda landing: landing.write_views(plan, views)
+        self.slots.bound_in_scratch(plan, views, entry.bound)
+        return functools.partial(Landing.write_views, plan=plan, views=views)
 
     @staticmethod
     def _runs(entry: PeerPlan, manifest: Manifest) -> Runs:

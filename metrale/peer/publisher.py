@@ -8,6 +8,7 @@ so the pool keeps it and reuses the older slots, except one a lease still reads 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -29,6 +30,8 @@ from metrale.peer.exporter import AdapterExporter
 from metrale.peer.http_server import PeerHTTPServer
 from metrale.peer.manifest import DTYPE_NAMES
 from metrale.peer.store import StoreNames, fitted_pool, probe_pool, resolve_transports
+from metrale.pool.landing import Landing
+from metrale.pool.staged import stage
 from metrale.pool.swap import LoraSlots, Prepared
 
 log = logging.getLogger("metrale.peer")
@@ -82,7 +85,6 @@ class AdapterPublisher:
 
     def _prepare(self, tensors: Mapping[str, torch.Tensor]) -> Prepared:
         """The tensors as one data section on the pool's device, planned and checked."""
-        pool = self.slots.pool
         layout = tuple((key, t.dtype, t.shape) for key, t in tensors.items())
         section = self._sections.get(layout)
         if section is None:  # a training loop pushes one layout: planned once (~10 ms on an 8B)
@@ -93,8 +95,8 @@ class AdapterPublisher:
             torch._foreach_copy_(views, list(tensors.values()))
         if plan.spans:  # keys that land nowhere (e.g. frozen copies) are not staged
             data = torch.cat([data[a:b] for a, b in plan.spans])
-        staged = pool.stage(plan, data, pool.recipe(plan))  # raises on NaN/Inf, naming a tensor
-        return Prepared(lambda landing: landing.write_staged(staged))
+        staged = stage(plan, data, self.slots.recipes.get(plan))  # raises on NaN/Inf, naming a tensor
+        return Prepared(functools.partial(Landing.write_staged, staged=staged))
 
     def _section(self, layout: tuple) -> tuple[AdapterPlan, torch.Tensor, list[torch.Tensor]]:
         """(plan, data, views): the plan of this tensor layout and a data section on the

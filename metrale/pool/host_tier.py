@@ -143,11 +143,10 @@ class HostTier:
         if ready is not None:
             torch.cuda.current_stream(self.pool.device).wait_event(ready)
 
-    def land(self, entry: TierEntry, slot: int) -> None:
-        """One H2D copy of the image into the slot, then its table rows."""
+    def copy_image(self, entry: TierEntry, dst: torch.Tensor) -> None:
+        """One H2D copy of the image's bytes into dst (a slot's region); its table rows are
+        the landing's."""
         if entry.ready is not None:
             entry.ready.synchronize()  # long done in practice: filled at an earlier landing
             entry.ready = None
-        pool = self.pool
-        pool.slot_region(slot).copy_(entry.image, non_blocking=self._cuda)
-        pool.write_tables(slot, entry.ranks, entry.scales, entry.doras)
+        dst.copy_(entry.image, non_blocking=self._cuda)

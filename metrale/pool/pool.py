@@ -1,53 +1,52 @@
 """AdapterPool: one contiguous device tensor holding every slot, the per-slot rank, scale
 and DoRA tables, and the strided views the kernels read. Addresses never change after
-construction, so CUDA graphs captured over these views stay valid. DoRA's gain
-g = m / ||W + s B A|| depends only on the slot's bytes and W: computed once per landing.
+construction, so CUDA graphs captured over these views stay valid. Tensors and their
+layout only: what goes into a slot, and the checks on it, are the landing's
+(metrale.pool.landing), which writes through one slot's `SlotTensors`.
 """
 
 from __future__ import annotations
 
-import math
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from metrale.adapters.plan import AdapterPlan
-from metrale.adapters.weights_check import all_finite
-from metrale.errors import NonFiniteWeightsError
-from metrale.ops.landing_triton import base_of, land_rows, land_views
 from metrale.ops.moe_triton import ExpertLora
-from metrale.ops.norms_triton import KIND_A, KIND_B, KIND_MAX, region_descriptors, region_norms
+from metrale.ops.norms_triton import KIND_A, KIND_B, KIND_MAX, region_descriptors
 from metrale.pool.layout import SlotLayout
-from metrale.pool.recipe import LandingRecipe, build_recipe
 
 
 @dataclass(frozen=True)
-class ByteRange:
-    """A device address range inside one slot, for transports that write raw bytes."""
+class NormGroup:
+    """An evenly spaced run of one (module, kind)'s regions in one slot, as one
+    [layers, rows, cols] view: a slot's norms reduce over all its layers at once."""
 
-    addr: int
-    nbytes: int
-
-
-GAIN_CHUNK_ELEMS = 1 << 22  # elements of W + s B A that compute_gains builds at a time
-_RECIPES = 256  # landing recipes kept (one per adapter layout landing repeatedly)
+    keys: tuple[tuple[int, str, str], ...]  # (layer, module, kind) of each view row
+    view: torch.Tensor  # [layers, rows, cols]
+    kind: str  # "A" | "B" | "M"
+    one_hot: bool  # an embedding's A (its norm is the largest |value|)
 
 
 @dataclass(frozen=True)
-class StagedAdapter:
-    """An adapter's bytes on the pool's device, checked finite, ready for any slot."""
+class SlotTensors:
+    """One slot's part of every pool tensor: all a landing writes, zeroes and checks."""
 
-    plan: AdapterPlan
-    data: torch.Tensor  # [plan.staged_bytes] uint8
-    recipe: LandingRecipe | None
-    views: list[torch.Tensor]  # only without a recipe
+    index: int
+    data: torch.Tensor  # [slot_elems] the slot's region of the pool buffer
+    ranks: torch.Tensor  # [L, M] int32
+    scales: torch.Tensor  # [L, M] float32
+    doras: torch.Tensor  # [L, M] int32, 1: apply DoRA's gain
+    gains: torch.Tensor  # [gain_elems] float32
+    norm_groups: tuple[NormGroup, ...]  # cover every region of the slot
+    # norms_triton's [regions, 4] descriptors, offsets from `data` (every slot's are the
+    # same), in norm_keys order: the CUDA path's (the CPU's reads norm_groups)
+    norm_desc: torch.Tensor
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.recipe.dtype if self.recipe is not None else self.views[0].dtype
+    def region(self, layout: SlotLayout, layer: int, module: str, kind: str) -> torch.Tensor:
+        """[rows, cols] view of one (layer, module, kind) region of this slot."""
+        r = layout.region(layer, module, kind)
+        return self.data[r.offset:r.offset + r.numel].view(r.rows, r.cols)
 
 
 class AdapterPool:
@@ -71,12 +70,17 @@ class AdapterPool:
                                                    r.offset)
                        for key, r in layout.regions.items()}
         self._fused: dict = {}
-        self._norm_groups: dict[int, list] = {}  # slot -> gain_norms' views of it
-        self._norm_keys: dict | None = None
-        self._norm_desc: dict[int, torch.Tensor] = {}  # slot -> norm_descriptors
-        # id(plan.landings) -> (landings, targets, recipe), oldest first
-        self._recipes: dict[int, tuple] = {}
-        self._recipes_lock = threading.Lock()
+        # (layer, module, kind) -> its position in a slot's norms (landing.slot_norms)
+        groups0 = self._norm_groups(0) if S else ()
+        self.norm_keys: dict[tuple[int, str, str], int] = {
+            key: i for i, key in enumerate(key for g in groups0 for key in g.keys)}
+        desc = self._norm_descriptors(groups0) if S else None
+        n = layout.slot_elems
+        self.slot_tensors: tuple[SlotTensors, ...] = tuple(
+            SlotTensors(s, self.buffer[s * n:(s + 1) * n], self.ranks[s], self.scales[s],
+                        self.doras[s], self.gains[s],
+                        groups0 if s == 0 else self._norm_groups(s), desc)
+            for s in range(S))
 
     def lora_a(self, layer: int, module: str) -> torch.Tensor:
         """A: [S, max_rank, in]"""
@@ -125,219 +129,37 @@ class AdapterPool:
                           self.layout.model.moe.num_experts, self.layout.max_rank)
 
     def slot_region(self, slot: int) -> torch.Tensor:
-        n = self.layout.slot_elems
-        return self.buffer[slot * n:(slot + 1) * n]
+        """[slot_elems] the slot's bytes."""
+        return self.slot_tensors[slot].data
 
-    def gain_norms(self, slot: int) -> dict[tuple[int, str, str], float]:
-        """check_gain's norm of every A and B region of `slot`, by (layer, module, kind)."""
-        values, _ = self.gain_norm_values(slot)
-        return dict(zip(self.gain_norm_keys(), values.tolist()))
-
-    def gain_norm_keys(self) -> dict[tuple[int, str, str], int]:
-        """(layer, module, kind) -> its position in gain_norm_values (the same for every slot)."""
-        if self._norm_keys is None:
-            self._norm_keys = {key: i for i, key in enumerate(
-                key for group_keys, _, _, _ in self._norm_groups_of(0) for key in group_keys)}
-        return self._norm_keys
-
-    def gain_norm_values(self, slot: int) -> tuple[np.ndarray, bool]:
-        """(norms, finite), one host sync. norms: float64 in gain_norm_keys order plus a
-        trailing 0 (for targets the layout lacks): A's largest row 2-norm (an embedding's:
-        its largest |value|), B's largest row 1-norm (a column of Bt), M's largest |value|.
-        A slot is zeroed before it lands, so rows past a module's rank add nothing and each
-        (module, kind) reduces over all its layers at once: per tensor, the ~450 slicing
-        calls of an 8B slot cost ~5 ms on the H200. finite: no NaN/Inf in any region (NaN
-        and Inf reach every norm; padding between regions stays zero), so a landing that
-        zeroes the bytes it carried between tensors needs no pass of its own."""
-        groups = self._norm_groups_of(slot)
-        if self.buffer.is_cuda:  # one launch (the torch ops below are its reference)
-            values = region_norms(self.buffer, self.norm_descriptors(slot))
-        else:
-            parts = [_norms(x, kind, one_hot, torch.float32) for _, x, kind, one_hot in groups]
-            values = torch.cat(parts + [torch.zeros(1, dtype=torch.float32)])  # trailing 0
-        values = values.cpu().numpy().astype(np.float64)
-        if not np.isfinite(values).all():  # float32 overflows past ~1e19: float64 decides
-            start = 0
-            for group_keys, x, kind, one_hot in groups:
-                end = start + len(group_keys)
-                if not np.isfinite(values[start:end]).all():
-                    values[start:end] = _norms(x, kind, one_hot, torch.float64).cpu().numpy()
-                start = end
-        return values, bool(np.isfinite(values).all())  # finite values: finite float64 norms
-
-    def norm_descriptors(self, slot: int) -> torch.Tensor:
-        """norms_triton's [regions, 4] descriptors of `slot`, in gain_norm_keys order."""
-        desc = self._norm_desc.get(slot)
-        if desc is None:
-            base, rows = slot * self.layout.slot_elems, []
-            for keys, _, kind, one_hot in self._norm_groups_of(slot):
-                code = KIND_B if kind == "B" else KIND_A if kind == "A" and not one_hot else KIND_MAX
-                for key in keys:
-                    region = self.layout.region(*key)
-                    rows.append((base + region.offset, region.rows, region.cols, code))
-            desc = self._norm_desc[slot] = region_descriptors(rows, self.device)
-        return desc
-
-    def _norm_groups_of(self, slot: int) -> list:
-        groups = self._norm_groups.get(slot)
-        if groups is None:
-            groups = self._norm_groups[slot] = self._group_regions(slot)
-        return groups
-
-    def _group_regions(self, slot: int) -> list:
-        """(keys, [layers, rows, cols] view, kind, one_hot) per evenly spaced run of a
-        (module, kind)'s regions: one run per module unless layers differ (MoE models).
-        Together they cover every region of the slot: all bytes but the zeroed padding."""
-        base, out = slot * self.layout.slot_elems, []
-        for module in dict.fromkeys(m for _, m in self.layout.module_keys):
-            layers = [layer for layer, m in self.layout.module_keys if m == module]
+    def _norm_groups(self, slot: int) -> tuple[NormGroup, ...]:
+        """`slot`'s regions as NormGroups, one per evenly spaced run of a (module, kind)'s
+        regions: one run per module unless layers differ (MoE models). Together they cover
+        every region of the slot: all bytes but the zeroed padding."""
+        layout, base, out = self.layout, slot * self.layout.slot_elems, []
+        for module in dict.fromkeys(m for _, m in layout.module_keys):
+            layers = [layer for layer, m in layout.module_keys if m == module]
             for kind in ("A", "B", "M"):
-                regions = [self.layout.region(layer, module, kind) for layer in layers]
+                regions = [layout.region(layer, module, kind) for layer in layers]
                 for run in _even_runs(regions):
                     first = run[0]
                     step = run[1].offset - first.offset if len(run) > 1 else 0
                     view = self.buffer.as_strided((len(run), first.rows, first.cols),
                                                   (step, first.cols, 1), base + first.offset)
-                    keys = [(r.layer, module, kind) for r in run]
-                    out.append((keys, view, kind, module == "embed_tokens"))
-        return out
+                    out.append(NormGroup(tuple((r.layer, module, kind) for r in run), view,
+                                         kind, module == "embed_tokens"))
+        return tuple(out)
 
-    # --- landing ----------------------------------------------------------------
-
-    def recipe(self, plan: AdapterPlan, staged_bt: bool = False) -> LandingRecipe | None:
-        """The plan's landing recipe, shared by plans of the same tensors and targets (CUDA)."""
-        if not self.buffer.is_cuda or not plan.landings:
-            return None
-        key = (id(plan.landings), staged_bt)
-        with self._recipes_lock:
-            known = self._recipes.get(key)
-            if known is not None and known[0] is plan.landings and known[1] is plan.targets:
-                return known[2]
-        recipe = build_recipe(plan, self.layout, self.device, staged_bt)
-        with self._recipes_lock:
-            while len(self._recipes) >= _RECIPES:
-                del self._recipes[next(iter(self._recipes))]
-            self._recipes[key] = (plan.landings, plan.targets, recipe)  # refs keep ids unique
-        return recipe
-
-    def stage(self, plan: AdapterPlan, data: torch.Tensor,
-              recipe: LandingRecipe | None = None) -> StagedAdapter:
-        """Check staged bytes: with a recipe one NaN/Inf pass over them all, else stage_views."""
-        if recipe is not None and bool(data[:plan.staged_bytes].view(recipe.dtype).isfinite().all()):
-            return StagedAdapter(plan, data, recipe, [])
-        return StagedAdapter(plan, data, None, self.stage_views(plan, data))
-
-    def land_staged(self, slot: int, staged: StagedAdapter) -> None:
-        """Into a zeroed slot (its table rows are the caller's)."""
-        recipe = staged.recipe
-        if recipe is None:
-            self.land(slot, staged.plan, staged.views)
-            return
-        n = self.layout.slot_elems
-        land_rows(self.buffer[slot * n:], staged.data.view(recipe.dtype), recipe.desc,
-                  recipe.tiles)
-
-    def stage_views(self, plan: AdapterPlan, data: torch.Tensor) -> list[torch.Tensor]:
-        """Typed views of each planned tensor inside data ([plan.staged_bytes] uint8 on the
-        device). Raises NonFiniteWeightsError, naming a tensor, before anything is written."""
-        views = []
-        for landing in plan.landings:
-            e = landing.entry
-            begin = plan.staged_begin(e)  # e.begin unless the plan stages only its spans
-            raw = data[begin:begin + e.nbytes]
-            if (data.storage_offset() + begin) % e.torch_dtype.itemsize:
-                raw = raw.clone()  # a hostile file may misalign a tensor; keep the view legal
-            views.append(raw.view(e.torch_dtype).view(e.shape))
-        if not views or self._all_finite(data, views):
-            return views
-        bad = next(landing.entry.name for landing, v in zip(plan.landings, views)
-                   if not all_finite(v))
-        raise NonFiniteWeightsError(f"{plan.source}: tensor {bad!r} holds NaN or Inf")
-
-    @staticmethod
-    def _all_finite(data: torch.Tensor, views: list[torch.Tensor]) -> bool:
-        """One check (one device sync) for the whole adapter: one pass over the bytes
-        when the views are one dtype tiling them, else one reduction per tensor, stacked."""
-        dtype = views[0].dtype
-        size = views[0].element_size()
-        whole = (all(v.dtype == dtype for v in views)
-                 and sum(v.numel() for v in views) * size == data.numel()
-                 and data.data_ptr() % size == 0)
-        if whole:
-            return all_finite(data.view(dtype))
-        if not data.is_cuda:
-            return all(all_finite(v) for v in views)
-        return bool(torch.stack([v.isfinite().all() for v in views]).all())
-
-    def zero_slot(self, slot: int) -> None:
-        self.slot_region(slot).zero_()
-        self.ranks[slot].zero_()
-        self.scales[slot].zero_()
-        self.doras[slot].zero_()
-        self.gains[slot].fill_(1.0)
-
-    def land(self, slot: int, plan: AdapterPlan, views: list[torch.Tensor]) -> None:
-        """Write staged tensors into a zeroed slot, converting and transposing on the
-        device (on CUDA in one kernel). The rank/scale rows are the caller's (write_tables
-        at commit: their copy from pageable memory would wait for the stream on the host)."""
-        src_base = base_of(views) if self.buffer.is_cuda else None
-        if src_base is not None:
-            base, items = slot * self.layout.slot_elems, []
-            for landing, src in zip(plan.landings, views):
-                t = landing.target
-                offset, cols, row_stride = landing.placement(
-                    self.layout.region(t.layer, t.module, landing.kind))
-                items.append((src, base + offset, landing.rows, cols, landing.kind == "B",
-                              row_stride))
-            land_views(self.buffer, src_base, items)
-        else:
-            for landing, src in zip(plan.landings, views):
-                t = landing.target
-                if landing.kind == "M":
-                    self.magnitude(t.layer, t.module)[slot, 0].copy_(src)  # [out]
-                    continue
-                region = (self.lora_a if landing.kind == "A" else self.lora_bt)(t.layer, t.module)
-                cols = landing.cols or region.shape[-1]
-                last = landing.row0 + (landing.rows - 1) * landing.row_step + 1
-                dst = region[slot, landing.row0:last:landing.row_step,
-                             landing.col0:landing.col0 + cols]  # [rows, cols]
-                dst.copy_(src if landing.kind == "A" else src.t())  # B [out, r] -> Bt [r, out]
-
-    def write_tables(self, slot: int, ranks: torch.Tensor, scales: torch.Tensor,
-                     doras: torch.Tensor) -> None:
-        """Host rows [L, M] into the slot's tables; DoRA cells get their gains computed
-        from the slot's bytes (so call it after the bytes landed)."""
-        pinned = ranks.is_pinned()  # then no host sync: the rows are never rewritten
-        self.ranks[slot].copy_(ranks, non_blocking=pinned)
-        self.scales[slot].copy_(scales, non_blocking=pinned)
-        self.doras[slot].copy_(doras, non_blocking=pinned)
-        self.gains[slot].fill_(1.0)
-        cells = doras.nonzero().tolist()  # host tensor: no device sync
-        if cells and self.base_weights is not None:
-            self.compute_gains(slot, [(layer, self.layout.table_modules[m], float(scales[layer, m]),
-                                       int(ranks[layer, m])) for layer, m in cells])
-
-    @torch.no_grad()  # the base weights may be Parameters: no autograd graph may hang off g
-    def compute_gains(self, slot: int, cells: list[tuple[int, str, float, int]]) -> None:
-        """DoRA's g = m / ||W + s B A|| per output row in float32 (PEFT's DoraLinearLayer)."""
-        bad = []
-        for layer, module, scale, rank in cells:
-            W = self.base_weights[(layer, module)]  # [out, in]
-            a = self.lora_a(layer, module)[slot, :rank].float()  # [r, in]
-            bt = self.lora_bt(layer, module)[slot, :rank].float()  # [r, out]
-            m = self.magnitude(layer, module)[slot, 0].float()  # [out]
-            g = self.gain(layer, module)[slot]  # [out] float32, a view: written in place
-            out, d_in = W.shape
-            step = max(1, GAIN_CHUNK_ELEMS // max(d_in, 1))
-            for lo in range(0, out, step):
-                hi = min(out, lo + step)
-                rows = W[lo:hi].float() + scale * (bt[:, lo:hi].T @ a)  # [c, in]
-                g[lo:hi] = m[lo:hi] / torch.linalg.vector_norm(rows, dim=1)  # [c]
-            bad.append(g.isfinite().all())
-        if bad and not bool(torch.stack(bad).all()):
-            raise NonFiniteWeightsError(
-                "a DoRA gain m / ||W + s B A|| is not finite (a row of W + s B A has norm 0, "
-                "or the magnitudes overflow)")
+    def _norm_descriptors(self, groups: tuple[NormGroup, ...]) -> torch.Tensor:
+        """norms_triton's descriptors of slot 0's groups: offsets from a slot's base."""
+        rows = []
+        for group in groups:
+            code = KIND_B if group.kind == "B" else \
+                KIND_A if group.kind == "A" and not group.one_hot else KIND_MAX
+            for key in group.keys:
+                region = self.layout.region(*key)
+                rows.append((region.offset, region.rows, region.cols, code))
+        return region_descriptors(rows, self.device)
 
     # --- read-back (tests, peers) --------------------------------------------------
 
@@ -351,15 +173,6 @@ class AdapterPool:
         a = self.lora_a(layer, module)[slot].float()  # [R, in]
         bt = self.lora_bt(layer, module)[slot].float()  # [R, out]
         return self.scales[slot, layer, m].float() * (bt.t() @ a)
-
-
-def _norms(x: torch.Tensor, kind: str, one_hot: bool, dtype: torch.dtype) -> torch.Tensor:
-    """gain_norms of x [layers, rows, cols] (A, B as Bt, or M), accumulated in dtype."""
-    if kind == "B":
-        return torch.linalg.vector_norm(x, 1, dim=1, dtype=dtype).amax(1)
-    if one_hot or kind == "M":
-        return torch.linalg.vector_norm(x, math.inf, dim=(1, 2), dtype=dtype)
-    return torch.linalg.vector_norm(x, 2, dim=2, dtype=dtype).amax(1)
 
 
 def _even_runs(regions: list) -> list[list]:

@@ -7,6 +7,7 @@ and three table copies. Only for tensors of one dtype, aligned, tiling the stage
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -71,3 +72,30 @@ def build_recipe(plan: AdapterPlan, layout: SlotLayout, device: torch.device,
     pin = device.type == "cuda"
     desc = torch.tensor(rows, dtype=torch.int64).to(device)
     return LandingRecipe(dtype, desc, max_tiles(rows), *table_rows(plan, layout, pin))
+
+
+class RecipeCache:
+    """Plans' recipes for one pool, shared by plans of the same tensors and targets (a
+    recipe is ~ms of Python per 8B plan). Thread-safe: promotion workers ask it. Only on
+    CUDA: the CPU lands typed views."""
+
+    def __init__(self, layout: SlotLayout, device: torch.device, size: int = 256) -> None:
+        self.layout, self.device, self.size = layout, device, size
+        # (id(plan.landings), staged_bt) -> (landings, targets, recipe), oldest first
+        self._recipes: dict[tuple[int, bool], tuple] = {}
+        self._lock = threading.Lock()
+
+    def get(self, plan: AdapterPlan, staged_bt: bool = False) -> LandingRecipe | None:
+        if self.device.type != "cuda" or not plan.landings:
+            return None
+        key = (id(plan.landings), staged_bt)
+        with self._lock:
+            known = self._recipes.get(key)
+            if known is not None and known[0] is plan.landings and known[1] is plan.targets:
+                return known[2]
+        recipe = build_recipe(plan, self.layout, self.device, staged_bt)
+        with self._lock:
+            while len(self._recipes) >= self.size:
+                del self._recipes[next(iter(self._recipes))]
+            self._recipes[key] = (plan.landings, plan.targets, recipe)  # refs keep ids unique
+        return recipe

@@ -165,13 +165,15 @@ class SlotTable:
 
     # --- the landing state machine: EMPTY|READY -> LOADING -> READY | EMPTY ------
 
-    def begin_load(self, slot: int) -> None:
-        """The slot stops serving its old version: from here it holds nothing."""
+    def begin_load(self, slot: int) -> int:
+        """The slot stops serving its old version: from here it holds nothing. Returns the
+        landing's generation (for its log line)."""
         self.require_idle(slot)
         s = self._slots[slot]
         s.state, s.version, s.uid = SlotState.LOADING, None, next(_uids)
         s.generation += 1
         s.ever_filled = True
+        return s.generation
 
     def finish_load(self, slot: int, version: int) -> int:
         """LOADING -> READY holding `version`; returns the landing's uid."""

@@ -12,6 +12,7 @@ evicts nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -29,15 +30,16 @@ from metrale.errors import (
     AdapterFileError,
     MetraleError,
     NoAdapterPoolError,
-    NonFiniteWeightsError,
     RuntimeSwapsDisabledError,
 )
 from metrale.pool.host_tier import HostTier
-from metrale.pool.landing import Landing
+from metrale.pool.landing import Landing, check_slot, land_inline, land_staged, land_tensors, zero_slot
 from metrale.pool.layout import SlotLayout
 from metrale.pool.mapped_files import MappedFiles
 from metrale.pool.pool import AdapterPool
+from metrale.pool.recipe import RecipeCache
 from metrale.pool.slots import SlotTable
+from metrale.pool.staged import StagedAdapter, stage
 from metrale.pool.staging import ShortReadError, StagingBuffers, read_chunks
 
 log = logging.getLogger("metrale.pool")
@@ -123,8 +125,10 @@ class LoraSlots:
         self.listeners: list[Callable[[LandingEvent], None]] = []
         self.pool: AdapterPool | None = None
         self.host_tier: HostTier | None = None
+        self.recipes: RecipeCache | None = None  # landing recipes of plans (CUDA)
         if pool.max_loras:
             self.pool = AdapterPool(SlotLayout(model, pool, dtype), device, base_weights)
+            self.recipes = RecipeCache(self.pool.layout, self.pool.device)
             if pool.host_tier_bytes:
                 self.host_tier = HostTier(self.pool, pool.host_tier_bytes, pool.eviction)
         self.staging = StagingBuffers(torch.device(device))
@@ -158,28 +162,15 @@ class LoraSlots:
     # --- the two-phase landing ------------------------------------------------------
 
     def begin(self, slot: int, zero: bool = True) -> Landing:
-        """EMPTY|READY -> LOADING and zeroed on the current stream (zero=False: the
-        caller's write fills the whole slot). Refuses a busy slot before touching it."""
-        self.table.begin_load(slot)  # re-checks idleness; from here the slot serves nothing
-        landing = Landing(self.table, self.pool, slot, self.host_tier)
-        try:
-            if self.host_tier is not None:
-                self.host_tier.before_write(slot)
-            if zero:
-                self.pool.zero_slot(slot)
-        except BaseException as e:
-            raise landing.fail(e) from e
-        return landing
+        """A landing into `slot`, begun (metrale.pool.landing: the protocol), for a caller
+        that drives its steps (a promotion). zero=False: the write fills the whole slot."""
+        return Landing.begin(self.table, self.pool, self.host_tier, slot, zero)
 
     def land(self, slot: int, version: int, prepared: Prepared) -> None:
-        """begin, write, commit, here: `prepared` into `slot` as `version` (a registry's,
-        or a store's own number). A failure after begin raises LandingError."""
-        landing = self.begin(slot, zero=not prepared.fills_slot)
-        try:
-            prepared.write(landing)
-        except BaseException as e:
-            raise landing.fail(e) from e
-        landing.commit(version)
+        """`prepared` into `slot` as `version` (a registry's, or a store's own number), the
+        whole landing here. A failure after begin raises LandingError."""
+        land_inline(self.table, self.pool, self.host_tier, slot, version, prepared.write,
+                    prepared.fills_slot)
         self.committed(prepared, slot)
 
     def committed(self, prepared: Prepared, slot: int) -> None:
@@ -210,7 +201,7 @@ class LoraSlots:
         self.table.unload(slot)
         if self.host_tier is not None:
             self.host_tier.before_write(slot)
-        self.pool.zero_slot(slot)
+        zero_slot(self.pool.slot_tensors[slot])
 
     # --- reading adapters (thread-safe: a promotion worker runs these) ---------------
 
@@ -243,25 +234,26 @@ class LoraSlots:
         tier = self.host_tier
         entry = tier.get(identity) if use_tier and tier is not None and tier.enabled else None
         if entry is not None:
-            return Prepared(lambda landing: landing.write_image(entry), fills_slot=True)
+            return Prepared(functools.partial(Landing.write_image, entry=entry), fills_slot=True)
         plan = self.plan_from_disk(adapter_dir, name, identity, root)
         data = read_adapter_data(plan, staging or self.staging, self.mapped_files, identity)
-        staged = self.pool.stage(plan, data, self.pool.recipe(plan))
+        staged = stage(plan, data, self.recipes.get(plan))
         if verify and identity is not None:
             with self._plans_lock:
                 verify = identity not in self._landed_files
         if verify:
-            self.bound_in_scratch(plan, lambda pool: pool.land_staged(0, staged))
-        return Prepared(lambda landing: landing.write_staged(staged), identity)
+            self.bound_in_scratch(plan, staged)
+        return Prepared(functools.partial(Landing.write_staged, staged=staged), identity)
 
-    def bound_in_scratch(self, plan: AdapterPlan, write: Callable[[AdapterPool], None],
+    def bound_in_scratch(self, plan: AdapterPlan, staged: StagedAdapter | list[torch.Tensor],
                          bound: GainBound | None = None) -> None:
-        """Check bytes no registration bounded before any slot is touched: write(pool)
-        lands them in slot 0 of a one-slot pool of this layout (made at first use, one
-        slot's memory), where one set of norms and one host sync find NaN/Inf (also from
-        the conversion to the pool's dtype) and check the gain bound. Raises
-        NonFiniteWeightsError (or the bound's subclass of it). Thread-safe: the norms' sync
-        ends this stream's use of the scratch before the next caller's begins."""
+        """Check bytes no registration bounded before any slot is touched: `staged` (or a
+        peer's typed views of the plan's tensors) lands in slot 0 of a one-slot pool of this
+        layout (made at first use, one slot's memory), where the landing's own checks (one
+        set of norms, one host sync) find NaN/Inf (also from the conversion to the pool's
+        dtype) and check the gain bound. Raises NonFiniteWeightsError (or the bound's
+        subclass of it). Thread-safe: the norms' sync ends this stream's use of the scratch
+        before the next caller's begins."""
         with self._scratch_lock:
             if self._scratch is None:
                 layout = self.pool.layout
@@ -269,15 +261,14 @@ class LoraSlots:
                     SlotLayout(self.model_config, replace(self.pool_config, max_loras=1),
                                layout.dtype), self.pool.device)
             scratch = self._scratch
-            scratch.zero_slot(0)
-            write(scratch)
-            norms, finite = scratch.gain_norm_values(0)
-        if not finite:
-            raise NonFiniteWeightsError(
-                f"{plan.source}: the weights hold NaN or Inf in the pool's dtype "
-                f"({scratch.layout.dtype})")
-        (bound or GainBound.of(plan, scratch.gain_norm_keys())).check(plan, norms,
-                                                                      scratch.layout.dtype)
+            t = scratch.slot_tensors[0]
+            zero_slot(t)
+            if isinstance(staged, StagedAdapter):
+                land_staged(t, scratch.layout, staged)
+            else:
+                land_tensors(t, scratch.layout, plan, staged)
+            check_slot(t, plan, bound or GainBound.of(plan, scratch.norm_keys),
+                       scratch.layout.dtype)
 
     def clear_plan_cache(self) -> None:
         """For benchmarks that time a first landing: plans, files landed."""

@@ -10,6 +10,7 @@ import torch
 
 from metrale.config import ModelConfig, PoolConfig
 from metrale.peer.landing import prepare_from_peer
+from metrale.pool.landing import slot_norms
 from metrale.pool.swap import LoraSlots
 from tests.helpers.tiny_models import hf_config
 
@@ -63,6 +64,12 @@ def land_peer(slots: LoraSlots, addr: str, adapter_id: str, slot: int | None = N
     finally:
         prepared.close()
     return slot, version
+
+
+def norms_by_key(pool, slot: int) -> dict[tuple[int, str, str], float]:
+    """The landing check's norm of every region of `slot`, by (layer, module, kind)."""
+    values, _ = slot_norms(pool.slot_tensors[slot])
+    return dict(zip(pool.norm_keys, values.tolist()))
 
 
 def tiny_llama_slots(**pool_kw) -> LoraSlots:

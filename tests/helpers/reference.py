@@ -4,15 +4,29 @@ tiny_models' models, and the check that an engine output equals it."""
 from __future__ import annotations
 
 import random
+import weakref
 
 import torch
 
+# hf_greedy's answers per model object, for the run: tests parametrized over engine options
+# (sync/async scheduling, graph modes) ask the same model the same prompt again. Weak keys:
+# a model's answers go with it, and a new model never sees an old one's.
+_GREEDY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 def hf_greedy(model, prompt: list[int], n: int = 10) -> tuple[list[int], torch.Tensor]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)  # [n, V]
-    return out.sequences[0, len(prompt):].tolist(), logprobs
+    """transformers' (+ PEFT's) greedy tokens after prompt and their log-probabilities [n, V];
+    computed once per (model, active adapter, prompt, n) in a run. A test that changes a
+    model's weights in place makes a new model object (or a copy) for the new answers."""
+    key = (getattr(model, "active_adapter", None), tuple(prompt), n)
+    known = _GREEDY.setdefault(model, {})
+    if key not in known:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)  # [n, V]
+        known[key] = (out.sequences[0, len(prompt):].tolist(), logprobs)
+    tokens, logprobs = known[key]
+    return list(tokens), logprobs.clone()
 
 
 def check(out, ref_tokens, ref_logprobs):

@@ -15,7 +15,7 @@ import torch
 
 from metrale import LLM, SamplingParams
 from tests.helpers.process import BOUND_S, stop, wait_ready
-from tests.helpers.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, saved_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 ADAPTERS = ("a", "b", "c", "d", "p")  # p is pinned at start-up where a test says so
@@ -49,9 +49,8 @@ def save_tokenizer(path: Path, vocab_size: int) -> None:
 def make_world(root: Path) -> dict[str, Path]:
     """root/model (tiny llama + tokenizer), root/adapters/{a,b,c,d,p} (inside the adapter
     root), root/adapters/bad (rank 32 > max_lora_rank 8), root/outside/evil (outside)."""
-    base = make_model("llama", seed=7, max_position_embeddings=1024)
-    save_model(base, root / "model")
-    save_tokenizer(root / "model", base.config.vocab_size)
+    base = saved_tiny_model(root / "model", seed=7, tokenizer=save_tokenizer,
+                            max_position_embeddings=1024)
     for i, name in enumerate(ADAPTERS):
         make_adapter(base, root / "adapters" / name, seed=40 + i, r=4 + (i % 2) * 4,
                      lora_alpha=8, target_modules="all-linear")

@@ -89,6 +89,18 @@ def save_model(model, path: Path) -> Path:
     return path
 
 
+def saved_tiny_model(path: Path, arch: str = "llama", seed: int = 0, tokenizer=None,
+                     **overrides):
+    """The tests' tiny-model set-up in one call: make_model(arch, seed, **overrides) saved
+    as a model directory at path, with tokenizer(path, vocab_size) when given (e.g.
+    tests.helpers.server.save_tokenizer). Returns the model: the PEFT references' base."""
+    base = make_model(arch, seed, **overrides)
+    save_model(base, path)
+    if tokenizer is not None:
+        tokenizer(path, base.config.vocab_size)
+    return base
+
+
 def make_adapter(base_model, path: Path, seed: int = 0, **lora_kwargs):
     """A PEFT adapter with random (non-zero) A and B, saved to path.
 
