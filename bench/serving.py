@@ -29,11 +29,12 @@ All scenarios of a run share one engine (its CUDA graphs captured once, the adap
 the largest scenario registered up front, promotions never timing out); each sets its
 scheduler policy on it. Each reports req_s, out_tok_s, total_tok_s (prompt + output
 tokens over the wall time), TTFT / ITL / TPOT p50 and p99, and the floor: every token's
-linear and attention FLOPs at the bf16 matmul peak measured in this run, against the weights read once per full-batch
-decode step (output tokens / max_num_seqs) plus every decode token's K/V read at the
-measured copy bandwidth; floor_s = max(compute_s, memory_s) and over_floor = floor_s /
-wall_s (1.0 would be the floor; the issue's table calls it "of the floor"). Online runs
-report the floor of the requests they served, for reference only (arrivals bound them).
+linear and attention FLOPs at the bf16 matmul peak measured in this run, against the
+weights read once per full-batch decode step (output tokens / max_num_seqs) plus every
+decode token's K/V read at the measured copy bandwidth; floor_s = max(compute_s,
+memory_s) and over_floor = floor_s / wall_s (1.0 would be the floor; the issue's table
+calls it "of the floor"). Online runs report the floor of the requests they served, for
+reference only (arrivals bound them).
 --profile N: a torch.profiler window of N steps in the middle of the first offline run,
 its kernel table printed (kernel time by name, and the GPU's busy share of the window).
 """
