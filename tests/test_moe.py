@@ -167,15 +167,21 @@ def test_qwen2_moe_all_linear_adapters_reach_the_shared_expert(tmp_path, monkeyp
     adapter); dropping the shared expert's LoRA from the served model changes the answer."""
     base = make_model("qwen2_moe", seed=7)
     save_model(base, tmp_path / "model")
+    # DoRA reaches the shared expert through its gate: PEFT (0.22, transformers 5) maps any
+    # gate_proj / up_proj / down_proj target (all-linear, a name, a regex) onto the stacked
+    # experts' parameters too, and that wrapper refuses DoRA
+    linears = [*ATTENTION, "shared_expert_gate"]
     specs = {"all": dict(target_modules="all-linear"),
-             "dora": dict(target_modules="all-linear", use_dora=True),
+             "dora": dict(target_modules=linears, use_dora=True),
              "attn": dict(target_modules=ATTENTION)}
     adapters = {name: (make_adapter(base, tmp_path / name, seed=seed, r=4, lora_alpha=8, **spec),
                        tmp_path / name) for seed, (name, spec) in enumerate(specs.items(), 40)}
     with safe_open(tmp_path / "all" / "adapter_model.safetensors", "pt") as f:
         assert any(".mlp.shared_expert_gate.lora_A" in k for k in f.keys())
     ps = prompts(16, 2)
-    llm = assert_mixed_batch_matches(tmp_path / "model", base, adapters, ps, GEN, max_loras=2)
+    # PEFT 0.22's all-linear takes the stacked experts too (gate_up at twice the rank)
+    llm = assert_mixed_batch_matches(tmp_path / "model", base, adapters, ps, GEN, max_loras=2,
+                                     lora_experts=True, max_lora_rank=8)
     monkeypatch.setattr(moe.MoeMLP, "_linear", lambda self, x, w, *lora: F.linear(x, w))
     params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
     got = [list(o.token_ids) for o in llm.generate(ps, params, ["all"] * len(ps))]
@@ -252,7 +258,8 @@ def test_expert_and_router_adapters_travel_between_peers(family, expert_adapters
                             [f"p{n}" for _ in ps for n in names])
         for i, out in enumerate(outs):
             name, p = names[i % len(names)], ps[i // len(names)]
-            assert list(out.token_ids) == hf_greedy(expert_adapters[name][0], p, GEN)[0], name
+            want = hf_greedy(expert_adapters[name][0], p, GEN, ignore_eos=True)[0]
+            assert list(out.token_ids) == want, name
         without = LLM(root / "model", max_loras=1, **kw)
         without.engine.swap_lora_slot_from_disk(expert_adapters["x"][1], "x", 0)
         before = snapshot(without.engine.lora)

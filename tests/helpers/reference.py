@@ -14,15 +14,20 @@ import torch
 _GREEDY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def hf_greedy(model, prompt: list[int], n: int = 10) -> tuple[list[int], torch.Tensor]:
+def hf_greedy(model, prompt: list[int], n: int = 10,
+              ignore_eos: bool = False) -> tuple[list[int], torch.Tensor]:
     """transformers' (+ PEFT's) greedy tokens after prompt and their log-probabilities [n, V];
     computed once per (model, active adapter, prompt, n) in a run. A test that changes a
-    model's weights in place makes a new model object (or a copy) for the new answers."""
-    key = (getattr(model, "active_adapter", None), tuple(prompt), n)
+    model's weights in place makes a new model object (or a copy) for the new answers.
+    ignore_eos: n tokens whatever they are (the engine's SamplingParams(ignore_eos=True));
+    else generation stops at the model's EOS, as the engine's does by default."""
+    key = (getattr(model, "active_adapter", None), tuple(prompt), n, ignore_eos)
     known = _GREEDY.setdefault(model, {})
     if key not in known:
+        stop = {"eos_token_id": None} if ignore_eos else {}
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+                             output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+                             **stop)
         logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)  # [n, V]
         known[key] = (out.sequences[0, len(prompt):].tolist(), logprobs)
     tokens, logprobs = known[key]
