@@ -297,13 +297,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help="most (query, key) pairs one prompt chunk attends to per step: a "
                             "long prompt's chunks shrink as its context grows, so the decodes "
                             "sharing its steps do not slow down (e.g. 262144; default: no cap)")
-    sched.add_argument("--step-time-ratio", type=_ratio, default=1.75, metavar="R",
+    sched.add_argument("--step-time-ratio", type=_ratio, default=SchedulerConfig.step_time_ratio, metavar="R",
                        help="a step that runs decodes takes prompt tokens until its predicted "
                             "time (a cost model fitted to the steps the engine ran) is R times "
                             "that of its decodes alone, so a long prompt slows the running "
                             "decodes by at most about R; 0: the token budget alone bounds a "
                             "step, as in vLLM (default: %(default)s)")
-    sched.add_argument("--prompt-drain", type=float, default=1.0, metavar="SECONDS",
+    sched.add_argument("--prompt-drain", type=float, default=SchedulerConfig.prompt_drain_s,
+                       metavar="SECONDS",
                        help="... unless the queued prompts would then take longer than this "
                             "to prefill: steps then grow to drain them in this time (up to "
                             "the token budget), so a deep queue runs at full throughput "
