@@ -269,15 +269,17 @@ class AdapterManager:
     def _unbind_younger(self, slot: int, name: str, oldest: float) -> None:
         """`slot`'s queued requests that arrived after `oldest` give it back and wait."""
         bound, now = self._bound.get(slot, {}), time.monotonic()
-        for seq in [s for s in bound.values() if not _started(s) and s.arrival > oldest]:
+        leaving = [s for s in bound.values() if not _started(s) and s.arrival > oldest]
+        for seq in leaving:
             self.slots.table.release(slot)
             del bound[seq.request_id]
             seq.bound, seq.slot, seq.adapter_uid, seq.bound_at = False, -1, 0, None
             seq.slot_wait_from = now
+        if leaving:
             waiters = self.pending.setdefault(name, [])
-            waiters.append(seq)
+            waiters += leaving
             waiters.sort(key=lambda s: s.arrival)
-            self.num_unbound += 1
+            self.num_unbound += len(leaving)
 
     def _expire(self, now: float) -> list[Sequence]:
         """Waiters past the promotion timeout fail with POOL_FULL (a promotion in flight
