@@ -48,11 +48,13 @@ cluster: $(VENV)/.installed-cluster
 
 # Two pytest-xdist workers, one torch thread each (tests/conftest.py), whole files per worker
 # (module fixtures are built once): the suite on a 2-core CI machine. TEST_WORKERS=auto uses
-# every core; TEST_WORKERS=0 runs in this process.
+# every core; TEST_WORKERS=0 runs in this process. Then the tests marked `alone` (a local Ray
+# cluster of several processes) with the cores to themselves.
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone"
+	$(BIN)/python -m pytest -q -m alone
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check metrale tests bench
