@@ -115,6 +115,8 @@ class Trace:
     times: dict[str, list[float]] = field(default_factory=dict)
     steps: list[tuple[float, int, int, int]] = field(default_factory=list)  # (s, seqs, tokens, decodes)
     slot_wait: dict[str, float] = field(default_factory=dict)  # adapter requests: s until bound
+    # each timed step as the engine measured it (CUDA events): (tokens, prompt tokens, decodes, s)
+    timed: list[tuple[int, int, int, float]] = field(default_factory=list)
     errors: int = 0
 
     def record(self, outs, now: float) -> None:
@@ -138,13 +140,29 @@ def observe_batches(engine: LLMEngine, trace: Trace) -> None:
         return batch
 
     engine.scheduler.schedule = recording
+    observe = engine.scheduler.observe
+
+    def timing(shape, seconds):
+        trace.timed.append((shape.tokens, shape.prompt_tokens, shape.decodes, round(seconds, 6)))
+        observe(shape, seconds)
+
+    engine.scheduler.observe = timing
 
 
 def drive(engine: LLMEngine, reqs: list[Request], arrivals: list[float], trace: Trace,
           profile_at: int | None = None, profile_steps: int = 0) -> tuple[float, str | None]:
     """Add each request at its arrival (s after the start) and step until all finish;
     returns (wall s, the profile's kernel table or None)."""
+    sched = engine.scheduler
+    originals = sched.schedule, sched.observe
     observe_batches(engine, trace)
+    try:
+        return _drive(engine, reqs, arrivals, trace, profile_at, profile_steps)
+    finally:
+        sched.schedule, sched.observe = originals
+
+
+def _drive(engine, reqs, arrivals, trace, profile_at, profile_steps):
     start, i, steps, report = time.perf_counter(), 0, 0, None
     prof = None
     while i < len(reqs) or engine.has_unfinished_requests():
@@ -334,6 +352,7 @@ def run_scenario(engine: LLMEngine, args, name: str, rate: float | None, adapter
         t0 = trace.steps[0][0] if trace.steps else 0.0
         (Path(args.trace_dir) / f"{name}-steps.json").write_text(json.dumps(
             [(round(t - t0, 5), *rest) for t, *rest in trace.steps]))
+        (Path(args.trace_dir) / f"{name}-timed.json").write_text(json.dumps(trace.timed))
     if report is not None:
         print(f"--- profile of {name}, steps {profile_at}..{profile_at + args.profile}\n{report}",
               flush=True)
