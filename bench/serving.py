@@ -326,7 +326,7 @@ def run_scenario(engine: LLMEngine, args, name: str, rate: float | None, adapter
             arrivals.append(t)
         reqs = make_requests(w, vocab, n=len(arrivals), seed=w.seed + 2)
     trace = Trace()
-    profile_at = args.profile_at if rate is None and args.profile and name == args.profile_scenario \
+    profile_at = args.profile_at if rate is None and args.profile and name in args.profile_scenario \
         else None
     adapters_before = (engine.adapters.num_promotions, engine.adapters.num_ready_on_arrival,
                        engine.adapters.num_waited_for_adapter, engine.scheduler.num_preemptions)
@@ -383,7 +383,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="profile N steps of --profile-scenario from step --profile-at")
     ap.add_argument("--profile-at", type=int, default=200)
-    ap.add_argument("--profile-scenario", default="offline_base")
+    ap.add_argument("--profile-scenario", nargs="+", default=["offline_base"])
     ap.add_argument("--trace-dir", help="write each scenario's steps (s, seqs, tokens, decodes) here")
     ap.add_argument("--no-write", action="store_true", help="print only (A/B runs)")
     args = ap.parse_args()
