@@ -19,6 +19,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,14 +164,18 @@ def test_ref_leaves_base_only_batches_alone():
 # --- the Triton kernels against the reference (interpreter on CPU, compiled on CUDA) ------
 
 # decode: per-token programs; prefill: more than DECODE_MAX_T tokens, sorted by slot inside;
-# unsorted: prefill kernels fed an identity order, so a block holds many slots.
-MODES = {"decode": (7, None), "prefill": (40, None), "unsorted": (40, "identity")}
+# unsorted: prefill kernels fed an identity order, so a block holds many slots; segments:
+# the engine's order (each slot's run padded with -1 rows to whole blocks).
+MODES = {"decode": (7, None), "prefill": (40, None), "unsorted": (40, "identity"),
+         "segments": (40, "segments")}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def mode_inputs(mode, S, seed, slot_dtype=torch.int64):
     T, order = MODES[mode]
     ids = slot_batch(T, S, seed, slot_dtype)
+    if order == "segments":
+        return T, ids, lt.slot_order(ids)
     return T, ids, (torch.arange(T, device=DEV) if order == "identity" else None)
 
 
@@ -610,3 +615,31 @@ def test_gpu_overlapped_lora_linear_in_a_graph(T):
                             pool.ranks_list, path="split")
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+# --- the engine's slot order (host side, no kernel) --------------------------------------
+
+@pytest.mark.parametrize("T,S,seed", [(1, 4, 0), (40, 3, 1), (256, 64, 2), (300, 200, 3), (65, 1, 4)])
+def test_segment_order_gives_every_block_one_slot(T, S, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-1, S, T)
+    bt = launch.sorted_block_t(T)
+    order = launch.segment_order(ids)
+    assert len(order) % bt == 0 and len(order) <= launch.segment_order_rows(T, S)
+    for block in order.reshape(-1, bt):  # one adapter a block, padding after its tokens
+        toks = block[block >= 0]
+        assert len(set(ids[toks])) <= 1
+        assert (block[:len(toks)] >= 0).all()
+    real = order[order >= 0]
+    # every adapter token once, base tokens never; by slot, in token order within one
+    assert sorted(real) == sorted(np.flatnonzero(ids >= 0))
+    assert list(real) == sorted(real, key=lambda t: (ids[t], t))
+    padded = launch.segment_order(ids, launch.segment_order_rows(T, S))
+    assert len(padded) == launch.segment_order_rows(T, S) and (padded[len(order):] == -1).all()
+    assert np.array_equal(padded[:len(order)], order)
+
+
+def test_segment_order_refuses_a_buffer_too_short():
+    ids = np.arange(40) % 3
+    with pytest.raises(ValueError, match="does not fit"):
+        launch.segment_order(ids, 16)

@@ -23,6 +23,7 @@ from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch
 from metrale.model.llama import LlamaForCausalLM
 from metrale.ops import lora_triton
 from metrale.ops.attention_triton import max_prefill_tiles, prefill_block_m, prefill_tiles
+from metrale.ops.lora_launch import segment_order, segment_order_rows
 from metrale.pool.pool import AdapterPool
 
 # Batch sizes captured (those <= max_num_seqs, plus max_num_seqs itself up to the cap);
@@ -36,8 +37,7 @@ MAX_MIXED_GRAPH_BATCH = 64
 # Token buckets of mixed steps (those <= max_num_batched_tokens); bigger steps run eagerly.
 MIXED_TOKEN_BUCKETS = (64, 128, 256, 512)
 # pend_rows/pend_src: engine/pending.py's rows
-_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "slot_ids", "order", "pend_rows",
-                 "pend_src")
+_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "slot_ids", "pend_rows", "pend_src")
 _SEQ_FIELDS = ("context_lens", "logits_index")
 
 
@@ -87,14 +87,17 @@ class StepGraphs:
         T = max([B, *self.buckets])
         self.group = group  # query heads per KV head (the attention's tile size needs it)
         tiles = max((max_prefill_tiles(t, B, self._block_m(t)) for t in self.buckets), default=0)
-        n = T * len(_TOKEN_FIELDS) + B * len(_SEQ_FIELDS) + (B + 1) + 2 * tiles + B * W
+        # the LoRA kernels' slot order of t tokens takes its first order_rows(t) entries
+        self._num_slots = pool.layout.pool.max_loras if pool is not None else 0
+        order = max(self._order_rows(t) for t in (B, *self.buckets))
+        n = T * len(_TOKEN_FIELDS) + B * len(_SEQ_FIELDS) + (B + 1) + 2 * tiles + order + B * W
         self._dev = torch.zeros(n, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._views, self._host_views, at = {}, {}, 0
         for names, size in ((_TOKEN_FIELDS, T), (_SEQ_FIELDS, B), (("cu_query",), B + 1),
-                            (("tiles",), 2 * tiles)):
+                            (("tiles",), 2 * tiles), (("order",), order)):
             for f in names:
                 self._views[f] = self._dev[at:at + size]
                 self._host_views[f] = self._host_np[at:at + size]
@@ -114,6 +117,15 @@ class StepGraphs:
     def _block_m(self, t: int) -> int:
         return prefill_block_m(t, self.group)
 
+    def _order_rows(self, t: int) -> int:
+        return segment_order_rows(t, self._num_slots) if self._num_slots else t
+
+    def _fill_order(self, t: int) -> None:
+        """The LoRA kernels' slot order of the step's t token rows (padding rows: slot -1)."""
+        f = self._host_views
+        n = self._order_rows(t)
+        f["order"][:n] = segment_order(f["slot_ids"][:t], n)
+
     @property
     def num_replays(self) -> int:
         return sum(self.replays.values())
@@ -131,7 +143,7 @@ class StepGraphs:
             block_tables=self._tables[:b], cu_query=self._decode_cu[:b + 1], max_query_len=1,
             max_context_len=self.max_model_len,  # an upper bound: decode kernels never read it
         )
-        order = v["order"][:b] if sort or sorts_decode(b) else None  # filled by _fill
+        order = v["order"][:self._order_rows(b)] if sort or sorts_decode(b) else None  # _fill
         batch = LoraBatch(self.pool, v["slot_ids"][:b], order) if lora else None
         with forward_context(ForwardContext(meta, batch)):
             hidden = self.model(v["input_ids"][:b], v["positions"][:b])  # [b, hidden]
@@ -145,7 +157,8 @@ class StepGraphs:
             max_context_len=self.max_model_len,
             prefill_tiles=v["tiles"][:2 * max_prefill_tiles(t, B, self._block_m(t))].view(-1, 2),
         )
-        batch = LoraBatch(self.pool, v["slot_ids"][:t], v["order"][:t]) if lora else None
+        batch = LoraBatch(self.pool, v["slot_ids"][:t], v["order"][:self._order_rows(t)]) \
+            if lora else None
         with forward_context(ForwardContext(meta, batch)):
             hidden = self.model(v["input_ids"][:t], v["positions"][:t])  # [t, hidden]
             rows = v["logits_index"][:B]  # [B]; also picks the rows' lm_head LoRA slots
@@ -237,8 +250,8 @@ class StepGraphs:
                             ("slot_ids", -1), ("slot_mapping", self.pad_block * bs)):
             f[name][n:b] = value
         tables[n:b] = self.pad_block
-        if sort or sorts_decode(b):
-            f["order"][:b] = np.argsort(f["slot_ids"][:b], kind="stable")
+        if self.pool is not None and (sort or sorts_decode(b)):
+            self._fill_order(b)
         return self._fill_pending(seqs, range(n + 1))
 
     def _fill_mixed(self, batch: ScheduledBatch, t: int) -> tuple[int, int]:
@@ -278,7 +291,8 @@ class StepGraphs:
         f["context_lens"][b:] = 1
         tables[b:] = self.pad_block
         f["logits_index"][n_samples:] = 0
-        f["order"][:t] = np.argsort(f["slot_ids"][:t], kind="stable")
+        if self.pool is not None:
+            self._fill_order(t)
         block_m = self._block_m(t)
         n_tiles = max_prefill_tiles(t, self.max_batch, block_m)
         f["tiles"][:2 * n_tiles] = np.asarray(prefill_tiles(cu, n_tiles, block_m)).reshape(-1)

@@ -4,6 +4,7 @@ one block more than the block manager hands out: the one padded graph rows write
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
@@ -19,7 +20,7 @@ from metrale.model.llama import LlamaForCausalLM
 from metrale.ops import lora_triton
 from metrale.ops.attention_triton import prefill_block_m, prefill_tiles
 from metrale.ops.lora_ref import token_groups
-from metrale.ops.lora_triton import sort_tokens_by_slot
+from metrale.ops.lora_launch import segment_order
 from metrale.pool.pool import AdapterPool
 
 
@@ -96,9 +97,14 @@ class ModelRunner:
         # the last token of each sampling sequence
         last = [end - 1 for end, sampled in zip(cu[1:], batch.samples) if sampled]
         rows, src = pending_inputs(batch.seqs, cu)
+        # the LoRA kernels' slot order (CUDA): prefill chunks, and decode batches past the
+        # per-token kernels' limit, built here once for every layer (docs/DESIGN.md)
+        sort = lora and dev.type == "cuda" and (not batch.is_decode
+                                                or len(slot_ids) > lora_triton.DECODE_MAX_T)
         t = upload(dev, ids=ids, positions=positions, slot_mapping=slot_mapping, context_lens=ctx,
                    block_tables=tables, cu_query=cu, tiles=tiles, last=last, rows=rows, src=src,
-                   slot_ids=slot_ids if lora else [])
+                   slot_ids=slot_ids if lora else [],
+                   order=segment_order(np.asarray(slot_ids)) if sort else [])
         meta = AttentionMetadata(
             is_prefill=not batch.is_decode, slot_mapping=t["slot_mapping"],
             context_lens=t["context_lens"], block_tables=t["block_tables"], cu_query=t["cu_query"],
@@ -107,11 +113,7 @@ class ModelRunner:
             prefill_tiles=t["tiles"].view(-1, 2) if tiles else None, num_decodes=d,
         )
         if lora:
-            # sort once per batch, not per layer: the prefill kernels want slot-sorted tokens,
-            # and so do decode batches past the per-token kernels' limit (without an order
-            # the kernel wrapper sorted them again in every call: 4 groups x every layer)
-            sort = meta.is_prefill or len(slot_ids) > lora_triton.DECODE_MAX_T
-            order = sort_tokens_by_slot(t["slot_ids"]) if dev.type == "cuda" and sort else None
+            order = t["order"] if sort else None
             # the CPU reference groups tokens by slot once here, not in each of its calls
             groups = token_groups(slot_ids, dev) if dev.type != "cuda" else None
             lora = LoraBatch(self.pool, t["slot_ids"], order, groups)

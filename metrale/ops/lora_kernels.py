@@ -13,12 +13,15 @@ DESC_COLS = 16
 
 @device_function
 def _rows(pid_t, T, slot_ptr, order_ptr, SORTED: tl.constexpr, BLOCK_T: tl.constexpr):
-    """(token, slot) of the program's BLOCK_T rows (row i is token order[i] if SORTED), slot
-    -1 past T."""
+    """(token, slot) of the program's BLOCK_T rows: row i is token i, or token order[i] if
+    SORTED (T then counts the order's rows; a -1 entry pads a slot's run); slot -1 past T
+    and on padding."""
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     row_ok = rows < T
     if SORTED:
-        tok = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # [BT]
+        tok = tl.load(order_ptr + rows, mask=row_ok, other=-1).to(tl.int64)  # [BT]
+        row_ok = row_ok & (tok >= 0)
+        tok = tl.maximum(tok, 0)
     else:
         tok = rows.to(tl.int64)
     return tok, tl.load(slot_ptr + tok, mask=row_ok, other=-1).to(tl.int32)  # [BT], [BT]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metrale.ops.lora_kernels import DESC_COLS, expand_kernel, shrink_kernel
@@ -124,14 +125,57 @@ def out_align(y: torch.Tensor, Bts, y_cols) -> int:
     return align(y, [y.stride(0), *y_cols, *(b.shape[2] for b in Bts)])
 
 
+def sorted_block_t(T: int) -> int:
+    """Rows per program of the slot-order mapping for a batch of T tokens: fewer below ~2k
+    tokens, where more programs fill the GPU (tl.dot needs >= 16)."""
+    return min(PREFILL_CFG["BLOCK_T"], max(16, next_pow2(cdiv(T, 64))))
+
+
 def config(T: int, sorted_: bool, R: int) -> dict:
     """Block sizes for T tokens: the decode mapping, or with a slot order the prefill one."""
     block_r = min(64, max(16, next_pow2(R)))  # tl.dot needs >= 16; > R only when R < 16
     if not sorted_:
         return dict(DECODE_CFG, BLOCK_T=1, BLOCK_R=block_r)
-    # fewer rows per program below ~2k tokens: rows of many slots share a program less often
-    block_t = min(PREFILL_CFG["BLOCK_T"], max(16, next_pow2(cdiv(T, 64))))
-    return dict(PREFILL_CFG, BLOCK_R=block_r, BLOCK_T=block_t)
+    return dict(PREFILL_CFG, BLOCK_R=block_r, BLOCK_T=sorted_block_t(T))
+
+
+# 1: slot orders are segment-aligned (segment_order); 0: a plain stable sort, whose
+# programs loop over every slot among their rows (bench/decode.py --override A/B)
+SEGMENTS = 1
+
+
+def segment_order_rows(T: int, num_slots: int) -> int:
+    """The longest segment_order of T tokens over num_slots slots (a graph's fixed grid):
+    each slot's run pads to a multiple of the block, at most block - 1 rows per run."""
+    bt = sorted_block_t(T)
+    return cdiv(T + min(T, num_slots) * (bt - 1), bt) * bt
+
+
+def segment_order(slot_ids: np.ndarray, length: int | None = None) -> np.ndarray:
+    """[L] int64 token indices grouped by slot, each slot's run padded with -1 to a
+    multiple of sorted_block_t(T), so that every program of the slot-order mapping serves
+    one adapter (as SGMV's segments do) instead of looping over the slots its rows hold;
+    base tokens (slot < 0) left out. length: pad with -1 to this (a graph's buffer)."""
+    T = len(slot_ids)
+    order = np.argsort(slot_ids, kind="stable")
+    if not SEGMENTS:
+        return order if length is None else np.concatenate([order, np.full(length - T, -1)])
+    bt = sorted_block_t(T)
+    slots = slot_ids[order]
+    order = order[slots >= 0]
+    slots = slots[slots >= 0]
+    starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]]) if len(slots) else \
+        np.zeros(0, dtype=np.int64)
+    runs = np.diff(np.r_[starts, len(slots)])  # tokens of each slot
+    padded = -(-runs // bt) * bt
+    total = int(padded.sum())
+    out = np.full(total if length is None else length, -1, dtype=np.int64)
+    if total > len(out):
+        raise ValueError(f"a segment order of {total} rows does not fit {len(out)}")
+    # run i's rows move from starts[i] to its padded start
+    shift = np.cumsum(padded) - padded - starts
+    out[np.repeat(shift, runs) + np.arange(len(slots))] = order
+    return out
 
 
 def split_k(T: int, IN: int, M: int, cfg: dict) -> tuple[int, int]:
@@ -173,9 +217,10 @@ def shrink(x, As, slot_ids, ranks_list, order, h) -> torch.Tensor:
     rank_base, rank_fields = _tables(ranks_list, torch.int32)
     desc = descriptor(x.device, As, [None] * M, [0] * M, rank_fields, [(0, 0)] * M)
     kernel = jit_kernel(shrink_kernel, x.device)
-    kernel[(cdiv(T, cfg["BLOCK_T"]), split, M)](
+    rows = T if order is None else order.shape[0]  # a segment order has padding rows
+    kernel[(cdiv(rows, cfg["BLOCK_T"]), split, M)](
         x, pool, h, slot_ids, order if order is not None else slot_ids, desc, rank_base,
-        T, IN, R, x.stride(0), h_stride, split_stride, k_per_split,
+        rows, IN, R, x.stride(0), h_stride, split_stride, k_per_split,
         ATOMIC=atomic, SORTED=order is not None, F32_DOT=f32_dot(kernel, pool.dtype),
         ALIGN=pool_align(pool, As),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], BLOCK_R=cfg["BLOCK_R"],
@@ -248,12 +293,13 @@ def expand(y, h, Bts, cols, slot_ids, ranks_list, scales_list, order,
     desc = descriptor(y.device, [None] * M, Bts, cols, *fields)
     cfg = config(T, order is not None, R)
     max_out = max(b.shape[2] for b in Bts)
-    grid = (cdiv(T, cfg["BLOCK_T"]), cdiv(max_out, cfg["BLOCK_N"]), M)
+    rows = T if order is None else order.shape[0]  # a segment order has padding rows
+    grid = (cdiv(rows, cfg["BLOCK_T"]), cdiv(max_out, cfg["BLOCK_N"]), M)
     kernel = jit_kernel(expand_kernel, y.device)
     kernel[grid](
         y, pool, h, slot_ids, order if order is not None else slot_ids, desc, *bases,
         bias if bias is not None else y,
-        T, R, y.stride(0), h.stride(-2), n_split, split_stride,
+        rows, R, y.stride(0), h.stride(-2), n_split, split_stride,
         SORTED=order is not None, F32_DOT=f32_dot(kernel, pool.dtype), HAS_BIAS=bias is not None,
         ALIGN=min(pool_align(pool, Bts), out_align(y, Bts, cols)),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],

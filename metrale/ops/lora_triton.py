@@ -14,7 +14,8 @@ from metrale.ops.lora_launch import PATHS, choose_path
 from metrale.ops.triton_utils import require_triton
 
 # Past this many tokens a batch without a slot order gets one (sort_tokens_by_slot) and
-# the prefill mapping; the runner and the CUDA graphs read it to sort once per step.
+# the prefill mapping; the runner and the CUDA graphs read it to build one slot order per
+# step (launch.segment_order).
 DECODE_MAX_T = 64
 # lora_linear's shrink beside the base GEMM on a side stream: faster at every batch size
 # measured (BENCHMARKS.md, decode_overlap_ab); off only in `bench/decode.py --override`.
@@ -24,6 +25,13 @@ OVERLAP = True
 def sort_tokens_by_slot(slot_ids: torch.Tensor) -> torch.Tensor:
     """[T] int64 token indices grouped by slot: built once per batch, for every layer."""
     return torch.argsort(slot_ids, stable=True)
+
+
+def slot_order(slot_ids: torch.Tensor) -> torch.Tensor:
+    """The engine's slot order (launch.segment_order) of a device tensor of slot ids: built
+    on the host, as the runner and the CUDA graphs build it (a sync: tests and benches)."""
+    order = launch.segment_order(slot_ids.cpu().numpy().astype("int64"))
+    return torch.from_numpy(order).to(slot_ids.device)
 
 
 def _order_for(slot_ids: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor | None:
