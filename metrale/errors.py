@@ -141,6 +141,11 @@ class WeightsLandingError(NonFiniteWeightsError, AdapterLandingError):
     is EMPTY)."""
 
 
+class ShardLandingError(LandingError):
+    """A rank of a tensor-parallel group could not land its slice of an adapter: no rank
+    committed, and the slot is EMPTY on every rank."""
+
+
 class ChatTemplateError(MetraleError):
     """The model has no chat template, or its template refused the messages."""
 
