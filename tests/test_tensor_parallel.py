@@ -116,6 +116,18 @@ def test_a_slice_refused_on_one_rank_leaves_every_rank_empty(tp):
                                               _want(tp, None, requests[1][0])]
 
 
+def test_refusals_and_unloads_empty_the_slot_on_every_rank(tp):
+    make_adapter(tp.base, tp.root / "dora", seed=9, r=4, lora_alpha=8, target_modules=TARGETS,
+                 use_dora=True)
+    with pytest.raises(LandingError, match="DoRA"):  # rank 0's own answer in the agreement
+        tp.engine.swap_lora_slot_from_disk(tp.root / "dora", "dora", 1)
+    assert _all_ranks_slot(tp, 1) == [SlotState.EMPTY] * 2
+    tp.engine.swap_lora_slot_from_disk(tp.root / "b", "unloaded", 1)
+    assert _all_ranks_slot(tp, 1) == [SlotState.READY] * 2
+    assert tp.engine.unload_adapter("unloaded") == "unloaded"
+    assert _all_ranks_slot(tp, 1) == [SlotState.EMPTY] * 2
+
+
 def test_promotion_while_others_decode(tp):
     engine = tp.engine
     engine.register_adapter("late", tp.root / "c")  # not resident: promoted on demand

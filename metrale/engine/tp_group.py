@@ -79,9 +79,15 @@ class TpGroup:
         parts = [slice_slot(self._full, tensors.data, self._slice, Shard(k, self.shard.size))
                  for k in range(self.shard.size)]  # each [slice slot_elems]
         dist.scatter(torch.empty_like(parts[0]), parts, src=0)
+        # rank 0 landed its slot before asking; DoRA's gain needs the norm of whole rows of
+        # W + sBA, which a row-parallel rank does not hold: refused until it is split too
+        mine = "DoRA adapters are not split across ranks yet" if bool(tensors.doras.any()) else None
         answers: list = [None] * self.shard.size
-        dist.all_gather_object(answers, None)  # rank 0 landed its slot before asking
+        dist.all_gather_object(answers, mine)
         return answers
+
+    def empty(self, slot: int) -> None:
+        send(("empty", slot))
 
     # --- read-back and stop -----------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from metrale.engine.runner import ModelRunner
 from metrale.engine.tp_wire import init_group, send
 from metrale.model.loader import load_model
 from metrale.model.parallel import Shard, disable_multicast, shard_config
+from metrale.pool.slots import SlotState
 from metrale.pool.swap import LoraSlots
 
 log = logging.getLogger("metrale.tp")
@@ -77,6 +78,8 @@ class Worker:
                 if error is None:
                     error = self._setup(model, *command[1:])
                 dist.all_gather_object([None] * self.shard.size, error)
+            elif kind == "empty":
+                self._empty(command[1])
             elif kind == "slots":
                 infos = self.slots.table.infos() if self.slots is not None else []
                 dist.all_gather_object([None] * self.shard.size, infos)
@@ -95,6 +98,12 @@ class Worker:
             log.exception("rank %d could not set up", self.shard.rank)
             return f"{type(e).__name__}: {e}"
         return None
+
+    def _empty(self, slot: int) -> None:
+        """Rank 0's slot went EMPTY (a landing failed before the ranks were asked, or an
+        unload): this rank's too, zeroed (its refs are always 0: no request binds here)."""
+        if self.slots.table.info(slot).state is not SlotState.EMPTY:
+            self.slots.unload_slot(slot)
 
     def _land(self, slot: int, version: int, tables: tuple) -> None:
         """Rank 0's landing protocol on this rank: begin (zeroed, LOADING), the slice in and

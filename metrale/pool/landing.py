@@ -74,6 +74,11 @@ class LandingPeers(Protocol):
         its slot is EMPTY."""
         ...
 
+    def empty(self, slot: int) -> None:
+        """`slot` EMPTY and zeroed on every other rank (a landing failed before they were
+        asked, or the slot was unloaded)."""
+        ...
+
 
 def land_inline(table: SlotTable, pool: AdapterPool, tier: HostTier | None, slot: int, version: int,
          write: Callable[[Landing], None], fills_slot: bool = False,
@@ -106,6 +111,7 @@ class Landing:
         self._plan: AdapterPlan | None = None
         self._bound: GainBound | None = None  # the plan's bound as arrays, when kept
         self._verified = False
+        self._peers_asked = False  # the peers failed their own landings if this one fails
         self.start = time.perf_counter()
 
     # --- begin ----------------------------------------------------------------------------
@@ -210,6 +216,7 @@ class Landing:
             if self._tables is not None:
                 write_tables(self.tensors, self.layout, self.base_weights, *self._tables)
             if self._peers is not None:  # the last step that can fail: then no rank commits
+                self._peers_asked = True
                 refused = [(rank, why) for rank, why in
                            enumerate(self._peers.land(self.slot, self.tensors, version)) if why]
                 if refused:
@@ -230,6 +237,8 @@ class Landing:
     def _failed(self, reason: BaseException | str) -> LandingError:
         zero_slot(self.tensors)  # nothing may serve, or key on, half-landed bytes
         self._table.fail_load(self.slot)
+        if self._peers is not None and not self._peers_asked:
+            self._peers.empty(self.slot)  # what they held there is EMPTY on every rank too
         log.warning("landing into slot %d failed: %s", self.slot, reason)
         error = LandingError.caused_by(
             reason, f"landing into slot {self.slot} failed ({reason}); the slot is now EMPTY")

@@ -212,6 +212,8 @@ class LoraSlots:
         if self.host_tier is not None:
             self.host_tier.before_write(slot)
         zero_slot(self.pool.slot_tensors[slot])
+        if self.peers is not None:
+            self.peers.empty(slot)
 
     # --- reading adapters (thread-safe: a promotion worker runs these) ---------------
 
