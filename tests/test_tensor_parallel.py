@@ -7,23 +7,26 @@ every case (a spawn costs seconds on 2 cores)."""
 from __future__ import annotations
 
 import functools
+import json
 import multiprocessing
+import os
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from metrale import LLM
 from metrale.config import EngineConfig, ModelConfig, PoolConfig, TensorParallelSizeError
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import LandingError
-from metrale.model.parallel import check_tensor_parallel
+from metrale.model.parallel import MULTICAST_OFF, check_tensor_parallel
 from metrale.pool.slots import SlotState
 from tests.helpers.engine import run_until_done, step_until, step_until_running
 from tests.helpers.reference import hf_greedy, prompts
 from tests.helpers.tiny_models import make_adapter, saved_tiny_model
-from tests.helpers.tp import poison_rank1_on_flag
+from tests.helpers.tp import worker_hooks
 
 torch.set_num_threads(1)  # two ranks on a 2-core machine: one thread each
 
@@ -62,13 +65,14 @@ def tp(request, tmp_path_factory):
     peft = {name: make_adapter(base, root / name, seed=i + 1, r=4, lora_alpha=8,
                                target_modules=TARGETS)
             for i, name in enumerate(("a", "b", "c"))}
-    flag = root / "poison"
+    flag, env_file = root / "poison", root / "rank1-env.json"
     engine = LLMEngine(root / "model", _config(2),
-                       tp_worker_init=functools.partial(poison_rank1_on_flag, str(flag)))
+                       tp_worker_init=functools.partial(worker_hooks, str(flag), str(env_file)))
     try:
         for name in ("a", "b"):
             engine.register_adapter(name, root / name)
-        yield SimpleNamespace(root=root, base=base, peft=peft, engine=engine, flag=flag)
+        yield SimpleNamespace(root=root, base=base, peft=peft, engine=engine, flag=flag,
+                              env_file=env_file)
     finally:
         engine.close()
 
@@ -76,6 +80,11 @@ def tp(request, tmp_path_factory):
 def _want(tp, adapter: str | None, prompt: list[int], n: int = N) -> list[int]:
     """transformers + PEFT's greedy tokens."""
     return hf_greedy(tp.peft[adapter] if adapter else tp.base, prompt, n)[0]
+
+
+def test_nvlink_multicast_is_off_in_every_process(tp):
+    assert {k: os.environ.get(k) for k in MULTICAST_OFF} == MULTICAST_OFF  # rank 0
+    assert json.loads(tp.env_file.read_text()) == MULTICAST_OFF  # a spawned worker
 
 
 def _all_ranks_slot(tp, slot: int) -> list[SlotState]:
@@ -148,7 +157,7 @@ def test_a_size_the_model_cannot_split_is_refused(tiny_model_dir):
         EngineConfig(tensor_parallel_size=0)
     before = len(multiprocessing.active_children())
     with pytest.raises(TensorParallelSizeError, match="attention heads"):  # 4 heads
-        LLMEngine(tiny_model_dir, _config(3))
+        LLM(tiny_model_dir, tensor_parallel_size=3)
     assert len(multiprocessing.active_children()) == before  # refused before any spawn
     cfg = ModelConfig.from_dir(tiny_model_dir)  # 4 heads, 2 KV heads, intermediate 96
     with pytest.raises(TensorParallelSizeError, match="KV heads"):

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch
 
+from metrale.model.parallel import MULTICAST_OFF
+from metrale.pool.landing import Landing
 
-def poison_rank1_on_flag(flag: str, rank: int) -> None:
-    """tp_worker_init: on rank 1, a landing that starts while `flag` exists gets a NaN in
-    its slice (the flag is consumed): a bad slice on one rank only, for the landing's own
-    finite check to refuse."""
+
+def worker_hooks(flag: str, env_file: str, rank: int) -> None:
+    """tp_worker_init: rank 1 writes the NVLink multicast settings it runs with to
+    env_file, and a landing that starts while `flag` exists gets a NaN in its slice (the
+    flag is consumed): a bad slice on one rank only, for the landing's own finite check to
+    refuse."""
     torch.set_num_threads(1)
     if rank != 1:
         return
-    from metrale.pool.landing import Landing
-
+    Path(env_file).write_text(json.dumps({k: os.environ.get(k) for k in MULTICAST_OFF}))
     original = Landing.write_slice
 
     def write_slice(self, data, tables):
