@@ -28,9 +28,8 @@ from tests.helpers.reference import hf_greedy, prompts
 from tests.helpers.tiny_models import make_adapter, saved_tiny_model
 from tests.helpers.tp import worker_hooks
 
-torch.set_num_threads(1)  # two ranks on a 2-core machine: one thread each
-
-# spawns a second process that wants a core of its own
+# spawns a second process that wants a core of its own: `make test` runs these after the
+# parallel workers, in a pytest process of their own
 pytestmark = [pytest.mark.alone, pytest.mark.slow]
 
 # every projection, so both splits of LoRA (column- and row-parallel) are exercised
@@ -66,6 +65,10 @@ def tp(request, tmp_path_factory):
                                target_modules=TARGETS)
             for i, name in enumerate(("a", "b", "c"))}
     flag, env_file = root / "poison", root / "rank1-env.json"
+    # two ranks on a 2-core machine: one thread each (a worker takes rank 0's count);
+    # restored after, for the modules that run next
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     engine = LLMEngine(root / "model", _config(2),
                        tp_worker_init=functools.partial(worker_hooks, str(flag), str(env_file)))
     try:
@@ -75,6 +78,7 @@ def tp(request, tmp_path_factory):
                               env_file=env_file)
     finally:
         engine.close()
+        torch.set_num_threads(threads)
 
 
 def _want(tp, adapter: str | None, prompt: list[int], n: int = N) -> list[int]:
