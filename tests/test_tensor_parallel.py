@@ -22,6 +22,7 @@ from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import SamplingParams
 from metrale.errors import LandingError
 from metrale.model.parallel import MULTICAST_OFF, check_tensor_parallel
+from metrale.pool.landing import Landing
 from metrale.pool.slots import SlotState
 from tests.helpers.engine import run_until_done, step_until, step_until_running
 from tests.helpers.reference import hf_greedy, prompts
@@ -139,6 +140,19 @@ def test_refusals_and_unloads_empty_the_slot_on_every_rank(tp):
     assert _all_ranks_slot(tp, 1) == [SlotState.READY] * 2
     assert tp.engine.unload_adapter("unloaded") == "unloaded"
     assert _all_ranks_slot(tp, 1) == [SlotState.EMPTY] * 2
+
+
+def test_a_landing_failed_on_rank_0_empties_the_slot_on_every_rank(tp, monkeypatch):
+    tp.engine.swap_lora_slot_from_disk(tp.root / "b", "held", 1)
+    assert _all_ranks_slot(tp, 1) == [SlotState.READY] * 2
+
+    def broken(landing, staged):
+        raise OSError("the device copy failed")
+
+    monkeypatch.setattr(Landing, "write_staged", broken)  # rank 0 is this process
+    with pytest.raises(LandingError, match="device copy"):
+        tp.engine.swap_lora_slot_from_disk(tp.root / "c", "broken", 1)
+    assert _all_ranks_slot(tp, 1) == [SlotState.EMPTY] * 2  # the workers never landed
 
 
 def test_promotion_while_others_decode(tp):
