@@ -1,10 +1,12 @@
 """Rank 0 of a tensor-parallel group: the engine's process. It starts one worker process per
 other rank (metrale.engine.tp_worker), and from the engine thread alone (collectives must be
 issued in the same order on every rank) it drives them: each eager step's inputs, each
-landing's slices and the agreement before its commit, the slot tables' read-back, stop.
+landing's slices and the agreement before its commit, a slot emptied, the slot tables'
+read-back, stop.
 
-Every message is one broadcast of a small picklable command, then what the command moves
-(a scatter of slot slices, an all-gather of the ranks' answers)."""
+Every message is a small picklable command down each worker's pipe (tp_wire), then what
+the command moves over the process group (a scatter of slot slices, an all-gather of the
+ranks' answers)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from metrale.config import EngineConfig
 from metrale.engine.runner import HostInputs
-from metrale.engine.tp_wire import free_port, init_group, send
+from metrale.engine.tp_wire import free_port, init_group
 from metrale.engine.tp_worker import worker_main
 from metrale.model.parallel import Shard, disable_multicast
 from metrale.pool.layout import SlotLayout
@@ -31,9 +33,9 @@ log = logging.getLogger("metrale.tp")
 class TpGroup:
     """Implements ModelRunner's StepBroadcast and the landing's LandingPeers."""
 
-    def __init__(self, size: int, procs: list) -> None:
+    def __init__(self, size: int, procs: list, pipes: list) -> None:
         self.shard = Shard(0, size)
-        self._procs = procs
+        self._procs, self._pipes = procs, pipes
         self._full: SlotLayout | None = None
         self._slice: SlotLayout | None = None
         self.closed = False
@@ -46,27 +48,30 @@ class TpGroup:
         disable_multicast()  # before the spawn: the workers inherit the environment too
         size, port = cfg.tensor_parallel_size, free_port()
         ctx = multiprocessing.get_context("spawn")  # a forked process would share CUDA state
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]  # (worker's end, ours)
         procs = [ctx.Process(target=worker_main, daemon=True, name=f"metrale-tp{rank}",
                              args=(rank, size, port, str(model_dir), cfg, worker_init,
-                                   torch.get_num_threads()))
+                                   torch.get_num_threads(), pipes[rank - 1][0]))
                  for rank in range(1, size)]
         for p in procs:
             p.start()
+        for theirs, _ in pipes:
+            theirs.close()  # the worker holds it now: its recv ends when our end closes
         init_group(device, 0, size, port)
-        return cls(size, procs)
+        return cls(size, procs, [ours for _, ours in pipes])
 
     def setup(self, num_slots: int, num_blocks: int, full: SlotLayout | None,
               sliced: SlotLayout | None) -> None:
         """Rank 0's memory plan to the workers, which build their pools and KV caches from
         it; raises if a worker could not."""
         self._full, self._slice = full, sliced
-        send(("setup", num_slots, num_blocks))
+        self._send(("setup", num_slots, num_blocks))
         self._answers(None, "starting")
 
     # --- ModelRunner's StepBroadcast ------------------------------------------------------
 
     def step(self, inputs: HostInputs) -> None:
-        send(("step", inputs))
+        self._send(("step", inputs))
 
     # --- the landing's LandingPeers -------------------------------------------------------
 
@@ -75,7 +80,7 @@ class TpGroup:
         (a scatter: every rank receives its bytes only) and the table rows, lands them, and
         the ranks' answers are gathered by all (the agreement: each commits iff all landed)."""
         tables = (tensors.ranks.cpu(), tensors.scales.cpu(), tensors.doras.cpu())  # [L, M] each
-        send(("land", slot, version, tables))
+        self._send(("land", slot, version, tables))
         parts = [slice_slot(self._full, tensors.data, self._slice, Shard(k, self.shard.size))
                  for k in range(self.shard.size)]  # each [slice slot_elems]
         dist.scatter(torch.empty_like(parts[0]), parts, src=0)
@@ -87,13 +92,13 @@ class TpGroup:
         return answers
 
     def empty(self, slot: int) -> None:
-        send(("empty", slot))
+        self._send(("empty", slot))
 
     # --- read-back and stop -----------------------------------------------------------------
 
     def slot_infos(self) -> list:
         """Each worker's slot table (SlotInfo lists, ranks 1..), for tests and debugging."""
-        send(("slots",))
+        self._send(("slots",))
         infos: list = [None] * self.shard.size
         dist.all_gather_object(infos, None)
         return infos[1:]
@@ -105,13 +110,20 @@ class TpGroup:
             return
         self.closed = True
         try:
-            send(("stop",))
+            self._send(("stop",))
         finally:
+            for pipe in self._pipes:
+                pipe.close()
             for p in self._procs:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.terminate()
             dist.destroy_process_group()
+
+    def _send(self, command: tuple) -> None:
+        """A command to every worker, in the order rank 0 issues its collectives."""
+        for pipe in self._pipes:
+            pipe.send(command)
 
     def _answers(self, mine: str | None, what: str) -> None:
         answers: list = [None] * self.shard.size

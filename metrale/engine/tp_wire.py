@@ -1,5 +1,8 @@
 """The wire between the ranks of a tensor-parallel group (tp_group: rank 0, tp_worker: the
-others): joining the group and rank 0's commands."""
+others). Rank 0's commands travel over one pipe per worker: a worker waits for the next one
+as long as the engine idles (a collective would time out) and ends when rank 0's process
+does (its pipe closes). What a command moves (inputs' tensors, slices, answers) goes over
+the process group, whose collectives time out when a rank died."""
 
 from __future__ import annotations
 
@@ -28,10 +31,3 @@ def init_group(device: torch.device, rank: int, size: int, port: int) -> None:
     disable_multicast()
     dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size, timeout=TIMEOUT)
-
-
-def send(command: tuple | None) -> tuple:
-    """Rank 0's command to every rank: rank 0 passes it, the others None and get it back."""
-    box = [command]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -1,14 +1,15 @@
 """A tensor-parallel worker: ranks 1.. of the group, one process each (spawned by
 metrale.engine.tp_group.TpGroup). It holds its shard of the base (parallel.shard_config),
 its slice of every adapter slot (pool/shard.py) and of the KV cache, and runs what rank 0
-sends: a step's forward, a landing's slice, a read-back, stop. No scheduler, no registry:
-rank 0 decides everything, here only tensors change."""
+sends down its pipe: a step's forward, a landing's slice, a slot emptied, a read-back,
+stop. No scheduler, no registry: rank 0 decides everything, here only tensors change."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from metrale.config import EngineConfig, ModelConfig
 from metrale.dtypes import parse_dtype
 from metrale.engine.runner import ModelRunner
-from metrale.engine.tp_wire import init_group, send
+from metrale.engine.tp_wire import init_group
 from metrale.model.loader import load_model
 from metrale.model.parallel import Shard, disable_multicast, shard_config
 from metrale.pool.slots import SlotState
@@ -32,7 +33,8 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def worker_main(rank: int, size: int, port: int, model_dir: str, cfg: EngineConfig,
-                worker_init: Callable[[int], None] | None, threads: int) -> None:
+                worker_init: Callable[[int], None] | None, threads: int,
+                commands: Connection) -> None:
     disable_multicast()  # a spawned process: set again before any process group starts
     torch.set_num_threads(threads)  # as many as rank 0: the ranks share the host's cores
     if worker_init is not None:
@@ -42,7 +44,7 @@ def worker_main(rank: int, size: int, port: int, model_dir: str, cfg: EngineConf
         torch.cuda.set_device(device)
     init_group(device, rank, size, port)
     try:
-        Worker(rank, size, model_dir, cfg, device).serve()
+        Worker(rank, size, model_dir, cfg, device).serve(commands)
     finally:
         dist.destroy_process_group()
 
@@ -57,7 +59,7 @@ class Worker:
         self.slots: LoraSlots | None = None
         self.runner: ModelRunner | None = None
 
-    def serve(self) -> None:
+    def serve(self, commands: Connection) -> None:
         error = None
         try:  # loads while rank 0 loads its own shard
             model = load_model(self.model_dir, self.model_cfg, self.dtype, self.device,
@@ -67,7 +69,10 @@ class Worker:
             log.exception("rank %d could not load its shard", self.shard.rank)
             error, model = f"{type(e).__name__}: {e}", None
         while True:
-            command = send(None)
+            try:
+                command = commands.recv()  # as long as the engine idles
+            except EOFError:  # rank 0's process ended without a stop
+                return
             kind = command[0]
             if kind == "step":
                 with torch.inference_mode():
