@@ -19,7 +19,7 @@ import torch
 from metrale import LLM
 from metrale.config import EngineConfig, ModelConfig, PoolConfig, TensorParallelSizeError
 from metrale.engine.llm_engine import LLMEngine
-from metrale.engine.sampling_params import SamplingParams
+from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from metrale.errors import LandingError
 from metrale.model.parallel import MULTICAST_OFF, check_tensor_parallel
 from metrale.pool.landing import Landing
@@ -168,6 +168,12 @@ def test_promotion_while_others_decode(tp):
     outs = run_until_done(engine)
     assert list(outs[long_id].token_ids) == _want(tp, "a", long_prompt, 30)
     assert list(outs[late_id].token_ids) == _want(tp, "c", late_prompt)
+
+
+def test_prompt_logprobs_are_refused_not_deadlocked(tp):
+    with pytest.raises(InvalidSamplingParamsError, match="prompt_logprobs"):
+        tp.engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    assert not tp.engine.has_unfinished_requests()
 
 
 def test_a_size_the_model_cannot_split_is_refused(tiny_model_dir):

@@ -126,7 +126,7 @@ class LLMEngine:
         log.info("%s", self.memory.describe())
         # under TP rank 0's pool holds whole adapters (every read and check path works on
         # whole files) and the forward reads its slice (PoolShard); DoRA is not split yet:
-        # without base weights its adapters fail to land
+        # the ranks' agreement refuses it (tp_group), so no base weights are needed
         self.lora = LoraSlots(self.model_config, replace(cfg.pool, max_loras=self.memory.num_slots),
                               self.device, self.dtype,
                               model.lora_base_weights() if self.tp is None else None)

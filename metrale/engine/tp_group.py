@@ -22,6 +22,7 @@ from metrale.config import EngineConfig
 from metrale.engine.runner import HostInputs
 from metrale.engine.tp_wire import free_port, init_group
 from metrale.engine.tp_worker import worker_main
+from metrale.errors import TensorParallelWorkerError
 from metrale.model.parallel import Shard, disable_multicast
 from metrale.pool.layout import SlotLayout
 from metrale.pool.pool import SlotTensors
@@ -58,6 +59,7 @@ class TpGroup:
         for theirs, _ in pipes:
             theirs.close()  # the worker holds it now: its recv ends when our end closes
         init_group(device, 0, size, port)
+        log.info("tensor-parallel group of %d ranks (%s)", size, dist.get_backend())
         return cls(size, procs, [ours for _, ours in pipes])
 
     def setup(self, num_slots: int, num_blocks: int, full: SlotLayout | None,
@@ -81,8 +83,10 @@ class TpGroup:
         the ranks' answers are gathered by all (the agreement: each commits iff all landed)."""
         tables = (tensors.ranks.cpu(), tensors.scales.cpu(), tensors.doras.cpu())  # [L, M] each
         self._send(("land", slot, version, tables))
+        # each [slice slot_elems]; rank 0's own (parts[0]) only fills the scatter's list:
+        # its forward reads its slice from the whole slot (PoolShard)
         parts = [slice_slot(self._full, tensors.data, self._slice, Shard(k, self.shard.size))
-                 for k in range(self.shard.size)]  # each [slice slot_elems]
+                 for k in range(self.shard.size)]
         dist.scatter(torch.empty_like(parts[0]), parts, src=0)
         # rank 0 landed its slot before asking; DoRA's gain needs the norm of whole rows of
         # W + sBA, which a row-parallel rank does not hold: refused until it is split too
@@ -130,4 +134,5 @@ class TpGroup:
         dist.all_gather_object(answers, mine)
         failed = [f"rank {r}: {a}" for r, a in enumerate(answers) if a]
         if failed:
-            raise RuntimeError(f"tensor-parallel workers failed {what}: {'; '.join(failed)}")
+            raise TensorParallelWorkerError(
+                f"tensor-parallel workers failed {what}: {'; '.join(failed)}")
