@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU (issue 53): a tiny Llama and a tiny Qwen2 split over two
+"""Tensor parallelism on CPU (issue 53): a tiny Llama, Qwen2 and Qwen3 split over two
 processes (gloo) give the greedy tokens of transformers + PEFT and of one process, with
 mixed adapters in a batch, swaps, a landing one rank refuses (every rank's slot EMPTY
 after it) and a promotion while other requests decode. One TP engine per model serves
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from metrale import LLM
-from metrale.config import EngineConfig, ModelConfig, PoolConfig, TensorParallelSizeError
+from metrale.config import ConfigError, EngineConfig, ModelConfig, PoolConfig, TensorParallelSizeError
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from metrale.errors import LandingError
@@ -55,7 +55,8 @@ def _generate(engine: LLMEngine, requests: list[tuple[list[int], str | None]],
     return [list(outs[i].token_ids) for i in ids]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# qwen2: biased qkv; qwen3: head_dim != hidden / heads and per-head q/k norms
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tp(request, tmp_path_factory):
     """A tiny model of the arch, adapters a, b, c on all its projections (their PEFT
     models), and a TP=2 engine with a, b registered whose rank 1 spoils its slice of
@@ -182,6 +183,8 @@ def test_a_size_the_model_cannot_split_is_refused(tiny_model_dir):
     before = len(multiprocessing.active_children())
     with pytest.raises(TensorParallelSizeError, match="attention heads"):  # 4 heads
         LLM(tiny_model_dir, tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="async_scheduling"):
+        LLMEngine(tiny_model_dir, replace(_config(2), async_scheduling=True))
     assert len(multiprocessing.active_children()) == before  # refused before any spawn
     cfg = ModelConfig.from_dir(tiny_model_dir)  # 4 heads, 2 KV heads, intermediate 96
     with pytest.raises(TensorParallelSizeError, match="KV heads"):
