@@ -81,6 +81,7 @@ def tp(request, tmp_path_factory):
     finally:
         engine.close()
         torch.set_num_threads(threads)
+    assert engine.tp.worker_exitcodes == [0]  # a clean stop, no abort at its exit
 
 
 def _want(tp, adapter: str | None, prompt: list[int], n: int = N) -> list[int]:

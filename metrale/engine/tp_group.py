@@ -107,6 +107,11 @@ class TpGroup:
         dist.all_gather_object(infos, None)
         return infos[1:]
 
+    @property
+    def worker_exitcodes(self) -> list[int | None]:
+        """Ranks 1..'s exit codes (None while running)."""
+        return [p.exitcode for p in self._procs]
+
     def close(self) -> None:
         """Stop the workers and leave the group (a later TP engine in this process may
         start its own)."""
@@ -115,14 +120,15 @@ class TpGroup:
         self.closed = True
         try:
             self._send(("stop",))
+            dist.barrier()  # every rank is past its last collective: the group may go
         finally:
             for pipe in self._pipes:
                 pipe.close()
+            dist.destroy_process_group()
             for p in self._procs:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.terminate()
-            dist.destroy_process_group()
 
     def _send(self, command: tuple) -> None:
         """A command to every worker, in the order rank 0 issues its collectives."""

@@ -7,6 +7,8 @@ stop. No scheduler, no registry: rank 0 decides everything, here only tensors ch
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -43,10 +45,21 @@ def worker_main(rank: int, size: int, port: int, model_dir: str, cfg: EngineConf
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_group(device, rank, size, port)
+    code = 0
     try:
         Worker(rank, size, model_dir, cfg, device).serve(commands)
+    except BaseException:  # rank 0's next collective or command then fails too
+        log.exception("tensor-parallel rank %d failed", rank)
+        code = 1
     finally:
         dist.destroy_process_group()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # no interpreter teardown: in about 1 exit of 10 a C++ thread torch leaves joinable
+        # aborted it ("terminate called without an active exception", exit code -6) after
+        # the group was gone; nothing of ours needs a teardown (the group and pipe are closed)
+        os._exit(code)
 
 
 class Worker:
@@ -89,6 +102,7 @@ class Worker:
                 infos = self.slots.table.infos() if self.slots is not None else []
                 dist.all_gather_object([None] * self.shard.size, infos)
             elif kind == "stop":
+                dist.barrier()  # rank 0's close: every rank past its last collective
                 return
 
     def _setup(self, model, num_slots: int, num_blocks: int) -> str | None:
