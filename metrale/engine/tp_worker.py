@@ -65,7 +65,10 @@ def worker_main(rank: int, size: int, port: int, model_dir: str, cfg: EngineConf
 class Worker:
     def __init__(self, rank: int, size: int, model_dir: str, cfg: EngineConfig,
                  device: torch.device) -> None:
-        self.cfg, self.device, self.dtype = cfg, device, parse_dtype(cfg.dtype)
+        # eager like rank 0's TP steps: a graph captured here alone would replay
+        # collectives rank 0 never joins
+        self.cfg = replace(cfg, enforce_eager=True)
+        self.device, self.dtype = device, parse_dtype(cfg.dtype)
         self.shard = Shard(rank, size)
         self.model_cfg = shard_config(ModelConfig.from_dir(model_dir), size)
         self.model_dir = model_dir
