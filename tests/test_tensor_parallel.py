@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from metrale import LLM
+from metrale.cli import build_parser
 from metrale.config import ConfigError, EngineConfig, ModelConfig, PoolConfig, TensorParallelSizeError
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
@@ -195,7 +196,5 @@ def test_a_size_the_model_cannot_split_is_refused(tiny_model_dir):
 
 
 def test_serve_takes_the_flag():
-    from metrale.cli import build_parser
-
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
     assert args.tensor_parallel_size == 2
