@@ -89,6 +89,9 @@ def _serve(args: argparse.Namespace) -> int:
     demos = {n: demo_adapter_dir(n, progress=progress) for n in DEMO_ADAPTERS
              if n not in pinned} if args.model is None else {}
     if args.replicas is not None or args.ray_address is not None:
+        if args.tensor_parallel_size != 1:
+            raise MetraleError("--tensor-parallel-size runs one engine; it is not combined with "
+                               "--replicas / --ray-address yet")
         require_ray()
         from metrale.cluster.launch import serve_cluster  # the `cluster` extra (Ray)
 

@@ -62,6 +62,11 @@ class ConfigError(MetraleError):
     """A configuration value is out of range or inconsistent."""
 
 
+class TensorParallelSizeError(ConfigError):
+    """tensor_parallel_size is < 1, or does not divide the model's attention heads, KV heads
+    or intermediate size (metrale.model.parallel.check_tensor_parallel)."""
+
+
 def dtype_name(value: object) -> str:
     """'float32', 'bfloat16' or 'float16' for a name or alias, or for a torch.dtype (known by
     its str, 'torch.float32', so that this module needs no torch)."""
@@ -520,9 +525,15 @@ class EngineConfig:
     # rounds them to e4m3, a scale per 512 columns of a token (the fast path on Hopper);
     # "weight-only" keeps them in the model's dtype (exactly the dequantized base)
     fp8_activations: str = FP8_ACTIVATIONS[0]
+    # worker processes (ranks) the base and the adapters are split over, Megatron-style
+    # (metrale.model.parallel; vLLM's --tensor-parallel-size): rank 0 is this process
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         dtype_name(self.dtype)
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise TensorParallelSizeError(
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         extra = check_extra_targets(self.lora_extra_targets)
         if extra and self.pool.extra_targets and extra != self.pool.extra_targets:
             raise ConfigError(f"lora_extra_targets {extra} disagrees with pool.extra_targets "

@@ -141,6 +141,16 @@ class WeightsLandingError(NonFiniteWeightsError, AdapterLandingError):
     is EMPTY)."""
 
 
+class TensorParallelWorkerError(MetraleError):
+    """A tensor-parallel worker could not start (load its shard, build its pool or KV cache);
+    the message names the rank and its error."""
+
+
+class ShardLandingError(LandingError):
+    """A rank of a tensor-parallel group could not land its slice of an adapter: no rank
+    committed, and the slot is EMPTY on every rank."""
+
+
 class ChatTemplateError(MetraleError):
     """The model has no chat template, or its template refused the messages."""
 

@@ -36,7 +36,9 @@ class LLM:
                  max_lora_rank: int = 16, device: str = "cpu", dtype: str | None = None,
                  allow_runtime_swaps: bool = True, host_tier_bytes: int = 0,
                  adapter_eviction: str = "cost", promotion_timeout_s: float = math.inf,
-                 **engine_kwargs) -> None:
+                 tensor_parallel_size: int = 1, **engine_kwargs) -> None:
+        """tensor_parallel_size: ranks (processes, one GPU each on CUDA) the base and the
+        adapters are split over (vLLM's spelling); close() stops them."""
         if model is None:
             from metrale.model.default_model import default_model_dir
 
@@ -46,11 +48,16 @@ class LLM:
         cfg = EngineConfig(
             pool=PoolConfig(max_loras, max_lora_rank, allow_runtime_swaps=allow_runtime_swaps,
                             host_tier_bytes=host_tier_bytes, eviction=adapter_eviction),
-            device=device, dtype=dtype, promotion_timeout_s=promotion_timeout_s, **engine_kwargs,
+            device=device, dtype=dtype, promotion_timeout_s=promotion_timeout_s,
+            tensor_parallel_size=tensor_parallel_size, **engine_kwargs,
         )
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = LLMEngine(model_dir, cfg, self.tokenizer)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to stop on one device)."""
+        self.engine.close()
 
     def register_adapter(self, name: str, adapter_dir: str | Path, pinned: bool = False,
                          reload: bool = False) -> None:

@@ -38,14 +38,17 @@ from metrale.engine.sequence import Sequence
 from metrale.engine.sequence_sampling import SequenceSampling
 from metrale.engine.siblings import SiblingGate, sibling_id
 from metrale.engine.token_counts import TokenCounts
+from metrale.engine.tp_group import TpGroup
 from metrale.errors import MetraleError, UnknownAdapterError
 from metrale.model.llama import LlamaForCausalLM
 from metrale.model.loader import load_model
+from metrale.model.parallel import check_tensor_parallel, shard_config
 from metrale.peer.allow import resolve_peer
 from metrale.peer.landing import warm_up_nixl, warm_up_peer
 from metrale.peer.lookup import check_peer_holds
 from metrale.peer.plans import plan_cache_for
 from metrale.pool.layout import SlotLayout
+from metrale.pool.shard import PoolShard, shard_layout
 from metrale.pool.slots import SlotInfo
 from metrale.pool.swap import LoraSlots, Prepared
 
@@ -68,10 +71,41 @@ class _InFlight:
 
 class LLMEngine:
     def __init__(self, model_dir: str | Path, cfg: EngineConfig, tokenizer=None,
-                 model: LlamaForCausalLM | None = None) -> None:
-        """model: one already built for model_dir's config.json (benchmarks); None: load it."""
+                 model: LlamaForCausalLM | None = None,
+                 tp_worker_init: Callable[[int], None] | None = None) -> None:
+        """model: one already built for model_dir's config.json (benchmarks); None: load it.
+        tp_worker_init(rank): run first in each tensor-parallel worker (tests inject faults)."""
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(model_dir)
+        self.tp: TpGroup | None = None
+        if cfg.tensor_parallel_size > 1:
+            self._check_tensor_parallel(model)
+            # the workers load their shards while this process loads its own
+            self.tp = TpGroup.start(model_dir, cfg, torch.device(cfg.device), tp_worker_init)
+        try:
+            self._build(model_dir, cfg, tokenizer, model)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_tensor_parallel(self, model: LlamaForCausalLM | None) -> None:
+        """Refuse, before any worker starts, what the split does not cover (yet)."""
+        cfg = self.cfg
+        check_tensor_parallel(self.model_config, cfg.tensor_parallel_size)
+        if model is not None:
+            raise ConfigError("tensor parallelism loads its shards itself: pass no model")
+        if cfg.pool.extra_targets or cfg.lora_experts:
+            raise ConfigError("tensor parallelism serves LoRA on the decoder layers' linears "
+                              "only (no embed_tokens / lm_head / expert LoRA yet)")
+        if cfg.async_scheduling:
+            raise ConfigError("tensor parallelism runs synchronous steps (async_scheduling off)")
+
+    def _build(self, model_dir: str | Path, cfg: EngineConfig, tokenizer,
+               model: LlamaForCausalLM | None) -> None:
+        tp = cfg.tensor_parallel_size
+        # the config this rank's layers are built from: the whole model's, or its shard's
+        self.layer_config = shard_config(self.model_config, tp)
+        shard = self.tp.shard if self.tp is not None else None
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is not None:
             # kernels launch on the current device: make it this engine's (e.g. cuda:1)
@@ -82,23 +116,36 @@ class LLMEngine:
                               "are scaled)")
         self.tokenizer = tokenizer
         if model is None:
-            model = load_model(model_dir, self.model_config, self.dtype, self.device,
-                               cfg.max_model_len, cfg.quantization, cfg.fp8_activations)
+            model = load_model(model_dir, self.layer_config, self.dtype, self.device,
+                               cfg.max_model_len, cfg.quantization, cfg.fp8_activations, shard)
         elif model.rotary.max_positions < cfg.max_model_len:  # its tables would be read past
             raise ConfigError(f"the given model's rotary tables cover {model.rotary.max_positions} "
                               f"positions, fewer than max_model_len {cfg.max_model_len}")
         model.requires_grad_(False)  # an inference engine: nothing may build autograd graphs
         self.memory = self._plan_memory(model)
         log.info("%s", self.memory.describe())
+        # under TP rank 0's pool holds whole adapters (every read and check path works on
+        # whole files) and the forward reads its slice (PoolShard); DoRA is not split yet:
+        # the ranks' agreement refuses it (tp_group), so no base weights are needed
         self.lora = LoraSlots(self.model_config, replace(cfg.pool, max_loras=self.memory.num_slots),
-                              self.device, self.dtype, model.lora_base_weights())
+                              self.device, self.dtype,
+                              model.lora_base_weights() if self.tp is None else None)
+        pool_views = pool = self.lora.pool
+        if self.tp is not None:
+            self.lora.peers = self.tp  # every landing commits on all ranks or on none
+            sliced = None
+            if pool is not None:
+                pool_views = PoolShard(pool, shard)
+                sliced = shard_layout(pool.layout, self.layer_config)  # the workers' pools
+            self.tp.setup(self.memory.num_slots, self.memory.kv_blocks,
+                          pool.layout if pool is not None else None, sliced)
         # an adapter named like the base model would shadow it in every API
         self.registry = AdapterRegistry(reserved_names=("base", Path(model_dir).name))
         self.adapters = AdapterManager(self.lora, self.registry, cfg)
         if self.device.type == "cuda" and cfg.peer_transport != "http":
             warm_up_nixl(self.lora)  # a first peer landing then costs ~1.3 s less
-        self.runner = ModelRunner(model, self.model_config, cfg, self.device, self.dtype,
-                                  self.lora.pool, self.memory.kv_blocks)
+        self.runner = ModelRunner(model, self.layer_config, cfg, self.device, self.dtype,
+                                  pool_views, self.memory.kv_blocks, tp=self.tp)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size,
                                    cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
@@ -117,7 +164,7 @@ class LLMEngine:
         self.siblings = SiblingGate()
         # overlap the host's work with the device's: only a device runs ahead of the host
         self.async_scheduling = cfg.async_scheduling if cfg.async_scheduling is not None \
-            else self.device.type == "cuda"
+            else self.device.type == "cuda" and self.tp is None
         self._in_flight: _InFlight | None = None
 
     def _plan_memory(self, model: LlamaForCausalLM) -> MemoryPlan:
@@ -132,7 +179,8 @@ class LLMEngine:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         one_slot = replace(cfg.pool, max_loras=1)
         slot_bytes = SlotLayout(m, one_slot, self.dtype).slot_bytes if cfg.pool.max_loras != 0 else 0
-        block_bytes = 2 * m.num_layers * cfg.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        kv_heads = self.layer_config.num_kv_heads  # this rank's under TP
+        block_bytes = 2 * m.num_layers * cfg.block_size * kv_heads * m.head_dim * self.dtype.itemsize
         return plan_memory(cfg.pool.max_loras, slot_bytes, cfg.num_kv_blocks, cfg.max_num_seqs,
                            cfg.max_model_len, cfg.block_size, block_bytes, weights, free, cuda)
 
@@ -154,6 +202,11 @@ class LLMEngine:
         if any(i in self.requests for i in seq_ids):
             raise MetraleError(f"request id {request_id!r} is already in use")
         self._check_logit_bias(params)
+        if self.tp is not None and params.prompt_logprobs is not None:
+            # their extra head passes would be rank 0's alone: the workers' collectives
+            # would not match
+            raise InvalidSamplingParamsError(
+                "prompt_logprobs are not served under tensor parallelism yet", "prompt_logprobs")
         if params.structured is not None:
             self.grammars.compile(params.structured)  # a refusal before anything is queued
         seqs = [self._new_sequence(i, seq_id, ids, params, adapter)
@@ -230,6 +283,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (a single-device engine holds nothing
+        to stop)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # --- the loop ----------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from metrale.config import SHARED_EXPERT_MODULES, ModelConfig
 from metrale.forward_context import get_context
 from metrale.model.layers import LoraProjection, RMSNorm, RotaryEmbedding
 from metrale.model.moe import MoeMLP
+from metrale.model.parallel import Shard, embedding, gather_vocab, head_rows, reduce_sum
 from metrale.ops import fused_triton as fused
 from metrale.ops.attention import paged_attention
 from metrale.ops.head import head_logits
@@ -20,9 +21,11 @@ from metrale.ops.lora import lora_embed, lora_logits
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding,
+                 shard: Shard | None = None) -> None:
+        """shard: this rank of a tensor-parallel group (cfg is then its shard_config)."""
         super().__init__()
-        self.cfg, self.rotary = cfg, rotary
+        self.cfg, self.rotary, self.shard = cfg, rotary, shard
         self.qkv_proj = LoraProjection(
             layer, ("q_proj", "k_proj", "v_proj"), cfg.hidden_size,
             (cfg.q_size, cfg.kv_size, cfg.kv_size), bias=cfg.attention_bias,
@@ -59,12 +62,14 @@ class Attention(nn.Module):
                                          meta.slot_mapping)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, positions,
                             self.softcap, self.window)  # [T, H, D]
-        return self.o_proj(o.reshape(T, cfg.q_size))
+        # row-parallel under TP: each rank's o_proj (and its LoRA) gave a partial sum
+        return reduce_sum(self.o_proj(o.reshape(T, cfg.q_size)), self.shard)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard | None = None) -> None:
         super().__init__()
+        self.shard = shard
         self.inter = cfg.intermediate_size
         self.gate_up_proj = LoraProjection(
             layer, ("gate_proj", "up_proj"), cfg.hidden_size, (self.inter, self.inter)
@@ -78,17 +83,18 @@ class MLP(nn.Module):
             act_mul = fused.gelu_tanh_mul if self.gelu else fused.silu_mul
         else:
             act_mul = fused.gelu_tanh_mul_ref if self.gelu else fused.silu_mul_ref
-        return self.down_proj(act_mul(gate_up))
+        return reduce_sum(self.down_proj(act_mul(gate_up)), self.shard)  # row-parallel under TP
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding,
+                 shard: Shard | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, rotary)
+        self.self_attn = Attention(cfg, layer, rotary, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         moe = cfg.moe is not None and layer in cfg.moe.layers
-        self.mlp = MoeMLP(cfg, layer) if moe else MLP(cfg, layer)
+        self.mlp = MoeMLP(cfg, layer) if moe else MLP(cfg, layer, shard)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,13 +115,14 @@ class SandwichDecoderLayer(nn.Module):
     MLP's input has a norm of its own. As in DecoderLayer, each residual add is done by the
     next pre-norm in its launch (bitwise the plain adds)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding,
+                 shard: Shard | None = None) -> None:
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
-        self.self_attn = Attention(cfg, layer, rotary)
-        self.mlp = MLP(cfg, layer)
+        self.self_attn = Attention(cfg, layer, rotary, shard)
+        self.mlp = MLP(cfg, layer, shard)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,21 +137,22 @@ class SandwichDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, shard: Shard | None = None) -> None:
+        """shard: this rank of a tensor-parallel group, cfg its parallel.shard_config."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.shard = cfg, shard
         rotary = RotaryEmbedding(cfg, max_positions)
         # Gemma 3: the sliding layers rotate with a base of their own, unscaled
         local = rotary if cfg.rope_local_theta is None else RotaryEmbedding(
             replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None), max_positions)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, shard)
         layer_cls = SandwichDecoderLayer if cfg.gemma_norms else DecoderLayer
         self.layers = nn.ModuleList(
-            layer_cls(cfg, i, local if i in cfg.sliding_layers else rotary)
+            layer_cls(cfg, i, local if i in cfg.sliding_layers else rotary, shard)
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+            cfg.hidden_size, head_rows(cfg.vocab_size, shard), bias=False)
         self.rotary = rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -163,10 +171,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [N, hidden] -> float32 logits; rows: [N] indices of these rows among the
         forward's tokens, for lm_head LoRA (None: row i is token i)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = head_logits(hidden, weight)  # [N, V]
+        logits = head_logits(hidden, weight)  # [N, V] ([N, V/tp] on a rank of a TP group)
         lora = get_context().lora
         if lora is not None:
             lora_logits(logits, hidden, lora, rows)  # lm_head LoRA, when the pool serves it
+        logits = gather_vocab(logits, self.shard, self.cfg.vocab_size)  # [N, V]
         logits = logits.float()
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from metrale.config import ConfigError, ModelConfig
 from metrale.model.layers import LoraProjection, RotaryEmbedding
 from metrale.model.llama import LlamaForCausalLM
+from metrale.model.parallel import Shard
 from metrale.model.quantization import FP8_DTYPES, Int4Codes, QuantScheme, bnb_state, scheme_of
 from metrale.ops import int4_linear as int4
 from metrale.ops.fp8_linear import DEFAULT_ACTIVATIONS, quantize_rows
@@ -60,15 +61,20 @@ def weight_files(model_dir: Path) -> list[Path]:
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                quantization: str | None = None,
-               fp8_activations: str = DEFAULT_ACTIVATIONS) -> LlamaForCausalLM:
+               fp8_activations: str = DEFAULT_ACTIVATIONS,
+               tp_shard: Shard | None = None) -> LlamaForCausalLM:
     """quantization "fp8": a dense checkpoint's linear weights rounded to FP8 per output
     channel as they load (a quantized checkpoint keeps its own scheme). FP8 linears stay FP8
-    in memory (metrale.ops.fp8_linear, activations in the mode fp8_activations names)."""
+    in memory (metrale.ops.fp8_linear, activations in the mode fp8_activations names).
+    tp_shard: load this tensor-parallel rank's part (cfg is then its shard_config); dense
+    checkpoints only."""
     model_dir = Path(model_dir)
     scheme = scheme_of(model_dir)
+    if tp_shard is not None and (scheme is not None or quantization is not None):
+        raise ConfigError("tensor parallelism loads dense checkpoints only (no quantization yet)")
     aux = _aux_tensors(model_dir, scheme) if scheme is not None else {}
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, tp_shard)
     projections = {f"{name}.weight": m for name, m in model.named_modules()
                    if isinstance(m, LoraProjection)}
     shapes = {target: proj.weight.shape for target, proj in projections.items()}
@@ -109,6 +115,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                     continue
                 if target not in params:
                     raise ConfigError(f"{path}: unexpected weight {name} for a {cfg.model_type} model")
+                if tp_shard is not None:  # this rank's part only ("shard" is a fused part's index)
+                    tensor = tp_shard.slice_weight(target, tensor, cfg.vocab_size)
                 if target in projections and projections[target].is_fp8:  # --quantization fp8
                     q, scale = quantize_rows(tensor)
                     copy_fp8(projections[target], q, scale, (1, tensor.shape[1]), target, shard, cfg)

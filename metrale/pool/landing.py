@@ -11,6 +11,8 @@ in the order it runs:
     verify   bytes no check has seen (a raw range): NaN/Inf and the gain bound, from one
              set of norms and one host sync
     tables   the rank, scale and DoRA rows the kernels read; DoRA's gains from the bytes
+    agree    under tensor parallelism, every other rank lands its slice of the slot
+             (LandingPeers) and the ranks agree: all of them commit or none does
     commit   the slot READY holding the version
     fail     from any step after begin: the slot zeroed, EMPTY with a fresh uid, and a
              LandingError caused by what went wrong
@@ -30,13 +32,14 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from metrale.adapters.plan import AdapterPlan
 from metrale.adapters.weights_check import GainBound, all_finite
-from metrale.errors import LandingError, NonFiniteWeightsError
+from metrale.errors import LandingError, NonFiniteWeightsError, ShardLandingError
 from metrale.ops.landing_triton import base_of, land_rows, land_views
 from metrale.ops.norms_triton import region_norms
 from metrale.pool.host_tier import HostTier, TierEntry
@@ -61,12 +64,29 @@ class ByteRange:
     nbytes: int
 
 
+class LandingPeers(Protocol):
+    """The other ranks of a tensor-parallel group (metrale.engine.tp_group), asked at commit,
+    on the engine thread, once this rank's slot holds the whole landing and its tables."""
+
+    def land(self, slot: int, tensors: SlotTensors, version: int) -> list[str | None]:
+        """Every other rank lands its slice of `tensors` into its `slot`, and the ranks agree:
+        per rank None (landed) or why it could not; a rank commits only if all landed, else
+        its slot is EMPTY."""
+        ...
+
+    def empty(self, slot: int) -> None:
+        """`slot` EMPTY and zeroed on every other rank (a landing failed before they were
+        asked, or the slot was unloaded)."""
+        ...
+
+
 def land_inline(table: SlotTable, pool: AdapterPool, tier: HostTier | None, slot: int, version: int,
-         write: Callable[[Landing], None], fills_slot: bool = False) -> None:
+         write: Callable[[Landing], None], fills_slot: bool = False,
+         peers: LandingPeers | None = None) -> None:
     """The protocol inline: begin, write(landing), verify, tables, commit; a failure after
     begin fails the landing and raises its LandingError. fills_slot: write sets every byte
     and table row (a host-tier image), so begin does not zero."""
-    landing = Landing.begin(table, pool, tier, slot, zero=not fills_slot)
+    landing = Landing.begin(table, pool, tier, slot, zero=not fills_slot, peers=peers)
     try:
         write(landing)
     except BaseException as e:
@@ -76,9 +96,9 @@ def land_inline(table: SlotTable, pool: AdapterPool, tier: HostTier | None, slot
 
 class Landing:
     def __init__(self, table: SlotTable, pool: AdapterPool, tier: HostTier | None,
-                 slot: int, generation: int) -> None:
+                 slot: int, generation: int, peers: LandingPeers | None = None) -> None:
         """Made by begin: the slot is LOADING."""
-        self._table, self._tier = table, tier
+        self._table, self._tier, self._peers = table, tier, peers
         self.layout: SlotLayout = pool.layout
         self.base_weights = pool.base_weights
         self.slot, self.generation = slot, generation
@@ -91,17 +111,19 @@ class Landing:
         self._plan: AdapterPlan | None = None
         self._bound: GainBound | None = None  # the plan's bound as arrays, when kept
         self._verified = False
+        self._peers_asked = False  # the peers failed their own landings if this one fails
         self.start = time.perf_counter()
 
     # --- begin ----------------------------------------------------------------------------
 
     @classmethod
     def begin(cls, table: SlotTable, pool: AdapterPool, tier: HostTier | None, slot: int,
-              zero: bool = True) -> Landing:
+              zero: bool = True, peers: LandingPeers | None = None) -> Landing:
         """EMPTY|READY -> LOADING, zeroed on the current stream (zero=False: the write fills
-        the whole slot). Refuses a busy slot before touching it."""
+        the whole slot). Refuses a busy slot before touching it. peers: the other ranks of a
+        tensor-parallel group, asked at commit."""
         generation = table.begin_load(slot)  # re-checks idleness; from here it serves nothing
-        landing = cls(table, pool, tier, slot, generation)
+        landing = cls(table, pool, tier, slot, generation, peers)
         try:
             if tier is not None:
                 tier.before_write(slot)  # a fill copy may still be reading the old bytes
@@ -145,6 +167,17 @@ class Landing:
         self._plan, self._bound = plan, bound
         return ByteRange(self.tensors.data.data_ptr(), self.layout.slot_bytes)
 
+    def write_slice(self, data: torch.Tensor, tables: Tables) -> None:
+        """This rank's slice of a slot that rank 0 landed and checked whole (tensor
+        parallelism): the bytes as they are, then the finite check of bytes that skipped
+        staging's (a transfer may have broken them)."""
+        self.tensors.data.copy_(data)
+        self._tables = tables
+        if not all_finite(self.tensors.data):
+            raise NonFiniteWeightsError(
+                f"slot {self.slot}: this rank's slice holds NaN or Inf in the pool's dtype "
+                f"({self.layout.dtype})")
+
     def zero_elements(self, index: torch.Tensor) -> None:
         """index: offsets from the slot base."""
         self.tensors.data.index_fill_(0, index, 0)
@@ -176,12 +209,18 @@ class Landing:
 
     def commit(self, version: int) -> None:
         """LOADING -> READY holding `version` (the bytes must have landed): verify, write the
-        table rows (and DoRA's gains), then the slot table."""
+        table rows (and DoRA's gains), agree with the peers, then the slot table."""
         self.verify()
         self._close()
         try:
             if self._tables is not None:
                 write_tables(self.tensors, self.layout, self.base_weights, *self._tables)
+            if self._peers is not None:  # the last step that can fail: then no rank commits
+                self._peers_asked = True
+                refused = [(rank, why) for rank, why in
+                           enumerate(self._peers.land(self.slot, self.tensors, version)) if why]
+                if refused:
+                    raise ShardLandingError("; ".join(f"rank {r}: {why}" for r, why in refused))
         except BaseException as e:
             raise self._failed(e) from e
         uid = self._table.finish_load(self.slot, version)
@@ -198,6 +237,8 @@ class Landing:
     def _failed(self, reason: BaseException | str) -> LandingError:
         zero_slot(self.tensors)  # nothing may serve, or key on, half-landed bytes
         self._table.fail_load(self.slot)
+        if self._peers is not None and not self._peers_asked:
+            self._peers.empty(self.slot)  # what they held there is EMPTY on every rank too
         log.warning("landing into slot %d failed: %s", self.slot, reason)
         error = LandingError.caused_by(
             reason, f"landing into slot {self.slot} failed ({reason}); the slot is now EMPTY")

@@ -33,7 +33,15 @@ from metrale.errors import (
     RuntimeSwapsDisabledError,
 )
 from metrale.pool.host_tier import HostTier
-from metrale.pool.landing import Landing, check_slot, land_inline, land_staged, land_tensors, zero_slot
+from metrale.pool.landing import (
+    Landing,
+    LandingPeers,
+    check_slot,
+    land_inline,
+    land_staged,
+    land_tensors,
+    zero_slot,
+)
 from metrale.pool.layout import SlotLayout
 from metrale.pool.mapped_files import MappedFiles
 from metrale.pool.pool import AdapterPool
@@ -140,6 +148,8 @@ class LoraSlots:
         self._plans_lock = threading.Lock()
         self._scratch: AdapterPool | None = None  # bound_in_scratch's, made at first use
         self._scratch_lock = threading.Lock()
+        # the other ranks of a tensor-parallel group, asked at each landing's commit
+        self.peers: LandingPeers | None = None
 
     def disable_runtime_swaps(self) -> None:
         """Freeze the pool as it is now (after the start-up adapters landed)."""
@@ -164,13 +174,13 @@ class LoraSlots:
     def begin(self, slot: int, zero: bool = True) -> Landing:
         """A landing into `slot`, begun (metrale.pool.landing: the protocol), for a caller
         that drives its steps (a promotion). zero=False: the write fills the whole slot."""
-        return Landing.begin(self.table, self.pool, self.host_tier, slot, zero)
+        return Landing.begin(self.table, self.pool, self.host_tier, slot, zero, self.peers)
 
     def land(self, slot: int, version: int, prepared: Prepared) -> None:
         """`prepared` into `slot` as `version` (a registry's, or a store's own number), the
         whole landing here. A failure after begin raises LandingError."""
         land_inline(self.table, self.pool, self.host_tier, slot, version, prepared.write,
-                    prepared.fills_slot)
+                    prepared.fills_slot, self.peers)
         self.committed(prepared, slot)
 
     def committed(self, prepared: Prepared, slot: int) -> None:
@@ -202,6 +212,8 @@ class LoraSlots:
         if self.host_tier is not None:
             self.host_tier.before_write(slot)
         zero_slot(self.pool.slot_tensors[slot])
+        if self.peers is not None:
+            self.peers.empty(slot)
 
     # --- reading adapters (thread-safe: a promotion worker runs these) ---------------
 

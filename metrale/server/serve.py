@@ -103,7 +103,7 @@ def build_app(args: argparse.Namespace, on_demand: dict[str, Path] | None = None
               quantization=args.quantization, fp8_activations=args.fp8_activations,
               peer_allow=tuple(args.peer_allow), peer_transport=args.peer_transport,
               peer_timeout_s=args.peer_timeout, lora_extra_targets=args.lora_extra_targets,
-              lora_experts=args.lora_experts,
+              lora_experts=args.lora_experts, tensor_parallel_size=args.tensor_parallel_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               scheduler=SchedulerConfig(
                   max_prefill_chunk=args.max_prefill_chunk,
@@ -198,6 +198,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the base and the adapters over N ranks, one process each (one "
+                        "GPU each with --device cuda; gloo between CPU processes) "
+                        "(default: %(default)s)")
     p.add_argument("--model", help="Hugging Face model dir (default: embedded SmolLM2-135M-Instruct "
                                    "with the demo adapters 'shout' and 'pirate')")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
