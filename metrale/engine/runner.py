@@ -28,8 +28,8 @@ from metrale.forward_context import (
 from metrale.model.llama import LlamaForCausalLM
 from metrale.ops import lora_triton
 from metrale.ops.attention_triton import prefill_block_m, prefill_tiles
-from metrale.ops.lora_ref import token_groups
 from metrale.ops.lora_launch import segment_order
+from metrale.ops.lora_ref import token_groups
 
 
 class StepBroadcast(Protocol):
