@@ -409,6 +409,8 @@ def main() -> None:
             adapters = adapter_count(scenario)
             if scenario.startswith("offline"):
                 results[scenario] = run_scenario(engine, args, scenario, None, adapters, floor_of)
+                # each row as it finishes: a run cut short still says what it measured
+                print(json.dumps({scenario: results[scenario]}), flush=True)
                 continue
             for r in args.rates:
                 offline = results.get(scenario.replace("online", "offline"))
