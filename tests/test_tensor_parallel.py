@@ -23,8 +23,10 @@ from metrale.config import ConfigError, EngineConfig, ModelConfig, PoolConfig, T
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from metrale.errors import LandingError, ShardLandingError, WeightsLandingError
-from metrale.model.parallel import MULTICAST_OFF, check_tensor_parallel, shard_config
+from metrale.model.parallel import MULTICAST_OFF, Shard, check_tensor_parallel, shard_config
+from metrale.peer.exporter import AdapterExporter
 from metrale.pool.landing import Landing
+from metrale.pool.landing_area import SlicedServing
 from metrale.pool.layout import SlotLayout
 from metrale.pool.slots import SlotState
 from metrale.pool.swap import LoraSlots, Prepared
@@ -242,6 +244,14 @@ def test_a_size_the_model_cannot_split_is_refused(tiny_model_dir):
         check_tensor_parallel(cfg, 4)
     with pytest.raises(TensorParallelSizeError, match="intermediate size"):
         check_tensor_parallel(replace(cfg, intermediate_size=97), 2)
+
+
+def test_a_sliced_pool_is_not_exported(tiny_model_dir):
+    model = ModelConfig.from_dir(tiny_model_dir)
+    slots = LoraSlots(model, PoolConfig(max_loras=2, max_lora_rank=4), "cpu", torch.float32,
+                      sliced=SlicedServing(shard_config(model, 2), Shard(0, 2), 1))
+    with pytest.raises(ConfigError, match="slices"):  # a peer would get rank 0's part only
+        AdapterExporter(slots, None)
 
 
 def test_serve_takes_the_flag():

@@ -63,7 +63,7 @@ class LandingArea:
         area was sized for, a bug (refused before the slot table is touched)."""
         with self._lock:
             if not self._free:
-                raise RuntimeError(f"all {self.pool.layout.pool.max_loras} landing-area slots "
+                raise AssertionError(f"all {self.pool.layout.pool.max_loras} landing-area slots "
                                    "are in use: more landings open at once than planned")
             return self._free.pop()
 
