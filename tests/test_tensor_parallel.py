@@ -11,6 +11,7 @@ import functools
 import json
 import multiprocessing
 import os
+import threading
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -118,8 +119,13 @@ def test_mixed_adapters_in_one_batch_equal_peft_and_one_process(tp):
 
 
 def test_swaps_between_requests(tp):
-    for i, name in enumerate(("b", "c")):  # the slot's earlier adapter leaves nothing behind
+    # the slot's earlier adapter leaves nothing behind; b's files the second time are the
+    # host tier's whole image of its first landing, sliced like any landing
+    tier = tp.engine.lora.host_tier
+    for i, name in enumerate(("b", "c", "b")):
+        hits = tier.hits
         tp.engine.swap_lora_slot_from_disk(tp.root / name, f"swap{i}", 2)
+        assert i < 2 or tier.hits == hits + 1
         p = prompts(20 + i, 1)[0]
         assert _generate(tp.engine, [(p, f"swap{i}")]) == [_want(tp, name, p)]
     assert _all_ranks_slot(tp, 2) == [SlotState.READY] * 2
@@ -132,11 +138,8 @@ def test_a_slice_refused_on_one_rank_leaves_every_rank_empty(tp):
     assert not tp.flag.exists()  # rank 1 did spoil its slice: the refusal was its own check
     assert _all_ranks_slot(tp, 2) == [SlotState.EMPTY] * 2
     tp.engine.check_integrity()
-    # the next landing into that slot, and the next requests, are served correctly: c's
-    # files landed before (test_swaps_between_requests), so from the host tier's whole image
-    hits = tp.engine.lora.host_tier.hits
+    # the next landing into that slot, and the next requests, are served correctly
     tp.engine.swap_lora_slot_from_disk(tp.root / "c", "after", 2)
-    assert tp.engine.lora.host_tier.hits == hits + 1
     requests = [(prompts(30, 1)[0], "after"), (prompts(31, 1)[0], None)]
     assert _generate(tp.engine, requests) == [_want(tp, "c", requests[0][0]),
                                               _want(tp, None, requests[1][0])]
@@ -222,6 +225,39 @@ def test_promotion_while_others_decode(tp):
     outs = run_until_done(engine)
     assert list(outs[long_id].token_ids) == _want(tp, "a", long_prompt, 30)
     assert list(outs[late_id].token_ids) == _want(tp, "c", late_prompt)
+
+
+def test_a_swap_while_a_promotion_writes(tp, monkeypatch):
+    """Two landings open at once on rank 0, each in its own landing-area slot: a promotion
+    whose write (on the reader thread) is held, and a swap run inline meanwhile."""
+    engine = tp.engine
+    peft_d = make_adapter(tp.base, tp.root / "d", seed=7, r=4, lora_alpha=8,
+                          target_modules=TARGETS)  # files never landed: read, not a tier image
+    writing, release = threading.Event(), threading.Event()
+    original = Landing.write_staged
+
+    def write_staged(landing, staged):
+        if threading.current_thread().name.startswith("metrale-read"):
+            writing.set()
+            release.wait(30)
+        return original(landing, staged)
+
+    monkeypatch.setattr(Landing, "write_staged", write_staged)
+    engine.register_adapter("promoted", tp.root / "d")
+    p_promoted, p_inline = prompts(50, 2)
+    promoted_id = engine.add_request(p_promoted, _greedy(), "promoted")
+    step_until(engine, writing.is_set)
+    busy = engine.adapters.job.slot
+    try:
+        engine.swap_lora_slot_from_disk(tp.root / "a", "inline", (busy + 1) % 3)
+        assert engine.adapters.promoting() == "promoted"  # its landing stayed open throughout
+    finally:
+        release.set()
+    inline_id = engine.add_request(p_inline, _greedy(), "inline")
+    outs = run_until_done(engine)
+    assert list(outs[promoted_id].token_ids) == hf_greedy(peft_d, p_promoted, N)[0]
+    assert list(outs[inline_id].token_ids) == _want(tp, "a", p_inline)
+    engine.check_integrity()
 
 
 def test_prompt_logprobs_are_refused_not_deadlocked(tp):
