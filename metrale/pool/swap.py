@@ -1,6 +1,8 @@
 """LoraSlots: the slot table, the device pool and staging memory, and the two halves of
 every landing: reading an adapter into a `Prepared` (disk here; peers in metrale.peer),
-and writing one into a slot as a version. Names live in the engine's registry.
+and writing one into a slot as a version. Names live in the engine's registry. On rank 0
+of a tensor-parallel group the pool holds its slices and a landing area the whole
+adapters being landed (`landing_pool`: where every read, plan and check path writes).
 
 Validate first, mutate second: a refusal leaves the slot as it was; a failure after
 zeroing leaves it EMPTY with a new identity. Bytes no registration bounded (a file
