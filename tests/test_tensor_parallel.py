@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (issue 53): a tiny Llama, Qwen2 and Qwen3 split over two
 processes (gloo) give the greedy tokens of transformers + PEFT and of one process, with
-mixed adapters in a batch, swaps, a landing one rank refuses (every rank's slot EMPTY
-after it) and a promotion while other requests decode. One TP engine per model serves
+mixed adapters in a batch, swaps (host-tier images among them), a landing one rank refuses
+or rank 0's whole check refuses (every rank's slot EMPTY after it) and a promotion while
+other requests decode; rank 0's slots hold only its slice. One TP engine per model serves
 every case (a spawn costs seconds on 2 cores)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import functools
 import json
 import multiprocessing
 import os
+import threading
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -21,10 +23,14 @@ from metrale.cli import build_parser
 from metrale.config import ConfigError, EngineConfig, ModelConfig, PoolConfig, TensorParallelSizeError
 from metrale.engine.llm_engine import LLMEngine
 from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
-from metrale.errors import LandingError
-from metrale.model.parallel import MULTICAST_OFF, check_tensor_parallel
+from metrale.errors import LandingError, ShardLandingError, WeightsLandingError
+from metrale.model.parallel import MULTICAST_OFF, Shard, check_tensor_parallel, shard_config
+from metrale.peer.exporter import AdapterExporter
 from metrale.pool.landing import Landing
+from metrale.pool.landing_area import SlicedServing
+from metrale.pool.layout import SlotLayout
 from metrale.pool.slots import SlotState
+from metrale.pool.swap import LoraSlots, Prepared
 from tests.helpers.engine import run_until_done, step_until, step_until_running
 from tests.helpers.reference import hf_greedy, prompts
 from tests.helpers.tiny_models import make_adapter, saved_tiny_model
@@ -40,8 +46,9 @@ N = 8  # greedy tokens per request
 
 
 def _config(tp: int) -> EngineConfig:
-    return EngineConfig(pool=PoolConfig(max_loras=3, max_lora_rank=4), max_model_len=64,
-                        block_size=4, num_kv_blocks=64, tensor_parallel_size=tp)
+    # a host tier: a landing of files landed before is a whole image, sliced like the rest
+    return EngineConfig(pool=PoolConfig(max_loras=3, max_lora_rank=4, host_tier_bytes=8 << 20),
+                        max_model_len=64, block_size=4, num_kv_blocks=64, tensor_parallel_size=tp)
 
 
 def _greedy(n: int = N) -> SamplingParams:
@@ -77,8 +84,8 @@ def tp(request, tmp_path_factory):
     try:
         for name in ("a", "b"):
             engine.register_adapter(name, root / name)
-        yield SimpleNamespace(root=root, base=base, peft=peft, engine=engine, flag=flag,
-                              env_file=env_file)
+        yield SimpleNamespace(arch=request.param, root=root, base=base, peft=peft,
+                              engine=engine, flag=flag, env_file=env_file)
     finally:
         engine.close()
         torch.set_num_threads(threads)
@@ -112,8 +119,13 @@ def test_mixed_adapters_in_one_batch_equal_peft_and_one_process(tp):
 
 
 def test_swaps_between_requests(tp):
-    for i, name in enumerate(("b", "c")):  # the slot's earlier adapter leaves nothing behind
+    # the slot's earlier adapter leaves nothing behind; b's files the second time are the
+    # host tier's whole image of its first landing, sliced like any landing
+    tier = tp.engine.lora.host_tier
+    for i, name in enumerate(("b", "c", "b")):
+        hits = tier.hits
         tp.engine.swap_lora_slot_from_disk(tp.root / name, f"swap{i}", 2)
+        assert i < 2 or tier.hits == hits + 1
         p = prompts(20 + i, 1)[0]
         assert _generate(tp.engine, [(p, f"swap{i}")]) == [_want(tp, name, p)]
     assert _all_ranks_slot(tp, 2) == [SlotState.READY] * 2
@@ -149,13 +161,55 @@ def test_a_landing_failed_on_rank_0_empties_the_slot_on_every_rank(tp, monkeypat
     tp.engine.swap_lora_slot_from_disk(tp.root / "b", "held", 1)
     assert _all_ranks_slot(tp, 1) == [SlotState.READY] * 2
 
-    def broken(landing, staged):
+    def broken(landing, **source):
         raise OSError("the device copy failed")
 
-    monkeypatch.setattr(Landing, "write_staged", broken)  # rank 0 is this process
+    # rank 0 is this process; c's files may come staged or as a host-tier image
+    monkeypatch.setattr(Landing, "write_staged", broken)
+    monkeypatch.setattr(Landing, "write_image", broken)
     with pytest.raises(LandingError, match="device copy"):
         tp.engine.swap_lora_slot_from_disk(tp.root / "c", "broken", 1)
     assert _all_ranks_slot(tp, 1) == [SlotState.EMPTY] * 2  # the workers never landed
+
+
+def test_a_nan_in_the_whole_adapter_is_refused_before_any_rank_commits(tp):
+    engine = tp.engine
+    engine.swap_lora_slot_from_disk(tp.root / "b", "before_nan", 1)
+    assert _all_ranks_slot(tp, 1) == [SlotState.READY] * 2
+    staged = engine.lora.prepare_disk(tp.root / "a", "nan", use_tier=False)
+    plan = engine.lora.plan_from_disk(tp.root / "a", "nan")
+
+    def write(landing: Landing) -> None:
+        staged.write(landing)
+        landing.slot_range(plan)  # bytes no check has seen, as a transport's: verified at commit
+        b = landing.layout.region(0, "q_proj", "B")  # Bt [max_rank, out], whole
+        # the last output column: rank 1's half, so rank 0's own slice stays finite
+        landing.tensors.data[b.offset + b.cols - 1] = float("nan")
+
+    with pytest.raises(WeightsLandingError, match="NaN") as refused:
+        engine.swap_lora_slot_from_disk(tp.root / "a", "nan", 1, prepared=Prepared(write))
+    assert not isinstance(refused.value.__cause__, ShardLandingError)  # no rank was asked
+    assert _all_ranks_slot(tp, 1) == [SlotState.EMPTY] * 2
+    assert not engine.lora.pool.slot_tensors[1].data.any()  # rank 0's slice never landed
+    engine.check_integrity()
+
+
+def test_rank_0_slots_hold_only_its_slice(tp):
+    """Rank 0's pool is laid out as a worker's: each slot its slice (B of column-parallel
+    and A of row-parallel modules split, the other factor whole), beside a landing area of
+    whole slots; the memory plan counts them so."""
+    engine, cfg = tp.engine, _config(2)
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    pool_cfg = replace(cfg.pool, max_loras=engine.memory.num_slots)
+    one_process = LoraSlots(engine.model_config, pool_cfg, "cpu", torch.float32).pool
+    sliced = SlotLayout(shard_config(engine.model_config, 2), pool_cfg, torch.float32)
+    rank0 = nbytes(engine.lora.pool.buffer)
+    assert rank0 == pool_cfg.max_loras * sliced.slot_bytes < nbytes(one_process.buffer)
+    area = engine.lora.area
+    assert area.nbytes == 2 * one_process.layout.slot_bytes  # async promotions: 2 open at once
+    assert (engine.memory.slot_bytes, engine.memory.area_bytes) == (sliced.slot_bytes, area.nbytes)
+    print(f"\n{tp.arch}: slots {rank0} B on rank 0 (TP=2) vs "
+          f"{nbytes(one_process.buffer)} B (TP=1), landing area {area.nbytes} B")
 
 
 def test_promotion_while_others_decode(tp):
@@ -171,6 +225,39 @@ def test_promotion_while_others_decode(tp):
     outs = run_until_done(engine)
     assert list(outs[long_id].token_ids) == _want(tp, "a", long_prompt, 30)
     assert list(outs[late_id].token_ids) == _want(tp, "c", late_prompt)
+
+
+def test_a_swap_while_a_promotion_writes(tp, monkeypatch):
+    """Two landings open at once on rank 0, each in its own landing-area slot: a promotion
+    whose write (on the reader thread) is held, and a swap run inline meanwhile."""
+    engine = tp.engine
+    peft_d = make_adapter(tp.base, tp.root / "d", seed=7, r=4, lora_alpha=8,
+                          target_modules=TARGETS)  # files never landed: read, not a tier image
+    writing, release = threading.Event(), threading.Event()
+    original = Landing.write_staged
+
+    def write_staged(landing, staged):
+        if threading.current_thread().name.startswith("metrale-read"):
+            writing.set()
+            release.wait(30)
+        return original(landing, staged)
+
+    monkeypatch.setattr(Landing, "write_staged", write_staged)
+    engine.register_adapter("promoted", tp.root / "d")
+    p_promoted, p_inline = prompts(50, 2)
+    promoted_id = engine.add_request(p_promoted, _greedy(), "promoted")
+    step_until(engine, writing.is_set)
+    busy = engine.adapters.job.slot
+    try:
+        engine.swap_lora_slot_from_disk(tp.root / "a", "inline", (busy + 1) % 3)
+        assert engine.adapters.promoting() == "promoted"  # its landing stayed open throughout
+    finally:
+        release.set()
+    inline_id = engine.add_request(p_inline, _greedy(), "inline")
+    outs = run_until_done(engine)
+    assert list(outs[promoted_id].token_ids) == hf_greedy(peft_d, p_promoted, N)[0]
+    assert list(outs[inline_id].token_ids) == _want(tp, "a", p_inline)
+    engine.check_integrity()
 
 
 def test_prompt_logprobs_are_refused_not_deadlocked(tp):
@@ -193,6 +280,14 @@ def test_a_size_the_model_cannot_split_is_refused(tiny_model_dir):
         check_tensor_parallel(cfg, 4)
     with pytest.raises(TensorParallelSizeError, match="intermediate size"):
         check_tensor_parallel(replace(cfg, intermediate_size=97), 2)
+
+
+def test_a_sliced_pool_is_not_exported(tiny_model_dir):
+    model = ModelConfig.from_dir(tiny_model_dir)
+    slots = LoraSlots(model, PoolConfig(max_loras=2, max_lora_rank=4), "cpu", torch.float32,
+                      sliced=SlicedServing(shard_config(model, 2), Shard(0, 2), 1))
+    with pytest.raises(ConfigError, match="slices"):  # a peer would get rank 0's part only
+        AdapterExporter(slots, None)
 
 
 def test_serve_takes_the_flag():

@@ -47,8 +47,8 @@ from metrale.peer.allow import resolve_peer
 from metrale.peer.landing import warm_up_nixl, warm_up_peer
 from metrale.peer.lookup import check_peer_holds
 from metrale.peer.plans import plan_cache_for
+from metrale.pool.landing_area import SlicedServing
 from metrale.pool.layout import SlotLayout
-from metrale.pool.shard import PoolShard, shard_layout
 from metrale.pool.slots import SlotInfo
 from metrale.pool.swap import LoraSlots, Prepared
 
@@ -122,30 +122,29 @@ class LLMEngine:
             raise ConfigError(f"the given model's rotary tables cover {model.rotary.max_positions} "
                               f"positions, fewer than max_model_len {cfg.max_model_len}")
         model.requires_grad_(False)  # an inference engine: nothing may build autograd graphs
-        self.memory = self._plan_memory(model)
+        sliced = SlicedServing(self.layer_config, shard, self._landing_slots()) \
+            if shard is not None else None
+        self.memory = self._plan_memory(model, sliced)
         log.info("%s", self.memory.describe())
-        # under TP rank 0's pool holds whole adapters (every read and check path works on
-        # whole files) and the forward reads its slice (PoolShard); DoRA is not split yet:
-        # the ranks' agreement refuses it (tp_group), so no base weights are needed
+        # under TP rank 0's pool, like each worker's, holds its slice of every adapter, landed
+        # whole in its landing area first; DoRA is not split yet: the ranks' agreement
+        # refuses it (tp_group), so no base weights are needed
         self.lora = LoraSlots(self.model_config, replace(cfg.pool, max_loras=self.memory.num_slots),
                               self.device, self.dtype,
-                              model.lora_base_weights() if self.tp is None else None)
-        pool_views = pool = self.lora.pool
+                              model.lora_base_weights() if self.tp is None else None, sliced)
+        pool = self.lora.pool
         if self.tp is not None:
             self.lora.peers = self.tp  # every landing commits on all ranks or on none
-            sliced = None
-            if pool is not None:
-                pool_views = PoolShard(pool, shard)
-                sliced = shard_layout(pool.layout, self.layer_config)  # the workers' pools
             self.tp.setup(self.memory.num_slots, self.memory.kv_blocks,
-                          pool.layout if pool is not None else None, sliced)
+                          self.lora.landing_pool.layout if pool is not None else None,
+                          pool.layout if pool is not None else None)
         # an adapter named like the base model would shadow it in every API
         self.registry = AdapterRegistry(reserved_names=("base", Path(model_dir).name))
         self.adapters = AdapterManager(self.lora, self.registry, cfg)
         if self.device.type == "cuda" and cfg.peer_transport != "http":
             warm_up_nixl(self.lora)  # a first peer landing then costs ~1.3 s less
         self.runner = ModelRunner(model, self.layer_config, cfg, self.device, self.dtype,
-                                  pool_views, self.memory.kv_blocks, tp=self.tp)
+                                  pool, self.memory.kv_blocks, tp=self.tp)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size,
                                    cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
@@ -167,8 +166,14 @@ class LLMEngine:
             else self.device.type == "cuda" and self.tp is None
         self._in_flight: _InFlight | None = None
 
-    def _plan_memory(self, model: LlamaForCausalLM) -> MemoryPlan:
-        """Adapter slots and KV blocks from one budget (memory_plan), before either is made."""
+    def _landing_slots(self) -> int:
+        """Landings open at once under TP, each in a whole slot of rank 0's landing area: a
+        promotion written off the engine thread beside one run inline, else one."""
+        return 2 if self.cfg.async_promotions else 1
+
+    def _plan_memory(self, model: LlamaForCausalLM, sliced: SlicedServing | None) -> MemoryPlan:
+        """Adapter slots and KV blocks from one budget (memory_plan), before either is made.
+        Under TP a slot is this rank's slice, and rank 0's landing area is set aside first."""
         cfg, m = self.cfg, self.model_config
         cuda = self.device.type == "cuda"
         if cuda:  # what torch's allocator holds but does not use is free to our tensors
@@ -178,11 +183,15 @@ class LLMEngine:
             free = host_available_bytes()
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         one_slot = replace(cfg.pool, max_loras=1)
-        slot_bytes = SlotLayout(m, one_slot, self.dtype).slot_bytes if cfg.pool.max_loras != 0 else 0
+        lora = cfg.pool.max_loras != 0
+        slot_bytes = SlotLayout(self.layer_config, one_slot, self.dtype).slot_bytes if lora else 0
+        area_bytes = sliced.landing_slots * SlotLayout(m, one_slot, self.dtype).slot_bytes \
+            if lora and sliced is not None else 0
         kv_heads = self.layer_config.num_kv_heads  # this rank's under TP
         block_bytes = 2 * m.num_layers * cfg.block_size * kv_heads * m.head_dim * self.dtype.itemsize
         return plan_memory(cfg.pool.max_loras, slot_bytes, cfg.num_kv_blocks, cfg.max_num_seqs,
-                           cfg.max_model_len, cfg.block_size, block_bytes, weights, free, cuda)
+                           cfg.max_model_len, cfg.block_size, block_bytes, weights, free, cuda,
+                           area_bytes)
 
     # --- requests ----------------------------------------------------------------------
 
@@ -400,7 +409,7 @@ class LLMEngine:
         """On a GPU, the first adapter registered from a peer warms the path (warm_up_peer:
         its plan, agent, runs and memory mapping), so that its first landing costs about a
         warm one, not ~14x. Best effort: a landing reports what fails here."""
-        peer, pool = source.peer, self.lora.pool
+        peer, pool = source.peer, self.lora.landing_pool  # the pool peer plans are cached for
         if not warms_peers(pool) or source.peft is not None \
                 or self.cfg.peer_transport == "http" or plan_cache_for(pool).knows(peer_key):
             return

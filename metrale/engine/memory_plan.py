@@ -5,6 +5,8 @@ CPU step is bound by memory traffic: with live KV at most half the weights, atte
 under a third of a step's traffic, while a worst-case cache (2.9 GB for the 135M default)
 went unused.
 
+- Under tensor parallelism a slot is the rank's slice of one, and rank 0's landing area (a
+  whole slot per landing open at once, pool/landing_area.py) is set aside first.
 - Slots (unless --max-loras): SLOT_SHARE of the budget in whole slots, at least
   MIN_AUTO_SLOTS and at most max_num_seqs (a step serves no more adapters than rows; the
   host tier, not the device, is the cache past that) unless that is fewer.
@@ -53,17 +55,20 @@ def auto_kv_blocks(max_num_seqs: int, max_model_len: int, block_size: int, block
 @dataclass(frozen=True)
 class MemoryPlan:
     num_slots: int
-    slot_bytes: int  # one slot's
+    slot_bytes: int  # one slot's (this rank's slice of one under tensor parallelism)
     kv_blocks: int
     block_bytes: int  # one KV block's (K and V, every layer)
     budget_bytes: int
     reason: str  # which bounds decided, for the start-up line
+    area_bytes: int = 0  # rank 0's landing area under tensor parallelism
 
     def describe(self) -> str:
         gib = 1 << 30
-        return (f"memory: {self.num_slots} adapter slots ({self.num_slots * self.slot_bytes / gib:.2f} "
-                f"GiB), KV cache {self.kv_blocks} blocks ({self.kv_blocks * self.block_bytes / gib:.2f} "
-                f"GiB), of a {self.budget_bytes / gib:.2f} GiB budget: {self.reason}")
+        area = f" + a {self.area_bytes / gib:.2f} GiB landing area" if self.area_bytes else ""
+        slots, kv = self.num_slots * self.slot_bytes / gib, self.kv_blocks * self.block_bytes / gib
+        return (f"memory: {self.num_slots} adapter slots ({slots:.2f} GiB{area}), KV cache "
+                f"{self.kv_blocks} blocks ({kv:.2f} GiB), of a {self.budget_bytes / gib:.2f} GiB "
+                f"budget: {self.reason}")
 
 
 def memory_budget(free_bytes: int, weight_bytes: int, cuda: bool) -> tuple[int, str]:
@@ -78,25 +83,27 @@ def memory_budget(free_bytes: int, weight_bytes: int, cuda: bool) -> tuple[int, 
 
 def plan_memory(max_loras: int | None, slot_bytes: int, num_kv_blocks: int | None,
                 max_num_seqs: int, max_model_len: int, block_size: int, block_bytes: int,
-                weight_bytes: int, free_bytes: int, cuda: bool) -> MemoryPlan:
-    """free_bytes: free device (CUDA) or available host memory, after the weights."""
+                weight_bytes: int, free_bytes: int, cuda: bool, area_bytes: int = 0) -> MemoryPlan:
+    """free_bytes: free device (CUDA) or available host memory, after the weights;
+    area_bytes: set aside before the slots and the KV cache (a TP rank 0's landing area)."""
     budget, bound = memory_budget(free_bytes, weight_bytes, cuda)
+    room = max(budget - area_bytes, 0)  # for the slots and the KV cache
     reasons = []
     slots = max_loras
     if slots is None:
-        by_share = int(SLOT_SHARE * budget) // max(slot_bytes, 1)
+        by_share = int(SLOT_SHARE * room) // max(slot_bytes, 1)
         most = max(max_num_seqs, MIN_AUTO_SLOTS)
         slots = min(max(by_share, MIN_AUTO_SLOTS), most)
         reasons.append(f"slots {SLOT_SHARE:.0%} of it, at least {MIN_AUTO_SLOTS} and at most {most}")
     kv = num_kv_blocks
     if kv is None:
-        left = max(budget - slots * slot_bytes, 0)
+        left = max(room - slots * slot_bytes, 0)
         kv_budget = auto_kv_blocks(max_num_seqs, max_model_len, block_size, block_bytes, left,
                                    bound)
         kv = kv_budget.num_blocks
         reasons.append(f"KV {kv_budget.reason}")
     return MemoryPlan(slots, slot_bytes, kv, block_bytes, budget,
-                      f"{bound}; " + "; ".join(reasons) if reasons else bound)
+                      f"{bound}; " + "; ".join(reasons) if reasons else bound, area_bytes)
 
 
 def host_available_bytes() -> int:

@@ -217,7 +217,7 @@ class Promoter:
             self.registry.install(p.version)
         p.landing.commit(p.version.version)  # a LandingError here failed the slot already
         self.registry.route(p.version, p.slot)
-        self.slots.committed(p.prepared, p.slot)
+        self.slots.committed(p.prepared, p.landing.landed_at)
         self._closed(p)
         p.phase = Phase.COMMITTED
         log.info("%r landed in slot %d from %s (evicted %r) in %.1f ms", p.name, p.slot,

@@ -1,11 +1,11 @@
 """Rank 0 of a tensor-parallel group: the engine's process. It starts one worker process per
 other rank (metrale.engine.tp_worker), and from the engine thread alone (collectives must be
 issued in the same order on every rank) it drives them: each eager step's inputs, each
-landing's slices and the agreement before its commit, a slot emptied, the slot tables'
+landing's slices (sent to each worker) and the agreement before its commit, a slot emptied, the slot tables'
 read-back, stop.
 
 Every message is a small picklable command down each worker's pipe (tp_wire), then what
-the command moves over the process group (a scatter of slot slices, an all-gather of the
+the command moves over the process group (each worker's slot slice, an all-gather of the
 ranks' answers)."""
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class TpGroup:
     def setup(self, num_slots: int, num_blocks: int, full: SlotLayout | None,
               sliced: SlotLayout | None) -> None:
         """Rank 0's memory plan to the workers, which build their pools and KV caches from
-        it; raises if a worker could not."""
+        it; raises if a worker could not. full: the layout rank 0 lands adapters in (its
+        landing area's); sliced: every rank's serving layout."""
         self._full, self._slice = full, sliced
         self._send(("setup", num_slots, num_blocks))
         self._answers(None, "starting")
@@ -78,16 +79,15 @@ class TpGroup:
     # --- the landing's LandingPeers -------------------------------------------------------
 
     def land(self, slot: int, tensors: SlotTensors, version: int) -> list[str | None]:
-        """Rank 0's slot holds the whole adapter, checked: each rank gets its slice
-        (a scatter: every rank receives its bytes only) and the table rows, lands them, and
-        the ranks' answers are gathered by all (the agreement: each commits iff all landed)."""
+        """`tensors`: rank 0's landing-area slot, holding the whole adapter, checked (its
+        own slice is in its serving slot already). Each worker gets its slice (its bytes
+        only) and the table rows, lands them, and the ranks' answers are gathered by all
+        (the agreement: each commits iff all landed)."""
         tables = (tensors.ranks.cpu(), tensors.scales.cpu(), tensors.doras.cpu())  # [L, M] each
         self._send(("land", slot, version, tables))
-        # each [slice slot_elems]; rank 0's own (parts[0]) only fills the scatter's list:
-        # its forward reads its slice from the whole slot (PoolShard)
-        parts = [slice_slot(self._full, tensors.data, self._slice, Shard(k, self.shard.size))
-                 for k in range(self.shard.size)]
-        dist.scatter(torch.empty_like(parts[0]), parts, src=0)
+        for k in range(1, self.shard.size):
+            part = slice_slot(self._full, tensors.data, self._slice, Shard(k, self.shard.size))
+            dist.send(part, dst=k)  # [sliced slot_elems]
         # rank 0 landed its slot before asking; DoRA's gain needs the norm of whole rows of
         # W + sBA, which a row-parallel rank does not hold: refused until it is split too
         mine = "DoRA adapters are not split across ranks yet" if bool(tensors.doras.any()) else None

@@ -132,7 +132,7 @@ class Worker:
         checked, then the agreement: commit if every rank landed, else fail (EMPTY)."""
         layout = self.slots.pool.layout
         data = torch.empty(layout.slot_elems, dtype=layout.dtype, device=self.device)
-        dist.scatter(data, None, src=0)
+        dist.recv(data, src=0)
         landing, why = None, None
         try:
             landing = self.slots.begin(slot)

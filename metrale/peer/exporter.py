@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from metrale.adapters.peft_config import PeftAdapterConfig
-from metrale.config import MOE_MODULES, MOE_PARAMS
+from metrale.config import MOE_MODULES, MOE_PARAMS, ConfigError
 from metrale.errors import UnknownAdapterError
 from metrale.names import is_valid_name
 from metrale.peer import wire
@@ -98,6 +98,9 @@ class AdapterExporter:
     ) -> None:
         if lora_slots.pool is None:
             raise UnknownAdapterError("this engine has no adapter pool: there is nothing to export")
+        if lora_slots.area is not None:  # its slots hold rank 0's slices, not whole adapters
+            raise ConfigError("a tensor-parallel engine's slots hold slices: it does not "
+                              "export adapters to peers yet")
         if not transports or not set(transports) <= set(TRANSPORTS):
             raise ValueError(f"transports {transports!r}: choose from {TRANSPORTS}")
         self.slots, self.pool, self.names = lora_slots, lora_slots.pool, names

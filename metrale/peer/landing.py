@@ -73,7 +73,7 @@ def warm_up_nixl(lora_slots: LoraSlots) -> bool:
     """Before the first peer landing: start the pool's NIXL endpoint (agent and memory
     registration, ~1.3 s on the H200) and load the in-slot checks' kernels. False when
     NIXL cannot start here (HTTP still serves)."""
-    pool = lora_slots.pool
+    pool = lora_slots.landing_pool  # where landings write: NIXL's registration
     try:
         endpoint_for(pool, pool.buffer)
     except NixlUnavailableError as e:
@@ -143,10 +143,10 @@ class _PeerFetch:
         scratch); no slot is touched. Returns the transport."""
         manifest, entry, mode, deadline, peer = self._lease_and_plan()
         if mode == "nixl":
-            endpoint = endpoint_for(self.slots.pool, self.slots.pool.buffer)
+            endpoint = endpoint_for(self.slots.landing_pool, self.slots.landing_pool.buffer)
             runs = self._runs(entry, manifest)
             if runs.gaps:
-                runs.gap_elements(self.slots.pool.layout.itemsize, self.slots.pool.device)
+                runs.gap_elements(self.slots.landing_pool.layout.itemsize, self.slots.landing_pool.device)
             agent = endpoint.add_remote(manifest.nixl.agent_metadata)
             if runs.remote:
                 addr, nbytes = runs.remote[0]
@@ -163,7 +163,7 @@ class _PeerFetch:
         self._client = client = PeerClient(addr, deadline)
         raw = client.lease(self.adapter_id, self.timeout_s + LEASE_SLACK_S)  # one round trip
         t_lease = time.perf_counter()
-        pool = self.slots.pool
+        pool = self.slots.landing_pool
         reply = read_reply(raw, self.source)
         self._take_lease(reply.header.get("lease"), deadline)
         peer = f"{addr.ip}:{addr.port}"
@@ -195,7 +195,7 @@ class _PeerFetch:
 
     def _plan(self, manifest: Manifest) -> PeerPlan:
         """Validate and plan a table this engine has not planned (from this peer) yet."""
-        slots, layout = self.slots, self.slots.pool.layout
+        slots, layout = self.slots, self.slots.landing_pool.layout
         peft = self._peft(manifest)
         plan = manifest_plan(manifest, self.name, peft, slots.model_config, slots.pool_config,
                              self.source)
@@ -206,7 +206,7 @@ class _PeerFetch:
         nbytes = manifest.table["nbytes"].astype(np.int64)
         return PeerPlan(manifest.shape_bytes, manifest.peft_raw, manifest.dtype, plan, offsets,
                         nbytes, table_rows(plan, layout),
-                        GainBound.of(plan, slots.pool.norm_keys))
+                        GainBound.of(plan, slots.landing_pool.norm_keys))
 
     # --- steps ---------------------------------------------------------------------------
 
@@ -226,12 +226,12 @@ class _PeerFetch:
             return self.peft
         if self.peft is not None:
             return PeftAdapterConfig.from_dict(self.peft)
-        return manifest.peft_config(self.slots.pool.layout, self.source)
+        return manifest.peft_config(self.slots.landing_pool.layout, self.source)
 
     def _choose(self, manifest: Manifest) -> str:
         """nixl when asked (or on auto when both sides can), else http; refusals here
         still come before any slot is touched."""
-        pool_dtype = DTYPE_NAMES[self.slots.pool.layout.dtype]
+        pool_dtype = DTYPE_NAMES[self.slots.landing_pool.layout.dtype]
         fallback = self.transport == "auto" and manifest.http_path is not None
         use_nixl = self.transport != "http" and manifest.nixl is not None
         if use_nixl and manifest.dtype != pool_dtype:
@@ -243,7 +243,7 @@ class _PeerFetch:
             use_nixl = False
         if use_nixl:
             try:
-                endpoint_for(self.slots.pool, self.slots.pool.buffer)  # can NIXL start here?
+                endpoint_for(self.slots.landing_pool, self.slots.landing_pool.buffer)  # can NIXL start here?
                 return "nixl"
             except NixlUnavailableError as e:
                 if not fallback:
@@ -294,11 +294,11 @@ class _PeerFetch:
         """Local ranges come only from the local layout (the cached plan's offsets); the
         peer's sizes equal them (the table was checked, or is byte-equal to one that
         was). Runs and both descriptor lists are reused across landings."""
-        endpoint = endpoint_for(self.slots.pool, self.slots.pool.buffer)
+        endpoint = endpoint_for(self.slots.landing_pool, self.slots.landing_pool.buffer)
         nixl = manifest.nixl
         runs = self._runs(entry, manifest)
         agent = endpoint.add_remote(nixl.agent_metadata)
-        plan, itemsize, stats = entry.plan, self.slots.pool.layout.itemsize, self.stats
+        plan, itemsize, stats = entry.plan, self.slots.landing_pool.layout.itemsize, self.stats
 
         def write(landing: Landing) -> None:
             start = time.perf_counter()
@@ -315,7 +315,7 @@ class _PeerFetch:
             transport = endpoint.transport_of(agent)
             stats["ucx_transport"] = transport.name if transport is not None else None
             if runs.gaps:  # then every byte outside the plan's tensors is zero again, and
-                landing.zero_elements(runs.gap_elements(itemsize, self.slots.pool.device))
+                landing.zero_elements(runs.gap_elements(itemsize, self.slots.landing_pool.device))
             # the commit's verify sees NaN/Inf in the tensors through their norms
             stats.update(transfer_ms=(mid - start) * 1e3, check_ms=(time.perf_counter() - mid) * 1e3,
                          runs=len(runs.local))

@@ -7,12 +7,15 @@ in the order it runs:
              the adapter does not target must read 0)
     write    the bytes, only through this landing: staged and checked (disk, trainer push),
              typed views (an HTTP peer), a host-tier image, or a raw address range that a
-             transport writes (NIXL)
+             transport writes (NIXL). Under tensor parallelism rank 0 writes (and checks)
+             the whole adapter in a slot of its landing area (pool/landing_area.py); its
+             serving slot gets only its slice, at commit
     verify   bytes no check has seen (a raw range): NaN/Inf and the gain bound, from one
              set of norms and one host sync
     tables   the rank, scale and DoRA rows the kernels read; DoRA's gains from the bytes
-    agree    under tensor parallelism, every other rank lands its slice of the slot
-             (LandingPeers) and the ranks agree: all of them commit or none does
+    agree    under tensor parallelism, rank 0's slice is copied from the whole landing
+             into its serving slot, every other rank lands its slice (LandingPeers) and
+             the ranks agree: all of them commit or none does
     commit   the slot READY holding the version
     fail     from any step after begin: the slot zeroed, EMPTY with a fresh uid, and a
              LandingError caused by what went wrong
@@ -43,6 +46,7 @@ from metrale.errors import LandingError, NonFiniteWeightsError, ShardLandingErro
 from metrale.ops.landing_triton import base_of, land_rows, land_views
 from metrale.ops.norms_triton import region_norms
 from metrale.pool.host_tier import HostTier, TierEntry
+from metrale.pool.landing_area import LandingArea
 from metrale.pool.layout import SlotLayout
 from metrale.pool.pool import AdapterPool, NormGroup, SlotTensors
 from metrale.pool.recipe import table_rows
@@ -82,28 +86,36 @@ class LandingPeers(Protocol):
 
 def land_inline(table: SlotTable, pool: AdapterPool, tier: HostTier | None, slot: int, version: int,
          write: Callable[[Landing], None], fills_slot: bool = False,
-         peers: LandingPeers | None = None) -> None:
+         peers: LandingPeers | None = None, area: LandingArea | None = None) -> Landing:
     """The protocol inline: begin, write(landing), verify, tables, commit; a failure after
     begin fails the landing and raises its LandingError. fills_slot: write sets every byte
-    and table row (a host-tier image), so begin does not zero."""
-    landing = Landing.begin(table, pool, tier, slot, zero=not fills_slot, peers=peers)
+    and table row (a host-tier image), so begin does not zero. Returns the committed landing."""
+    landing = Landing.begin(table, pool, tier, slot, zero=not fills_slot, peers=peers, area=area)
     try:
         write(landing)
     except BaseException as e:
         raise landing.fail(e) from e
     landing.commit(version)
+    return landing
 
 
 class Landing:
     def __init__(self, table: SlotTable, pool: AdapterPool, tier: HostTier | None,
-                 slot: int, generation: int, peers: LandingPeers | None = None) -> None:
-        """Made by begin: the slot is LOADING."""
-        self._table, self._tier, self._peers = table, tier, peers
-        self.layout: SlotLayout = pool.layout
-        self.base_weights = pool.base_weights
+                 slot: int, generation: int, peers: LandingPeers | None = None,
+                 area: LandingArea | None = None, landed_at: int | None = None) -> None:
+        """Made by begin: the slot is LOADING. area, landed_at: rank 0's landing area under
+        tensor parallelism and the area slot taken for this landing."""
+        self._table, self._tier, self._peers, self._area = table, tier, peers, area
         self.slot, self.generation = slot, generation
-        self.tensors: SlotTensors = pool.slot_tensors[slot]
-        self.norm_keys = pool.norm_keys
+        self.served: SlotTensors = pool.slot_tensors[slot]  # what the forward reads
+        # where the whole adapter lands and is checked: the served slot itself, or an area
+        # slot (then `served` gets this rank's slice at commit)
+        landing_pool = pool if area is None else area.pool
+        self.landed_at = slot if area is None else landed_at  # the slot of landing_pool
+        self.layout: SlotLayout = landing_pool.layout
+        self.base_weights = pool.base_weights
+        self.tensors: SlotTensors = landing_pool.slot_tensors[self.landed_at]
+        self.norm_keys = landing_pool.norm_keys
         self.is_open = True
         self._tables: Tables | None = None  # rows still to write at commit
         # bytes to verify at commit: a transport's, written straight into the slot (slot_range);
@@ -118,15 +130,22 @@ class Landing:
 
     @classmethod
     def begin(cls, table: SlotTable, pool: AdapterPool, tier: HostTier | None, slot: int,
-              zero: bool = True, peers: LandingPeers | None = None) -> Landing:
+              zero: bool = True, peers: LandingPeers | None = None,
+              area: LandingArea | None = None) -> Landing:
         """EMPTY|READY -> LOADING, zeroed on the current stream (zero=False: the write fills
         the whole slot). Refuses a busy slot before touching it. peers: the other ranks of a
-        tensor-parallel group, asked at commit."""
-        generation = table.begin_load(slot)  # re-checks idleness; from here it serves nothing
-        landing = cls(table, pool, tier, slot, generation, peers)
+        tensor-parallel group, asked at commit; area: rank 0's landing area there."""
+        landed_at = area.take() if area is not None else None
         try:
-            if tier is not None:
-                tier.before_write(slot)  # a fill copy may still be reading the old bytes
+            generation = table.begin_load(slot)  # re-checks idleness; from here it serves nothing
+        except BaseException:
+            if area is not None:
+                area.give_back(landed_at)
+            raise
+        landing = cls(table, pool, tier, slot, generation, peers, area, landed_at)
+        try:
+            if tier is not None:  # a fill copy may still be reading the old bytes
+                tier.before_write(landing.landed_at)
             if zero:
                 zero_slot(landing.tensors)
         except BaseException as e:
@@ -215,6 +234,8 @@ class Landing:
         try:
             if self._tables is not None:
                 write_tables(self.tensors, self.layout, self.base_weights, *self._tables)
+            if self._area is not None:  # verified whole: rank 0 serves its slice
+                self._area.slice_into(self.tensors, self.served)
             if self._peers is not None:  # the last step that can fail: then no rank commits
                 self._peers_asked = True
                 refused = [(rank, why) for rank, why in
@@ -224,6 +245,7 @@ class Landing:
         except BaseException as e:
             raise self._failed(e) from e
         uid = self._table.finish_load(self.slot, version)
+        self._give_back_area()
         log.info("version %d landed in slot %d (uid=%d, generation=%d) in %.2f ms", version,
                  self.slot, uid, self.generation, (time.perf_counter() - self.start) * 1e3)
 
@@ -236,7 +258,10 @@ class Landing:
 
     def _failed(self, reason: BaseException | str) -> LandingError:
         zero_slot(self.tensors)  # nothing may serve, or key on, half-landed bytes
+        if self._area is not None:
+            zero_slot(self.served)  # it may hold its slice already
         self._table.fail_load(self.slot)
+        self._give_back_area()
         if self._peers is not None and not self._peers_asked:
             self._peers.empty(self.slot)  # what they held there is EMPTY on every rank too
         log.warning("landing into slot %d failed: %s", self.slot, reason)
@@ -245,6 +270,12 @@ class Landing:
         if isinstance(reason, BaseException):
             error.__cause__ = reason  # also when returned, not raised
         return error
+
+    def _give_back_area(self) -> None:
+        """The area slot free for the next landing; its bytes stay for the host tier's
+        fill (LoraSlots.committed), which the next landing there waits for."""
+        if self._area is not None:
+            self._area.give_back(self.landed_at)
 
     def _close(self) -> None:
         if not self.is_open:

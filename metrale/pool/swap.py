@@ -1,6 +1,8 @@
 """LoraSlots: the slot table, the device pool and staging memory, and the two halves of
 every landing: reading an adapter into a `Prepared` (disk here; peers in metrale.peer),
-and writing one into a slot as a version. Names live in the engine's registry.
+and writing one into a slot as a version. Names live in the engine's registry. On rank 0
+of a tensor-parallel group the pool holds its slices and a landing area the whole
+adapters being landed (`landing_pool`: where every read, plan and check path writes).
 
 Validate first, mutate second: a refusal leaves the slot as it was; a failure after
 zeroing leaves it EMPTY with a new identity. Bytes no registration bounded (a file
@@ -42,6 +44,7 @@ from metrale.pool.landing import (
     land_tensors,
     zero_slot,
 )
+from metrale.pool.landing_area import LandingArea, SlicedServing
 from metrale.pool.layout import SlotLayout
 from metrale.pool.mapped_files import MappedFiles
 from metrale.pool.pool import AdapterPool
@@ -125,20 +128,29 @@ class LoraSlots:
 
     def __init__(
         self, model: ModelConfig, pool: PoolConfig, device: torch.device | str,
-        dtype: torch.dtype, base_weights=None,
+        dtype: torch.dtype, base_weights=None, sliced: SlicedServing | None = None,
     ) -> None:
-        """base_weights: as AdapterPool's; None: DoRA adapters fail to land."""
+        """base_weights: as AdapterPool's; None: DoRA adapters fail to land. sliced: rank
+        0 of a tensor-parallel group, whose pool serves its slice of each adapter (landed
+        whole in a LandingArea first)."""
         self.model_config, self.pool_config = model, pool
         self.table = SlotTable(pool.max_loras)
         self.listeners: list[Callable[[LandingEvent], None]] = []
-        self.pool: AdapterPool | None = None
+        self.pool: AdapterPool | None = None  # the slots the forward reads, by table slot
+        self.area: LandingArea | None = None
         self.host_tier: HostTier | None = None
         self.recipes: RecipeCache | None = None  # landing recipes of plans (CUDA)
         if pool.max_loras:
-            self.pool = AdapterPool(SlotLayout(model, pool, dtype), device, base_weights)
-            self.recipes = RecipeCache(self.pool.layout, self.pool.device)
-            if pool.host_tier_bytes:
-                self.host_tier = HostTier(self.pool, pool.host_tier_bytes, pool.eviction)
+            whole = SlotLayout(model, pool, dtype)
+            if sliced is None:
+                self.pool = AdapterPool(whole, device, base_weights)
+            else:
+                self.pool = AdapterPool(SlotLayout(sliced.model, pool, dtype), device)
+                self.area = LandingArea(whole, self.pool.layout, sliced.shard,
+                                        sliced.landing_slots, self.pool.device)
+            self.recipes = RecipeCache(whole, self.pool.device)
+            if pool.host_tier_bytes:  # images of whole adapters, copied where they land
+                self.host_tier = HostTier(self.landing_pool, pool.host_tier_bytes, pool.eviction)
         self.staging = StagingBuffers(torch.device(device))
         self.mapped_files = MappedFiles(pool.mapped_file_bytes, torch.device(device))
         self._plans: dict[tuple[AdapterIdentity, str], AdapterPlan] = {}  # oldest first
@@ -150,6 +162,12 @@ class LoraSlots:
         self._scratch_lock = threading.Lock()
         # the other ranks of a tensor-parallel group, asked at each landing's commit
         self.peers: LandingPeers | None = None
+
+    @property
+    def landing_pool(self) -> AdapterPool | None:
+        """The whole-layout pool landings write and check, whose layout every read, plan and
+        peer path uses: the pool itself, or rank 0's landing area under tensor parallelism."""
+        return self.pool if self.area is None else self.area.pool
 
     def disable_runtime_swaps(self) -> None:
         """Freeze the pool as it is now (after the start-up adapters landed)."""
@@ -174,18 +192,20 @@ class LoraSlots:
     def begin(self, slot: int, zero: bool = True) -> Landing:
         """A landing into `slot`, begun (metrale.pool.landing: the protocol), for a caller
         that drives its steps (a promotion). zero=False: the write fills the whole slot."""
-        return Landing.begin(self.table, self.pool, self.host_tier, slot, zero, self.peers)
+        return Landing.begin(self.table, self.pool, self.host_tier, slot, zero, self.peers,
+                             self.area)
 
     def land(self, slot: int, version: int, prepared: Prepared) -> None:
         """`prepared` into `slot` as `version` (a registry's, or a store's own number), the
         whole landing here. A failure after begin raises LandingError."""
-        land_inline(self.table, self.pool, self.host_tier, slot, version, prepared.write,
-                    prepared.fills_slot, self.peers)
-        self.committed(prepared, slot)
+        landing = land_inline(self.table, self.pool, self.host_tier, slot, version,
+                              prepared.write, prepared.fills_slot, self.peers, self.area)
+        self.committed(prepared, landing.landed_at)
 
-    def committed(self, prepared: Prepared, slot: int) -> None:
-        """After `prepared` landed in `slot`: the image into the host tier, and its file
-        known good (a later landing of these exact bytes is not bounded again)."""
+    def committed(self, prepared: Prepared, landed_at: int) -> None:
+        """After `prepared` landed (Landing.landed_at: the landing pool's slot its whole
+        bytes are in, before anything else lands): the image into the host tier, and its
+        file known good (a later landing of these exact bytes is not bounded again)."""
         identity = prepared.identity
         if identity is None:
             return
@@ -196,7 +216,7 @@ class LoraSlots:
                 self._landed_files.popitem(last=False)
         tier = self.host_tier
         if tier is not None and tier.enabled:
-            tier.put(identity, slot)
+            tier.put(identity, landed_at)
 
     def notify(self, event: LandingEvent) -> None:
         """Tell every listener how a landing went (metrics, logs)."""
@@ -209,7 +229,7 @@ class LoraSlots:
     def unload_slot(self, slot: int) -> None:
         """An idle slot -> EMPTY, zeroed (a pool with slots exists: table.unload checked it)."""
         self.table.unload(slot)
-        if self.host_tier is not None:
+        if self.host_tier is not None and self.area is None:  # else fills read the area only
             self.host_tier.before_write(slot)
         zero_slot(self.pool.slot_tensors[slot])
         if self.peers is not None:
@@ -268,7 +288,7 @@ class LoraSlots:
         before the next caller's begins."""
         with self._scratch_lock:
             if self._scratch is None:
-                layout = self.pool.layout
+                layout = self.landing_pool.layout
                 self._scratch = AdapterPool(
                     SlotLayout(self.model_config, replace(self.pool_config, max_loras=1),
                                layout.dtype), self.pool.device)
