@@ -18,7 +18,9 @@ shrink on a side stream beside the GEMM; gemm_lora_atomic_us / gemm_lora_split_u
 path so), and on one stream (gemm_then_lora_us: the GEMM, then lora_apply_fused);
 lora_in_layer_us is what the LoRA adds to the GEMM; sorted_us (2..DECODE_MAX_T tokens)
 the engine's path with the tokens sorted by slot, the prefill mapping (the slot-sorted
-decode graphs' mapping), against the per-token decode mapping the engine uses there.
+decode graphs' mapping), against the per-token decode mapping the engine uses there;
+plain_sort_us (past DECODE_MAX_T) the same call with a plain sort by slot instead of the
+engine's segment-aligned order (lora_launch.segment_order).
 --used-rank below --rank fills the ranks table with it (the pool stays R wide): a rank-4
 adapter should cost about a quarter of a rank-16 one.
 Slot spreads: "spread" puts token t on slot t % S (decode's worst case: every token its own
@@ -112,8 +114,8 @@ def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(T
                 x = torch.randn(T, in_dim, device="cuda").to(dtype)  # [T, in]
                 y = torch.zeros(T, sum(outs), device="cuda", dtype=dtype)  # [T, sum(out)]
                 h = torch.empty(T, len(outs) * R, device="cuda")  # [T, M*R]
-                # the engine sorts once per batch and reuses the order in every layer
-                order = lt.sort_tokens_by_slot(ids) if T > lt.DECODE_MAX_T else None
+                # the engine builds one slot order per batch and reuses it in every layer
+                order = lt.slot_order(ids) if T > lt.DECODE_MAX_T else None
                 args = (y, x, As, Bts, slices, ids, scales, ranks)
                 apply = functools.partial(lt.lora_apply_fused, *args, order=order)
                 shrink = functools.partial(launch.shrink, x, As, ids, ranks, order, h)
@@ -143,8 +145,13 @@ def run(S: int, R: int, dtype: torch.dtype, groups=tuple(GROUPS), tokens=tuple(T
                 # the other token mapping at decode sizes: tokens sorted by slot, a block
                 # of rows per program (what batches past DECODE_MAX_T get), to set it
                 row["sorted_us"] = graph_us(functools.partial(
-                    lt.lora_apply_fused, *args, order=lt.sort_tokens_by_slot(ids))) \
+                    lt.lora_apply_fused, *args, order=lt.slot_order(ids))) \
                     if 1 < T <= lt.DECODE_MAX_T else None
+                # past DECODE_MAX_T: a plain sort (programs loop over the slots of their
+                # rows) against the engine's segment-aligned order (one slot a program)
+                row["plain_sort_us"] = graph_us(functools.partial(
+                    lt.lora_apply_fused, *args, order=lt.sort_tokens_by_slot(ids))) \
+                    if T > lt.DECODE_MAX_T else None
                 row.update(shrink_us=graph_us(shrink), expand_us=graph_us(expand),
                            eager_us=_median_ms(apply) * 1e3,
                            ref_us=_median_ms(functools.partial(ref.lora_apply_fused_ref, *args))
