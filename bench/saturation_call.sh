@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Every GPU line of the saturation, many-adapters and structured-outputs work in one device
+# call, most important first; each stage has its own time limit, so a call cut short still
+# returns what finished. Logs and step traces go to $1 (default: $OUT, else ./saturation-out);
+# results merge into bench/results/<date>-<gpu>.json, copied there at the end.
+#
+#     bash bench/saturation_call.sh [DIR]
+#
+# On a device image without xgrammar (a base dependency), carry its wheels in .whl/ and
+# install them first: python3 -m pip install -q --no-deps --no-index .whl/*.whl
+set -u
+out=${1:-${OUT:-saturation-out}}
+mkdir -p "$out/traces"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee "$out/commit.txt"
+
+stage() {  # stage NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "   rc=$? in $((SECONDS - t0))s; last lines:"
+  tail -n 4 "$out/$name.log" | cut -c1-300
+}
+
+# saturation and many adapters: one engine for all four (each row printed as it finishes)
+stage serving 300 python3 bench/serving.py --scenarios offline_base offline_lora64 \
+  offline_lora1000 offline_base_budget_only --trace-dir "$out/traces"
+# decode at batch 256: base against the HBM roofline, 64 adapters against their byte bound
+stage decode256 60 python3 bench/decode.py --batch 256 --no-peft --adapters 64
+# the same with the plain slot sort (the segment-aligned order's A/B)
+stage decode256_plain_sort 60 python3 bench/decode.py --batch 256 --no-peft --adapters 64 \
+  --override metrale.ops.lora_launch.SEGMENTS=0
+# half the batch under a JSON schema, 16 adapters, against the same batch unconstrained
+stage structured 60 python3 bench/decode.py --model llama3-8b --only-structured --no-peft
+# the online run and the long prompt's ITL
+stage online 200 python3 bench/serving.py --scenarios offline_base online_base --seconds 120
+stage churn 90 python3 bench/churn.py --model llama3.2-1b --long-prompt-only --long-prompt-run mixed
+cp bench/results/*.json "$out/" 2>/dev/null
