@@ -2,14 +2,19 @@
 # Every GPU line of the saturation, many-adapters and structured-outputs work in one device
 # call, most important first; each stage has its own time limit, so a call cut short still
 # returns what finished. Logs and step traces go to $1 (default: $OUT, else ./saturation-out);
-# results merge into bench/results/<date>-<gpu>.json, copied there at the end.
+# results merge into bench/results/<date>-<gpu>.json, copied there at the end. The stages
+# take ~13 min in all, more than one device command may run (10 min): name the stages of
+# each call, e.g. `serving decode256 decode256_plain_sort structured` (~8 min), then
+# `online churn` (~5 min); none named runs them all.
 #
-#     bash bench/saturation_call.sh [DIR]
+#     bash bench/saturation_call.sh [DIR [STAGE ...]]
 #
 # On a device image without xgrammar (a base dependency), carry its wheels in .whl/ and
 # install them first: python3 -m pip install -q --no-deps --no-index .whl/*.whl
 set -u
 out=${1:-${OUT:-saturation-out}}
+shift $(( $# > 0 ? 1 : 0 ))
+only=" $* "
 mkdir -p "$out/traces"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -18,6 +23,7 @@ git rev-parse --short HEAD 2>/dev/null | tee "$out/commit.txt"
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
+  if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then return; fi
   echo "== $name (limit ${limit}s)"
   local t0=$SECONDS
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
