@@ -31,6 +31,19 @@ ODD_REPLIES = {
 }
 
 
+def trickle(handler: BaseHTTPRequestHandler, data: bytes, closed: threading.Event) -> None:
+    """A reply a byte per TRICKLE_GAP_S, until sent, closed, or cut off by the client."""
+    handler.close_connection = True
+    for i in range(len(data)):
+        if closed.wait(TRICKLE_GAP_S):
+            return
+        try:
+            handler.wfile.write(data[i:i + 1])
+            handler.wfile.flush()
+        except OSError:  # the client cut it off
+            return
+
+
 class Bucket:
     """Objects by path-style key (/bucket/key); modes per key (MODES); a held key (hold)
     answers its headers, then waits for release before its body."""
@@ -76,7 +89,7 @@ class Bucket:
                 head_bytes = (f"HTTP/1.1 200 OK\r\nContent-Length: {length}\r\n"
                               f'ETag: "{etag}"\r\nConnection: close\r\n\r\n').encode()
                 if mode == "trickle-headers":
-                    self.trickle(head_bytes + body)
+                    trickle(self, head_bytes + body, bucket.closed)
                     return
                 self.wfile.write(head_bytes)
                 self.wfile.flush()
@@ -91,20 +104,9 @@ class Bucket:
                     while not released.wait(0.1) and not bucket.closed.is_set():
                         pass
                 if mode == "trickle-body":
-                    self.trickle(body)
+                    trickle(self, body, bucket.closed)
                     return
                 self.wfile.write(body[:len(body) // 2] if mode == "short" else body)
-
-            def trickle(self, data: bytes) -> None:
-                self.close_connection = True
-                for i in range(len(data)):
-                    if bucket.closed.wait(TRICKLE_GAP_S):
-                        return
-                    try:
-                        self.wfile.write(data[i:i + 1])
-                        self.wfile.flush()
-                    except OSError:  # the client cut it off
-                        return
 
             def reply_empty(self, status: int) -> None:
                 self.send_response(status)

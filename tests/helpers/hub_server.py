@@ -12,8 +12,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
+from tests.helpers.bucket import trickle
+
 LFS_SUFFIXES = (".safetensors", ".bin")
-TRICKLE_GAP_S = 0.05  # the trickling store's pace between two bytes (not a test's wait)
 
 
 class HubServer:
@@ -22,7 +23,7 @@ class HubServer:
     def __init__(self) -> None:
         self.repos: dict[str, dict[str, tuple[str, dict[str, bytes]]]] = {}
         self.requests: list[str] = []
-        self.trickle: set[str] = set()  # paths whose GET body comes a byte per TRICKLE_GAP_S
+        self.trickle: set[str] = set()  # paths whose GET body trickles (bucket.trickle)
         self.lie: set[str] = set()  # paths whose LFS ETag is the SHA-256 of other bytes
         self.closed = threading.Event()
         self._lock = threading.Lock()
@@ -80,15 +81,7 @@ class HubServer:
                 if path not in hub.trickle:
                     self.wfile.write(body)
                     return
-                self.close_connection = True
-                for i in range(len(body)):
-                    if hub.closed.wait(TRICKLE_GAP_S):
-                        return
-                    try:
-                        self.wfile.write(body[i:i + 1])
-                        self.wfile.flush()
-                    except OSError:  # the client cut it off
-                        return
+                trickle(self, body, hub.closed)
 
             def error(self, status: int, code: str, commit: str | None = None) -> None:
                 self.send_response(status)
