@@ -11,7 +11,7 @@ import torch
 
 from metrale.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from tests.helpers.reference import prompts
-from tests.helpers.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, saved_tiny_model
 
 N = 12
 
@@ -19,8 +19,7 @@ N = 12
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("surface")
-    base = make_model("llama", seed=3)
-    save_model(base, root / "model")
+    base = saved_tiny_model(root / "model", seed=3)
     peft = {name: make_adapter(base, root / name, seed=20 + i, r=4, lora_alpha=8,
                                target_modules="all-linear") for i, name in enumerate("ab")}
     return {"root": root, "base": base, "peft": peft}

@@ -12,7 +12,7 @@ import pytest
 from metrale import LLM, SamplingParams
 from metrale.config import SchedulerConfig
 from tests.helpers.reference import hf_greedy
-from tests.helpers.tiny_models import make_adapter, make_model, save_model
+from tests.helpers.tiny_models import make_adapter, saved_tiny_model
 
 ADAPTERS = ("a", "b", "c")
 
@@ -20,8 +20,7 @@ ADAPTERS = ("a", "b", "c")
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("saturation")
-    base = make_model("llama", seed=5)
-    save_model(base, root / "model")
+    base = saved_tiny_model(root / "model", seed=5)
     peft = {name: make_adapter(base, root / name, seed=20 + i, r=8, lora_alpha=16,
                                target_modules="all-linear")
             for i, name in enumerate(ADAPTERS)}
