@@ -128,7 +128,7 @@ class ModelRunner:
             ids=ids, positions=positions, slot_mapping=slot_mapping, context_lens=ctx,
             block_tables=tables, cu_query=cu, tiles=tiles, last=last, rows=rows, src=src,
             slot_ids=slot_ids if lora else [],
-            order=segment_order(np.asarray(slot_ids)).tolist() if sort else [],
+            order=segment_order(np.asarray(slot_ids)) if sort else [],
             is_prefill=not batch.is_decode, max_query_len=max(batch.num_new), num_decodes=d)
 
     def forward(self, inputs: HostInputs, in_flight: torch.Tensor | None = None,
@@ -147,7 +147,7 @@ class ModelRunner:
             num_decodes=inputs.num_decodes,
         )
         if slot_ids:
-            order = t["order"] if inputs.order else None
+            order = t["order"] if len(inputs.order) else None
             # the CPU reference groups tokens by slot once here, not in each of its calls
             groups = token_groups(slot_ids, dev) if dev.type != "cuda" else None
             lora = LoraBatch(self.pool, t["slot_ids"], order, groups)
@@ -167,8 +167,8 @@ class ModelRunner:
 
 @dataclass(frozen=True)
 class HostInputs:
-    """An eager step's inputs on the host: plain lists and scalars (picklable: a
-    tensor-parallel group broadcasts them to the workers)."""
+    """An eager step's inputs on the host: lists, scalars and the slot order's int64 array
+    (picklable: a tensor-parallel group broadcasts them to the workers)."""
 
     ids: list[int]  # [T]
     positions: list[int]  # [T]
@@ -181,7 +181,7 @@ class HostInputs:
     rows: list[int]  # pending inputs (async scheduling)
     src: list[int]
     slot_ids: list[int]  # [T], [] without LoRA in the step
-    order: list[int]  # the LoRA kernels' slot order (lora_launch.segment_order), or []
+    order: np.ndarray | list  # the LoRA kernels' slot order (lora_launch.segment_order), or []
     is_prefill: bool
     max_query_len: int
     num_decodes: int
