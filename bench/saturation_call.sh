@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU line of the saturation, many-adapters and structured-outputs work in one device
 # call, most important first; each stage has its own time limit, so a call cut short still
-# returns what finished. Logs and step traces go to $1 (default: $OUT, else ./saturation-out);
-# results merge into bench/results/<date>-<gpu>.json, copied there at the end. The stages
+# returns what finished. Logs and step traces are packed into $1/logs.tgz (default: $OUT,
+# else ./saturation-out); results merge into bench/results/<date>-<gpu>.json, copied to $1. The stages
 # take ~13 min in all, more than one device command may run (10 min): name the stages of
 # each call, e.g. `serving decode256 decode256_plain_sort structured` (~8 min), then
 # `online churn` (~5 min); none named runs them all.
@@ -12,9 +12,10 @@
 # On a device image without xgrammar (a base dependency), carry its wheels in .whl/ and
 # install them first: python3 -m pip install -q --no-deps --no-index .whl/*.whl
 set -u
-out=${1:-${OUT:-saturation-out}}
+dest=${1:-${OUT:-saturation-out}}
 shift $(( $# > 0 ? 1 : 0 ))
 only=" $* "
+out=$dest/run  # packed into $dest/logs.tgz at the end
 mkdir -p "$out/traces"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -32,7 +33,7 @@ stage() {  # stage NAME SECONDS COMMAND...
 }
 
 # saturation and many adapters: one engine for all four (each row printed as it finishes)
-stage serving 300 python3 bench/serving.py --scenarios offline_base offline_lora64 \
+stage serving 360 python3 bench/serving.py --scenarios offline_base offline_lora64 \
   offline_lora1000 offline_base_budget_only --trace-dir "$out/traces"
 # decode at batch 256: base against the HBM roofline, 64 adapters against their byte bound
 stage decode256 60 python3 bench/decode.py --batch 256 --no-peft --adapters 64
@@ -44,4 +45,7 @@ stage structured 60 python3 bench/decode.py --model llama3-8b --only-structured 
 # the online run and the long prompt's ITL
 stage online 200 python3 bench/serving.py --scenarios offline_base online_base --seconds 120
 stage churn 90 python3 bench/churn.py --model llama3.2-1b --long-prompt-only --long-prompt-run mixed
-cp bench/results/*.json "$out/" 2>/dev/null
+# at most 8 files come back from a device call: this run's results JSON (the newest), the
+# logs and the traces in one archive
+cp "$(ls -t bench/results/*.json | head -n 1)" "$dest/" 2>/dev/null
+tar czf "$dest/logs.tgz" -C "$out" . && rm -rf "$out"

@@ -124,6 +124,10 @@ def _decode_kernel(
                  out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
+# a mixed step's prompt rows pass positions[d:] (one jitted kernel serves both callers)
+MERGE_UNALIGNED = ("pos_ptr",)
+
+
 def _merge_kernel(
     ml_ptr, acc_ptr, o_ptr, pos_ptr, num_splits, o_st, o_sh,
     D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
@@ -278,7 +282,7 @@ def paged_decode(
         WINDOW=window is not None, num_warps=4,
     )
     if S > 1:
-        merge = jit_kernel(_merge_kernel, q.device)
+        merge = jit_kernel(_merge_kernel, q.device, unaligned=MERGE_UNALIGNED)
         merge[(B, H)](ml, acc, out, ml, S, out.stride(0), out.stride(1),  # no positions
                       D=D, D_PAD=D_PAD, S_PAD=max(2, next_pow2(S)), SPLIT_KEYS=1,
                       VARLEN=False, num_warps=2)
@@ -351,7 +355,8 @@ def paged_prefill(
         acc = torch.empty(T, H, S, D_PAD, dtype=torch.float32, device=q.device)
     else:
         ml = acc = out  # unused
-    kernel = jit_kernel(_prefill_kernel, q.device)
+    # a mixed step passes its prompt rows' block_tables[d:] and context_lens[d:]
+    kernel = jit_kernel(_prefill_kernel, q.device, unaligned=("tab_ptr", "ctx_ptr"))
     kernel[(tiles.shape[0], KV, S)](
         q, k_cache, v_cache, block_tables, context_lens, cu_query, tiles, out, ml, acc,
         scale, softcap or 0.0, window or 0, S, q.stride(0), q.stride(1),
@@ -367,7 +372,7 @@ def paged_prefill(
             positions = torch.tensor([c - (b - a) + j for a, b, c in zip(cu, cu[1:], ctx)
                                       for j in range(b - a)] + [0] * (T - cu[-1]),
                                      dtype=torch.int64, device=q.device)
-        merge = jit_kernel(_merge_kernel, q.device)
+        merge = jit_kernel(_merge_kernel, q.device, unaligned=MERGE_UNALIGNED)
         merge[(T, H)](ml, acc, out, positions, S, out.stride(0), out.stride(1),
                       D=D, D_PAD=D_PAD, S_PAD=max(2, next_pow2(S)), SPLIT_KEYS=split_keys,
                       VARLEN=True, num_warps=2)
