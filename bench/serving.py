@@ -25,7 +25,8 @@ Scenarios (JSON `serving` -> <model> -> <scenario>):
   (bench/many_adapters.py's layout: 1,000 x 84 MB would not fit the device's disk; every
   cache keys adapters by directory, while the page cache holds the 8 files: warm reads).
 
-All scenarios of a run share one engine (its CUDA graphs captured once, the adapters of
+All scenarios of a run share one engine, warmed up first by --warmup untimed requests of
+the workload (its CUDA graphs captured once, the adapters of
 the largest scenario registered up front, promotions never timing out); each sets its
 scheduler policy on it. Each reports req_s, out_tok_s, total_tok_s (prompt + output
 tokens over the wall time), TTFT / ITL / TPOT p50 and p99, and the floor: every token's
@@ -359,6 +360,18 @@ def run_scenario(engine: LLMEngine, args, name: str, rate: float | None, adapter
     return res
 
 
+def warm_up(engine: LLMEngine, args, adapters: int) -> None:
+    """An untimed slice of the workload (its prompts, short answers, the adapters of the
+    largest scenario) before the first scenario: Triton compiles a kernel variant the first
+    time a step meets a new specialization (the decode rows of a mixed step, a split
+    count), ~0.1-0.4 s each, and without this the first scenario alone would pay them."""
+    w = Workload(requests=args.warmup, adapters=adapters, prompt=tuple(args.prompt), output=(8, 64))
+    reqs = make_requests(w, engine.model_config.vocab_size, seed=7)
+    t0 = time.perf_counter()
+    drive(engine, reqs, [0.0] * len(reqs), Trace())
+    print(f"warm-up: {len(reqs)} requests in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 COLS = ["scenario", "req_s", "out_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms",
         "itl_p99_ms", "tpot_p50_ms", "over_floor", "floor_s", "wall_s", "steps", "preemptions"]
 
@@ -386,6 +399,8 @@ def main() -> None:
     ap.add_argument("--profile-scenario", nargs="+", default=["offline_base"])
     ap.add_argument("--trace-dir", help="write each scenario's steps (s, seqs, tokens, decodes) here")
     ap.add_argument("--no-write", action="store_true", help="print only (A/B runs)")
+    ap.add_argument("--warmup", type=int, default=300, metavar="N",
+                    help="untimed requests of the workload before the first scenario (0: none)")
     args = ap.parse_args()
     device = args.device
     torch.manual_seed(0)
@@ -405,6 +420,8 @@ def main() -> None:
         results: dict[str, dict] = {}
         engine = make_serving_engine(pair, device, args, most, adapters_root)
         print(engine.memory.describe(), flush=True)
+        if args.warmup:
+            warm_up(engine, args, most)
         for scenario in args.scenarios:
             adapters = adapter_count(scenario)
             if scenario.startswith("offline"):

@@ -185,7 +185,7 @@ def test_with_async_scheduling_the_mask_is_computed_after_its_step_is_launched(w
     runner = llm.engine.runner
     state = {"in_run": False}
     fills = []  # (inside runner.run, tokens the sequence had) per mask filled
-    run, fill = runner.run, GrammarMatcher.fill
+    run, fill_rows = runner.run, GrammarMatcher.fill_rows
 
     def traced_run(*args, **kw):
         state["in_run"] = True
@@ -194,18 +194,18 @@ def test_with_async_scheduling_the_mask_is_computed_after_its_step_is_launched(w
         finally:
             state["in_run"] = False
 
-    def traced_fill(self, bitmask, row):
-        fills.append((state["in_run"], self.num_accepted))
-        return fill(self, bitmask, row)
+    def traced_fill_rows(matchers, bitmask, rows):
+        fills.extend((state["in_run"], m.num_accepted) for m in matchers)
+        return fill_rows(matchers, bitmask, rows)
 
     runner.run = traced_run
-    GrammarMatcher.fill = traced_fill
+    GrammarMatcher.fill_rows = staticmethod(traced_fill_rows)
     try:
         spec = StructuredOutput.json_schema(SCHEMA)
         outs = llm.generate([_prompt(world, "A person, please.")] * 3,
                             SamplingParams(max_tokens=N, temperature=0, structured=spec))
     finally:
-        GrammarMatcher.fill = fill
+        GrammarMatcher.fill_rows = staticmethod(fill_rows)
     assert sum(len(o.token_ids) for o in outs) > 3 * 2
     assert fills and all(not inside for inside, seen in fills if seen > 0)  # overlapped
     assert any(inside for inside, seen in fills if seen == 0)  # the first token's: at once

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.engine.grammar import allowed_tokens, new_bitmask
+from metrale.engine.grammar import GrammarMatcher, allowed_tokens, new_bitmask
 from metrale.engine.sequence import Sequence
 from metrale.engine.uploads import upload
 
@@ -51,6 +51,7 @@ def _mask_grammar(x: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> N
         return
     vocab = x.shape[1]
     host = new_bitmask(len(rows), vocab, pin=x.is_cuda)  # [R, words], all allowed
+    matchers, filled = [], []
     for r, i in enumerate(rows):
         seq = seqs[i]
         matcher = seq.sampling.grammar
@@ -59,7 +60,10 @@ def _mask_grammar(x: torch.Tensor, seqs: list[Sequence], shaped: list[int]) -> N
                 f"request {seq.request_id}: its grammar has seen {matcher.num_accepted} of "
                 f"{len(seq.output_ids)} tokens")
         if not matcher.is_terminated:  # terminated: the sequence ends with this step
-            matcher.fill(host, r)
+            matchers.append(matcher)
+            filled.append(r)
+    if matchers:
+        GrammarMatcher.fill_rows(matchers, host, filled)
     allowed = allowed_tokens(host.to(x.device, non_blocking=True), vocab)  # [R, V]
     idx = _rows(x, rows)
     x[idx] = x[idx].masked_fill(~allowed, NEG_INF)
