@@ -446,9 +446,10 @@ class SchedulerConfig:
     # at most this factor (but every such step takes >= MIN_PROMPT_TOKENS_BESIDE_DECODES
     # prompt tokens). None: the token budget alone bounds a step (vLLM's policy).
     step_time_ratio: float | None = 1.75
-    # ... unless the runnable queued prompts would then take longer than this to prefill:
-    # the step then takes what drains them in this time (at most the whole budget), so a
-    # deep queue (a burst, a saturated server) is served at full throughput.
+    # ... unless a runnable queued prompt would then not be prefilled within this long of
+    # its arrival: the step then takes what meets every such deadline (the whole budget
+    # for a prompt that has waited this long already), so a deep queue (a burst, a
+    # saturated server) is served at full throughput.
     prompt_drain_s: float = 1.0
     # A hard cap beside the above: a step that runs decodes takes prompt tokens only up to
     # this many tokens in all, its decodes included (but >= MIN_PROMPT_TOKENS_BESIDE_DECODES

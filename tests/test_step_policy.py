@@ -62,7 +62,9 @@ def _scheduler(max_num_seqs=64, budget=2048, **sched) -> Scheduler:
     cfg = EngineConfig(pool=PoolConfig(max_loras=0), max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=budget, max_model_len=8192,
                        scheduler=SchedulerConfig(**sched))
-    return Scheduler(cfg, BlockManager(20_000, 16, prefix_caching=False))
+    sched = Scheduler(cfg, BlockManager(20_000, 16, prefix_caching=False))
+    sched.clock = SimulatedClock()
+    return sched
 
 
 def _request(i: int, prompt: int, out: int = 10_000) -> Sequence:
@@ -70,6 +72,21 @@ def _request(i: int, prompt: int, out: int = 10_000) -> Sequence:
                    max_len=prompt + out)
     seq.bound = True
     return seq
+
+
+class SimulatedClock:
+    """The scheduler's clock: the simulated device's time, advanced by each step's."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _add(sched: Scheduler, seq: Sequence) -> None:
+    seq.arrival = sched.clock()  # it arrives now, on the simulated clock
+    sched.add(seq)
 
 
 def _run(sched: Scheduler, steps: int, check=None) -> None:
@@ -87,6 +104,7 @@ def _run(sched: Scheduler, steps: int, check=None) -> None:
                 seq.output_ids.append(7)
         sched.completed(batch)
         sched.observe(batch.shape, true_seconds(batch.shape))
+        sched.clock.now += true_seconds(batch.shape)
 
 
 def _decode_only(batch) -> StepShape:
@@ -103,10 +121,10 @@ def test_a_long_prompt_beside_decodes_keeps_each_step_within_the_ratio():
     ratio = 1.75
     sched = _scheduler(step_time_ratio=ratio, prompt_drain_s=math.inf)
     for i in range(32):
-        sched.add(_request(i, 64))
+        _add(sched, _request(i, 64))
     _run(sched, 40)
     assert all(len(s) > 64 for s in sched.running)  # all decoding
-    sched.add(_request(99, 8192, out=1))
+    _add(sched, _request(99, 8192, out=1))
     carried = []
 
     def check(batch):
@@ -141,12 +159,12 @@ def test_a_deep_queue_takes_the_whole_budget_beside_decodes():
     the ratio's pace, steps with decodes take the token budget (a saturated server)."""
     sched = _scheduler(max_num_seqs=256, budget=2048, step_time_ratio=1.5, prompt_drain_s=0.05)
     for i in range(MIN_STEPS + 4):
-        sched.add(_request(i, 100))
+        _add(sched, _request(i, 100))
     _run(sched, MIN_STEPS + 6)
-    sched.add(_request(99, 300))  # the model measures prompt tokens beside decodes
+    _add(sched, _request(99, 300))  # the model measures prompt tokens beside decodes
     _run(sched, 6)
     for i in range(200):  # ~100k prompt tokens: ~2 s of prefill on this device
-        sched.add(_request(1000 + i, 500))
+        _add(sched, _request(1000 + i, 500))
     big = []
     _run(sched, 3, lambda b: big.append(b.num_tokens))
     assert big and all(t == 2048 for t in big)
@@ -156,9 +174,9 @@ def test_a_short_queue_is_drained_at_the_ratio_pace():
     """With a small queue the drain rule asks for nothing more than the ratio gives."""
     sched = _scheduler(step_time_ratio=1.5, prompt_drain_s=10.0)
     for i in range(16):
-        sched.add(_request(i, 100))
+        _add(sched, _request(i, 100))
     _run(sched, 30)
-    sched.add(_request(99, 600, out=1))
+    _add(sched, _request(99, 600, out=1))
     seen = []
 
     def check(batch):
@@ -170,12 +188,34 @@ def test_a_short_queue_is_drained_at_the_ratio_pace():
     assert len(seen) > 3 and max(seen[1:]) <= 1.5 * 1.01
 
 
+def test_a_prompt_that_waited_past_the_drain_time_takes_the_whole_budget():
+    """The drain rule's deadline counts from each prompt's arrival: a prompt the ratio
+    would spread over several steps is prefilled at once when it has already waited
+    prompt_drain_s (an offline batch's last prompts; the same prompt fresh is spread)."""
+    sizes = {}
+    for waited in (0.0, 0.2):
+        sched = _scheduler(budget=2048, step_time_ratio=1.5, prompt_drain_s=0.1)
+        for i in range(16):
+            _add(sched, _request(i, 100))
+        _run(sched, 30)
+        _add(sched, _request(98, 300, out=1))  # the model measures prompt tokens beside decodes
+        _run(sched, 10)
+        _add(sched, _request(99, 1500, out=1))
+        sched.clock.now += waited  # the step in flight, a pause: nothing else changes
+        carried = []
+        _run(sched, 200, lambda b: carried.append(b.shape.prompt_tokens) if b.shape.prompt_tokens else None)
+        sizes[waited] = carried
+    assert sum(sizes[0.0]) == sum(sizes[0.2]) == 1500
+    assert len(sizes[0.0]) > 3  # fresh: spread at the ratio's pace
+    assert sizes[0.2] == [1500]  # overdue: the whole prompt in the next step
+
+
 def test_no_ratio_is_the_token_budget_alone():
     sched = _scheduler(budget=512, step_time_ratio=None)
     for i in range(4):
-        sched.add(_request(i, 20))
+        _add(sched, _request(i, 20))
     _run(sched, 3)
-    sched.add(_request(99, 4000, out=1))
+    _add(sched, _request(99, 4000, out=1))
     sizes = []
     _run(sched, 2, lambda b: sizes.append(b.num_tokens))
     assert sizes == [512, 512]

@@ -2,7 +2,8 @@
 of prompts being prefilled, then newly admitted prompts, so no decode waits behind a long
 prefill (docs/DESIGN.md, "Scheduling"). A step that decodes takes prompt tokens until its
 time, as the step cost model predicts it, reaches step_time_ratio times its decodes' own,
-unless the queued prompts would then take longer than prompt_drain_s to prefill. Only
+unless the queued prompts would then not all be prefilled within prompt_drain_s of their
+arrival. Only
 requests whose adapter is bound run; adapters take turns so one hot adapter cannot fill
 every step. When KV blocks run out the newest sequence is preempted (recomputed later) so
 the rest always make progress.
@@ -102,6 +103,7 @@ class Scheduler:
         self.num_recomputed_tokens = 0  # KV dropped by preemptions, computed again later
         self.num_launched_tokens = 0  # tokens of every step launched so far (metrics)
         self.cost = StepCost()
+        self.clock = time.monotonic  # the clock of Sequence.arrival (tests simulate it)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -176,17 +178,22 @@ class Scheduler:
 
     def _drain_seconds(self, decode_s: float) -> float:
         """The prompt time per step (beside decode_s of decodes) that prefills every runnable
-        queued prompt within prompt_drain_s; inf when none does (the step then takes the
-        token budget)."""
-        limit, cost = self.sched.prompt_drain_s, self.cost
-        queued = 0.0
+        queued prompt within prompt_drain_s of its arrival; inf when none does (the step
+        then takes the token budget), as for a prompt that has waited that long already.
+        Prompts are taken in queue order (each deque is in arrival order): the share of
+        the device the prompt work needs is its most demanding prefix's work over the time
+        to that prefix's last deadline."""
+        limit, cost, now = self.sched.prompt_drain_s, self.cost, self.clock()
+        queued = share = 0.0
         for seq in itertools.chain(self.running, self.waiting):
             left = len(seq) - seq.num_computed
             if left > 1 and seq.bound:
                 queued += cost.prompt_seconds(left, seq.num_computed)
-                if queued >= limit:
+                time_left = seq.arrival + limit - now
+                if queued >= time_left:
                     return math.inf
-        return queued * decode_s / (limit - queued)
+                share = max(share, queued / time_left)
+        return share * decode_s / (1 - share)
 
     @staticmethod
     def _shape(batch: ScheduledBatch) -> StepShape:
@@ -225,7 +232,7 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch, allowance: Allowance) -> None:
-        for seq in self._admission_order(time.monotonic()):
+        for seq in self._admission_order(self.clock()):
             if len(self.running) >= self.cfg.max_num_seqs:
                 return
             if not self.blocks.can_allocate(seq):
@@ -259,7 +266,7 @@ class Scheduler:
 
     def _start(self, seq: Sequence) -> None:
         if seq.scheduled_at is None:
-            seq.scheduled_at = time.monotonic()
+            seq.scheduled_at = self.clock()
         self.blocks.allocate(seq)
         seq.num_computed = seq.num_cached_tokens
         seq.status = SeqStatus.RUNNING
