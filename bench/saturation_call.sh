@@ -3,9 +3,9 @@
 # call, most important first; each stage has its own time limit, so a call cut short still
 # returns what finished. Logs and step traces are packed into $1/logs.tgz (default: $OUT,
 # else ./saturation-out); results merge into bench/results/<date>-<gpu>.json, copied to $1. The stages
-# take ~13 min in all, more than one device command may run (10 min): name the stages of
+# take ~16 min in all, more than one device command may run (10 min): name the stages of
 # each call, e.g. `serving decode256 decode256_plain_sort structured` (~8 min), then
-# `online churn` (~5 min); none named runs them all.
+# `online churn` (~8 min); none named runs them all.
 #
 #     bash bench/saturation_call.sh [DIR [STAGE ...]]
 #
@@ -42,8 +42,11 @@ stage decode256_plain_sort 60 python3 bench/decode.py --batch 256 --no-peft --ad
   --override metrale.ops.lora_launch.SEGMENTS=0
 # half the batch under a JSON schema, 16 adapters, against the same batch unconstrained
 stage structured 60 python3 bench/decode.py --model llama3-8b --only-structured --no-peft
-# the online run and the long prompt's ITL
-stage online 200 python3 bench/serving.py --scenarios offline_base online_base --seconds 120
+# the default against the budget alone (the same warmed-up engine), the online run after
+# them at 80% of the default's offline request rate
+stage online 330 python3 bench/serving.py --scenarios offline_base offline_base_budget_only \
+  online_base --seconds 120 --trace-dir "$out/traces"
+# the long prompt's ITL
 stage churn 90 python3 bench/churn.py --model llama3.2-1b --long-prompt-only --long-prompt-run mixed
 # at most 8 files come back from a device call: this run's results JSON (the newest), the
 # logs and the traces in one archive
