@@ -32,9 +32,10 @@ JSON_OPTIONS = dict(any_whitespace=False, indent=2, strict_mode=True)
 CACHE_ENTRIES = 512  # compiled grammars kept (a compiled JSON schema is tens of kB)
 BITS = 32  # a bitmask word holds this many tokens (xgrammar's layout: int32, bit i of word w = token 32w + i)
 # Threads that fill a step's mask rows: one row at a time, 16 rows of a JSON schema over a
-# 128k vocabulary took ~10 ms a step on this project's 2-core VM, longer than the GPU step
-# (~8 ms, Llama-3-8B, batch 32) the host's work must hide behind.
-FILL_THREADS = min(8, os.cpu_count() or 1)
+# 128k vocabulary took ~10 ms a step on this project's 2-core VM (and the H100 host's
+# structured steps took 34.9 ms), longer than the GPU step (~8 ms, Llama-3-8B, batch 32)
+# the host's work must hide behind: a row per thread where the cores allow.
+FILL_THREADS = min(16, os.cpu_count() or 1)
 _batch_filler: xgrammar.BatchGrammarMatcher | None = None
 
 
