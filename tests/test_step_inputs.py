@@ -5,11 +5,14 @@ mix of pointer alignments it meets: unaligned views of changing offsets stalled 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metrale.engine.step_inputs import upload
+from metrale.ops.triton_utils import jit_kernel
+from tests.helpers.kernels import KERNELS
 
 torch.set_num_threads(1)
 
@@ -29,3 +32,17 @@ def test_every_field_keeps_its_values_and_starts_aligned(sizes, rows, seed):
         assert t.dtype == torch.int64
         assert t.tolist() == value, name
         assert t.data_ptr() % 16 == 0, (name, t.storage_offset())
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs triton or its interpreter")
+def test_a_kernel_is_jitted_with_one_alignment_spec():
+    """The kernels fed per-step slices skip alignment specialization on those pointers;
+    a second call site asking otherwise would silently get the first's kernel: refused."""
+    def kernel(x_ptr, y_ptr):  # never launched
+        pass
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    first = jit_kernel(kernel, device, unaligned=("y_ptr",))
+    assert jit_kernel(kernel, device, unaligned=("y_ptr",)) is first
+    with pytest.raises(ValueError, match="unaligned"):
+        jit_kernel(kernel, device)

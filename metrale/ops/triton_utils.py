@@ -43,13 +43,18 @@ def jit_kernel(fn, device: torch.device, unaligned: tuple[str, ...] = ()):
     tensors need the interpreter, and it cannot be switched on once triton is imported.
     unaligned: pointer parameters not specialized on 16-byte alignment: those a caller
     passes as views at offsets that change from step to step (Triton would compile a
-    variant, a ~1 s stall, for each new mix of alignments it meets while serving)."""
+    variant, a stall of ~0.3-1 s, for each new mix of alignments it meets while serving).
+    Every call site of one kernel passes the same `unaligned`."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"Triton kernel {fn.__name__} got CPU tensors: set TRITON_INTERPRET=1 "
                            "before importing triton, or use the torch reference ops on CPU")
     if fn not in _JITTED:
-        _JITTED[fn] = triton.jit(fn, do_not_specialize_on_alignment=list(unaligned))
-    return _JITTED[fn]
+        _JITTED[fn] = (triton.jit(fn, do_not_specialize_on_alignment=list(unaligned)), unaligned)
+    kernel, jitted_unaligned = _JITTED[fn]
+    if jitted_unaligned != unaligned:
+        raise ValueError(f"{fn.__name__} was jitted with unaligned={jitted_unaligned}, "
+                         f"not {unaligned}")
+    return kernel
 
 
 def device_function(fn):
