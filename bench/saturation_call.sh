@@ -5,7 +5,7 @@
 # else ./saturation-out); results merge into bench/results/<date>-<gpu>.json, copied to $1. The stages
 # take ~16 min in all, more than one device command may run (10 min): name the stages of
 # each call, e.g. `serving decode256 decode256_plain_sort structured` (~8 min), then
-# `online churn` (~8 min); none named runs them all.
+# `online churn` (~8 min), `profile_lora64` (~4 min); none named runs them all.
 #
 #     bash bench/saturation_call.sh [DIR [STAGE ...]]
 #
@@ -46,6 +46,9 @@ stage structured 60 python3 bench/decode.py --model llama3-8b --only-structured 
 # them at 80% of the default's offline request rate
 stage online 330 python3 bench/serving.py --scenarios offline_base offline_base_budget_only \
   online_base --seconds 120 --trace-dir "$out/traces"
+# where a LoRA mixed step's time goes (the kernel table of 20 saturated steps; #49's main loss)
+stage profile_lora64 240 python3 bench/serving.py --scenarios offline_lora64 --profile 20 \
+  --profile-scenario offline_lora64 --no-write
 # the long prompt's ITL
 stage churn 90 python3 bench/churn.py --model llama3.2-1b --long-prompt-only --long-prompt-run mixed
 # at most 8 files come back from a device call: this run's results JSON (the newest), the
