@@ -18,10 +18,10 @@ and online (Poisson arrivals at --rate for --seconds) under each policy.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 from dataclasses import dataclass, field
 
+from bench.common import pct
 from metrale.config import EngineConfig, PoolConfig, SchedulerConfig
 from metrale.engine.block_manager import BlockManager
 from metrale.engine.sampling_params import SamplingParams
@@ -93,11 +93,6 @@ def simulate(policy: SchedulerConfig, arrivals: list[float], lengths: list[tuple
         sched.completed(batch)
         sched.observe(batch.shape, seconds)
     return clock[0], run
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else math.nan
 
 
 def summary(wall: float, run: Run, lengths) -> dict:

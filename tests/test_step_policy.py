@@ -202,9 +202,13 @@ def test_a_prompt_that_waited_past_the_drain_time_takes_the_whole_budget():
         _run(sched, 10)
         _add(sched, _request(99, 1500, out=1))
         sched.clock.now += waited  # the step in flight, a pause: nothing else changes
-        carried = []
-        _run(sched, 200, lambda b: carried.append(b.shape.prompt_tokens) if b.shape.prompt_tokens else None)
-        sizes[waited] = carried
+        carried = sizes[waited] = []
+
+        def record(batch, carried=carried):
+            if batch.shape.prompt_tokens:
+                carried.append(batch.shape.prompt_tokens)
+
+        _run(sched, 200, record)
     assert sum(sizes[0.0]) == sum(sizes[0.2]) == 1500
     assert len(sizes[0.0]) > 3  # fresh: spread at the ratio's pace
     assert sizes[0.2] == [1500]  # overdue: the whole prompt in the next step

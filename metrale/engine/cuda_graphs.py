@@ -19,7 +19,7 @@ import torch
 from metrale.engine.pending import pending_inputs, resolve_pending
 from metrale.engine.scheduler import ScheduledBatch
 from metrale.engine.sequence import Sequence
-from metrale.engine.step_inputs import ALIGN
+from metrale.engine.step_inputs import aligned_size
 from metrale.forward_context import AttentionMetadata, ForwardContext, LoraBatch, forward_context
 from metrale.model.llama import LlamaForCausalLM
 from metrale.ops import lora_triton
@@ -94,8 +94,7 @@ class StepGraphs:
         fields = [(f, T) for f in _TOKEN_FIELDS] + [(f, B) for f in _SEQ_FIELDS] + [
             ("cu_query", B + 1), ("tiles", 2 * tiles), ("order", order)]
         # each field starts 16-byte aligned, as the kernels are compiled for (step_inputs)
-        span = lambda size: -(-size // ALIGN) * ALIGN  # noqa: E731
-        n = sum(span(size) for _, size in fields) + B * W
+        n = sum(aligned_size(size) for _, size in fields) + B * W
         self._dev = torch.zeros(n, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
@@ -104,7 +103,7 @@ class StepGraphs:
         for f, size in fields:
             self._views[f] = self._dev[at:at + size]
             self._host_views[f] = self._host_np[at:at + size]
-            at += span(size)
+            at += aligned_size(size)
         self._tables = self._dev[at:].view(B, W)  # [B, W]
         self._host_tables = self._host_np[at:].reshape(B, W)
         self._decode_cu = torch.arange(B + 1, dtype=torch.int32, device=device)  # 1 query/seq

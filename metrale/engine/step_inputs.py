@@ -22,11 +22,16 @@ import torch
 ALIGN = 16 // np.dtype(np.int64).itemsize  # elements: each field starts 16-byte aligned
 
 
+def aligned_size(n: int) -> int:
+    """n int64 elements rounded up to whole 16-byte units: the span a field takes."""
+    return -(-n // ALIGN) * ALIGN
+
+
 def upload(device: torch.device, **fields: Sequence) -> dict[str, torch.Tensor]:
     """Each field (ints, or equal-length rows of ints) as an int64 tensor of its shape on
     `device`, views of one buffer filled by one pinned, non-blocking host-to-device copy."""
     arrays = {name: np.asarray(value, dtype=np.int64) for name, value in fields.items()}
-    starts = np.cumsum([0] + [-(-a.size // ALIGN) * ALIGN for a in arrays.values()])
+    starts = np.cumsum([0] + [aligned_size(a.size) for a in arrays.values()])
     flat = np.zeros(max(int(starts[-1]), 1), dtype=np.int64)
     for at, a in zip(starts, arrays.values()):
         flat[at:at + a.size] = a.reshape(-1)

@@ -159,7 +159,8 @@ def segment_order(slot_ids: np.ndarray, length: int | None = None) -> np.ndarray
     T = len(slot_ids)
     order = np.argsort(slot_ids, kind="stable")
     if not SEGMENTS:
-        return order if length is None else np.concatenate([order, np.full(length - T, -1)])
+        return order if length is None else np.concatenate(
+            [order, np.full(length - T, -1, dtype=np.int64)])
     bt = sorted_block_t(T)
     slots = slot_ids[order]
     order = order[slots >= 0]

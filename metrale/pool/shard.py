@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from metrale.config import ModelConfig
 from metrale.model.parallel import Shard
 from metrale.pool.layout import SlotLayout
 
@@ -57,7 +56,3 @@ def slice_slot(full: SlotLayout, data: torch.Tensor, shard_layout: SlotLayout,
         out[r.offset:r.offset + r.numel].view(r.rows, r.cols).copy_(
             rank_slice(src, key[1], key[2], shard))
     return out
-
-
-def shard_layout(full: SlotLayout, shard_cfg: ModelConfig) -> SlotLayout:
-    return SlotLayout(shard_cfg, full.pool, full.dtype)
